@@ -1,0 +1,177 @@
+"""The ``fastdata`` command line: a thin layer over the public API.
+
+``main(argv=None) -> int`` so tests run it in-process. Errors are one line on
+stderr and a non-zero exit code: 2 for a fastdata error or bad usage, 1 when a
+check fails (``verify``, ``doctor``), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import __version__
+from .errors import FastdataError
+
+EXIT_OK, EXIT_FAILED_CHECK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _cmd_convert(args) -> int:
+    from .convert import convert
+
+    report = convert(
+        args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
+        max_side=args.max_side, quality=args.quality, raw=args.raw, strict=args.strict, resume=args.resume,
+        overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
+    )
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if not args.quiet:
+        print(report.summary())
+    return EXIT_OK
+
+
+def _cmd_info(args) -> int:
+    from .inspect import info
+    from .units import format_size
+
+    data = info(args.store)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    storage = data["storage"]
+    mode = storage["mode"] + (f" (max side {storage['max_side']}, quality {storage['quality']})"
+                              if storage["mode"] == "reencode" else
+                              f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})" if storage["mode"] == "raw" else "")
+    print(f"store:    {data['path']}")
+    print(f"backend:  {data['backend']} (layout version {data['version']})")
+    print(f"storage:  {mode}")
+    print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
+    print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
+    print("classes:")
+    for c in data["classes"]:
+        print(f"  {c['index']:>5}  {c['name']}: {c['count']}")
+    print("shards:")
+    for s in data["shards"]:
+        print(f"  {s['name']}: {s['count']} records, {format_size(s['bytes'])}")
+    return EXIT_OK
+
+
+def _cmd_verify(args) -> int:
+    from .inspect import verify
+
+    report = verify(args.store, decode=args.decode)
+    if args.json:
+        print(json.dumps(report.__dict__, indent=2))
+    else:
+        print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
+    return EXIT_OK if report.ok else EXIT_FAILED_CHECK
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(size=args.size, out=args.out, keep=args.keep, quiet=args.quiet, bench=not args.no_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree (also used to render ``--help``)."""
+    p = argparse.ArgumentParser(
+        prog="fastdata",
+        description="Pack image folders into LMDB/HDF5 shards, read them fast, and measure DataLoader settings.",
+    )
+    p.add_argument("--version", action="version", version=f"fastdata {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser("convert", help="convert an image folder or list file into a store",
+                       description="Convert an ImageFolder tree (SRC/<class>/<images>) or a CSV/TSV list "
+                                   "(path,label) into an LMDB or HDF5 store at DST (a directory).")
+    c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows")
+    c.add_argument("dst", metavar="DST", help="destination directory; *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
+    c.add_argument("--format", choices=["lmdb", "hdf5"], help="backend (overrides DST's suffix)")
+    c.add_argument("--workers", type=int, default=None, help="reader/validator processes (default: all cores)")
+    c.add_argument("--shard-size", default="1GiB", help="target shard file size, e.g. 512MiB, 2G (default 1GiB)")
+    mode = c.add_mutually_exclusive_group()
+    mode.add_argument("--max-side", type=int, metavar="N",
+                      help="re-encode as JPEG only images whose longer side exceeds N pixels")
+    mode.add_argument("--raw", metavar="HxW", help="store decoded uint8 RGB pixels resized to HxW (e.g. 32x32)")
+    c.add_argument("--quality", type=int, metavar="Q", help="JPEG quality for --max-side (default 90)")
+    c.add_argument("--strict", action="store_true", help="stop at the first unusable input instead of skipping it")
+    again = c.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="finish an interrupted conversion, keeping finished shards")
+    again.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    c.set_defaults(func=_cmd_convert)
+
+    i = sub.add_parser("info", help="describe a store", description="Describe a store: backend, counts, classes, shards.")
+    i.add_argument("store", metavar="STORE")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(func=_cmd_info)
+
+    v = sub.add_parser("verify", help="check every record of a store",
+                       description="Check every shard and record against its checksum and the manifest counts. "
+                                   "Exit 0 when sound, 1 when damaged (each problem names shard and record).")
+    v.add_argument("store", metavar="STORE")
+    v.add_argument("--decode", action="store_true", help="also fully decode every image")
+    v.add_argument("--json", action="store_true", help="print JSON")
+    v.set_defaults(func=_cmd_verify)
+
+    d = sub.add_parser("demo", help="synthesize a dataset, convert, verify and compare (no data needed)",
+                       description="Synthesize a small photo-like JPEG dataset in a temporary folder, convert it to "
+                                   "LMDB and HDF5, verify both and compare loading speed and memory.")
+    d.add_argument("--size", choices=["tiny", "small", "full"], default="full",
+                   help="dataset and grid size (full: about two minutes on 2 cores)")
+    d.add_argument("--out", default=None, help="folder for the results table, JSON/CSV and plots (default: ./fastdata-demo)")
+    d.add_argument("--keep", action="store_true", help="keep the generated dataset and stores")
+    d.add_argument("--no-bench", action="store_true", help="skip the loading comparison")
+    d.add_argument("--quiet", action="store_true", help="less output")
+    d.set_defaults(func=_cmd_demo)
+
+    _add_optional_commands(sub)
+    return p
+
+
+def _add_optional_commands(sub) -> None:
+    """Commands whose modules live outside the core (benchmark harness, doctor)."""
+    try:
+        from .bench.cli import add_commands
+    except ImportError:
+        return
+    add_commands(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("fastdata: interrupted; an interrupted convert can be finished with --resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except FastdataError as err:
+        print(f"fastdata: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except ValueError as err:
+        print(f"fastdata: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # e.g. `fastdata info X | head`
+        return EXIT_OK
+    except OSError as err:
+        print(f"fastdata: error: {err.filename or ''}{': ' if err.filename else ''}{err.strerror or err}",
+              file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as err:  # never a bare traceback; FASTDATA_DEBUG=1 shows it
+        if os.environ.get("FASTDATA_DEBUG"):
+            raise
+        print(f"fastdata: internal error: {type(err).__name__}: {err} "
+              "(please report it; rerun with FASTDATA_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

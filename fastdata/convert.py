@@ -1,0 +1,276 @@
+"""``fastdata.convert``: the public conversion API (the CLI is a thin layer over it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .errors import FastdataError, ResumeMismatchError, SourceError, StoreExistsError
+from .formats.base import StorageSpec
+from .layout import STAGING_DIR, backend_for_path
+from .lock import StoreLock
+from .manifest import MANIFEST_NAME, read_manifest
+from .pipeline import (
+    PipelineStats, clear_store, load_finished, prepare_staging, publish, remove_temporaries, run_shards,
+    store_entries,
+)
+from .plan import estimated_sizes, plan_fingerprint, plan_shards
+from .source import scan as scan_source
+from .units import format_size, parse_size
+
+DEFAULT_SHARD_SIZE = "1GiB"
+
+
+@dataclass
+class ConvertReport:
+    """Summary of one conversion."""
+
+    dst: str
+    backend: str
+    images: int = 0
+    rejected: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    elapsed: float = 0.0
+    shards: int = 0
+    resumed_shards: int = 0
+    already_complete: bool = False
+    rejected_items: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.elapsed if self.elapsed > 0 else 0.0
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        if self.already_complete:
+            return f"{self.dst}: already a complete store ({self.images} images); nothing to do"
+        lines = [
+            f"wrote {self.images} images to {self.dst} ({self.backend}, {self.shards} shard(s)"
+            + (f", {self.resumed_shards} kept from the interrupted run" if self.resumed_shards else "") + ")",
+            f"rejected {self.rejected} input(s)" + (f" (listed in {os.path.join(self.dst, 'rejected.tsv')})"
+                                                    if self.rejected else ""),
+            f"input {format_size(self.input_bytes)}, output {format_size(self.output_bytes)}, "
+            f"{self.elapsed:.1f} s, {self.images_per_s:.0f} images/s",
+        ]
+        for path, reason in self.rejected_items[:5]:
+            lines.append(f"  rejected {path}: {reason}")
+        if self.rejected > 5:
+            lines.append(f"  ... and {self.rejected - 5} more")
+        return "\n".join(lines)
+
+
+def parse_raw_shape(value) -> tuple[int, int]:
+    """``"32x32"`` / ``"32"`` / ``(32, 32)`` -> (H, W)."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        h, w = int(value[0]), int(value[1])
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*", str(value))
+        if not m:
+            raise ValueError(f"raw shape must look like HxW (e.g. 32x32), got {value!r}")
+        h = int(m.group(1))
+        w = int(m.group(2) or h)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"raw shape must be positive, got {value!r}")
+    return h, w
+
+
+def storage_spec(max_side: int | None = None, quality: int | None = None, raw=None) -> StorageSpec:
+    """Build the :class:`StorageSpec` for the chosen storage mode."""
+    if raw is not None and max_side is not None:
+        raise ValueError("--raw and --max-side are exclusive: choose one storage mode")
+    if raw is not None:
+        return StorageSpec(mode="raw", raw_shape=parse_raw_shape(raw))
+    if max_side is not None:
+        if int(max_side) <= 0:
+            raise ValueError("--max-side must be a positive number of pixels")
+        if quality is not None and not 1 <= int(quality) <= 100:
+            raise ValueError("--quality must be within 1..100")
+        return StorageSpec(mode="reencode", max_side=int(max_side), quality=int(quality or 90))
+    if quality is not None:
+        raise ValueError("--quality only applies with --max-side (original mode keeps the bytes unchanged)")
+    return StorageSpec()
+
+
+def choose_backend(dst: str, fmt: str | None) -> str:
+    """Backend from ``--format`` or from DST's suffix."""
+    if fmt:
+        fmt = fmt.lower()
+        if fmt in ("h5", "hdf5"):
+            return "hdf5"
+        if fmt == "lmdb":
+            return "lmdb"
+        raise ValueError(f"unknown format {fmt!r}: use lmdb or hdf5")
+    backend = backend_for_path(dst)
+    if backend is None:
+        raise ValueError(f"cannot tell the backend from {dst!r}: name it *.lmdb, *.h5 or *.hdf5, or pass --format")
+    return backend
+
+
+def _check_destination(dst: str, resume: bool, overwrite: bool) -> None:
+    if not os.path.exists(dst):
+        return
+    if not os.path.isdir(dst):
+        raise StoreExistsError(f"{dst} exists and is not a directory; choose another destination")
+    ours = set(store_entries(dst))
+    foreign = [n for n in os.listdir(dst) if n not in ours and not n.startswith(".fastdata")]
+    if foreign:
+        raise StoreExistsError(
+            f"{dst} exists and holds files that are not part of a fastdata store (e.g. {foreign[0]!r}); "
+            "refusing to write there: choose an empty or new destination")
+    if resume or overwrite or not ours:
+        return
+    if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
+        raise StoreExistsError(f"{dst} already holds a fastdata store; pass --overwrite to replace it "
+                               "or choose another destination")
+    raise StoreExistsError(f"{dst} holds an unfinished conversion; pass --resume to finish it "
+                           "or --overwrite to start again")
+
+
+def convert(
+    src: str,
+    dst: str,
+    *,
+    format: str | None = None,
+    workers: int | None = None,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    max_side: int | None = None,
+    quality: int | None = None,
+    raw=None,
+    strict: bool = False,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    lmdb_map_size: int | str | None = None,
+    chunk_size: int = 32,
+) -> ConvertReport:
+    """Convert an ImageFolder tree or a CSV/TSV list file into a fastdata store.
+
+    Args:
+        src: image folder (class subfolders) or a ``.csv``/``.tsv`` list of ``path,label``.
+        dst: destination directory; its suffix picks the backend unless ``format`` is given.
+        format: ``"lmdb"`` or ``"hdf5"``.
+        workers: reader/validator processes (default: all cores).
+        shard_size: target bytes per shard file (``int`` or e.g. ``"512MiB"``).
+        max_side, quality: re-encode images whose longer side exceeds ``max_side`` as JPEG.
+        raw: ``"HxW"``: store decoded RGB pixels resized to that shape.
+        strict: stop at the first unusable input instead of skipping and reporting it.
+        resume: finish an interrupted conversion, keeping its completed shards.
+        overwrite: replace an existing store at ``dst``.
+        progress: show a progress bar (default: when stderr is a terminal).
+        lmdb_map_size: initial LMDB map size (it grows automatically).
+        chunk_size: inputs per worker task.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        FastdataError subclasses, each naming the file or store at fault.
+    """
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite are exclusive")
+    backend = choose_backend(dst, format)
+    storage = storage_spec(max_side, quality, raw)
+    shard_bytes = parse_size(shard_size)
+    workers = max(1, int(workers or os.cpu_count() or 1))
+    writer_options = {"initial_map_size": parse_size(lmdb_map_size)} if lmdb_map_size else {}
+    started = time.perf_counter()
+    dst = os.path.abspath(dst)
+
+    scan = scan_source(src)
+    if not scan.classes:
+        raise SourceError(f"{src}: no class folders found (expected SRC/<class>/<image files>)")
+    report = ConvertReport(dst=dst, backend=backend)
+    if scan.hidden_classes:
+        report.warnings.append(f"hidden folder(s) taken as classes, as ImageFolder does: {', '.join(scan.hidden_classes)} "
+                               "(remove them if they are not classes)")
+    for path, problem in scan.walk_problems:
+        report.warnings.append(f"{path}: {problem}")
+
+    _check_destination(dst, resume, overwrite)
+    os.makedirs(dst, exist_ok=True)
+    with StoreLock(dst) as lock:
+        if lock.stale_pid:
+            report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
+        if overwrite:
+            clear_store(dst)
+        fingerprint = plan_fingerprint(scan, backend, storage, shard_bytes)
+        if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
+            manifest = read_manifest(dst)
+            if manifest["options"].get("fingerprint") != fingerprint:
+                raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options; "
+                                          "use --overwrite to replace it")
+            report.already_complete = True
+            report.images = manifest["num_samples"]
+            report.elapsed = time.perf_counter() - started
+            return report
+        plans = plan_shards(estimated_sizes(scan, storage), shard_bytes)
+        prepare_staging(dst, fingerprint, resume)
+        remove_temporaries(dst)
+        finished = load_finished(dst, backend, plans) if resume else {}
+        todo = [p for p in plans if p.shard_id not in finished]
+        total = sum(p.stop - p.start for p in todo)
+        with _progress_bar(total, progress) as bar:
+            stats = run_shards(
+                dst=dst, backend=backend, scan=scan, plans=todo, storage=storage, workers=workers,
+                strict=strict, writer_options=writer_options, on_progress=bar.update_counts, chunk_size=chunk_size,
+            )
+        results = list(finished.values()) + stats.results
+        missing = sorted({p.shard_id for p in plans} - {r.shard_id for r in results})
+        if missing:
+            raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with --resume")
+        options = {
+            "source": os.path.abspath(src),
+            "shard_size": shard_bytes,
+            "strict": strict,
+            "fingerprint": fingerprint,
+        }
+        manifest = publish(dst=dst, backend=backend, scan=scan, storage=storage, results=results, options=options)
+    _fill_report(report, manifest, stats, finished, started)
+    return report
+
+
+def _fill_report(report: ConvertReport, manifest: dict, stats: PipelineStats, finished: dict, started: float) -> None:
+    report.images = manifest["num_samples"]
+    report.rejected = len(manifest["rejected"])
+    report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
+    report.input_bytes = stats.input_bytes + sum(r.input_bytes for r in finished.values())
+    report.output_bytes = sum(s["bytes"] for s in manifest["shards"])
+    report.shards = len(manifest["shards"])
+    report.resumed_shards = len(finished)
+    report.elapsed = time.perf_counter() - started
+
+
+class _progress_bar:
+    """tqdm with images/s and MB/s; silent when disabled or not on a terminal."""
+
+    def __init__(self, total: int, enabled: bool | None):
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self.bar = None
+        self.bytes = 0
+        self.rejected = 0
+        self.t0 = time.perf_counter()
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="img", desc="convert", dynamic_ncols=True, smoothing=0.1)
+
+    def update_counts(self, images: int, rejected: int, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.rejected += rejected
+        if self.bar is not None:
+            dt = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{self.bytes / dt / 1e6:.1f} MB/s, {self.rejected} rejected", refresh=False)
+            self.bar.update(images + rejected)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()

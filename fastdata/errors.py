@@ -1,0 +1,57 @@
+"""Error types raised by fastdata.
+
+Data problems are never ``assert`` or a bare ``Exception``: every error a user can
+meet is a :class:`FastdataError` whose message names the file, shard or record at
+fault and says what to do next. The CLI turns these into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class FastdataError(Exception):
+    """Base class of every error fastdata raises on purpose."""
+
+
+class SourceError(FastdataError):
+    """The input tree or list file cannot be used (missing, empty, unreadable, bad line)."""
+
+
+class RejectedInputError(SourceError):
+    """An input file is not a usable image and ``strict`` mode forbids skipping it."""
+
+
+class StoreExistsError(FastdataError):
+    """The destination already exists and neither ``resume`` nor ``overwrite`` was given."""
+
+
+class StoreLockedError(FastdataError):
+    """Another live converter holds the lock on the destination."""
+
+
+class FormatError(FastdataError):
+    """A store, manifest or shard does not follow the documented layout or version."""
+
+
+class IncompleteStoreError(FormatError):
+    """The path holds an unfinished conversion (no published manifest)."""
+
+
+class CorruptRecordError(FormatError):
+    """A record failed its checksum or could not be decoded.
+
+    Attributes name where: ``store``, ``shard`` and ``index`` (global sample index).
+    """
+
+    def __init__(self, message: str, *, store: str = "", shard: str = "", index: int = -1):
+        super().__init__(message)
+        self.store = store
+        self.shard = shard
+        self.index = index
+
+
+class ConversionError(FastdataError):
+    """The conversion failed (a worker died, an I/O error, a rank failed)."""
+
+
+class ResumeMismatchError(ConversionError):
+    """``resume`` was asked but the source or options differ from the interrupted run."""

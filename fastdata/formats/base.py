@@ -1,0 +1,107 @@
+"""The small interface a storage backend implements.
+
+A *shard writer* receives samples in store order and produces one shard file;
+a *shard reader* opens one finished shard file and returns stored bytes by
+local index (0 .. count-1). Everything else (planning, parallelism, rotation,
+checksums of whole files, resume, manifest) lives in the shared pipeline.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..record import ShardIndex
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One validated input, ready to store."""
+
+    image: bytes
+    label: int
+    width: int
+    height: int
+    fmt: str
+    xxh: int
+    relpath: bytes
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How images are stored: ``mode`` is 'original', 'reencode' or 'raw'."""
+
+    mode: str = "original"
+    max_side: int | None = None
+    quality: int | None = None
+    raw_shape: tuple[int, int] | None = None  # (H, W) for mode 'raw'
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "max_side": self.max_side, "quality": self.quality,
+                "raw_shape": list(self.raw_shape) if self.raw_shape else None}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "StorageSpec":
+        shape = obj.get("raw_shape")
+        return cls(obj.get("mode", "original"), obj.get("max_side"), obj.get("quality"),
+                   tuple(shape) if shape else None)
+
+
+class ShardWriter(abc.ABC):
+    """Writes one shard file at ``path`` (the pipeline passes a temporary name)."""
+
+    def __init__(self, path: str, storage: StorageSpec, **options):
+        self.path = path
+        self.storage = storage
+
+    @abc.abstractmethod
+    def put(self, samples: Sequence[Sample]) -> None:
+        """Append ``samples`` (in store order)."""
+
+    @abc.abstractmethod
+    def close(self) -> ShardIndex:
+        """Flush, write the index, sync to disk and close. Returns the index written."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close without finishing (the pipeline deletes the file)."""
+
+
+class ShardReader(abc.ABC):
+    """Reads one finished shard file. Opening happens in the constructor, so
+    datasets create readers lazily, once per process."""
+
+    def __init__(self, path: str, storage: StorageSpec, **options):
+        self.path = path
+        self.storage = storage
+
+    @abc.abstractmethod
+    def read_index(self) -> ShardIndex:
+        """The per-sample metadata arrays of this shard, validated."""
+
+    @abc.abstractmethod
+    def get(self, local_index: int) -> bytes:
+        """Stored image bytes of one sample (checksum verified)."""
+
+    def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
+        """Stored bytes for several samples, in the order given."""
+        return [self.get(i) for i in local_indices]
+
+    def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
+        """Raw-mode stores: copy pixels of ``local_indices`` into ``out`` [n,H,W,3]."""
+        h, w = self.storage.raw_shape
+        for j, i in enumerate(local_indices):
+            out[j] = np.frombuffer(self.get(int(i)), dtype=np.uint8).reshape(h, w, 3)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every OS handle."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,1 @@
+"""HDF5 backend: see ``spec.py`` for the layout."""

@@ -1,0 +1,44 @@
+"""HDF5 shard layout, version 1.
+
+Each shard is one HDF5 file, e.g. ``shard-00000.h5``. Root attributes:
+``layout = "fastdata-hdf5-shard"``, ``version = 1``, ``count = n``.
+
+Datasets (all 1-D unless noted; ``n`` = samples in the shard):
+
+``images``   uint8 [total bytes]   the stored image bytes of every sample,
+                                   concatenated (original / re-encoded modes);
+                                   chunked, uncompressed
+``offsets``  int64 [n + 1]         sample i is ``images[offsets[i]:offsets[i+1]]``
+``pixels``   uint8 [n, H, W, 3]    raw mode only (instead of ``images``):
+                                   decoded RGB pixels
+``labels`` int64, ``checksums`` uint64 (xxh3_64 of the sample's bytes),
+``widths`` int32, ``heights`` int32, ``formats`` uint8 (codes in
+``fastdata/record.py``), ``nbytes`` int64, ``relpaths`` uint8 (concatenated
+source paths) with ``relpath_offsets`` int64 [n + 1].
+
+Why not variable-length datasets: h5py reads them element by element through a
+slow path (h5py/h5py#59); one flat byte array plus offsets reads a contiguous
+range of samples in one call.
+"""
+
+from __future__ import annotations
+
+LAYOUT = "fastdata-hdf5-shard"
+VERSION = 1
+IMAGES = "images"
+OFFSETS = "offsets"
+PIXELS = "pixels"
+INDEX_ARRAYS = {
+    "labels": "<i8",
+    "checksums": "<u8",
+    "widths": "<i4",
+    "heights": "<i4",
+    "formats": "u1",
+    "nbytes": "<i8",
+    "relpaths": "u1",
+    "relpath_offsets": "<i8",
+}
+#: chunk of the flat ``images`` dataset
+IMAGES_CHUNK = 256 << 10
+#: readers' chunk cache: small and bounded (random access gains nothing from more)
+READER_CHUNK_CACHE = 1 << 20

@@ -1,0 +1,1 @@
+"""LMDB backend: see ``spec.py`` for the layout."""

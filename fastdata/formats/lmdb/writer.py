@@ -1,0 +1,86 @@
+"""Write one LMDB shard (layout in ``spec.py``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import lmdb
+import msgpack
+import numpy as np
+
+from ...record import IndexBuilder, ShardIndex, encode_record
+from ..base import Sample, ShardWriter, StorageSpec
+from . import spec
+
+
+class LMDBShardWriter(ShardWriter):
+    """Appends records with ``append=True`` in one write transaction per batch;
+    grows the map on ``MapFullError`` and retries the batch."""
+
+    def __init__(self, path: str, storage: StorageSpec, *, initial_map_size: int | None = None, **options):
+        super().__init__(path, storage)
+        self.map_size = int(initial_map_size or spec.DEFAULT_INITIAL_MAP_SIZE)
+        # lock=False: the store-level lock already guarantees a single writer.
+        # sync=False: we sync once at close (env.sync + fsync) instead of per commit.
+        self.env = lmdb.open(path, subdir=False, map_size=self.map_size, max_dbs=2, lock=False,
+                             sync=False, metasync=False, readahead=False, meminit=False)
+        self.records = self.env.open_db(spec.RECORDS_DB)
+        self.index_db = self.env.open_db(spec.INDEX_DB)
+        self.index = IndexBuilder()
+        self.map_growths = 0
+
+    def _commit(self, fill) -> None:
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    fill(txn)
+                return
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                self.map_growths += 1
+                self.env.set_mapsize(self.map_size)
+
+    def put(self, samples: Sequence[Sample]) -> None:
+        start = len(self.index)
+        values = [
+            encode_record(s.image, label=s.label, width=s.width, height=s.height, fmt=s.fmt,
+                          relpath=s.relpath, xxh=s.xxh)
+            for s in samples
+        ]
+
+        def fill(txn):
+            for offset, value in enumerate(values):
+                if not txn.put(spec.encode_key(start + offset), value, db=self.records, append=True):
+                    raise RuntimeError(f"{self.path}: duplicate key {start + offset}")
+
+        self._commit(fill)
+        for s in samples:
+            self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
+                           nbytes=len(s.image), relpath=s.relpath)
+
+    def close(self) -> ShardIndex:
+        index = self.index.build()
+        header = msgpack.packb({"layout": spec.LAYOUT, "version": spec.VERSION, "count": len(index)})
+
+        def fill(txn):
+            txn.put(spec.HEADER_KEY, header, db=self.index_db)
+            for name, dtype in spec.INDEX_ARRAYS.items():
+                txn.put(name.encode(), np.ascontiguousarray(getattr(index, name), dtype=dtype).tobytes(),
+                        db=self.index_db)
+
+        self._commit(fill)
+        self.env.sync(True)
+        self.env.close()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return index
+
+    def abort(self) -> None:
+        try:
+            self.env.close()
+        except lmdb.Error:
+            pass

@@ -1,0 +1,122 @@
+"""Read, validate and (optionally) transcode one input file. Runs in the
+converter's worker processes.
+
+Validation fully decodes every image, so anything a training run would choke on
+is rejected at conversion time with a reason, never stored. The outcome for
+each file is either a :class:`~fastdata.formats.base.Sample` or a rejection
+reason string.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import warnings
+
+from PIL import Image
+
+from .formats.base import Sample, StorageSpec
+from .record import checksum
+
+#: extension -> the Pillow format the content must have
+EXTENSION_FORMATS = {
+    ".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".ppm": "PPM", ".pgm": "PPM",
+    ".bmp": "BMP", ".tif": "TIFF", ".tiff": "TIFF", ".webp": "WEBP",
+}
+#: Pillow may only try these decoders on input (no exotic plugins on hostile files)
+ALLOWED_FORMATS = tuple(sorted(set(EXTENSION_FORMATS.values())))
+DEFAULT_REENCODE_QUALITY = 90
+
+
+class Rejected(Exception):
+    """Internal: the file is not usable; ``str(self)`` is the reason."""
+
+
+def _read_bytes(path: bytes) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise Rejected("broken symlink (its target does not exist)") from None
+        raise Rejected("file disappeared after the scan (deleted or moved)") from None
+    except PermissionError:
+        raise Rejected("permission denied (cannot read the file)") from None
+    except IsADirectoryError:
+        raise Rejected("is a directory, not a file") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise Rejected("symlink loop (too many levels of symbolic links)") from None
+        raise Rejected(f"cannot read: {err.strerror or err}") from None
+
+
+def open_validated(data: bytes, expected_format: str | None) -> Image.Image:
+    """Open ``data`` with Pillow restricted to :data:`ALLOWED_FORMATS`, fully decode it
+    and check its format against the extension. Raises :class:`Rejected`."""
+    if not data:
+        raise Rejected("empty file (0 bytes)")
+    with warnings.catch_warnings():
+        # Pillow only *warns* between MAX_IMAGE_PIXELS and twice that; treat both as bombs.
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            raise Rejected(f"decompression bomb: {err}") from None
+        except Image.UnidentifiedImageError:
+            raise Rejected(f"not a recognised image (garbage, or not one of {', '.join(ALLOWED_FORMATS)})") from None
+        except Exception as err:  # Pillow raises many unrelated types on garbage
+            raise Rejected(f"not a recognised image ({type(err).__name__}: {err})") from None
+        if expected_format and im.format != expected_format:
+            raise Rejected(f"content is {im.format} but the extension says {expected_format}: rename the file")
+        try:
+            im.load()
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            raise Rejected(f"decompression bomb: {err}") from None
+        except Exception as err:
+            raise Rejected(f"truncated or corrupt image data ({type(err).__name__}: {err})") from None
+    return im
+
+
+def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: bytes | None = None) -> Sample:
+    """Turn one input file (``data``: its bytes, read here when None) into a
+    storable sample or raise :class:`Rejected`."""
+    if data is None:
+        data = _read_bytes(path)
+    ext = os.path.splitext(os.fsdecode(path))[1].lower()
+    im = open_validated(data, EXTENSION_FORMATS.get(ext))
+    fmt, width, height = im.format, im.width, im.height
+    if storage.mode == "raw":
+        h, w = storage.raw_shape
+        rgb = im.convert("RGB")
+        if rgb.size != (w, h):
+            rgb = rgb.resize((w, h), Image.BILINEAR)
+        data, fmt, width, height = rgb.tobytes(), "RAW", w, h
+    elif storage.mode == "reencode" and max(width, height) > storage.max_side:
+        scale = storage.max_side / max(width, height)
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        rgb = im.convert("RGB").resize(size, Image.LANCZOS, reducing_gap=3.0)
+        buf = io.BytesIO()
+        rgb.save(buf, format="JPEG", quality=storage.quality or DEFAULT_REENCODE_QUALITY)
+        data, fmt, (width, height) = buf.getvalue(), "JPEG", size
+    return Sample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data), relpath=relpath)
+
+
+def ingest_chunk(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec):
+    """Worker entry point: ingest a chunk. Returns a list with a Sample or a
+    rejection reason (str) per input, plus the input bytes read."""
+    out: list = []
+    read_bytes = 0
+    for path, rel, label in zip(paths, relpaths, labels):
+        try:
+            data = _read_bytes(path)
+            read_bytes += len(data)
+            sample = ingest(path, rel, label, storage, data)
+        except Rejected as reason:
+            out.append(str(reason))
+            continue
+        except MemoryError:
+            out.append("out of memory while decoding (image too large for this machine)")
+            continue
+        out.append(sample)
+    return out, read_bytes

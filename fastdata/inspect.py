@@ -1,0 +1,182 @@
+"""``info`` and ``verify``: describe a store and check it end to end."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import FastdataError, FormatError
+from .formats import reader_class
+from .formats.base import StorageSpec
+from .manifest import read_manifest
+from .pipeline import file_checksum
+from .record import FORMAT_NAMES
+
+
+def info(store: str) -> dict:
+    """Describe a published store (from its manifest; no shard is opened).
+
+    Returns a JSON-serialisable dict: backend, version, storage mode, counts,
+    classes with per-class counts, shards with sizes, rejected inputs.
+    """
+    m = read_manifest(store)
+    return {
+        "path": os.path.abspath(store),
+        "backend": m["backend"],
+        "version": m["version"],
+        "storage": m["storage"],
+        "num_samples": m["num_samples"],
+        "num_classes": len(m["classes"]),
+        "classes": [{"name": c, "index": i, "count": n} for i, (c, n) in enumerate(zip(m["classes"], m["class_counts"]))],
+        "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in m["shards"]],
+        "total_bytes": sum(s["bytes"] for s in m["shards"]),
+        "rejected": len(m["rejected"]),
+        "rejected_items": m["rejected"],
+        "options": m["options"],
+    }
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`. ``problems`` name the shard and record at fault."""
+
+    store: str
+    ok: bool = True
+    records_checked: int = 0
+    shards_checked: int = 0
+    decoded: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def fail(self, message: str) -> None:
+        self.ok = False
+        self.problems.append(message)
+
+    def summary(self) -> str:
+        if self.ok:
+            extra = f", {self.decoded} decoded" if self.decoded else ""
+            return f"{self.store}: OK ({self.shards_checked} shard(s), {self.records_checked} records verified{extra})"
+        head = f"{self.store}: DAMAGED ({len(self.problems)} problem(s))"
+        return "\n".join([head] + [f"  {p}" for p in self.problems[:50]] +
+                         ([f"  ... {len(self.problems) - 50} more"] if len(self.problems) > 50 else []))
+
+
+def _check_records(backend: str, path: str, storage_json: dict, expected_count: int, num_classes: int,
+                   decode: bool, name: str) -> tuple[int, int, list[str]]:
+    """Read every record of one shard. Returns (checked, decoded, problems)."""
+    from PIL import Image
+
+    problems: list[str] = []
+    storage = StorageSpec.from_json(storage_json)
+    checked = decoded = 0
+    try:
+        reader = reader_class(backend)(path, storage)
+    except FastdataError as err:
+        return 0, 0, [f"{name}: {err}"]
+    with reader:
+        try:
+            index = reader.read_index()
+        except FastdataError as err:
+            return 0, 0, [f"{name}: {err}"]
+        if len(index) != expected_count:
+            problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
+        if len(index) and int(index.labels.max()) >= num_classes:
+            problems.append(f"{name}: a label is outside the {num_classes} classes")
+        for i in range(len(index)):
+            try:
+                data = reader.get(i)
+            except FastdataError as err:
+                problems.append(f"{name} record {i}: {err}")
+                continue
+            checked += 1
+            if decode:
+                fmt = FORMAT_NAMES[int(index.formats[i])]
+                try:
+                    if fmt == "RAW":
+                        h, w = storage.raw_shape
+                        np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
+                    else:
+                        with Image.open(io.BytesIO(data), formats=[fmt]) as im:
+                            im.load()
+                    decoded += 1
+                except Exception as err:  # any decoder failure is a finding, not a crash
+                    problems.append(f"{name} record {i}: cannot decode {fmt} image ({type(err).__name__}: {err})")
+    return checked, decoded, problems
+
+
+def _check_in_child(conn, args) -> None:
+    try:
+        conn.send(_check_records(*args))
+    except BaseException as err:  # report anything to the parent rather than dying silently
+        conn.send((0, 0, [f"{args[-1]}: verification failed ({type(err).__name__}: {err})"]))
+    finally:
+        conn.close()
+
+
+def _check_records_isolated(args: tuple, timeout: float) -> tuple[int, int, list[str]]:
+    """Run :func:`_check_records` in a child: a damaged LMDB page can crash the
+    C library (LMDB keeps no page checksums), which must become a finding."""
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_check_in_child, args=(child, args), daemon=True)
+    proc.start()
+    child.close()
+    name = args[-1]
+    try:
+        if parent.poll(timeout):
+            return parent.recv()
+        return 0, 0, [f"{name}: verification did not finish within {timeout:.0f} s (damaged internal structure?)"]
+    except EOFError:
+        return 0, 0, [f"{name}: the reader crashed on this shard (exit code {proc.exitcode}): "
+                      "its internal structure is damaged; reconvert it"]
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        parent.close()
+
+
+def verify(store: str, *, decode: bool = False, timeout: float = 600.0) -> VerifyReport:
+    """Check a store: manifest, shard files (size and whole-file checksum), every
+    record against its checksum, counts against the manifest; with ``decode``
+    also fully decode every image.
+
+    Never raises for damage: every finding lands in ``report.problems``.
+    """
+    report = VerifyReport(store=os.path.abspath(store))
+    try:
+        m = read_manifest(store)
+    except FormatError as err:
+        report.fail(str(err))
+        return report
+    seen_classes = np.zeros(len(m["classes"]), dtype=np.int64)
+    for shard in m["shards"]:
+        name = shard["name"]
+        path = os.path.join(store, name)
+        report.shards_checked += 1
+        try:
+            size = os.path.getsize(path)
+        except OSError as err:
+            report.fail(f"{name}: shard file missing or unreadable ({err.strerror})")
+            continue
+        file_ok = size == shard["bytes"]
+        if not file_ok:
+            report.fail(f"{name}: file is {size} bytes, the manifest says {shard['bytes']} (truncated or replaced)")
+        elif file_checksum(path) != shard["xxh"]:
+            file_ok = False
+            report.fail(f"{name}: file checksum mismatch (the shard was modified or damaged)")
+        args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, name)
+        checked, decoded, problems = _check_records(*args) if file_ok else _check_records_isolated(args, timeout)
+        report.records_checked += checked
+        report.decoded += decoded
+        for p in problems:
+            report.fail(p)
+        if file_ok and not problems:
+            with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
+                seen_classes += np.bincount(reader.read_index().labels, minlength=len(seen_classes))[: len(seen_classes)]
+    if report.ok and seen_classes.tolist() != m["class_counts"]:
+        report.fail(f"per-class counts {seen_classes.tolist()} differ from the manifest's {m['class_counts']}")
+    return report

@@ -1,0 +1,378 @@
+"""THE writer pipeline, shared by both backends.
+
+Workflow for one destination (the caller holds the store lock):
+
+1. The plan (``plan.py``) splits the scan into shards; ``.fastdata-staging/plan.json``
+   records its fingerprint so ``--resume`` can refuse a changed source.
+2. A pool of worker processes reads, validates and encodes chunks of inputs
+   (``ingest.py``). The main process submits chunks in store order with a
+   bounded window (memory stays flat whatever the dataset size) and consumes
+   results in the same order, so the store order is the scan order for any
+   worker count. A worker that dies breaks the pool: we raise, never hang.
+3. Each shard is written by its own backend writer to ``<name>.tmp``; when its
+   last chunk is in, the writer syncs and closes, the file is renamed to its
+   final name, checksummed, and a sidecar ``<name>.json`` is written atomically
+   into staging. A sidecar is the only proof a shard is complete: a crash at any
+   earlier moment leaves a shard that resume rewrites.
+4. Publishing gathers the sidecars in shard order, writes ``rejected.tsv`` and
+   finally ``manifest.json`` (atomic rename + directory fsync), then removes staging.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import lmdb
+import xxhash
+
+from . import __version__
+from .errors import ConversionError, RejectedInputError, ResumeMismatchError
+from .formats import writer_class
+from .formats.base import Sample, StorageSpec
+from .ingest import ingest_chunk
+from .layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
+from .manifest import MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, write_manifest
+from .plan import ShardPlan
+from .source import SourceScan
+
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class ShardResult:
+    """What a finished shard contributes to the manifest (also its sidecar)."""
+
+    shard_id: int
+    name: str
+    count: int
+    bytes: int
+    xxh: str
+    image_bytes: int
+    input_bytes: int
+    class_counts: list[int]
+    rejected: list[list[str]]
+    resumed: bool = False
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("resumed")
+        return d
+
+
+@dataclass
+class PipelineStats:
+    """Counters the pipeline updates as it goes (for progress and the report)."""
+
+    images: int = 0
+    rejected: int = 0
+    input_bytes: int = 0
+    map_growths: int = 0
+    resumed_shards: int = 0
+    written_shards: int = 0
+    rejected_items: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+
+
+def file_checksum(path: str) -> str:
+    """xxh3-64 hex digest of a whole file."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(4 << 20)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def staging_path(dst: str, *parts: str) -> str:
+    return os.path.join(dst, STAGING_DIR, *parts)
+
+
+def prepare_staging(dst: str, fingerprint: str, resume: bool) -> None:
+    """Create staging for a new run, or check it matches when resuming."""
+    plan_path = staging_path(dst, PLAN_FILE)
+    if resume and os.path.exists(plan_path):
+        with open(plan_path, "rb") as fh:
+            try:
+                previous = json.load(fh).get("fingerprint")
+            except ValueError:
+                previous = None
+        if previous != fingerprint:
+            raise ResumeMismatchError(
+                f"{dst}: cannot resume: the source files or options differ from the interrupted run "
+                "(a file was added, removed or changed, or an option differs); rerun with --overwrite to start over"
+            )
+        return
+    os.makedirs(staging_path(dst), exist_ok=True)
+    atomic_write(plan_path, json.dumps({"fingerprint": fingerprint}).encode())
+
+
+def remove_temporaries(dst: str) -> None:
+    """Delete half-written shards and manifests left by an interrupted run."""
+    for name in os.listdir(dst):
+        if name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock"):
+            os.unlink(os.path.join(dst, name))
+
+
+def load_finished(dst: str, backend: str, plans: list[ShardPlan]) -> dict[int, ShardResult]:
+    """Shards whose sidecar exists and whose file still matches it (size and checksum)."""
+    done: dict[int, ShardResult] = {}
+    for plan in plans:
+        name = shard_name(backend, plan.shard_id)
+        side = staging_path(dst, name + ".json")
+        path = os.path.join(dst, name)
+        try:
+            with open(side, "rb") as fh:
+                info = json.load(fh)
+            result = ShardResult(**info, resumed=True)
+            if os.path.getsize(path) == result.bytes and file_checksum(path) == result.xxh:
+                done[plan.shard_id] = result
+                continue
+        except (OSError, ValueError, TypeError):
+            pass
+        for stale in (side, path):
+            if os.path.exists(stale):
+                os.unlink(stale)
+    return done
+
+
+class _ShardInProgress:
+    def __init__(self, dst: str, backend: str, plan: ShardPlan, storage: StorageSpec, num_classes: int,
+                 writer_options: dict):
+        self.plan = plan
+        self.name = shard_name(backend, plan.shard_id)
+        self.final_path = os.path.join(dst, self.name)
+        self.tmp_path = self.final_path + TMP_SUFFIX
+        self.writer = writer_class(backend)(self.tmp_path, storage, **writer_options)
+        self.pending = 0
+        self.count = 0
+        self.image_bytes = 0
+        self.input_bytes = 0
+        self.class_counts = [0] * num_classes
+        self.rejected: list[list[str]] = []
+
+    def add(self, samples: list[Sample]) -> None:
+        self.writer.put(samples)
+        for s in samples:
+            self.class_counts[s.label] += 1
+            self.image_bytes += len(s.image)
+        self.count += len(samples)
+
+    def finish(self, dst: str) -> ShardResult:
+        self.writer.close()
+        os.replace(self.tmp_path, self.final_path)
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        result = ShardResult(
+            shard_id=self.plan.shard_id, name=self.name, count=self.count,
+            bytes=os.path.getsize(self.final_path), xxh=file_checksum(self.final_path),
+            image_bytes=self.image_bytes, input_bytes=self.input_bytes,
+            class_counts=self.class_counts, rejected=self.rejected,
+        )
+        atomic_write(staging_path(dst, self.name + ".json"), json.dumps(result.to_json()).encode())
+        return result
+
+    def abort(self) -> None:
+        self.writer.abort()
+        for path in (self.tmp_path, self.tmp_path + "-lock"):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _chunks(plans: Iterable[ShardPlan], chunk_size: int):
+    for plan in plans:
+        for a in range(plan.start, plan.stop, chunk_size):
+            yield plan, a, min(a + chunk_size, plan.stop)
+
+
+def _mp_context():
+    methods = multiprocessing.get_all_start_methods()
+    # forkserver: no inherited threads or handles from the (possibly threaded) caller
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["fastdata.ingest"])
+    return ctx
+
+
+def run_shards(
+    *,
+    dst: str,
+    backend: str,
+    scan: SourceScan,
+    plans: list[ShardPlan],
+    storage: StorageSpec,
+    workers: int,
+    strict: bool,
+    writer_options: dict,
+    on_progress: Callable[[int, int, int], None] | None = None,
+    chunk_size: int = 32,
+) -> PipelineStats:
+    """Convert the shards in ``plans`` (those not already finished) into ``dst``.
+
+    ``on_progress(images, rejected, input_bytes)`` is called after each chunk.
+    Raises :class:`ConversionError` on a dead worker or an I/O error, and
+    :class:`RejectedInputError` in strict mode.
+    """
+    stats = PipelineStats()
+    todo = [p for p in plans if p.stop >= p.start]
+    if not todo:
+        return stats
+    window = max(2, workers * 4)
+    num_classes = len(scan.classes)
+    open_shards: dict[int, _ShardInProgress] = {}
+    chunks_left = {p.shard_id: len(range(p.start, p.stop, chunk_size)) for p in todo}
+    executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=_mp_context())
+    inflight: collections.deque = collections.deque()
+    source_chunks = _chunks(todo, chunk_size)
+    current_files = ""
+    try:
+        def submit_next() -> bool:
+            nxt = next(source_chunks, None)
+            if nxt is None:
+                return False
+            plan, a, b = nxt
+            fut = executor.submit(ingest_chunk, scan.paths[a:b], scan.relpaths[a:b],
+                                  scan.labels[a:b].tolist(), storage)
+            inflight.append((plan, a, b, fut))
+            return True
+
+        while len(inflight) < window and submit_next():
+            pass
+        for plan in todo:  # shards with no inputs at all (cannot come from the plan, but be safe)
+            if plan.start == plan.stop:
+                open_shards[plan.shard_id] = _ShardInProgress(dst, backend, plan, storage, num_classes, writer_options)
+                stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
+        while inflight:
+            plan, a, b, fut = inflight.popleft()
+            current_files = f"{os.fsdecode(scan.paths[a])} .. {os.fsdecode(scan.paths[b - 1])}"
+            results, read_bytes = fut.result()
+            submit_next()
+            shard = open_shards.get(plan.shard_id)
+            if shard is None:
+                shard = open_shards[plan.shard_id] = _ShardInProgress(
+                    dst, backend, plan, storage, num_classes, writer_options)
+            samples = []
+            for offset, item in enumerate(results):
+                if isinstance(item, Sample):
+                    samples.append(item)
+                    continue
+                rel = os.fsdecode(scan.relpaths[a + offset])
+                if strict:
+                    raise RejectedInputError(
+                        f"{os.fsdecode(scan.paths[a + offset])}: {item} "
+                        "(--strict stops at the first unusable input; without it such files are skipped and reported)")
+                shard.rejected.append([rel, item])
+                stats.rejected_items.append((rel, item))
+            shard.add(samples)
+            shard.input_bytes += read_bytes
+            stats.images += len(samples)
+            stats.rejected += len(results) - len(samples)
+            stats.input_bytes += read_bytes
+            chunks_left[plan.shard_id] -= 1
+            if chunks_left[plan.shard_id] == 0:
+                stats.map_growths += getattr(shard.writer, "map_growths", 0)
+                stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
+                stats.written_shards += 1
+            if on_progress:
+                on_progress(len(samples), len(results) - len(samples), read_bytes)
+    except BrokenProcessPool:
+        raise ConversionError(
+            f"a conversion worker died unexpectedly (killed, or out of memory?) while reading {current_files}; "
+            "finished shards are kept: rerun the same command with --resume"
+        ) from None
+    except (OSError, lmdb.Error) as err:
+        where = getattr(err, "filename", None) or next(
+            (s.tmp_path for s in open_shards.values()), dst)
+        raise ConversionError(
+            f"I/O error while writing {where}: {getattr(err, 'strerror', None) or err}; "
+            "nothing incomplete was published: fix the cause (e.g. free disk space) and rerun with --resume"
+        ) from err
+    finally:
+        for shard in open_shards.values():
+            shard.abort()
+        _stop_pool(executor)
+    return stats
+
+
+def _stop_pool(executor: cf.ProcessPoolExecutor) -> None:
+    """Shut the pool down without waiting on work we no longer want."""
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(timeout=5)
+
+
+def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, results: list[ShardResult],
+            options: dict) -> dict:
+    """Write ``rejected.tsv`` and then ``manifest.json`` (last); remove staging."""
+    results = sorted(results, key=lambda r: r.shard_id)
+    shards, first = [], 0
+    class_counts = [0] * len(scan.classes)
+    rejected = []
+    for r in results:
+        shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
+                       "xxh": r.xxh, "image_bytes": r.image_bytes})
+        first += r.count
+        class_counts = [x + y for x, y in zip(class_counts, r.class_counts)]
+        rejected.extend({"path": p, "reason": why} for p, why in r.rejected)
+    tsv = "path\treason\n" + "".join(
+        f"{_tsv_field(item['path'])}\t{_tsv_field(item['reason'])}\n" for item in rejected)
+    atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
+    body = {
+        "format": STORE_FORMAT,
+        "version": STORE_VERSION,
+        "backend": backend,
+        "storage": storage.to_json(),
+        "classes": scan.classes,
+        "num_samples": first,
+        "class_counts": class_counts,
+        "shards": shards,
+        "rejected": rejected,
+        "options": dict(options, fastdata_version=__version__),
+    }
+    manifest = write_manifest(dst, body)
+    shutil.rmtree(staging_path(dst), ignore_errors=True)
+    return manifest
+
+
+def _tsv_field(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def store_entries(dst: str) -> list[str]:
+    """Names in ``dst`` that a conversion may create (and ``--overwrite`` may delete)."""
+    names = []
+    for name in os.listdir(dst):
+        if (name in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR) or name.startswith("shard-")
+                or ATOMIC_TMP_MARK in name):
+            names.append(name)
+    return names
+
+
+def clear_store(dst: str) -> None:
+    """Delete a previous store's files (``--overwrite``); refuses on foreign files."""
+    for name in store_entries(dst):
+        path = os.path.join(dst, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+
+
+def now() -> float:
+    return time.perf_counter()
