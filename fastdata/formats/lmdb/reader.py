@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import lmdb
@@ -14,18 +15,69 @@ from ..base import ShardReader, StorageSpec
 from . import spec
 
 
+class _EnvCache:
+    """LMDB allows one Environment per file per process (py-lmdb raises on a
+    second open), so readers of the same shard in one process share it,
+    reference-counted.
+
+    After a fork the child inherits the parent's environments *and* py-lmdb's
+    registry of open files, so it could not open the shard itself. The child
+    never reads through an inherited environment; it closes its copy first.
+    For our ``readonly=True, lock=False`` environments that only unmaps the
+    child's mapping and closes the child's duplicate descriptor: there is no
+    reader-table slot or lock to release, and the parent is unaffected (the
+    fork tests check the parent keeps reading).
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.envs: dict[str, list] = {}
+
+    def acquire(self, path: str, readahead: bool):
+        if self.pid != os.getpid():
+            inherited, self.envs, self.pid = self.envs, {}, os.getpid()
+            for env, _dbs, _refs in inherited.values():
+                env.close()
+        key = os.path.realpath(path)
+        entry = self.envs.get(key)
+        if entry is None:
+            env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
+                            max_spare_txns=0, max_dbs=2)
+            try:
+                dbs = (env.open_db(spec.RECORDS_DB, create=False), env.open_db(spec.INDEX_DB, create=False))
+            except lmdb.Error:
+                env.close()
+                raise
+            entry = self.envs[key] = [env, dbs, 0]
+        entry[2] += 1
+        return key, entry[0], entry[1]
+
+    def release(self, key: str) -> None:
+        if self.pid != os.getpid():
+            return
+        entry = self.envs.get(key)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del self.envs[key]
+            entry[0].close()
+
+
+_ENVS = _EnvCache()
+
+
 class LMDBShardReader(ShardReader):
     """Opens the environment read-only without a lock table and without spare
     transactions (nothing survives a fork: see GUIDE section 3)."""
 
     def __init__(self, path: str, storage: StorageSpec, *, readahead: bool = False, **options):
         super().__init__(path, storage)
+        self._pid = os.getpid()
         try:
-            self.env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
-                                 max_spare_txns=0, max_dbs=2)
-            self.records = self.env.open_db(spec.RECORDS_DB, create=False)
-            self.index_db = self.env.open_db(spec.INDEX_DB, create=False)
+            self._key, self.env, (self.records, self.index_db) = _ENVS.acquire(path, readahead)
         except lmdb.Error as err:
+            self.env = None
             raise FormatError(f"{path}: cannot open LMDB shard ({err}); the file is missing or damaged; "
                               "run 'fastdata verify' on the store") from None
 
@@ -80,5 +132,5 @@ class LMDBShardReader(ShardReader):
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None
-        if env is not None:
-            env.close()
+        if env is not None and self._pid == os.getpid():
+            _ENVS.release(self._key)

@@ -1,0 +1,436 @@
+"""Map-style Datasets over fastdata stores, correct under any DataLoader setting.
+
+Rules this module follows (GUIDE section 3):
+
+* The constructor reads the manifest and each shard's small index into numpy
+  arrays, then closes everything it opened: no OS handle survives ``__init__``.
+* Shard readers open lazily on first access *in each process* and are cached
+  per process id. A dataset used in the parent and then forked into workers
+  never touches the parent's handles in the child (they are parked, untouched,
+  so not even their destructors run there). ``__getstate__`` drops handles, so
+  spawn/forkserver pickles stay small (metadata arrays only, no image data).
+* Per-sample attributes are numpy arrays, never Python lists/dicts of objects,
+  so forked workers do not copy-on-write the index page by page
+  (pytorch/pytorch#13246).
+* Every record is checked against its checksum; a bad one raises
+  :class:`~fastdata.errors.CorruptRecordError` naming store, shard and index
+  (or, with ``on_error="skip"``, is replaced by the next readable sample and
+  counted in ``skipped``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .decode import decode_numpy, decode_pil
+from .errors import CorruptRecordError, FastdataError, FormatError
+from .formats import reader_class
+from .formats.base import StorageSpec
+from .manifest import read_manifest
+from .record import FORMAT_NAMES
+
+OUTPUTS = ("pil", "numpy", "tensor")
+#: handles inherited from a parent process: kept referenced so that neither we
+#: nor the garbage collector ever touches them in the child
+_INHERITED_HANDLES: list = []
+
+
+class Batch(list):
+    """What ``__getitems__`` returns on the fixed-shape fast path.
+
+    A list of ``(image, label)`` pairs (so ``default_collate`` still works) that
+    also carries the already-stacked ``images`` and ``labels`` tensors; with
+    :func:`collate` (the default of :func:`fastdata.loader`) the DataLoader
+    uses those directly and nothing is copied again.
+    """
+
+    images: Any
+    labels: torch.Tensor
+
+
+def collate(batch):
+    """``collate_fn`` that passes a :class:`Batch` through without copying and
+    defers to ``default_collate`` for anything else."""
+    if isinstance(batch, Batch):
+        return batch.images, batch.labels
+    return torch.utils.data.default_collate(batch)
+
+
+class StoreDataset(Dataset):
+    """Shared implementation; use :class:`LMDBImageDataset`, :class:`HDF5ImageDataset`
+    or :func:`open_dataset`."""
+
+    backend: str = ""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        output: str = "pil",
+        decode: Callable | None = None,
+        *,
+        on_error: str = "raise",
+        readahead: bool = False,
+    ):
+        """Open the store's metadata.
+
+        Args:
+            path: a store directory written by ``fastdata convert``.
+            transform: applied to the image after decoding (torchvision-style).
+            target_transform: applied to the integer label.
+            output: ``"pil"`` (RGB PIL image), ``"numpy"`` (HWC uint8) or
+                ``"tensor"`` (CHW uint8 ``torch.Tensor``).
+            decode: a decode-time transform (``fastdata.transforms``) mapping
+                encoded bytes to an HWC uint8 array; ``None`` = full decode.
+            on_error: ``"raise"`` (default) or ``"skip"`` for corrupt records.
+            readahead: LMDB OS readahead (on for sequential scans only).
+        """
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError("on_error must be 'raise' or 'skip'")
+        self.root = os.path.abspath(os.fspath(path))
+        manifest = read_manifest(self.root)
+        if self.backend and manifest["backend"] != self.backend:
+            raise FormatError(f"{self.root} is a {manifest['backend']} store; open it with open_dataset() "
+                              f"or the matching class")
+        self.backend = manifest["backend"]
+        self.storage = StorageSpec.from_json(manifest["storage"])
+        if decode is not None and self.storage.mode == "raw":
+            raise ValueError(f"{self.root} stores raw pixels; decode-time transforms need encoded images")
+        self.transform = transform
+        self.target_transform = target_transform
+        self.output = output
+        self.decode = decode
+        self.on_error = on_error
+        self.readahead = readahead
+        self.classes: list[str] = list(manifest["classes"])
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self._shard_files: tuple[str, ...] = tuple(s["name"] for s in manifest["shards"])
+        self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
+        self._load_index(manifest)
+        self.skipped = 0
+        self._readers: dict[int, Any] = {}
+        self._pid: int | None = None
+
+    # -- metadata ---------------------------------------------------------------------------
+    def _load_index(self, manifest: dict) -> None:
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "checksums", "nbytes")}
+        paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
+        rcls = reader_class(self.backend)
+        for shard in manifest["shards"]:
+            with rcls(os.path.join(self.root, shard["name"]), self.storage) as reader:
+                index = reader.read_index()
+            if len(index) != shard["count"]:
+                raise CorruptRecordError(f"{self.root}/{shard['name']}: holds {len(index)} records, the manifest "
+                                         f"says {shard['count']}; run 'fastdata verify'", store=self.root,
+                                         shard=shard["name"])
+            for key in parts:
+                parts[key].append(getattr(index, key))
+            paths.append(index.relpaths)
+            path_offsets.append(index.relpath_offsets[1:] + base)
+            base += len(index.relpaths)
+        cat = lambda arrs, dt: np.concatenate(arrs).astype(dt) if arrs else np.zeros(0, dtype=dt)  # noqa: E731
+        #: ImageFolder-compatible labels, one per sample
+        self.targets = cat(parts["labels"], np.int64)
+        if len(self.targets) != manifest["num_samples"] or (
+                len(self.targets) and int(self.targets.max()) >= len(self.classes)):
+            raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",
+                                     store=self.root)
+        self._formats = cat(parts["formats"], np.uint8)
+        self._nbytes = cat(parts["nbytes"], np.int64)
+        self._relpaths = cat(paths, np.uint8)
+        self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def relpath(self, index: int) -> str:
+        """Source path of sample ``index`` relative to the converted root."""
+        index = self._check_index(index)
+        a, b = self._relpath_offsets[index], self._relpath_offsets[index + 1]
+        return os.fsdecode(self._relpaths[a:b].tobytes())
+
+    def _check_index(self, index) -> int:
+        n = len(self.targets)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} samples")
+        return i
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard number, index within that shard) of a global sample index."""
+        shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
+        return shard, index - int(self.shard_starts[shard])
+
+    # -- handles ----------------------------------------------------------------------------
+    def _reader(self, shard: int):
+        pid = os.getpid()
+        if self._pid != pid:
+            if self._readers:
+                # Inherited through fork: never use, close or even free them here.
+                _INHERITED_HANDLES.append(self._readers)
+            self._readers = {}
+            self._pid = pid
+        reader = self._readers.get(shard)
+        if reader is None:
+            path = os.path.join(self.root, self._shard_files[shard])
+            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead)
+            self._readers[shard] = reader
+        return reader
+
+    def close(self) -> None:
+        """Close this process's handles (they reopen lazily on next access)."""
+        if self._pid == os.getpid():
+            for reader in self._readers.values():
+                reader.close()
+        self._readers = {}
+        self._pid = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_readers"] = {}
+        state["_pid"] = None
+        return state
+
+    # -- reading ----------------------------------------------------------------------------
+    def _raw_bytes(self, index: int) -> bytes:
+        shard, local = self.locate(index)
+        try:
+            return self._reader(shard).get(local)
+        except CorruptRecordError as err:
+            raise self._named(err, shard, local, index) from None
+        except FormatError as err:
+            raise CorruptRecordError(f"{self.root} sample {index}: {err}", store=self.root,
+                                     shard=self._shard_files[shard], index=index) from None
+
+    def _named(self, err: CorruptRecordError, shard: int, local: int, index: int) -> CorruptRecordError:
+        return CorruptRecordError(
+            f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}) is damaged: {err}; "
+            "run 'fastdata verify' on the store", store=self.root, shard=self._shard_files[shard], index=index)
+
+    def _decode(self, data: bytes, index: int):
+        fmt = FORMAT_NAMES[int(self._formats[index])]
+        try:
+            if self.decode is not None:
+                array = self.decode(data)
+                return array if self.output != "pil" else _to_pil(array)
+            if self.output == "pil":
+                return decode_pil(data, fmt, self.storage.raw_shape)
+            return decode_numpy(data, fmt, self.storage.raw_shape)
+        except FastdataError:
+            raise
+        except Exception as err:  # decoders raise many types on damaged data
+            shard, local = self.locate(index)
+            raise CorruptRecordError(
+                f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
+                f"{fmt} image ({type(err).__name__}: {err})", store=self.root,
+                shard=self._shard_files[shard], index=index) from None
+
+    def _finish(self, image, index: int):
+        if self.output == "tensor" and isinstance(image, np.ndarray):
+            image = torch.from_numpy(image).permute(2, 0, 1)
+        if self.transform is not None:
+            image = self.transform(image)
+        target = int(self.targets[index])
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+    def _load(self, index: int):
+        return self._finish(self._decode(self._raw_bytes(index), index), index)
+
+    def __getitem__(self, index: int):
+        index = self._check_index(index)
+        try:
+            return self._load(index)
+        except CorruptRecordError as err:
+            return self._substitute(index, err)
+
+    def _substitute(self, index: int, err: CorruptRecordError):
+        if self.on_error != "skip":
+            raise err
+        n = len(self)
+        self.skipped += 1
+        warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=3)
+        for step in range(1, min(n, 64)):
+            candidate = (index + step) % n
+            try:
+                return self._load(candidate)
+            except CorruptRecordError:
+                continue
+        raise CorruptRecordError(f"{self.root}: sample {index} and the 63 after it are all damaged; "
+                                 "run 'fastdata verify'", store=self.root, index=index)
+
+    def __getitems__(self, indices: Sequence[int]):
+        """Fetch a whole batch (the DataLoader calls this with a batch of indices).
+
+        Storage is read shard by shard in key/offset order (one LMDB read
+        transaction per shard; contiguous HDF5 ranges merged), and samples come
+        back in the order asked. With a fixed output shape (raw stores, or a
+        ``decode`` transform with ``output_size``), ``output`` numpy/tensor and
+        no ``transform``, the images are decoded into one preallocated batch
+        array: a :class:`Batch`.
+        """
+        idx = np.fromiter((self._check_index(i) for i in indices), dtype=np.int64, count=len(indices))
+        shape = self._fixed_shape()
+        if shape is not None:
+            return self._fixed_batch(idx, shape)
+        datas = self._read_batch(idx)
+        out = []
+        for i, data in zip(idx.tolist(), datas):
+            if isinstance(data, CorruptRecordError):
+                out.append(self._substitute(i, data))
+                continue
+            try:
+                out.append(self._finish(self._decode(data, i), i))
+            except CorruptRecordError as err:
+                out.append(self._substitute(i, err))
+        return out
+
+    def _read_batch(self, idx: np.ndarray) -> list:
+        """Stored bytes for ``idx`` (CorruptRecordError objects in place of bad ones)."""
+        out: list = [None] * len(idx)
+        shards = np.searchsorted(self.shard_starts, idx, side="right") - 1
+        for shard in np.unique(shards).tolist():
+            pos = np.flatnonzero(shards == shard)
+            local = idx[pos] - self.shard_starts[shard]
+            try:
+                datas = self._reader(shard).get_many(local)
+            except CorruptRecordError:
+                datas = []
+                for p, loc in zip(pos.tolist(), local.tolist()):
+                    try:
+                        datas.append(self._reader(shard).get(loc))
+                    except CorruptRecordError as err:
+                        datas.append(self._named(err, shard, loc, int(idx[p])))
+            for p, data in zip(pos.tolist(), datas):
+                out[p] = data
+        return out
+
+    def _fixed_shape(self) -> tuple[int, int] | None:
+        if self.transform is not None or self.output == "pil":
+            return None
+        if self.storage.mode == "raw":
+            return tuple(self.storage.raw_shape)
+        size = getattr(self.decode, "output_size", None)
+        return tuple(size) if size else None
+
+    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int]) -> Batch:
+        h, w = shape
+        n = len(idx)
+        if torch.utils.data.get_worker_info() is not None:
+            # allocate where the worker queue sends it from: shared memory, so no later copy
+            storage = torch.UntypedStorage._new_shared(n * h * w * 3)
+            images = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, 3))
+        else:
+            images = torch.empty((n, h, w, 3), dtype=torch.uint8)
+        arr = images.numpy()
+        if self.storage.mode == "raw":
+            self._fill_raw(idx, arr)
+        else:
+            for j, data in enumerate(self._read_batch(idx)):
+                i = int(idx[j])
+                if isinstance(data, CorruptRecordError):
+                    arr[j] = self._substitute(i, data)[0] if self.on_error == "skip" else _raise(data)
+                    continue
+                try:
+                    decode_into = getattr(self.decode, "decode_into", None)
+                    if decode_into is not None:
+                        decode_into(data, arr[j])
+                    else:
+                        arr[j] = self.decode(data)
+                except Exception as err:  # noqa: BLE001 - named and typed below
+                    named = CorruptRecordError(f"{self.root} sample {i}: cannot decode ({type(err).__name__}: {err})",
+                                               store=self.root, index=i)
+                    arr[j] = self._substitute(i, named)[0] if self.on_error == "skip" else _raise(named)
+        labels = torch.from_numpy(self.targets[idx])
+        batch = Batch()
+        images_out = images.permute(0, 3, 1, 2) if self.output == "tensor" else arr
+        batch.images = images_out
+        batch.labels = labels
+        if self.target_transform is None:
+            batch.extend(zip(images_out, labels.tolist()))
+        else:
+            batch.extend((img, self.target_transform(int(t))) for img, t in zip(images_out, labels.tolist()))
+            batch.labels = torch.as_tensor([t for _, t in batch]) if batch else labels
+        return batch
+
+    def _fill_raw(self, idx: np.ndarray, arr: np.ndarray) -> None:
+        shards = np.searchsorted(self.shard_starts, idx, side="right") - 1
+        for shard in np.unique(shards).tolist():
+            pos = np.flatnonzero(shards == shard)
+            local = idx[pos] - self.shard_starts[shard]
+            block = np.empty((len(pos),) + arr.shape[1:], dtype=np.uint8)
+            try:
+                self._reader(shard).get_raw_batch(local, block)
+            except CorruptRecordError:
+                # find the damaged record(s): per sample, raising or substituting as the policy says
+                for k, p in enumerate(pos.tolist()):
+                    block[k] = decode_numpy(self._raw_bytes_or_substitute(int(idx[p])), "RAW", self.storage.raw_shape)
+            arr[pos] = block
+
+    def _raw_bytes_or_substitute(self, index: int) -> bytes:
+        try:
+            return self._raw_bytes(index)
+        except CorruptRecordError as err:
+            if self.on_error != "skip":
+                raise
+            self.skipped += 1
+            warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=3)
+            for step in range(1, min(len(self), 64)):
+                try:
+                    return self._raw_bytes((index + step) % len(self))
+                except CorruptRecordError:
+                    continue
+            raise
+
+
+def _raise(err: Exception):
+    raise err
+
+
+def _to_pil(array: np.ndarray):
+    from PIL import Image
+
+    return Image.fromarray(array)
+
+
+class LMDBImageDataset(StoreDataset):
+    """A fastdata LMDB store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
+
+    backend = "lmdb"
+
+
+class HDF5ImageDataset(StoreDataset):
+    """A fastdata HDF5 store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
+
+    backend = "hdf5"
+
+
+def open_dataset(path: str | os.PathLike, **kwargs) -> StoreDataset:
+    """Open a store with the Dataset class its manifest names (same keyword arguments)."""
+    backend = read_manifest(os.fspath(path))["backend"]
+    cls = LMDBImageDataset if backend == "lmdb" else HDF5ImageDataset
+    return cls(path, **kwargs)
