@@ -46,7 +46,7 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'fastdata' has no attribute {name!r}")
     mod = importlib.import_module(module)
-    value = mod if module.endswith(name) else getattr(mod, name)
+    value = mod if name == "transforms" else getattr(mod, name)
     globals()[name] = value
     return value
 
