@@ -20,17 +20,28 @@ EXIT_OK, EXIT_FAILED_CHECK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 def _cmd_convert(args) -> int:
     from .convert import convert
+    from .distributed import current_group, init_from_env, shutdown
 
-    report = convert(
+    created = init_from_env()  # under torchrun: join the job's process group (gloo)
+    try:
+        report = _run_convert(convert, args)
+        group = current_group()
+        rank = group.rank if group else 0
+    finally:
+        shutdown(created)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if not args.quiet and rank == 0:
+        print(report.summary())
+    return EXIT_OK
+
+
+def _run_convert(convert, args):
+    return convert(
         args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
         max_side=args.max_side, quality=args.quality, raw=args.raw, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
     )
-    for warning in report.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    if not args.quiet:
-        print(report.summary())
-    return EXIT_OK
 
 
 def _cmd_info(args) -> int:

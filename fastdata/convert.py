@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .distributed import current_group
 from .errors import FastdataError, ResumeMismatchError, SourceError, StoreExistsError
 from .formats.base import StorageSpec
 from .layout import STAGING_DIR, backend_for_path
@@ -132,8 +133,8 @@ def _check_destination(dst: str, resume: bool, overwrite: bool) -> None:
 
 
 def convert(
-    src: str,
-    dst: str,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
     *,
     format: str | None = None,
     workers: int | None = None,
@@ -171,6 +172,7 @@ def convert(
     Raises:
         FastdataError subclasses, each naming the file or store at fault.
     """
+    src, dst = os.fspath(src), os.fspath(dst)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are exclusive")
     backend = choose_backend(dst, format)
@@ -191,6 +193,14 @@ def convert(
     for path, problem in scan.walk_problems:
         report.warnings.append(f"{path}: {problem}")
 
+    group = current_group()
+    if group is not None:
+        from .distributed import convert_distributed
+
+        return convert_distributed(
+            group, scan=scan, dst=dst, src=src, backend=backend, storage=storage, shard_bytes=shard_bytes,
+            workers=workers, strict=strict, resume=resume, overwrite=overwrite, progress=progress,
+            writer_options=writer_options, chunk_size=chunk_size, report=report)
     _check_destination(dst, resume, overwrite)
     os.makedirs(dst, exist_ok=True)
     with StoreLock(dst) as lock:
@@ -248,7 +258,7 @@ def _fill_report(report: ConvertReport, manifest: dict, stats: PipelineStats, fi
 class _progress_bar:
     """tqdm with images/s and MB/s; silent when disabled or not on a terminal."""
 
-    def __init__(self, total: int, enabled: bool | None):
+    def __init__(self, total: int, enabled: bool | None, desc: str = "convert"):
         if enabled is None:
             enabled = sys.stderr.isatty()
         self.bar = None
@@ -258,7 +268,7 @@ class _progress_bar:
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="img", desc="convert", dynamic_ncols=True, smoothing=0.1)
+            self.bar = tqdm(total=total, unit="img", desc=desc, dynamic_ncols=True, smoothing=0.1)
 
     def update_counts(self, images: int, rejected: int, nbytes: int) -> None:
         self.bytes += nbytes

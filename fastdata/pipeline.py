@@ -40,7 +40,9 @@ from .formats import writer_class
 from .formats.base import Sample, StorageSpec
 from .ingest import ingest_chunk
 from .layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
-from .manifest import MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, write_manifest
+from .manifest import (
+    MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, fsync_dir, write_manifest,
+)
 from .plan import ShardPlan
 from .source import SourceScan
 
@@ -112,8 +114,19 @@ def prepare_staging(dst: str, fingerprint: str, resume: bool) -> None:
                 "(a file was added, removed or changed, or an option differs); rerun with --overwrite to start over"
             )
         return
-    os.makedirs(staging_path(dst), exist_ok=True)
-    atomic_write(plan_path, json.dumps({"fingerprint": fingerprint}).encode())
+    try:
+        os.makedirs(staging_path(dst), exist_ok=True)
+        atomic_write(plan_path, json.dumps({"fingerprint": fingerprint}).encode())
+    except OSError as err:
+        raise io_error(err, plan_path) from err
+
+
+def io_error(err: OSError, where: str) -> ConversionError:
+    """A :class:`ConversionError` naming the file and the cause of an I/O failure."""
+    return ConversionError(
+        f"I/O error while writing {getattr(err, 'filename', None) or where}: {getattr(err, 'strerror', None) or err}; "
+        "nothing incomplete was published: fix the cause (e.g. free disk space) and rerun with --resume"
+    )
 
 
 def remove_temporaries(dst: str) -> None:
@@ -123,8 +136,9 @@ def remove_temporaries(dst: str) -> None:
             os.unlink(os.path.join(dst, name))
 
 
-def load_finished(dst: str, backend: str, plans: list[ShardPlan]) -> dict[int, ShardResult]:
-    """Shards whose sidecar exists and whose file still matches it (size and checksum)."""
+def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True) -> dict[int, ShardResult]:
+    """Shards whose sidecar exists and whose file still matches it (size, and the
+    whole-file checksum unless ``verify_files`` is False: for shards this run just wrote)."""
     done: dict[int, ShardResult] = {}
     for plan in plans:
         name = shard_name(backend, plan.shard_id)
@@ -134,7 +148,7 @@ def load_finished(dst: str, backend: str, plans: list[ShardPlan]) -> dict[int, S
             with open(side, "rb") as fh:
                 info = json.load(fh)
             result = ShardResult(**info, resumed=True)
-            if os.path.getsize(path) == result.bytes and file_checksum(path) == result.xxh:
+            if os.path.getsize(path) == result.bytes and (not verify_files or file_checksum(path) == result.xxh):
                 done[plan.shard_id] = result
                 continue
         except (OSError, ValueError, TypeError):
@@ -168,20 +182,28 @@ class _ShardInProgress:
         self.count += len(samples)
 
     def finish(self, dst: str) -> ShardResult:
+        """Sync, close and rename the shard, then write its sidecar (the proof it is complete)."""
         self.writer.close()
         os.replace(self.tmp_path, self.final_path)
-        fd = os.open(dst, os.O_RDONLY)
+        sidecar = staging_path(dst, self.name + ".json")
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        result = ShardResult(
-            shard_id=self.plan.shard_id, name=self.name, count=self.count,
-            bytes=os.path.getsize(self.final_path), xxh=file_checksum(self.final_path),
-            image_bytes=self.image_bytes, input_bytes=self.input_bytes,
-            class_counts=self.class_counts, rejected=self.rejected,
-        )
-        atomic_write(staging_path(dst, self.name + ".json"), json.dumps(result.to_json()).encode())
+            fsync_dir(dst)
+            result = ShardResult(
+                shard_id=self.plan.shard_id, name=self.name, count=self.count,
+                bytes=os.path.getsize(self.final_path), xxh=file_checksum(self.final_path),
+                image_bytes=self.image_bytes, input_bytes=self.input_bytes,
+                class_counts=self.class_counts, rejected=self.rejected,
+            )
+            atomic_write(sidecar, json.dumps(result.to_json()).encode())
+        except BaseException:
+            # After a failed fsync the kernel may already have dropped the dirty pages
+            # ("fsyncgate"): never trust this shard; resume rewrites it from the source.
+            for path in (sidecar, self.final_path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise
         return result
 
     def abort(self) -> None:
@@ -204,6 +226,30 @@ def _mp_context():
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(["fastdata.ingest"])
     return ctx
+
+
+def _exit_with_converter(converter_pid: int, interval: float = 0.5) -> None:
+    """Worker initializer: exit as soon as the converter process is gone.
+
+    A converter killed with SIGKILL (or by the OOM killer) cannot stop its pool,
+    and an idle worker blocks on the task queue forever (it holds a write end of
+    that pipe itself, so it never sees EOF), keeping the forkserver alive too.
+    A daemon thread polls the converter and ends the worker instead.
+    """
+    import threading
+
+    import psutil
+
+    def watch() -> None:
+        try:
+            converter = psutil.Process(converter_pid)
+            while converter.is_running() and converter.status() != psutil.STATUS_ZOMBIE:
+                time.sleep(interval)
+        except psutil.Error:
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fastdata-converter-watch", daemon=True).start()
 
 
 def run_shards(
@@ -233,10 +279,12 @@ def run_shards(
     num_classes = len(scan.classes)
     open_shards: dict[int, _ShardInProgress] = {}
     chunks_left = {p.shard_id: len(range(p.start, p.stop, chunk_size)) for p in todo}
-    executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=_mp_context())
+    executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=_mp_context(),
+                                      initializer=_exit_with_converter, initargs=(os.getpid(),))
     inflight: collections.deque = collections.deque()
     source_chunks = _chunks(todo, chunk_size)
     current_files = ""
+    writing = dst  # the file being written when an I/O error strikes
     try:
         def submit_next() -> bool:
             nxt = next(source_chunks, None)
@@ -261,8 +309,10 @@ def run_shards(
             submit_next()
             shard = open_shards.get(plan.shard_id)
             if shard is None:
+                writing = os.path.join(dst, shard_name(backend, plan.shard_id)) + TMP_SUFFIX
                 shard = open_shards[plan.shard_id] = _ShardInProgress(
                     dst, backend, plan, storage, num_classes, writer_options)
+            writing = shard.tmp_path
             samples = []
             for offset, item in enumerate(results):
                 if isinstance(item, Sample):
@@ -283,7 +333,9 @@ def run_shards(
             chunks_left[plan.shard_id] -= 1
             if chunks_left[plan.shard_id] == 0:
                 stats.map_growths += getattr(shard.writer, "map_growths", 0)
-                stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
+                # pop only after finish succeeds: a failed finish must still be aborted and named
+                stats.results.append(shard.finish(dst))
+                del open_shards[plan.shard_id]
                 stats.written_shards += 1
             if on_progress:
                 on_progress(len(samples), len(results) - len(samples), read_bytes)
@@ -293,12 +345,7 @@ def run_shards(
             "finished shards are kept: rerun the same command with --resume"
         ) from None
     except (OSError, lmdb.Error) as err:
-        where = getattr(err, "filename", None) or next(
-            (s.tmp_path for s in open_shards.values()), dst)
-        raise ConversionError(
-            f"I/O error while writing {where}: {getattr(err, 'strerror', None) or err}; "
-            "nothing incomplete was published: fix the cause (e.g. free disk space) and rerun with --resume"
-        ) from err
+        raise io_error(err, writing) from err
     finally:
         for shard in open_shards.values():
             shard.abort()
@@ -332,7 +379,6 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
         rejected.extend({"path": p, "reason": why} for p, why in r.rejected)
     tsv = "path\treason\n" + "".join(
         f"{_tsv_field(item['path'])}\t{_tsv_field(item['reason'])}\n" for item in rejected)
-    atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
     body = {
         "format": STORE_FORMAT,
         "version": STORE_VERSION,
@@ -345,7 +391,11 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
         "rejected": rejected,
         "options": dict(options, fastdata_version=__version__),
     }
-    manifest = write_manifest(dst, body)
+    try:
+        atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
+        manifest = write_manifest(dst, body)
+    except OSError as err:
+        raise io_error(err, os.path.join(dst, MANIFEST_NAME)) from err
     shutil.rmtree(staging_path(dst), ignore_errors=True)
     return manifest
 

@@ -24,7 +24,7 @@ class LMDBShardWriter(ShardWriter):
         # lock=False: the store-level lock already guarantees a single writer.
         # sync=False: we sync once at close (env.sync + fsync) instead of per commit.
         self.env = lmdb.open(path, subdir=False, map_size=self.map_size, max_dbs=2, lock=False,
-                             sync=False, metasync=False, readahead=False, meminit=False)
+                             sync=False, metasync=False, readahead=False, meminit=True)
         self.records = self.env.open_db(spec.RECORDS_DB)
         self.index_db = self.env.open_db(spec.INDEX_DB)
         self.index = IndexBuilder()
