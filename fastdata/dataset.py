@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .decode import decode_numpy, decode_pil
+from .decode import decode_numpy, decode_numpy_into, decode_pil
 from .errors import CorruptRecordError, FastdataError, FormatError
 from .formats import reader_class
 from .formats.base import StorageSpec
@@ -122,7 +122,7 @@ class StoreDataset(Dataset):
 
     # -- metadata ---------------------------------------------------------------------------
     def _load_index(self, manifest: dict) -> None:
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "checksums", "nbytes")}
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "nbytes", "widths", "heights")}
         paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
         rcls = reader_class(self.backend)
         for shard in manifest["shards"]:
@@ -146,6 +146,10 @@ class StoreDataset(Dataset):
                                      store=self.root)
         self._formats = cat(parts["formats"], np.uint8)
         self._nbytes = cat(parts["nbytes"], np.int64)
+        widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
+        #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
+        self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
+            (widths == widths[0]).all() and (heights == heights[0]).all()) else None
         self._relpaths = cat(paths, np.uint8)
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
 
@@ -334,6 +338,8 @@ class StoreDataset(Dataset):
             return None
         if self.storage.mode == "raw":
             return tuple(self.storage.raw_shape)
+        if self.decode is None:
+            return self.uniform_shape
         size = getattr(self.decode, "output_size", None)
         return tuple(size) if size else None
 
@@ -356,9 +362,10 @@ class StoreDataset(Dataset):
                     arr[j] = self._substitute(i, data)[0] if self.on_error == "skip" else _raise(data)
                     continue
                 try:
-                    decode_into = getattr(self.decode, "decode_into", None)
-                    if decode_into is not None:
-                        decode_into(data, arr[j])
+                    if self.decode is None:
+                        decode_numpy_into(data, FORMAT_NAMES[int(self._formats[i])], arr[j])
+                    elif hasattr(self.decode, "decode_into"):
+                        self.decode.decode_into(data, arr[j])
                     else:
                         arr[j] = self.decode(data)
                 except Exception as err:  # noqa: BLE001 - named and typed below

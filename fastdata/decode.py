@@ -51,7 +51,26 @@ def decode_numpy(data: bytes, fmt: str, raw_shape: tuple[int, int] | None = None
                 return simplejpeg.decode_jpeg(data, colorspace="RGB")
         except ValueError:
             pass  # let Pillow decide and produce its own error
-    return np.asarray(open_pil(data, fmt).convert("RGB"))
+    # np.array, not np.asarray: Pillow's array interface hands out read-only bytes,
+    # and torch.from_numpy on a read-only array warns (writes would be undefined)
+    return np.array(open_pil(data, fmt).convert("RGB"))
+
+
+def decode_numpy_into(data: bytes, fmt: str, out: np.ndarray, raw_shape: tuple[int, int] | None = None) -> None:
+    """Decode like :func:`decode_numpy` straight into ``out`` (a C-contiguous HxWx3
+    uint8 view, e.g. one slot of a batch array). Raises ValueError on a size mismatch."""
+    if fmt == "JPEG" and out.flags.c_contiguous:
+        try:
+            h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+            if colorspace in _SIMPLEJPEG_SAFE and out.shape == (h, w, 3):
+                simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=out)
+                return
+        except ValueError:
+            pass
+    array = decode_numpy(data, fmt, raw_shape)
+    if array.shape != out.shape:
+        raise ValueError(f"image is {array.shape[1]}x{array.shape[0]}, expected {out.shape[1]}x{out.shape[0]}")
+    out[...] = array
 
 
 def hwc_to_chw_tensor(array: np.ndarray):

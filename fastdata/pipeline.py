@@ -342,7 +342,9 @@ def run_shards(
     except BrokenProcessPool:
         raise ConversionError(
             f"a conversion worker died unexpectedly (killed, or out of memory?) while reading {current_files}; "
-            "finished shards are kept: rerun the same command with --resume"
+            "finished shards are kept: rerun the same command with --resume. (Calling fastdata.convert from a "
+            "script? Workers start with forkserver and import your main module: put the call under "
+            "`if __name__ == \"__main__\":`.)"
         ) from None
     except (OSError, lmdb.Error) as err:
         raise io_error(err, writing) from err
