@@ -132,7 +132,8 @@ def io_error(err: OSError, where: str) -> ConversionError:
 def remove_temporaries(dst: str) -> None:
     """Delete half-written shards and manifests left by an interrupted run."""
     for name in os.listdir(dst):
-        if name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock"):
+        if (name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock")
+                or name.endswith(TMP_SUFFIX + ".payload")):
             os.unlink(os.path.join(dst, name))
 
 

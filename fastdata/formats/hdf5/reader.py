@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 from typing import Sequence
 
 import h5py
@@ -15,18 +17,26 @@ from . import spec
 
 class HDF5ShardReader(ShardReader):
     """Opens with mode "r", ``locking=False`` (published shards are immutable and
-    HDF5 file locking fails on NFS/Lustre) and a small bounded chunk cache."""
+    HDF5 file locking fails on NFS/Lustre) and a small bounded chunk cache.
+
+    The payload dataset (``images`` or ``pixels``) is contiguous, so after
+    reading the index through h5py the reader maps the payload's byte range
+    read-only (``MADV_RANDOM``: no readahead for random access) and slices
+    samples out of the mapping directly. Each process makes its own mapping
+    (readers are created lazily per process by the datasets)."""
 
     def __init__(self, path: str, storage: StorageSpec, **options):
         super().__init__(path, storage)
+        self._map: mmap.mmap | None = None
+        self._payload: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+        self._checksums: np.ndarray | None = None
         try:
             self.file = h5py.File(path, "r", locking=False, rdcc_nbytes=spec.READER_CHUNK_CACHE)
         except (OSError, ValueError) as err:
+            self.file = None
             raise FormatError(f"{path}: cannot open HDF5 shard ({err}); the file is missing or damaged; "
                               "run 'fastdata verify' on the store") from None
-        self._offsets: np.ndarray | None = None
-        self._checksums: np.ndarray | None = None
-        self.data = None
 
     def read_index(self) -> ShardIndex:
         f = self.file
@@ -40,13 +50,19 @@ class HDF5ShardReader(ShardReader):
                       for name, dtype in spec.INDEX_ARRAYS.items()}
             count = int(f.attrs["count"])
             if self.storage.mode == "raw":
-                self.data = f[spec.PIXELS]
-                total = self.data.shape[0]
-                self._offsets = None
+                data = f[spec.PIXELS]
+                h, w = self.storage.raw_shape
+                if data.shape[1:] != (h, w, 3):
+                    raise CorruptRecordError(f"{self.path}: pixels have shape {data.shape}, expected (n, {h}, {w}, 3)",
+                                             shard=self.path)
+                total = data.shape[0]
+                offsets = None
             else:
-                self.data = f[spec.IMAGES]
-                self._offsets = np.asarray(f[spec.OFFSETS][()], dtype=np.int64)
-                total = len(self._offsets) - 1
+                data = f[spec.IMAGES]
+                offsets = np.asarray(f[spec.OFFSETS][()], dtype=np.int64)
+                total = len(offsets) - 1
+            nbytes = int(np.prod(data.shape))
+            file_offset = data.id.get_offset()
         except (KeyError, OSError, ValueError, TypeError) as err:
             raise CorruptRecordError(f"{self.path}: shard index unreadable ({err})", shard=self.path) from None
         index = ShardIndex(**arrays)
@@ -54,12 +70,29 @@ class HDF5ShardReader(ShardReader):
             raise CorruptRecordError(f"{self.path}: index has {len(index)} entries, header says {count}",
                                      shard=self.path)
         index.validate(self.path)
-        if self._offsets is not None and (
-            self._offsets[0] != 0 or np.any(np.diff(self._offsets) != index.nbytes) or self._offsets[-1] > self.data.shape[0]
-        ):
+        if offsets is not None and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
+                                    or offsets[-1] != nbytes):
             raise CorruptRecordError(f"{self.path}: image offsets are inconsistent", shard=self.path)
+        if nbytes and file_offset is None:
+            raise CorruptRecordError(f"{self.path}: payload dataset is not contiguous", shard=self.path)
+        self._map_payload(file_offset or 0, nbytes)
+        self._offsets = offsets
         self._checksums = index.checksums
         return index
+
+    def _map_payload(self, file_offset: int, nbytes: int) -> None:
+        if nbytes == 0:
+            self._payload = np.zeros(0, dtype=np.uint8)
+            return
+        if file_offset + nbytes > os.path.getsize(self.path):
+            raise CorruptRecordError(f"{self.path}: payload runs past the end of the file (truncated shard)",
+                                     shard=self.path)
+        start = file_offset - file_offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.path, "rb") as fh:
+            self._map = mmap.mmap(fh.fileno(), nbytes + file_offset - start, access=mmap.ACCESS_READ, offset=start)
+        if hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_RANDOM)
+        self._payload = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=file_offset - start)
 
     def _ensure_index(self) -> None:
         if self._checksums is None:
@@ -71,13 +104,17 @@ class HDF5ShardReader(ShardReader):
                                      shard=self.path, index=local_index)
         return data
 
+    def _span(self, local_index: int) -> tuple[int, int]:
+        if self._offsets is None:
+            row = self.storage.raw_shape[0] * self.storage.raw_shape[1] * 3
+            return local_index * row, (local_index + 1) * row
+        return int(self._offsets[local_index]), int(self._offsets[local_index + 1])
+
     def _read(self, local_index: int) -> bytes:
+        a, b = self._span(local_index)
         try:
-            if self._offsets is None:
-                return self.data[local_index].tobytes()
-            a, b = self._offsets[local_index], self._offsets[local_index + 1]
-            return self.data[a:b].tobytes()
-        except (OSError, ValueError) as err:
+            return self._payload[a:b].tobytes()
+        except (OSError, ValueError) as err:  # e.g. SIGBUS-free I/O errors surface as OSError
             raise CorruptRecordError(f"{self.path} record {local_index}: unreadable ({err})",
                                      shard=self.path, index=local_index) from None
 
@@ -88,58 +125,37 @@ class HDF5ShardReader(ShardReader):
         return self._check(self._read(local_index), local_index)
 
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
-        """Reads in offset order; a run of consecutive indices is one contiguous read."""
+        """Samples are sliced in offset order so a cold store is read as sequentially as the batch allows."""
         self._ensure_index()
         idx = np.asarray(local_indices, dtype=np.int64)
         out: list = [None] * len(idx)
-        order = np.argsort(idx, kind="stable")
-        sorted_idx = idx[order]
-        # split the sorted indices into runs of consecutive values
-        breaks = np.flatnonzero(np.diff(sorted_idx) != 1) + 1
-        for run_pos in np.split(np.arange(len(sorted_idx)), breaks):
-            if not len(run_pos):
-                continue
-            first, last = int(sorted_idx[run_pos[0]]), int(sorted_idx[run_pos[-1]])
-            if self._offsets is None:
-                try:
-                    block = self.data[first:last + 1]
-                except (OSError, ValueError) as err:
-                    raise CorruptRecordError(f"{self.path} records {first}-{last}: unreadable ({err})",
-                                             shard=self.path, index=first) from None
-                for k, pos in enumerate(run_pos):
-                    i = int(sorted_idx[pos])
-                    out[order[pos]] = self._check(block[k].tobytes(), i)
-            else:
-                base = int(self._offsets[first])
-                try:
-                    block = self.data[base:int(self._offsets[last + 1])].tobytes()
-                except (OSError, ValueError) as err:
-                    raise CorruptRecordError(f"{self.path} records {first}-{last}: unreadable ({err})",
-                                             shard=self.path, index=first) from None
-                for pos in run_pos:
-                    i = int(sorted_idx[pos])
-                    a, b = int(self._offsets[i]) - base, int(self._offsets[i + 1]) - base
-                    out[order[pos]] = self._check(block[a:b], i)
+        for j in np.argsort(idx, kind="stable").tolist():
+            i = int(idx[j])
+            out[j] = self._check(self._read(i), i)
         return out
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
-        """Raw mode: fancy-index read in sorted order, one call per batch."""
+        """Raw mode: one numpy gather from the mapped pixel array (sorted order), then checksums."""
         self._ensure_index()
         idx = np.asarray(local_indices, dtype=np.int64)
+        h, w = self.storage.raw_shape
+        pixels = self._payload.reshape(-1, h, w, 3)
         order = np.argsort(idx, kind="stable")
-        sorted_idx = idx[order]
-        if len(sorted_idx) and np.all(np.diff(sorted_idx) == 1):
-            block = self.data[int(sorted_idx[0]):int(sorted_idx[-1]) + 1]
-        else:
-            uniq, inverse = np.unique(sorted_idx, return_inverse=True)
-            block = self.data[uniq][inverse]
-        for k, i in enumerate(sorted_idx):
-            self._check(block[k].tobytes(), int(i))
-        out[order] = block
+        out[order] = pixels[idx[order]]
+        for j, i in enumerate(idx.tolist()):
+            if checksum(out[j]) != int(self._checksums[i]):
+                raise CorruptRecordError(f"{self.path} record {i}: image checksum mismatch (the record is damaged)",
+                                         shard=self.path, index=i)
 
     def close(self) -> None:
         f, self.file = getattr(self, "file", None), None
-        self.data = None
+        self._payload = None
+        m, self._map = getattr(self, "_map", None), None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:  # a caller still holds a view; the GC unmaps it later
+                pass
         if f is not None:
             try:
                 f.close()

@@ -12,38 +12,30 @@ from ...record import IndexBuilder, ShardIndex
 from ..base import Sample, ShardWriter, StorageSpec
 from . import spec
 
+_COPY_BLOCK = 64 << 20
+
 
 class HDF5ShardWriter(ShardWriter):
-    """Appends image bytes to a resizable flat dataset (or a 4-D pixel dataset
-    in raw mode); offsets and the index are written at close."""
+    """Streams image bytes (or raw pixels) to a side file while the shard is
+    written, then at close creates the *contiguous* payload dataset of the exact
+    size and copies the bytes in. Contiguous storage has a fixed file offset, so
+    readers can map it and slice samples without a per-read trip through the
+    HDF5 library; the one extra sequential copy is cheap next to validation."""
 
     def __init__(self, path: str, storage: StorageSpec, **options):
         super().__init__(path, storage)
-        self.file = h5py.File(path, "w", locking=False)
+        self.payload_path = path + ".payload"
+        self.payload = open(self.payload_path, "wb")
         self.index = IndexBuilder()
         self.offsets = [0]
-        if storage.mode == "raw":
-            h, w = storage.raw_shape
-            self.data = self.file.create_dataset(spec.PIXELS, shape=(0, h, w, 3), maxshape=(None, h, w, 3),
-                                                 dtype=np.uint8, chunks=(max(1, (256 << 10) // (h * w * 3)), h, w, 3))
-        else:
-            self.data = self.file.create_dataset(spec.IMAGES, shape=(0,), maxshape=(None,), dtype=np.uint8,
-                                                 chunks=(spec.IMAGES_CHUNK,))
 
     def put(self, samples: Sequence[Sample]) -> None:
-        if not samples:
-            return
         if self.storage.mode == "raw":
             h, w = self.storage.raw_shape
-            block = np.stack([np.frombuffer(s.image, dtype=np.uint8).reshape(h, w, 3) for s in samples])
-            start = self.data.shape[0]
-            self.data.resize(start + len(samples), axis=0)
-            self.data[start:] = block
-        else:
-            block = np.frombuffer(b"".join(s.image for s in samples), dtype=np.uint8)
-            start = self.data.shape[0]
-            self.data.resize(start + len(block), axis=0)
-            self.data[start:] = block
+            for s in samples:
+                if len(s.image) != h * w * 3:
+                    raise ValueError(f"raw sample {s.relpath!r} has {len(s.image)} bytes, expected {h * w * 3}")
+        self.payload.write(b"".join(s.image for s in samples))
         for s in samples:
             self.offsets.append(self.offsets[-1] + len(s.image))
             self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
@@ -51,16 +43,33 @@ class HDF5ShardWriter(ShardWriter):
 
     def close(self) -> ShardIndex:
         index = self.index.build()
-        f = self.file
-        if self.storage.mode != "raw":
-            f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
-        for name, dtype in spec.INDEX_ARRAYS.items():
-            f.create_dataset(name, data=np.asarray(getattr(index, name), dtype=dtype))
-        f.attrs["layout"] = spec.LAYOUT
-        f.attrs["version"] = spec.VERSION
-        f.attrs["count"] = len(index)
-        f.flush()
-        f.close()
+        self.payload.close()
+        total = self.offsets[-1]
+        with h5py.File(self.path, "w", locking=False) as f:
+            if self.storage.mode == "raw":
+                h, w = self.storage.raw_shape
+                data = f.create_dataset(spec.PIXELS, shape=(len(index), h, w, 3), dtype=np.uint8)
+            else:
+                data = f.create_dataset(spec.IMAGES, shape=(total,), dtype=np.uint8)
+                f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
+            with open(self.payload_path, "rb") as src:
+                pos = 0
+                row = data.shape[1] * data.shape[2] * 3 if self.storage.mode == "raw" else 1
+                block_rows = max(1, _COPY_BLOCK // row)
+                while True:
+                    chunk = src.read(block_rows * row)
+                    if not chunk:
+                        break
+                    arr = np.frombuffer(chunk, dtype=np.uint8)
+                    rows = len(arr) // row
+                    data[pos:pos + rows] = arr.reshape((rows,) + data.shape[1:])
+                    pos += rows
+            for name, dtype in spec.INDEX_ARRAYS.items():
+                f.create_dataset(name, data=np.asarray(getattr(index, name), dtype=dtype))
+            f.attrs["layout"] = spec.LAYOUT
+            f.attrs["version"] = spec.VERSION
+            f.attrs["count"] = len(index)
+        os.unlink(self.payload_path)
         fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -70,6 +79,8 @@ class HDF5ShardWriter(ShardWriter):
 
     def abort(self) -> None:
         try:
-            self.file.close()
-        except Exception:  # h5py raises assorted types on a half-written file
-            pass
+            self.payload.close()
+        finally:
+            for path in (self.payload_path,):
+                if os.path.exists(path):
+                    os.unlink(path)

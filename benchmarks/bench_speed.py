@@ -1,0 +1,233 @@
+"""Issue-5 speed targets, measured side by side in one run.
+
+Pipelines, all through a real DataLoader (2 workers, persistent, shuffled):
+
+* ``folder``   ImageFolder-equivalent + PIL transforms + PILToTensor (fastdata.bench.folder)
+* ``ceiling``  the decode-only limit: the same encoded bytes held in RAM (one numpy
+               blob), decoded with fastdata's fastest path into a batch array; no storage
+* ``lmdb`` / ``hdf5``  fastdata stores with the same decode path
+
+Scenarios (``--scenario``, default all):
+
+1. ``imagenet``   ImageNet-like JPEGs, RandomResizedCrop(224) -> uint8 tensors, batch 64
+2. ``cifar``      32x32 JPEGs, uint8 tensors, batch 256
+3. ``cifar-cold`` as 2, page cache of every file evicted before each epoch
+4. ``cifar-raw``  a ``--raw 32x32`` store vs the folder
+
+Median images/s over ``--epochs`` measured epochs after one warm-up epoch; the
+table shows ratios to the folder baseline and to the ceiling.
+
+    python benchmarks/bench_speed.py                  # full size (~10 min on 2 cores)
+    python benchmarks/bench_speed.py --quick          # smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import fastdata
+from fastdata import transforms
+from fastdata.bench.cache import evict_page_cache
+from fastdata.bench.folder import FolderDataset
+from fastdata.dataset import Batch, collate
+from fastdata.manifest import read_manifest
+from fastdata.seeding import seed_worker
+from fastdata.synth import make_image_folder
+
+
+class RamDataset(torch.utils.data.Dataset):
+    """The ceiling: encoded bytes in RAM (numpy blob + offsets), no storage layer.
+    Batches decode straight into one array, exactly like fastdata's fast path."""
+
+    def __init__(self, root: str, decode, shape):
+        from fastdata.source import scan_folder
+
+        scan = scan_folder(root)
+        blobs = [open(p, "rb").read() for p in scan.paths]
+        self.offsets = np.cumsum([0] + [len(b) for b in blobs]).astype(np.int64)
+        self.blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        self.targets = scan.labels
+        self.decode = decode
+        self.shape = shape
+
+    def __len__(self):
+        return len(self.targets)
+
+    def _bytes(self, i):
+        return self.blob[self.offsets[i]:self.offsets[i + 1]].tobytes()
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.decode(self._bytes(i))).permute(2, 0, 1), int(self.targets[i])
+
+    def __getitems__(self, indices):
+        h, w = self.shape
+        n = len(indices)
+        if torch.utils.data.get_worker_info() is not None:
+            images = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n * h * w * 3), 0,
+                                                            (n, h, w, 3))
+        else:
+            images = torch.empty((n, h, w, 3), dtype=torch.uint8)
+        arr = images.numpy()
+        for j, i in enumerate(indices):
+            self.decode.decode_into(self._bytes(i), arr[j])
+        batch = Batch()
+        batch.images = images.permute(0, 3, 1, 2)
+        batch.labels = torch.from_numpy(self.targets[np.asarray(indices)])
+        return batch
+
+
+class FullDecode:
+    """decode-time transform for plain full decode of fixed-size images (ceiling for cifar)."""
+
+    def __init__(self, shape):
+        self.output_size = shape
+
+    def __call__(self, data):
+        return transforms.full_decode(data)
+
+    def decode_into(self, data, out):
+        from fastdata.decode import decode_numpy_into
+
+        decode_numpy_into(data, "JPEG", out)
+
+
+def folder_collate(batch):
+    return torch.stack([b[0] for b in batch]), torch.as_tensor([b[1] for b in batch])
+
+
+def measure(dataset, *, batch_size, workers, epochs, files=None, collate_fn=collate):
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
+        worker_init_fn=seed_worker, collate_fn=collate_fn, prefetch_factor=4 if workers else None,
+        generator=torch.Generator().manual_seed(0))
+    rates = []
+    for epoch in range(epochs + 1):
+        if files:
+            evict_page_cache(files)
+        t0 = time.perf_counter()
+        n = 0
+        for images, labels in loader:
+            n += len(labels)
+        rate = n / (time.perf_counter() - t0)
+        if epoch > 0:  # epoch 0 is the warm-up
+            rates.append(rate)
+    del loader
+    return statistics.median(rates), rates
+
+
+def store_files(path):
+    return [os.path.join(path, s["name"]) for s in read_manifest(path)["shards"]]
+
+
+def folder_files(root):
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+def run(args):
+    work = args.workdir or tempfile.mkdtemp(prefix="fastdata-speed-")
+    results = {}
+    wanted = set(args.scenario.split(","))
+
+    def row(scenario, name, rate, rates):
+        results.setdefault(scenario, {})[name] = {"median_img_s": rate, "epochs": rates}
+        print(f"  {scenario:11s} {name:8s} {rate:10.0f} img/s   epochs: {', '.join(f'{r:.0f}' for r in rates)}",
+              flush=True)
+
+    common = dict(workers=args.workers, epochs=args.epochs)
+    if "imagenet" in wanted:
+        src = os.path.join(work, "imagenet")
+        if not os.path.isdir(src):
+            make_image_folder(src, num_classes=10, per_class=args.imagenet // 10, size="imagenet", workers=2)
+        for suffix in (".lmdb", ".h5"):
+            if not os.path.isdir(src + suffix):
+                fastdata.convert(src, src + suffix, progress=False)
+        rrc = transforms.RandomResizedCrop(224)
+        print(f"imagenet-like: {args.imagenet} JPEGs, RandomResizedCrop(224) -> uint8, batch 64", flush=True)
+        row("imagenet", "folder", *measure(FolderDataset(src, "rrc224", "tensor"), batch_size=64,
+                                           collate_fn=folder_collate, **common))
+        row("imagenet", "ceiling", *measure(RamDataset(src, rrc, (224, 224)), batch_size=64, **common))
+        for suffix, name in ((".lmdb", "lmdb"), (".h5", "hdf5")):
+            ds = fastdata.open_dataset(src + suffix, output="tensor", decode=rrc)
+            row("imagenet", name, *measure(ds, batch_size=64, **common))
+
+    if wanted & {"cifar", "cifar-cold", "cifar-raw"}:
+        src = os.path.join(work, "cifar")
+        if not os.path.isdir(src):
+            make_image_folder(src, num_classes=10, per_class=args.cifar // 10, size="cifar", workers=2)
+        for suffix, kw in ((".lmdb", {}), (".h5", {}), ("-raw.lmdb", {"raw": "32x32"}), ("-raw.h5", {"raw": "32x32"})):
+            if not os.path.isdir(src + suffix):
+                fastdata.convert(src, src + suffix, progress=False, **kw)
+        for scenario in ("cifar", "cifar-cold"):
+            if scenario not in wanted:
+                continue
+            cold = scenario == "cifar-cold"
+            print(f"{scenario}: {args.cifar} 32x32 JPEGs -> uint8, batch 256{' (page cache evicted each epoch)' if cold else ''}",
+                  flush=True)
+            folder = FolderDataset(src, "none", "tensor")
+            row(scenario, "folder", *measure(folder, batch_size=256, collate_fn=folder_collate,
+                                             files=folder_files(src) if cold else None, **common))
+            if not cold:
+                row(scenario, "ceiling", *measure(RamDataset(src, FullDecode((32, 32)), (32, 32)), batch_size=256,
+                                                  **common))
+            for suffix, name in ((".lmdb", "lmdb"), (".h5", "hdf5")):
+                ds = fastdata.open_dataset(src + suffix, output="tensor")
+                row(scenario, name, *measure(ds, batch_size=256, files=store_files(src + suffix) if cold else None,
+                                             **common))
+        if "cifar-raw" in wanted:
+            print(f"cifar-raw: --raw 32x32 stores vs the folder, batch 256", flush=True)
+            if "folder" not in results.get("cifar", {}):
+                row("cifar-raw", "folder", *measure(FolderDataset(src, "none", "tensor"), batch_size=256,
+                                                    collate_fn=folder_collate, **common))
+            else:
+                results["cifar-raw"] = {"folder": results["cifar"]["folder"]}
+            for suffix, name in (("-raw.lmdb", "lmdb"), ("-raw.h5", "hdf5")):
+                ds = fastdata.open_dataset(src + suffix, output="tensor")
+                row("cifar-raw", name, *measure(ds, batch_size=256, **common))
+
+    print("\nratios (median images/s, same run)")
+    print(f"{'scenario':11s} {'store':6s} {'x folder':>9s} {'x ceiling':>10s}")
+    for scenario, rows in results.items():
+        base = rows["folder"]["median_img_s"]
+        ceil = rows.get("ceiling", {}).get("median_img_s")
+        for name in ("lmdb", "hdf5"):
+            if name in rows:
+                r = rows[name]["median_img_s"]
+                print(f"{scenario:11s} {name:6s} {r / base:9.2f} {(r / ceil) if ceil else float('nan'):10.2f}")
+        if ceil:
+            print(f"{scenario:11s} {'(ceil)':6s} {ceil / base:9.2f}")
+    results["machine"] = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                          "platform": platform.platform(), "workers": args.workers, "epochs": args.epochs}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", default="imagenet,cifar,cifar-cold,cifar-raw")
+    p.add_argument("--imagenet", type=int, default=2000, help="number of ImageNet-like images")
+    p.add_argument("--cifar", type=int, default=20000, help="number of 32x32 images")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3, help="measured epochs (after one warm-up)")
+    p.add_argument("--workdir", help="reuse generated data and stores here")
+    p.add_argument("--json", help="write results as JSON")
+    p.add_argument("--quick", action="store_true", help="smoke size")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.imagenet, args.cifar, args.epochs = 200, 2000, 2
+    run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
