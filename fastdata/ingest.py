@@ -12,12 +12,13 @@ from __future__ import annotations
 import errno
 import io
 import os
+import stat
 import warnings
 
 from PIL import Image
 
 from .formats.base import Sample, StorageSpec
-from .record import checksum
+from .record import MAX_RECORD_BYTES, checksum
 
 #: extension -> the Pillow format the content must have
 EXTENSION_FORMATS = {
@@ -27,6 +28,9 @@ EXTENSION_FORMATS = {
 #: Pillow may only try these decoders on input (no exotic plugins on hostile files)
 ALLOWED_FORMATS = tuple(sorted(set(EXTENSION_FORMATS.values())))
 DEFAULT_REENCODE_QUALITY = 90
+#: largest input file read: a bigger one could not be stored as one record (and
+#: reading it would only exhaust memory)
+MAX_INPUT_BYTES = MAX_RECORD_BYTES - (1 << 20)
 
 
 class Rejected(Exception):
@@ -35,12 +39,22 @@ class Rejected(Exception):
 
 def _read_bytes(path: bytes) -> bytes:
     try:
-        with open(path, "rb") as fh:
-            return fh.read()
+        # O_NONBLOCK: opening a FIFO named *.jpg must not block the worker forever
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise Rejected("not a regular file (a FIFO, socket or device); not read")
+            if st.st_size > MAX_INPUT_BYTES:
+                raise Rejected(f"file of {st.st_size} bytes exceeds the {MAX_INPUT_BYTES} byte limit for one image")
+            data = fh.read(MAX_INPUT_BYTES + 1)
+            if len(data) > MAX_INPUT_BYTES:  # grew after the fstat
+                raise Rejected(f"file exceeds the {MAX_INPUT_BYTES} byte limit for one image")
+            return data
     except FileNotFoundError:
         if os.path.islink(path):
             raise Rejected("broken symlink (its target does not exist)") from None
-        raise Rejected("file disappeared after the scan (deleted or moved)") from None
+        raise Rejected("file not found (a wrong path in the list, or deleted or moved after the scan)") from None
     except PermissionError:
         raise Rejected("permission denied (cannot read the file)") from None
     except IsADirectoryError:

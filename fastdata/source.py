@@ -143,7 +143,8 @@ def scan_list(list_file: str) -> SourceScan:
     delimiter = "\t" if list_file.lower().endswith(".tsv") else ","
     rows: list[tuple[str, str]] = []
     try:
-        with open(list_file, newline="", encoding="utf-8", errors="surrogateescape") as fh:
+        # utf-8-sig: spreadsheet exports often start with a BOM, which would hide the header row
+        with open(list_file, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
             for lineno, row in enumerate(csv.reader(fh, delimiter=delimiter), start=1):
                 if not row or (len(row) == 1 and not row[0].strip()):
                     continue
@@ -173,9 +174,10 @@ def scan_list(list_file: str) -> SourceScan:
     )
 
 
-def scan(src: str) -> SourceScan:
+def scan(src: str | os.PathLike) -> SourceScan:
     """Scan ``src``: a ``.csv``/``.tsv`` list file or an ImageFolder tree."""
-    if os.path.isfile(src) and src.lower().endswith((".csv", ".tsv")):
+    src = os.fspath(src)
+    if src.lower().endswith((".csv", ".tsv")) and not os.path.isdir(src):
         return scan_list(src)
     return scan_folder(src)
 

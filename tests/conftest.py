@@ -1,0 +1,143 @@
+"""Shared fixtures: small, fast, photo-like JPEG files and ImageFolder trees.
+
+Images are upscaled random noise (smooth, every pixel different), never flat
+colour: a flat image compresses to a few hundred bytes and would hide bugs that
+only show with real entropy-coded data (offsets, chunk boundaries, map growth).
+
+Public helpers (importable as ``from conftest import make_jpeg`` or used through
+the fixtures):
+
+``make_jpeg(path, size=(w, h), seed=0, quality=90, mode="RGB", subsampling=None,
+progressive=False) -> str``
+    write one JPEG and return its path.
+``jpeg_tree`` fixture -> ``make_tree(root, classes={"cat": 5, "dog": 3},
+size=(64, 48), ext=".jpg", seed=0) -> str``
+    write ``root/<class>/<class>_<i>.jpg`` trees; returns ``root``.
+``small_tree`` fixture -> ``str``
+    a ready tree: 3 classes x 8 images, some in nested subfolders, one ``.JPG``.
+``store_records(dst) -> (manifest, records)``
+    read a published store back through fastdata's shard readers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def photo_array(size: Sequence[int], seed: int) -> np.ndarray:
+    """``uint8 [h, w, 3]`` smooth random content for ``size=(w, h)``."""
+    w, h = int(size[0]), int(size[1])
+    rng = np.random.default_rng(seed)
+    # Coarse noise upscaled bicubically gives smooth gradients; a little fine
+    # grain on top keeps the JPEG from being trivially compressible.
+    coarse = rng.integers(0, 256, (max(2, h // 8), max(2, w // 8), 3), dtype=np.uint8)
+    smooth = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), dtype=np.int16)
+    grain = rng.integers(-12, 13, (h, w, 1), dtype=np.int16)
+    return np.clip(smooth + grain, 0, 255).astype(np.uint8)
+
+
+def make_jpeg(
+    path,
+    size: Sequence[int] = (64, 48),
+    seed: int = 0,
+    quality: int = 90,
+    mode: str = "RGB",
+    subsampling: int | None = None,
+    progressive: bool = False,
+) -> str:
+    """Write a photo-like JPEG of ``size=(width, height)`` in Pillow ``mode``
+    (``"RGB"``, ``"L"``, ``"CMYK"``) to ``path`` (parents created). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    im = Image.fromarray(photo_array(size, seed))
+    if mode != "RGB":
+        im = im.convert(mode)
+    kwargs = {"quality": quality, "progressive": progressive}
+    if subsampling is not None:
+        kwargs["subsampling"] = subsampling
+    im.save(path, format="JPEG", **kwargs)
+    return str(path)
+
+
+def make_tree(
+    root,
+    classes: Mapping[str, int] | None = None,
+    size: Sequence[int] = (64, 48),
+    ext: str = ".jpg",
+    seed: int = 0,
+) -> str:
+    """Write an ImageFolder tree ``root/<class>/<class>_<i><ext>``; every file has
+    distinct content. Returns ``str(root)``."""
+    classes = {"cat": 5, "dog": 3} if classes is None else classes
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for ci, (name, count) in enumerate(classes.items()):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            make_jpeg(root / name / f"{name}_{i:03d}{ext}", size=size, seed=seed * 100_003 + ci * 1009 + i)
+    return str(root)
+
+
+@pytest.fixture
+def jpeg_tree():
+    """Factory fixture: ``make_tree(root, classes={...}, size=(w, h)) -> root``."""
+    return make_tree
+
+
+@pytest.fixture
+def small_tree(tmp_path) -> str:
+    """3 classes x 8 JPEGs; some in nested subfolders (two levels), one with an
+    uppercase ``.JPG`` extension, varied sizes. Returns the root path."""
+    root = tmp_path / "small_tree"
+    seed = 7
+    for ci, cls in enumerate(("ant", "bee", "wasp")):
+        for i in range(8):
+            if i < 4:
+                rel = Path(cls) / f"img_{i}.jpg"
+            elif i < 6:
+                rel = Path(cls) / "sub" / f"img_{i}.jpg"
+            else:
+                rel = Path(cls) / "sub" / "deeper" / f"img_{i}.jpg"
+            if ci == 1 and i == 2:
+                rel = rel.with_suffix(".JPG")
+            make_jpeg(root / rel, size=(40 + 8 * i, 32 + 4 * ci), seed=seed + ci * 100 + i)
+    return str(root)
+
+
+def store_records(dst) -> tuple[dict, list[dict]]:
+    """Read a published store back through fastdata's shard readers.
+
+    Returns ``(manifest, records)``; each record is a dict with ``image``
+    (stored bytes, checksum-verified), ``label``, ``width``, ``height``, ``fmt``,
+    ``relpath`` (str), ``shard`` and ``local`` index, in store order.
+    """
+    from fastdata.formats import reader_class
+    from fastdata.formats.base import StorageSpec
+    from fastdata.manifest import read_manifest
+    from fastdata.record import FORMAT_NAMES
+
+    manifest = read_manifest(str(dst))
+    storage = StorageSpec.from_json(manifest["storage"])
+    records = []
+    for shard in manifest["shards"]:
+        with reader_class(manifest["backend"])(os.path.join(str(dst), shard["name"]), storage) as reader:
+            index = reader.read_index()
+            assert len(index) == shard["count"]
+            for i in range(len(index)):
+                records.append({
+                    "image": reader.get(i),
+                    "label": int(index.labels[i]),
+                    "width": int(index.widths[i]),
+                    "height": int(index.heights[i]),
+                    "fmt": FORMAT_NAMES[int(index.formats[i])],
+                    "relpath": os.fsdecode(index.relpath(i)),
+                    "shard": shard["name"],
+                    "local": i,
+                })
+    return manifest, records
