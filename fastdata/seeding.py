@@ -1,0 +1,117 @@
+"""Per-process random streams for DataLoader workers and decode-time transforms.
+
+Two hazards this module exists for:
+
+* A ``numpy.random.Generator`` (or any RNG object) created before the DataLoader forks
+  its workers is copied into every worker with the same state, so every worker draws
+  the same "random" crops (pytorch/pytorch#5059 is the classic report for numpy's
+  legacy global stream; torch seeds that one itself since 1.9, but it cannot reach a
+  Generator held by your code or ours).
+* Seeds that are not derived from the DataLoader's seed make runs irreproducible.
+
+So the generator that fastdata's transforms draw from (:func:`get_rng`) is keyed by
+``os.getpid()``: a process that did not seed it itself never sees its parent's copy,
+and gets a fresh stream derived from ``torch.initial_seed()`` (which the DataLoader
+sets to ``base_seed + worker_id`` in each worker) mixed with the pid. Use
+:func:`seed_worker` as ``worker_init_fn`` to make worker streams reproducible for a
+fixed ``torch.manual_seed`` / DataLoader ``generator``, and :func:`seed_rng` in the main
+process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import numpy as np
+import torch
+
+__all__ = ["get_rng", "seed_rng", "seed_worker"]
+
+# Domain tags keep the streams derived here apart from any other use of the same seed.
+_TAG_WORKER = 0x5EED_0001
+_TAG_UNSEEDED = 0x5EED_0002
+
+# (pid, generator), replaced as one tuple so a reader never pairs one pid with
+# another process's generator.
+_state: tuple[int, np.random.Generator] | None = None
+_lock = threading.Lock()
+
+
+def _reset_lock_in_child() -> None:
+    # A fork while another thread held the lock would leave it held forever in the child.
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only; there is no fork elsewhere
+    os.register_at_fork(after_in_child=_reset_lock_in_child)
+
+
+def _install(rng: np.random.Generator) -> None:
+    global _state
+    _state = (os.getpid(), rng)
+
+
+def seed_rng(seed: int) -> None:
+    """Seed this process's fastdata generator explicitly.
+
+    Args:
+        seed (int): a non-negative integer; the same seed gives the same stream.
+
+    Only the calling process is affected: a child forked afterwards does not reuse
+    this stream (see :func:`get_rng`).
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    _install(np.random.default_rng(np.random.SeedSequence([int(seed)])))
+
+
+def get_rng() -> np.random.Generator:
+    """Return the generator that decode-time transforms draw from in this process.
+
+    Returns:
+        numpy.random.Generator: seeded by :func:`seed_rng` or :func:`seed_worker` in this
+        process if either was called here; otherwise a fresh generator derived from
+        ``torch.initial_seed()`` and ``os.getpid()``. A forked child therefore never
+        continues its parent's (cloned) stream.
+    """
+    global _state
+    pid = os.getpid()
+    state = _state
+    if state is not None and state[0] == pid:
+        return state[1]
+    with _lock:
+        state = _state
+        if state is None or state[0] != pid:
+            # Without the pid, children forked from one parent outside a DataLoader
+            # (all sharing the parent's torch seed) would share one stream again.
+            ss = np.random.SeedSequence([torch.initial_seed(), pid, _TAG_UNSEEDED])
+            state = (pid, np.random.default_rng(ss))
+            _state = state
+        return state[1]
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed ``random``, numpy's legacy global stream and :func:`get_rng` in a worker.
+
+    Pass it as ``DataLoader(..., worker_init_fn=seed_worker)``.
+
+    Args:
+        worker_id (int): the DataLoader worker id (also mixed into the seed, so calling
+            it by hand for several ids in one process gives distinct streams).
+
+    The seed comes from ``torch.initial_seed()``, which the DataLoader sets to
+    ``base_seed + worker_id``; ``base_seed`` is drawn from the loader's ``generator``
+    (or torch's global RNG) once per epoch, so streams differ per worker and per epoch
+    and repeat exactly for a fixed ``torch.manual_seed``. The three generators get
+    independent child seeds of one ``SeedSequence`` rather than the same integer.
+    """
+    root = np.random.SeedSequence([torch.initial_seed(), int(worker_id), _TAG_WORKER])
+    py_ss, np_ss, fd_ss = root.spawn(3)
+    random.seed(int.from_bytes(py_ss.generate_state(4, np.uint32).tobytes(), "little"))
+    # The legacy global RandomState takes an array of uint32 (MT19937 init_by_array),
+    # which keeps all 128 bits instead of the usual `seed % 2**32`.
+    np.random.seed(np_ss.generate_state(4, np.uint32))
+    _install(np.random.default_rng(fd_ss))
