@@ -20,8 +20,8 @@ process.
 
 from __future__ import annotations
 
-import os
 import gc
+import os
 import random
 import threading
 
