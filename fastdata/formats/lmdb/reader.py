@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 
 from ...errors import CorruptRecordError, FormatError
-from ...record import ShardIndex, decode_record
+from ...record import ShardIndex, record_image
 from ..base import ShardReader, StorageSpec
 from . import spec
 
@@ -114,21 +114,41 @@ class LMDBShardReader(ShardReader):
         where = f"{self.path} record {local_index}"
         if buf is None:
             raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
-        return decode_record(buf, where=where).image
+        try:
+            return record_image(buf, where=where)
+        except CorruptRecordError as err:  # decode_record knows no shard/index: attach them
+            raise CorruptRecordError(str(err), shard=self.path, index=local_index) from None
 
     def get(self, local_index: int) -> bytes:
-        with self.env.begin(db=self.records, buffers=True) as txn:
-            return self._decode(txn.get(spec.encode_key(local_index)), local_index)
+        try:
+            with self.env.begin(db=self.records, buffers=True) as txn:
+                return self._decode(txn.get(spec.encode_key(local_index)), local_index)
+        except lmdb.Error as err:  # a damaged page (LMDB keeps no page checksums)
+            raise self._damaged(err, local_index) from None
+
+    def _damaged(self, err: Exception, local_index: int) -> CorruptRecordError:
+        return CorruptRecordError(f"{self.path} record {local_index}: unreadable, the shard's internal "
+                                  f"structure is damaged ({err})", shard=self.path, index=local_index)
 
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
         """One read transaction for the whole batch; keys visited in sorted order."""
         order = np.argsort(np.asarray(local_indices), kind="stable")
         out: list = [None] * len(local_indices)
-        with self.env.begin(db=self.records, buffers=True) as txn:
-            for j in order:
-                i = int(local_indices[j])
-                out[j] = self._decode(txn.get(spec.encode_key(i)), i)
+        i = -1
+        try:
+            with self.env.begin(db=self.records, buffers=True) as txn:
+                for j in order:
+                    i = int(local_indices[j])
+                    out[j] = self._decode(txn.get(spec.encode_key(i)), i)
+        except lmdb.Error as err:
+            raise self._damaged(err, i) from None
         return out
+
+    def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
+        """Raw mode: one read transaction, each record's pixels copied into its slot."""
+        shape = out.shape[1:]
+        for j, data in enumerate(self.get_many(local_indices)):
+            out[j] = np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None
