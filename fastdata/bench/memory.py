@@ -105,6 +105,14 @@ _role_cache: Dict[Tuple[int, float], str] = {}
 _role_lock = threading.Lock()
 
 
+def _parent_is_forkserver(proc: psutil.Process) -> bool:
+    try:
+        parent = proc.parent()
+        return parent is not None and "multiprocessing.forkserver" in " ".join(parent.cmdline())
+    except _GONE:
+        return False
+
+
 def _child_role(proc: psutil.Process) -> str:
     """'worker' or 'helper', cached per (pid, create_time) since cmdline costs a read."""
     try:
@@ -119,6 +127,8 @@ def _child_role(proc: psutil.Process) -> str:
         except _GONE:
             cmdline = ""
         role = "helper" if any(m in cmdline for m in _HELPER_MARKERS) else "worker"
+        if role == "helper" and "multiprocessing.forkserver" in cmdline and _parent_is_forkserver(proc):
+            role = "worker"  # forked by the forkserver: a worker that kept the server's command line
         with _role_lock:
             if len(_role_cache) > 10_000:  # pids come and go over long runs
                 _role_cache.clear()

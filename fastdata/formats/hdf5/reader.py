@@ -25,6 +25,9 @@ class HDF5ShardReader(ShardReader):
     samples out of the mapping directly. Each process makes its own mapping
     (readers are created lazily per process by the datasets)."""
 
+    #: diagnose(): the handles held here are reopened per process (see the datasets)
+    __fastdata_fork_safe__ = True
+
     def __init__(self, path: str, storage: StorageSpec, **options):
         super().__init__(path, storage)
         self._map: mmap.mmap | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 from typing import Sequence
 
@@ -13,6 +15,33 @@ from ..base import Sample, ShardWriter, StorageSpec
 from . import spec
 
 _COPY_BLOCK = 64 << 20
+
+
+class _SwallowingFile(io.FileIO):
+    """The file libhdf5 writes through (h5py's file-object driver).
+
+    The first write error is recorded and every later write is dropped, so the
+    library never sees it: HDF5 cannot close a file whose flush failed (e.g. on
+    ENOSPC), keeps it open and then crashes the interpreter at exit (SIGSEGV).
+    The writer raises the recorded error itself once the file is closed; the
+    half-written shard is then deleted by the pipeline and never trusted.
+    """
+
+    error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        while view and self.error is None:
+            try:
+                written = super().write(view)
+            except OSError as err:
+                self.error = err
+                break
+            if not written:
+                self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+            view = view[written:]
+        return size
 
 
 class HDF5ShardWriter(ShardWriter):
@@ -45,30 +74,36 @@ class HDF5ShardWriter(ShardWriter):
         index = self.index.build()
         self.payload.close()
         total = self.offsets[-1]
-        with h5py.File(self.path, "w", locking=False) as f:
-            if self.storage.mode == "raw":
-                h, w = self.storage.raw_shape
-                data = f.create_dataset(spec.PIXELS, shape=(len(index), h, w, 3), dtype=np.uint8)
-            else:
-                data = f.create_dataset(spec.IMAGES, shape=(total,), dtype=np.uint8)
-                f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
-            with open(self.payload_path, "rb") as src:
-                pos = 0
-                row = data.shape[1] * data.shape[2] * 3 if self.storage.mode == "raw" else 1
-                block_rows = max(1, _COPY_BLOCK // row)
-                while True:
-                    chunk = src.read(block_rows * row)
-                    if not chunk:
-                        break
-                    arr = np.frombuffer(chunk, dtype=np.uint8)
-                    rows = len(arr) // row
-                    data[pos:pos + rows] = arr.reshape((rows,) + data.shape[1:])
-                    pos += rows
-            for name, dtype in spec.INDEX_ARRAYS.items():
-                f.create_dataset(name, data=np.asarray(getattr(index, name), dtype=dtype))
-            f.attrs["layout"] = spec.LAYOUT
-            f.attrs["version"] = spec.VERSION
-            f.attrs["count"] = len(index)
+        raw = _SwallowingFile(self.path, "w+b")
+        try:
+            with h5py.File(raw, "w", locking=False) as f:
+                if self.storage.mode == "raw":
+                    h, w = self.storage.raw_shape
+                    data = f.create_dataset(spec.PIXELS, shape=(len(index), h, w, 3), dtype=np.uint8)
+                else:
+                    data = f.create_dataset(spec.IMAGES, shape=(total,), dtype=np.uint8)
+                    f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
+                with open(self.payload_path, "rb") as src:
+                    pos = 0
+                    row = data.shape[1] * data.shape[2] * 3 if self.storage.mode == "raw" else 1
+                    block_rows = max(1, _COPY_BLOCK // row)
+                    while True:
+                        chunk = src.read(block_rows * row)
+                        if not chunk:
+                            break
+                        arr = np.frombuffer(chunk, dtype=np.uint8)
+                        rows = len(arr) // row
+                        data[pos:pos + rows] = arr.reshape((rows,) + data.shape[1:])
+                        pos += rows
+                for name, dtype in spec.INDEX_ARRAYS.items():
+                    f.create_dataset(name, data=np.asarray(getattr(index, name), dtype=dtype))
+                f.attrs["layout"] = spec.LAYOUT
+                f.attrs["version"] = spec.VERSION
+                f.attrs["count"] = len(index)
+        finally:
+            raw.close()
+        if raw.error is not None:
+            raise OSError(raw.error.errno, raw.error.strerror or str(raw.error), self.path) from raw.error
         os.unlink(self.payload_path)
         fd = os.open(self.path, os.O_RDONLY)
         try:

@@ -71,6 +71,9 @@ class LMDBShardReader(ShardReader):
     """Opens the environment read-only without a lock table and without spare
     transactions (nothing survives a fork: see GUIDE section 3)."""
 
+    #: diagnose(): the handles held here are reopened per process (see the datasets)
+    __fastdata_fork_safe__ = True
+
     def __init__(self, path: str, storage: StorageSpec, *, readahead: bool = False, **options):
         super().__init__(path, storage)
         self._pid = os.getpid()

@@ -1,0 +1,255 @@
+"""The benchmark grid: what one configuration is, and how comma lists expand into many.
+
+A :class:`BenchConfig` is everything one measurement needs; it travels to the
+runner process as JSON (:meth:`BenchConfig.to_json`), so it holds only plain
+values. :func:`expand_grid` takes one list per axis and returns the cartesian
+product in a stable order (targets outermost, then workers, ...). Axes that only
+matter with worker processes (``prefetch_factor``, ``persistent_workers``,
+``start_method``) collapse to a single row when ``workers == 0``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Sequence
+
+from ..errors import FastdataError
+from ..layout import backend_for_path
+from ..manifest import read_manifest
+
+KINDS = ("folder", "lmdb", "hdf5")
+OUTPUTS = ("pil", "tensor")
+TRANSFORMS = ("none", "resize224", "rrc224")
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark configuration (one row of the results).
+
+    Attributes:
+        target: absolute path of an image folder or a fastdata store.
+        kind: ``"folder"``, ``"lmdb"`` or ``"hdf5"``.
+        workers: DataLoader ``num_workers``.
+        batch_size: DataLoader ``batch_size``.
+        prefetch_factor: batches each worker keeps in flight (None when ``workers == 0``).
+        persistent_workers: keep workers between epochs (False when ``workers == 0``).
+        pin_memory: DataLoader ``pin_memory``.
+        start_method: worker start method (None when ``workers == 0``).
+        output: ``"pil"`` or ``"tensor"`` (uint8 CHW).
+        transform: ``"none"``, ``"resize224"`` or ``"rrc224"``.
+        epochs: measured epochs (after ``warmup_epochs``).
+        warmup_epochs: epochs run first and left out of the throughput median.
+        max_batches: batches per epoch (a fixed random subset of the dataset); 0 = all.
+        cold: evict the page cache of every file the target reads before each epoch.
+        step_ms: simulated training step per batch, in milliseconds (0 = none).
+        seed: seed of the sample subset and of the shuffling.
+    """
+
+    target: str
+    kind: str
+    workers: int = 0
+    batch_size: int = 64
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+    pin_memory: bool = False
+    start_method: str | None = None
+    output: str = "tensor"
+    transform: str = "none"
+    epochs: int = 2
+    warmup_epochs: int = 1
+    max_batches: int = 50
+    cold: bool = False
+    step_ms: float = 0.0
+    seed: int = 0
+
+    def to_json(self) -> dict:
+        """Plain dict (JSON-ready)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "BenchConfig":
+        """Inverse of :meth:`to_json`; unknown keys are an error."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(obj) - names
+        if unknown:
+            raise ValueError(f"unknown configuration keys: {sorted(unknown)}")
+        return cls(**obj)
+
+    def label(self) -> str:
+        """Short human description, e.g. ``lmdb w=2 bs=64 pf=2``."""
+        parts = [f"{os.path.basename(self.target.rstrip('/'))} ({self.kind})", f"w={self.workers}",
+                 f"bs={self.batch_size}"]
+        if self.workers:
+            parts += [f"pf={self.prefetch_factor}", "persist" if self.persistent_workers else "no-persist",
+                      str(self.start_method)]
+        parts += [self.output, self.transform]
+        if self.pin_memory:
+            parts.append("pin")
+        if self.cold:
+            parts.append("cold")
+        if self.step_ms:
+            parts.append(f"step={self.step_ms:g}ms")
+        return " ".join(parts)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (CPU affinity where the OS has it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def target_kind(path: str) -> str:
+    """``"lmdb"``/``"hdf5"`` for a published fastdata store, ``"folder"`` for a directory of class folders.
+
+    Raises:
+        FastdataError: the path does not exist, or is not a directory.
+    """
+    if not os.path.exists(path):
+        raise FastdataError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        raise FastdataError(f"{path}: not a directory (a target is an image folder or a fastdata store)")
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return read_manifest(path)["backend"]
+    if backend_for_path(path) is not None:
+        # read_manifest names what is wrong (unfinished conversion, missing manifest)
+        return read_manifest(path)["backend"]
+    return "folder"
+
+
+def split_list(text: str | Sequence, cast=str, name: str = "value") -> list:
+    """``"0,1,2"`` -> ``[0, 1, 2]`` with ``cast``; a list passes through (each item cast).
+
+    Raises:
+        ValueError: an item cannot be cast, or the list is empty.
+    """
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        item = item.strip() if isinstance(item, str) else item
+        if item == "":
+            continue
+        try:
+            out.append(cast(item))
+        except (TypeError, ValueError) as err:
+            why = str(err)
+            if not why or why.startswith("invalid literal"):  # int()'s own wording helps nobody
+                why = f"cannot read {item!r}"
+            raise ValueError(f"{name}: {why}") from None
+    if not out:
+        raise ValueError(f"{name}: empty list")
+    return list(dict.fromkeys(out))  # keep order, drop repeats
+
+
+def parse_bool(text) -> bool:
+    """on/off, true/false, yes/no, 1/0 -> bool."""
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
+    if low in ("on", "true", "yes", "1"):
+        return True
+    if low in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(f"expected on/off, got {text!r}")
+
+
+def _choice(allowed: Sequence[str], name: str):
+    def cast(value):
+        value = str(value).strip().lower()
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}")
+        return value
+    return cast
+
+
+def _positive(name: str, minimum: int = 1):
+    def cast(value):
+        number = int(value)
+        if number < minimum:
+            raise ValueError(f"{name} must be >= {minimum}")
+        return number
+    return cast
+
+
+def default_workers() -> list[int]:
+    """0, 1, 2, ... up to the number of available cores."""
+    return list(range(available_cores() + 1))
+
+
+def default_start_method() -> str:
+    """The platform's default multiprocessing start method (what DataLoader uses)."""
+    return multiprocessing.get_start_method(allow_none=False)
+
+
+def expand_grid(
+    targets: Iterable[str],
+    *,
+    workers="default",
+    batch_size="64",
+    prefetch_factor="2",
+    persistent_workers="on",
+    pin_memory="off",
+    start_method="default",
+    output="tensor",
+    transform="none",
+    epochs: int = 2,
+    warmup_epochs: int = 1,
+    max_batches: int = 50,
+    cold: bool = False,
+    step_ms: float = 0.0,
+    seed: int = 0,
+) -> list[BenchConfig]:
+    """Every combination of the axes, one :class:`BenchConfig` each.
+
+    Each axis takes a comma list (``"0,1,2"``) or a sequence. ``workers="default"``
+    means 0..cores, ``start_method="default"`` the platform default.
+
+    Returns:
+        list[BenchConfig]: targets outermost, then workers, batch size, prefetch factor,
+        persistent workers, pin memory, start method, output, transform.
+
+    Raises:
+        ValueError: a value is out of range or unknown.
+        FastdataError: a target does not exist or is an unfinished store.
+    """
+    if epochs < 1:
+        raise ValueError("epochs must be >= 1")
+    if warmup_epochs < 0:
+        raise ValueError("warmup epochs must be >= 0")
+    if max_batches < 0:
+        raise ValueError("max-batches must be >= 0 (0 = whole epoch)")
+    if step_ms < 0:
+        raise ValueError("step-ms must be >= 0")
+    axes = [
+        default_workers() if workers == "default" else split_list(workers, _positive("workers", 0), "workers"),
+        split_list(batch_size, _positive("batch-size"), "batch-size"),
+        split_list(prefetch_factor, _positive("prefetch-factor"), "prefetch-factor"),
+        split_list(persistent_workers, parse_bool, "persistent-workers"),
+        split_list(pin_memory, parse_bool, "pin-memory"),
+        [default_start_method()] if start_method == "default"
+        else split_list(start_method, _choice(START_METHODS, "start-method"), "start-method"),
+        split_list(output, _choice(OUTPUTS, "output"), "output"),
+        split_list(transform, _choice(TRANSFORMS, "transform"), "transform"),
+    ]
+    resolved = [(os.path.abspath(t), target_kind(t)) for t in targets]
+    if not resolved:
+        raise ValueError("give at least one target")
+    out: list[BenchConfig] = []
+    seen = set()
+    for (path, kind), combo in itertools.product(resolved, itertools.product(*axes)):
+        w, bs, pf, persist, pin, method, outp, tf = combo
+        if w == 0:  # these only mean something with worker processes
+            pf, persist, method = None, False, None
+        cfg = BenchConfig(target=path, kind=kind, workers=w, batch_size=bs, prefetch_factor=pf,
+                          persistent_workers=persist, pin_memory=pin, start_method=method, output=outp,
+                          transform=tf, epochs=epochs, warmup_epochs=warmup_epochs, max_batches=max_batches,
+                          cold=cold, step_ms=float(step_ms), seed=seed)
+        if cfg not in seen:
+            seen.add(cfg)
+            out.append(cfg)
+    return out

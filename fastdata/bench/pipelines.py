@@ -1,0 +1,121 @@
+"""Build the Dataset a configuration measures, and describe which pipeline it is.
+
+* folder: :class:`~fastdata.bench.folder.FolderDataset` (ImageFolder + PIL transforms).
+* lmdb / hdf5: :func:`fastdata.open_dataset` with the matching decode-time transform
+  from :mod:`fastdata.transforms` (``rrc224`` -> ``RandomResizedCrop(224)``,
+  ``resize224`` -> ``CenterCrop(224, resize=224)``): fastdata's fast path, which
+  decodes straight to the output size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..errors import FastdataError
+from .folder import DESCRIPTIONS, FolderDataset
+from .grid import BenchConfig
+
+
+@dataclass
+class Target:
+    """A dataset ready to measure.
+
+    Attributes:
+        dataset: the map-style Dataset.
+        pipeline: human description of how samples are read and decoded.
+        files: callable returning every file the dataset reads (for ``--cold``).
+        sample_bytes: stored bytes per sample (numpy int64, one per sample), used for MB/s.
+    """
+
+    dataset: Any
+    pipeline: str
+    files: Callable[[], list]
+    sample_bytes: np.ndarray
+
+
+def decode_transform(name: str):
+    """fastdata decode-time transform for a transform name (None for ``"none"``)."""
+    from .. import transforms
+
+    if name == "none":
+        return None
+    if name == "rrc224":
+        return transforms.RandomResizedCrop(224)
+    if name == "resize224":
+        return transforms.CenterCrop(224, resize=224)
+    raise ValueError(f"unknown transform {name!r}")
+
+
+def _store_files(root: str) -> list:
+    from ..manifest import read_manifest
+
+    return [os.path.join(root, s["name"]) for s in read_manifest(root)["shards"]]
+
+
+def build_target(cfg: BenchConfig) -> Target:
+    """The Dataset and its description for ``cfg``.
+
+    Raises:
+        FastdataError: the target cannot be opened, or the transform does not apply
+            (e.g. a decode-time transform on a store of raw pixels).
+    """
+    if cfg.kind == "folder":
+        ds = FolderDataset(cfg.target, transform=cfg.transform, output=cfg.output)
+        return Target(ds, f"ImageFolder-equivalent: {DESCRIPTIONS[cfg.transform]}", ds.files, ds.file_sizes)
+
+    from ..dataset import open_dataset
+
+    decode = decode_transform(cfg.transform)
+    try:
+        ds = open_dataset(cfg.target, output=cfg.output, decode=decode)
+    except ValueError as err:  # e.g. a raw-pixel store and a decode-time transform
+        raise FastdataError(str(err) if cfg.target in str(err) else f"{cfg.target}: {err}") from None
+    nbytes = getattr(ds, "_nbytes", None)
+    if nbytes is None or len(nbytes) != len(ds):
+        from ..inspect import info
+
+        meta = info(cfg.target)
+        nbytes = np.full(len(ds), meta["total_bytes"] // max(1, meta["num_samples"]), dtype=np.int64)
+    how = f"decode={decode!r}" if decode is not None else (
+        "raw pixels" if ds.storage.mode == "raw" else "full decode (simplejpeg/PIL)")
+    root = cfg.target
+    return Target(ds, f"fastdata {cfg.kind}: {how}", lambda: _store_files(root), np.asarray(nbytes, np.int64))
+
+
+def bench_collate(batch):
+    """Collate that works for every pipeline and output.
+
+    fastdata's fixed-shape :class:`~fastdata.dataset.Batch` passes through as
+    ``(images, labels)``; same-shape tensors are stacked; anything else (PIL images,
+    tensors of different sizes) comes back as ``(list_of_images, labels)``.
+    """
+    from ..dataset import Batch
+
+    if isinstance(batch, Batch):
+        return batch.images, batch.labels
+    images = [item[0] for item in batch]
+    labels = torch.as_tensor([int(item[1]) for item in batch])
+    if images and all(isinstance(im, torch.Tensor) for im in images) and \
+            len({tuple(im.shape) for im in images}) == 1:
+        return torch.stack(images), labels
+    return images, labels
+
+
+def decoded_nbytes(images) -> int:
+    """Bytes of decoded pixels in a batch's images (tensor, list of tensors/arrays/PIL images)."""
+    if isinstance(images, torch.Tensor):
+        return images.numel() * images.element_size()
+    total = 0
+    for im in images:
+        if isinstance(im, torch.Tensor):
+            total += im.numel() * im.element_size()
+        elif isinstance(im, np.ndarray):
+            total += im.nbytes
+        else:  # PIL
+            total += im.width * im.height * len(im.getbands())
+    return total
