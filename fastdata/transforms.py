@@ -73,12 +73,13 @@ def _jpeg_size(data: Buffer) -> tuple[int, int] | None:
     return height, width
 
 
-def _decode_jpeg(data: Buffer, size: tuple[int, int], factor: int) -> np.ndarray | None:
-    """Decode at DCT scale 1/factor (output ceil(h/f) x ceil(w/f)); None on any failure."""
+def _decode_jpeg(data: Buffer, size: tuple[int, int], factor: int, fast: bool = False) -> np.ndarray | None:
+    """Decode at DCT scale 1/factor (output ceil(h/f) x ceil(w/f)); None on any failure.
+    ``fast``: libjpeg-turbo's fast integer IDCT and fast (non-interpolating) chroma upsampling."""
     height, width = size
     try:
         if factor == 1:
-            img = simplejpeg.decode_jpeg(data, colorspace="RGB")
+            img = simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=fast, fastupsample=fast)
         else:
             img = simplejpeg.decode_jpeg(
                 data,
@@ -86,6 +87,8 @@ def _decode_jpeg(data: Buffer, size: tuple[int, int], factor: int) -> np.ndarray
                 min_height=-(-height // factor),
                 min_width=-(-width // factor),
                 min_factor=factor,
+                fastdct=fast,
+                fastupsample=fast,
             )
     except Exception:  # noqa: BLE001 - any fast-path failure defers to Pillow's verdict
         return None
@@ -337,14 +340,20 @@ class RandomResizedCrop(_DirectTransform):
         scale (tuple[float, float]): range of the crop area as a fraction of the image.
         ratio (tuple[float, float]): range of the crop aspect ratio (width / height),
             sampled log-uniformly.
+        fast (bool): opt-in: decode JPEGs with libjpeg-turbo's fast IDCT and fast
+            (non-interpolating) chroma upsampling. Measured on ~400x350 photo-like
+            JPEGs: 7% less time per crop, crops differ from the accurate decode by a
+            mean absolute 1.1 (0-255). Off by default: decoding is then identical to
+            Pillow's before the crop.
 
     The crop box is sampled from the original image size exactly as torchvision does
     (see :meth:`get_params`). When a JPEG is decoded at a DCT scale 1/f, the box edges
     snap to multiples of f source pixels (always less than half an output pixel).
     """
 
-    def __init__(self, size, scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0)):
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0), fast: bool = False):
         self.output_size = _pair(size, "size")
+        self.fast = bool(fast)
         scale = tuple(float(s) for s in scale)
         ratio = tuple(float(r) for r in ratio)
         if len(scale) != 2 or not 0.0 < scale[0] <= scale[1]:
@@ -356,7 +365,8 @@ class RandomResizedCrop(_DirectTransform):
         self._log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
 
     def __repr__(self) -> str:
-        return f"RandomResizedCrop(size={self.output_size}, scale={self.scale}, ratio={self.ratio})"
+        return (f"RandomResizedCrop(size={self.output_size}, scale={self.scale}, ratio={self.ratio}, "
+                f"fast={self.fast})")
 
     def get_params(self, height: int, width: int, rng: np.random.Generator) -> Box:
         """Sample a crop box for a ``height`` x ``width`` image.
@@ -395,9 +405,9 @@ class RandomResizedCrop(_DirectTransform):
         if size is not None:
             box = self.get_params(size[0], size[1], rng)
             factor = _box_factor(box, size, self.output_size)
-            img = _decode_jpeg(data, size, factor)
+            img = _decode_jpeg(data, size, factor, self.fast)
             if img is None and factor != 1:
-                factor, img = 1, _decode_jpeg(data, size, 1)
+                factor, img = 1, _decode_jpeg(data, size, 1, self.fast)
             if img is not None:
                 t, b, le, r = _scaled_box(box, factor, img.shape[:2])
                 return _resize(img[t:b, le:r], self.output_size, out)

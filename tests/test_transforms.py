@@ -290,8 +290,8 @@ def factors(monkeypatch):
     seen: list[tuple[int, tuple[int, ...]]] = []
     real = T._decode_jpeg
 
-    def spy(data, size, factor):
-        img = real(data, size, factor)
+    def spy(data, size, factor, *args):
+        img = real(data, size, factor, *args)
         seen.append((factor, None if img is None else img.shape))
         return img
 
