@@ -171,6 +171,16 @@ class StoreDataset(Dataset):
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
         return i
 
+    def _check_indices(self, indices: Sequence[int]) -> np.ndarray:
+        """Vectorised :meth:`_check_index` for a batch (negative indices wrap)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self.targets)
+        idx = np.where(idx < 0, idx + n, idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = int(np.asarray(indices).reshape(-1)[np.flatnonzero((idx < 0) | (idx >= n))[0]])
+            raise IndexError(f"index {bad} out of range for a dataset of {n} samples")
+        return idx
+
     def locate(self, index: int) -> tuple[int, int]:
         """(shard number, index within that shard) of a global sample index."""
         shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
@@ -297,7 +307,7 @@ class StoreDataset(Dataset):
         no ``transform``, the images are decoded into one preallocated batch
         array: a :class:`Batch`.
         """
-        idx = np.fromiter((self._check_index(i) for i in indices), dtype=np.int64, count=len(indices))
+        idx = self._check_indices(indices)
         shape = self._fixed_shape()
         if shape is not None:
             return self._fixed_batch(idx, shape)
