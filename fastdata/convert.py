@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -214,6 +215,9 @@ def convert(
             if manifest["options"].get("fingerprint") != fingerprint:
                 raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options; "
                                           "use --overwrite to replace it")
+            # a run killed right after publishing may have left staging behind: finish its cleanup
+            shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
+            remove_temporaries(dst)
             report.already_complete = True
             report.images = manifest["num_samples"]
             report.elapsed = time.perf_counter() - started

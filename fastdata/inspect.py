@@ -14,7 +14,7 @@ from .formats import reader_class
 from .formats.base import StorageSpec
 from .manifest import read_manifest
 from .pipeline import file_checksum
-from .record import FORMAT_NAMES
+from .record import FORMAT_CODES, FORMAT_NAMES
 
 
 def info(store: str) -> dict:
@@ -85,11 +85,13 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
             problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
         if len(index) and int(index.labels.max()) >= num_classes:
             problems.append(f"{name}: a label is outside the {num_classes} classes")
+        problems.extend(_storage_mismatch(index, storage, name))
         for i in range(len(index)):
             try:
                 data = reader.get(i)
             except FastdataError as err:
-                problems.append(f"{name} record {i}: {err}")
+                # the reader's message already starts with "<path> record <i>"; keep one prefix
+                problems.append(f"{name} record {i}: {str(err).removeprefix(f'{path} record {i}: ')}")
                 continue
             checked += 1
             if decode:
@@ -105,6 +107,19 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                 except Exception as err:  # any decoder failure is a finding, not a crash
                     problems.append(f"{name} record {i}: cannot decode {fmt} image ({type(err).__name__}: {err})")
     return checked, decoded, problems
+
+
+def _storage_mismatch(index, storage: StorageSpec, name: str) -> list[str]:
+    """Records must match the manifest's storage mode (raw pixels iff mode 'raw'):
+    a manifest edited to say 'raw' would make readers reinterpret JPEG bytes as pixels."""
+    is_raw = index.formats == FORMAT_CODES["RAW"]
+    if storage.mode == "raw":
+        h, w = storage.raw_shape
+        if len(index) and (not is_raw.all() or bool((index.nbytes != h * w * 3).any())):
+            return [f"{name}: records are not {h}x{w} raw pixels, as the manifest's storage mode says"]
+    elif is_raw.any():
+        return [f"{name}: holds raw-pixel records but the manifest's storage mode is {storage.mode!r}"]
+    return []
 
 
 def _check_in_child(conn, args) -> None:

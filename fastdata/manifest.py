@@ -48,19 +48,36 @@ def _body_checksum(body: dict) -> str:
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix."""
+    """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix.
+
+    Sequence: write ``<path>.tmp-<pid>``, fsync it, ``os.replace`` it onto
+    ``path``, fsync the directory. On any ``OSError`` the temporary is removed,
+    and if the rename already happened ``path`` is removed too (a file whose
+    directory sync failed is not durable, so it must not be trusted); the
+    ``OSError`` raised names ``path`` and keeps the errno.
+    """
     tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    replaced = False
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        replaced = True
+        fsync_dir(os.path.dirname(path) or ".")
+    except OSError as err:
+        for leftover in (tmp, path) if replaced else (tmp,):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+        raise OSError(err.errno, err.strerror or str(err), path) from err
 
 
 def fsync_dir(path: str) -> None:
@@ -145,7 +162,13 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         type(c) is int and c >= 0 for c in body["class_counts"]
     ):
         raise FormatError(f"{where}: class_counts does not match classes")
+    _validate_storage(body["storage"], where)
+    for i, item in enumerate(body["rejected"]):
+        if not (isinstance(item, dict) and set(item) == {"path", "reason"}
+                and isinstance(item["path"], str) and isinstance(item["reason"], str)):
+            raise FormatError(f"{where}: rejected entry {i} is not {{'path': str, 'reason': str}}")
     expected_first = 0
+    names: set = set()
     for i, shard in enumerate(body["shards"]):
         if not isinstance(shard, dict):
             raise FormatError(f"{where}: shard entry {i} is not an object")
@@ -153,10 +176,31 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
             if type(shard.get(key)) is not typ:
                 raise FormatError(f"{where}: shard entry {i}: field {key!r} missing or not {typ.__name__}")
         name = shard["name"]
-        if os.path.basename(name) != name or name.startswith("."):
-            raise FormatError(f"{where}: shard name {name!r} is not a plain file name")
+        if (not name or os.path.basename(name) != name or name.startswith(".") or name in names
+                or name in (MANIFEST_NAME, REJECTED_NAME)):
+            raise FormatError(f"{where}: shard name {name!r} is not a plain, unique shard file name")
+        names.add(name)
         if shard["first_index"] != expected_first or shard["count"] < 0:
             raise FormatError(f"{where}: shard {name}: first_index/count inconsistent")
         expected_first += shard["count"]
     if expected_first != body["num_samples"] or sum(body["class_counts"]) != body["num_samples"]:
         raise FormatError(f"{where}: num_samples does not match the shard and class counts")
+
+
+def _validate_storage(storage: dict, where: str) -> None:
+    """The storage mode record: exactly the keys ``StorageSpec.to_json`` writes, consistent per mode."""
+    def positive_int(v) -> bool:
+        return type(v) is int and v > 0
+
+    keys = {"mode", "max_side", "quality", "raw_shape"}
+    mode = storage.get("mode")
+    shape = storage.get("raw_shape")
+    ok = set(storage) == keys and (
+        (mode == "original" and storage["max_side"] is None and storage["quality"] is None and shape is None)
+        or (mode == "reencode" and positive_int(storage["max_side"]) and type(storage["quality"]) is int
+            and 1 <= storage["quality"] <= 100 and shape is None)
+        or (mode == "raw" and storage["max_side"] is None and storage["quality"] is None
+            and isinstance(shape, list) and len(shape) == 2 and all(positive_int(v) for v in shape))
+    )
+    if not ok:
+        raise FormatError(f"{where}: manifest field 'storage' is not a valid storage mode: {storage!r}")

@@ -45,6 +45,7 @@ from .manifest import (
 )
 from .plan import ShardPlan
 from .source import SourceScan
+from .units import format_size
 
 PLAN_FILE = "plan.json"
 
@@ -121,10 +122,17 @@ def prepare_staging(dst: str, fingerprint: str, resume: bool) -> None:
         raise io_error(err, plan_path) from err
 
 
-def io_error(err: OSError, where: str) -> ConversionError:
-    """A :class:`ConversionError` naming the file and the cause of an I/O failure."""
+def io_error(err: Exception, where: str) -> ConversionError:
+    """A :class:`ConversionError` naming the file, the cause of an I/O failure and
+    the free space left (LMDB reports a full disk as a short write, i.e. EIO)."""
+    path = getattr(err, "filename", None) or where
+    try:
+        st = os.statvfs(os.path.dirname(os.fsdecode(path)) or ".")
+        free = f" ({format_size(st.f_bavail * st.f_frsize)} free on that filesystem)"
+    except OSError:
+        free = ""
     return ConversionError(
-        f"I/O error while writing {getattr(err, 'filename', None) or where}: {getattr(err, 'strerror', None) or err}; "
+        f"I/O error while writing {path}: {getattr(err, 'strerror', None) or err}{free}; "
         "nothing incomplete was published: fix the cause (e.g. free disk space) and rerun with --resume"
     )
 
@@ -229,7 +237,7 @@ def _mp_context():
     return ctx
 
 
-def _exit_with_converter(converter_pid: int, interval: float = 0.5) -> None:
+def _exit_with_converter(converter_pid: int, interval: float = 0.25) -> None:
     """Worker initializer: exit as soon as the converter process is gone.
 
     A converter killed with SIGKILL (or by the OOM killer) cannot stop its pool,
@@ -357,14 +365,34 @@ def run_shards(
 
 
 def _stop_pool(executor: cf.ProcessPoolExecutor) -> None:
-    """Shut the pool down without waiting on work we no longer want."""
+    """Shut the pool down without waiting on work we no longer want, and without hanging.
+
+    A worker terminated while sending a result leaves a partial message in the
+    result pipe: the executor's manager thread then blocks in ``recv`` forever,
+    and so does the interpreter at exit, when it joins that thread. Closing the
+    parent's copy of that pipe's write end once the workers are gone turns the
+    read into EOF, which the manager handles as a broken pool and exits.
+    """
+    # shutdown() drops these references: take them first
     processes = list((getattr(executor, "_processes", None) or {}).values())
+    writer = getattr(getattr(executor, "_result_queue", None), "_writer", None)
+    manager = getattr(executor, "_executor_manager_thread", None)
     executor.shutdown(wait=False, cancel_futures=True)
     for proc in processes:
         if proc.is_alive():
             proc.terminate()
     for proc in processes:
         proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    if writer is not None:
+        try:
+            writer.close()
+        except OSError:
+            pass
+    if manager is not None:
+        manager.join(timeout=10)
 
 
 def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, results: list[ShardResult],

@@ -43,6 +43,21 @@ class _SwallowingFile(io.FileIO):
             view = view[written:]
         return size
 
+    def truncate(self, size=None):
+        if self.error is None:
+            try:
+                return super().truncate(size)
+            except OSError as err:  # e.g. EFBIG past RLIMIT_FSIZE, or ENOSPC
+                self.error = err
+        return size
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                super().flush()
+            except OSError as err:
+                self.error = err
+
 
 class HDF5ShardWriter(ShardWriter):
     """Streams image bytes (or raw pixels) to a side file while the shard is
