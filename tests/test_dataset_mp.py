@@ -322,18 +322,29 @@ def _fd_series(dataset, persistent: bool, epochs: int = 5, early_break: bool = F
     return main_fds, worker_fds
 
 
+def _assert_flat(counts, what):
+    """No growth across epochs: a transient descriptor of the DataLoader's own
+    plumbing may be open at the moment of counting (seen under load), so allow a
+    jitter of one; a leak grows by one per sample (the control leaks 8 per epoch)."""
+    assert max(counts) - min(counts) <= 1, (what, counts)
+    assert counts[-1] <= counts[1] + 1, (what, counts)
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_fd_count_stable_across_epochs(stores, backend):
     ds = fastdata.open_dataset(stores[backend], output="tensor")
     ds[0]
     main_fds, worker_fds = _fd_series(ds, persistent=True)
-    assert len(set(main_fds)) == 1, main_fds
-    assert len(set(worker_fds)) == 1, worker_fds  # same two workers, same fd counts every epoch
+    _assert_flat(main_fds, "main")
+    for w in range(2):  # same two workers every epoch
+        assert len({epoch[w][0] for epoch in worker_fds}) == 1
+        _assert_flat([epoch[w][1] for epoch in worker_fds], f"worker {w}")
     main_fds, worker_fds = _fd_series(ds, persistent=True, early_break=True)  # repeated iter(), abandoned
-    assert len(set(main_fds)) == 1, main_fds
-    assert len(set(worker_fds)) == 1, worker_fds
+    _assert_flat(main_fds, "main")
+    for w in range(2):
+        _assert_flat([epoch[w][1] for epoch in worker_fds], f"worker {w}")
     main_fds, _ = _fd_series(ds, persistent=False)  # fresh workers every epoch
-    assert len(set(main_fds)) == 1, main_fds
+    _assert_flat(main_fds, "main")
     ds.close()
 
 
@@ -341,11 +352,19 @@ def test_fd_count_control_detects_a_leak():
     main_fds, worker_fds = _fd_series(LeakyDataset(16), persistent=True, epochs=3)
     per_epoch = [sum(n for _, n in epoch) for epoch in worker_fds]
     assert per_epoch[0] < per_epoch[1] < per_epoch[2]
+    with pytest.raises(AssertionError):  # the check the real datasets pass fails on a leak
+        for w in range(2):
+            _assert_flat([epoch[w][1] for epoch in worker_fds], f"worker {w}")
 
 
 # --------------------------------------------------------------------------- raw batches, seeds
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "shared-memory"])
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_raw_store_batches_through_workers(src, tmp_path, backend):
+def test_raw_store_batches_through_workers(src, tmp_path, backend, inline, monkeypatch):
+    # small batches cross the worker queue by value, large ones as shared memory
+    import fastdata.dataset
+
+    monkeypatch.setattr(fastdata.dataset, "INLINE_BATCH_BYTES", 4 << 20 if inline else 0)
     store = str(tmp_path / f"raw{BACKENDS[backend]}")
     fastdata.convert(src, store, workers=1, raw="16x16", progress=False)
     ds = fastdata.open_dataset(store, output="tensor")
