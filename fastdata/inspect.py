@@ -94,6 +94,10 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                 problems.append(f"{name} record {i}: {str(err).removeprefix(f'{path} record {i}: ')}")
                 continue
             checked += 1
+            mismatch = _record_vs_index(reader, index, i)
+            if mismatch:
+                problems.append(f"{name} record {i}: {mismatch}")
+                continue
             if decode:
                 fmt = FORMAT_NAMES[int(index.formats[i])]
                 try:
@@ -107,6 +111,30 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                 except Exception as err:  # any decoder failure is a finding, not a crash
                     problems.append(f"{name} record {i}: cannot decode {fmt} image ({type(err).__name__}: {err})")
     return checked, decoded, problems
+
+
+def _record_vs_index(reader, index, i: int) -> str | None:
+    """Backends whose records carry their own metadata (LMDB's msgpack records)
+    must agree with the shard index field by field, so a flipped byte in a
+    record's label/size/path is pinned to that record, not only to the file."""
+    get_record = getattr(reader, "get_record", None)
+    if get_record is None:
+        return None
+    try:
+        rec = get_record(i)
+    except FastdataError as err:
+        return str(err)
+    expected = {
+        "label": int(index.labels[i]), "width": int(index.widths[i]), "height": int(index.heights[i]),
+        "format": FORMAT_NAMES[int(index.formats[i])], "checksum": int(index.checksums[i]),
+        "size": int(index.nbytes[i]), "path": index.relpath(i),
+    }
+    actual = {"label": rec.label, "width": rec.width, "height": rec.height, "format": rec.fmt,
+              "checksum": rec.xxh, "size": len(rec.image), "path": rec.relpath}
+    wrong = [k for k in expected if expected[k] != actual[k]]
+    if wrong:
+        return f"record metadata disagrees with the shard index ({', '.join(wrong)}): the record or index is damaged"
+    return None
 
 
 def _storage_mismatch(index, storage: StorageSpec, name: str) -> list[str]:

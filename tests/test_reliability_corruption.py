@@ -452,3 +452,30 @@ def test_verify_cli_exit_code_and_message_name_the_damage(stores, tmp_path, caps
     err = capsys.readouterr().err
     assert "DAMAGED" in err and f"{name} record 1:" in err
     assert cli.main(["verify", store["dst"]]) == cli.EXIT_OK
+
+
+def test_verify_names_the_record_whose_metadata_was_flipped(tmp_path):
+    """A flipped byte in an LMDB record's *label* (not its image) is pinned to that
+    record: verify cross-checks each record's own fields with the shard index."""
+    from conftest import make_tree
+
+    src = make_tree(tmp_path / "src", {"a": 3, "b": 3})
+    dst = tmp_path / "out.lmdb"
+    fastdata.convert(src, str(dst), workers=1, progress=False)
+    shard = dst / "shard-00000.lmdb"
+    raw = bytearray(shard.read_bytes())
+    target = b"b/b_001.jpg"  # store index 4
+    flips = 0
+    pos = raw.find(target)
+    while pos != -1:  # every copy (LMDB keeps stale copies of rewritten pages)
+        label_at = raw.rfind(b"\xa5label", 0, pos) + len(b"\xa5label")
+        raw[label_at] ^= 0x01
+        flips += 1
+        pos = raw.find(target, pos + 1)
+    assert flips >= 1
+    shard.write_bytes(bytes(raw))
+    report = fastdata.verify(str(dst))
+    assert not report.ok
+    record_problems = [p for p in report.problems if "record" in p]
+    assert record_problems == [record_problems[0]] and "shard-00000.lmdb record 4:" in record_problems[0]
+    assert "label" in record_problems[0]

@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 
 from ...errors import CorruptRecordError, FormatError
-from ...record import ShardIndex, record_image
+from ...record import Record, ShardIndex, decode_record, record_image
 from ..base import ShardReader, StorageSpec
 from . import spec
 
@@ -132,6 +132,18 @@ class LMDBShardReader(ShardReader):
     def _damaged(self, err: Exception, local_index: int) -> CorruptRecordError:
         return CorruptRecordError(f"{self.path} record {local_index}: unreadable, the shard's internal "
                                   f"structure is damaged ({err})", shard=self.path, index=local_index)
+
+    def get_record(self, local_index: int) -> Record:
+        """The whole validated record (image and its own metadata), for ``verify``."""
+        where = f"{self.path} record {local_index}"
+        try:
+            with self.env.begin(db=self.records, buffers=True) as txn:
+                buf = txn.get(spec.encode_key(local_index))
+                if buf is None:
+                    raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
+                return decode_record(buf, where=where)
+        except lmdb.Error as err:
+            raise self._damaged(err, local_index) from None
 
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
         """One read transaction for the whole batch; keys visited in sorted order."""
