@@ -184,7 +184,7 @@ def run(args):
                 row(scenario, name, *measure(ds, batch_size=256, files=store_files(src + suffix) if cold else None,
                                              **common))
         if "cifar-raw" in wanted:
-            print(f"cifar-raw: --raw 32x32 stores vs the folder, batch 256", flush=True)
+            print("cifar-raw: --raw 32x32 stores vs the folder, batch 256", flush=True)
             if "folder" not in results.get("cifar", {}):
                 row("cifar-raw", "folder", *measure(FolderDataset(src, "none", "tensor"), batch_size=256,
                                                     collate_fn=folder_collate, **common))

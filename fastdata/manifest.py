@@ -80,6 +80,15 @@ def atomic_write(path: str, data: bytes) -> None:
         raise OSError(err.errno, err.strerror or str(err), path) from err
 
 
+def fsync_file(path: str) -> None:
+    """fsync a file by path (after a library that owns the handle closed it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so a rename inside it survives power loss."""
     fd = os.open(path, os.O_RDONLY)

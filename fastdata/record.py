@@ -116,6 +116,20 @@ def record_image(buf: bytes | memoryview, *, where: str = "") -> bytes:
     return _unpack_record(buf, where, True)["img"]
 
 
+#: the per-shard index arrays and their on-disk dtypes (explicit little-endian);
+#: both backends store exactly these (see their spec modules and docs/FORMAT.md)
+INDEX_DTYPES = {
+    "labels": "<i8",
+    "checksums": "<u8",
+    "widths": "<i4",
+    "heights": "<i4",
+    "formats": "u1",
+    "nbytes": "<i8",
+    "relpaths": "u1",
+    "relpath_offsets": "<i8",
+}
+
+
 @dataclass
 class ShardIndex:
     """Per-sample metadata of one shard as numpy arrays (no per-sample objects)."""

@@ -25,20 +25,13 @@ samples without a per-read call into libhdf5 (~40 us each through h5py).
 
 from __future__ import annotations
 
+from ...record import INDEX_DTYPES
+
 LAYOUT = "fastdata-hdf5-shard"
 VERSION = 1
 IMAGES = "images"
 OFFSETS = "offsets"
 PIXELS = "pixels"
-INDEX_ARRAYS = {
-    "labels": "<i8",
-    "checksums": "<u8",
-    "widths": "<i4",
-    "heights": "<i4",
-    "formats": "u1",
-    "nbytes": "<i8",
-    "relpaths": "u1",
-    "relpath_offsets": "<i8",
-}
+INDEX_ARRAYS = INDEX_DTYPES
 #: readers' chunk cache: small and bounded (random access gains nothing from more)
 READER_CHUNK_CACHE = 1 << 20

@@ -10,6 +10,7 @@ from typing import Sequence
 import h5py
 import numpy as np
 
+from ...manifest import fsync_file
 from ...record import IndexBuilder, ShardIndex
 from ..base import Sample, ShardWriter, StorageSpec
 from . import spec
@@ -120,11 +121,7 @@ class HDF5ShardWriter(ShardWriter):
         if raw.error is not None:
             raise OSError(raw.error.errno, raw.error.strerror or str(raw.error), self.path) from raw.error
         os.unlink(self.payload_path)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(self.path)
         return index
 
     def abort(self) -> None:

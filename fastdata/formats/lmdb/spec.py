@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import struct
 
+from ...record import INDEX_DTYPES
+
 LAYOUT = "fastdata-lmdb-shard"
 VERSION = 1
 RECORDS_DB = b"records"
@@ -33,16 +35,7 @@ INDEX_DB = b"index"
 HEADER_KEY = b"header"
 KEY = struct.Struct(">Q")
 #: index key -> numpy dtype string (explicit little-endian)
-INDEX_ARRAYS = {
-    "labels": "<i8",
-    "checksums": "<u8",
-    "widths": "<i4",
-    "heights": "<i4",
-    "formats": "u1",
-    "nbytes": "<i8",
-    "relpaths": "u1",
-    "relpath_offsets": "<i8",
-}
+INDEX_ARRAYS = INDEX_DTYPES
 #: first map size; it doubles on MapFullError, so users never see MDB_MAP_FULL
 DEFAULT_INITIAL_MAP_SIZE = 64 << 20
 

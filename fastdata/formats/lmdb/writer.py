@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import lmdb
 import msgpack
 import numpy as np
 
+from ...manifest import fsync_file
 from ...record import IndexBuilder, ShardIndex, encode_record
 from ..base import Sample, ShardWriter, StorageSpec
 from . import spec
@@ -72,11 +72,7 @@ class LMDBShardWriter(ShardWriter):
         self._commit(fill)
         self.env.sync(True)
         self.env.close()
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(self.path)
         return index
 
     def abort(self) -> None:
