@@ -387,57 +387,30 @@ class StoreDataset(Dataset):
         return tuple(size) if size else None
 
     def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int]) -> Batch:
-        h, w = shape
-        n = len(idx)
-        labels = None
-        in_worker = torch.utils.data.get_worker_info() is not None
-        inline = in_worker and n * h * w * 3 <= INLINE_BATCH_BYTES
-        if in_worker and not inline:
-            # Allocate where the worker queue sends the batch from (shared memory, so
-            # no later copy), with the labels in the same segment: every shared
-            # storage costs the main process a round trip to fetch its descriptor.
-            image_bytes = n * h * w * 3
-            label_offset = -(-image_bytes // 8)
-            storage = torch.UntypedStorage._new_shared(8 * (label_offset + n))
-            images = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, 3))
-            labels = torch.empty(0, dtype=torch.int64).set_(storage, label_offset, (n,))
-            labels.numpy()[:] = self.targets[idx]
-        else:
-            images = torch.empty((n, h, w, 3), dtype=torch.uint8)
-        arr = images.numpy()
+        return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr),
+                           channels_first=self.output == "tensor", target_transform=self.target_transform)
+
+    def _fill(self, idx: np.ndarray, arr: np.ndarray) -> None:
+        """Write the pixels of samples ``idx`` into the batch array ``arr`` [n,H,W,3]."""
         if self.storage.mode == "raw":
             self._fill_raw(idx, arr)
-        else:
-            for j, data in enumerate(self._read_batch(idx)):
-                i = int(idx[j])
-                if isinstance(data, CorruptRecordError):
-                    arr[j] = self._substitute(i, data)[0] if self.on_error == "skip" else _raise(data)
-                    continue
-                try:
-                    if self.decode is None:
-                        decode_numpy_into(data, FORMAT_NAMES[int(self._formats[i])], arr[j])
-                    elif hasattr(self.decode, "decode_into"):
-                        self.decode.decode_into(data, arr[j])
-                    else:
-                        arr[j] = self.decode(data)
-                except Exception as err:  # noqa: BLE001 - named and typed below
-                    named = CorruptRecordError(f"{self.root} sample {i}: cannot decode ({type(err).__name__}: {err})",
-                                               store=self.root, index=i)
-                    arr[j] = self._substitute(i, named)[0] if self.on_error == "skip" else _raise(named)
-        if labels is None:
-            labels = torch.from_numpy(self.targets[idx])
-        batch = Batch()
-        images_out = images.permute(0, 3, 1, 2) if self.output == "tensor" else arr
-        batch.images = images_out
-        batch.labels = labels
-        batch.pixels = arr
-        batch.inline = inline
-        if self.target_transform is None:
-            batch.extend(zip(images_out, labels.tolist()))
-        else:
-            batch.extend((img, self.target_transform(int(t))) for img, t in zip(images_out, labels.tolist()))
-            batch.labels = torch.as_tensor([t for _, t in batch]) if batch else labels
-        return batch
+            return
+        for j, data in enumerate(self._read_batch(idx)):
+            i = int(idx[j])
+            if isinstance(data, CorruptRecordError):
+                arr[j] = self._substitute(i, data)[0] if self.on_error == "skip" else _raise(data)
+                continue
+            try:
+                if self.decode is None:
+                    decode_numpy_into(data, FORMAT_NAMES[int(self._formats[i])], arr[j])
+                elif hasattr(self.decode, "decode_into"):
+                    self.decode.decode_into(data, arr[j])
+                else:
+                    arr[j] = self.decode(data)
+            except Exception as err:  # noqa: BLE001 - named and typed below
+                named = CorruptRecordError(f"{self.root} sample {i}: cannot decode ({type(err).__name__}: {err})",
+                                           store=self.root, index=i)
+                arr[j] = self._substitute(i, named)[0] if self.on_error == "skip" else _raise(named)
 
     def _fill_raw(self, idx: np.ndarray, arr: np.ndarray) -> None:
         shards = np.searchsorted(self.shard_starts, idx, side="right") - 1
@@ -467,6 +440,48 @@ class StoreDataset(Dataset):
                 except CorruptRecordError:
                     continue
             raise
+
+
+def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.ndarray], None], *,
+                channels_first: bool, target_transform: Callable | None = None) -> Batch:
+    """Allocate a fixed-shape batch where it will travel from, let ``fill(arr)``
+    write the pixels into ``arr`` (uint8 [n, H, W, 3]), and wrap it as a :class:`Batch`.
+
+    In a DataLoader worker a batch up to :data:`INLINE_BATCH_BYTES` is built in
+    private memory and crosses the queue by value (:class:`_InlineBatch`); a larger
+    one is built directly in shared memory with the labels in the same segment
+    (each shared storage costs the main process a round trip to fetch its
+    descriptor). In the main process it is plain memory.
+    """
+    h, w = shape
+    n = len(targets)
+    labels = None
+    in_worker = torch.utils.data.get_worker_info() is not None
+    inline = in_worker and n * h * w * 3 <= INLINE_BATCH_BYTES
+    if in_worker and not inline:
+        label_offset = -(-(n * h * w * 3) // 8)
+        storage = torch.UntypedStorage._new_shared(8 * (label_offset + n))
+        images = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, 3))
+        labels = torch.empty(0, dtype=torch.int64).set_(storage, label_offset, (n,))
+        labels.numpy()[:] = targets
+    else:
+        images = torch.empty((n, h, w, 3), dtype=torch.uint8)
+    arr = images.numpy()
+    fill(arr)
+    if labels is None:
+        labels = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64))
+    batch = Batch()
+    images_out = images.permute(0, 3, 1, 2) if channels_first else arr
+    batch.images = images_out
+    batch.labels = labels
+    batch.pixels = arr
+    batch.inline = inline
+    if target_transform is None:
+        batch.extend(zip(images_out, labels.tolist()))
+    else:
+        batch.extend((img, target_transform(int(t))) for img, t in zip(images_out, labels.tolist()))
+        batch.labels = torch.as_tensor([t for _, t in batch]) if batch else labels
+    return batch
 
 
 def _raise(err: Exception):
