@@ -14,8 +14,10 @@ Scenarios (``--scenario``, default all):
 3. ``cifar-cold`` as 2, page cache of every file evicted before each epoch
 4. ``cifar-raw``  a ``--raw 32x32`` store vs the folder
 
-Median images/s over ``--epochs`` measured epochs after one warm-up epoch; the
-table shows ratios to the folder baseline and to the ceiling.
+Median images/s over ``--epochs`` measured epochs after one warm-up epoch, the
+pipelines of a scenario interleaved epoch by epoch (so a slow spell of a shared
+machine hits all of them); the table shows ratios to the folder baseline and to
+the ceiling.
 
     python benchmarks/bench_speed.py                  # full size (~10 min on 2 cores)
     python benchmarks/bench_speed.py --quick          # smoke size
@@ -100,24 +102,35 @@ class FullDecode:
 folder_collate = torch.utils.data.default_collate
 
 
-def measure(dataset, *, batch_size, workers, epochs, files=None, collate_fn=collate):
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
-        worker_init_fn=seed_worker, collate_fn=collate_fn, prefetch_factor=4 if workers else None,
-        generator=torch.Generator().manual_seed(0))
-    rates = []
-    for epoch in range(epochs + 1):
-        if files:
-            evict_page_cache(files)
-        t0 = time.perf_counter()
-        n = 0
-        for images, labels in loader:
-            n += len(labels)
-        rate = n / (time.perf_counter() - t0)
-        if epoch > 0:  # epoch 0 is the warm-up
-            rates.append(rate)
-    del loader
-    return statistics.median(rates), rates
+def measure_interleaved(pipelines, *, batch_size, workers, epochs):
+    """Median images/s per pipeline. ``pipelines``: name -> (dataset, collate_fn, files).
+
+    All loaders keep persistent workers and their epochs run round-robin (one
+    epoch of each pipeline in turn), so a slow spell of this shared machine hits
+    every pipeline alike and the *ratios* stay fair. ``files``, when given, have
+    their page cache evicted before each of that pipeline's epochs.
+    """
+    loaders = {
+        name: torch.utils.data.DataLoader(
+            ds, batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
+            worker_init_fn=seed_worker, collate_fn=collate_fn, prefetch_factor=4 if workers else None,
+            generator=torch.Generator().manual_seed(0))
+        for name, (ds, collate_fn, _files) in pipelines.items()
+    }
+    rates = {name: [] for name in pipelines}
+    for epoch in range(epochs + 1):  # epoch 0 is the warm-up
+        for name, loader in loaders.items():
+            files = pipelines[name][2]
+            if files:
+                evict_page_cache(files)
+            t0 = time.perf_counter()
+            n = 0
+            for _images, labels in loader:
+                n += len(labels)
+            if epoch > 0:
+                rates[name].append(n / (time.perf_counter() - t0))
+    loaders.clear()
+    return {name: (statistics.median(r), r) for name, r in rates.items()}
 
 
 def store_files(path):
@@ -139,6 +152,11 @@ def run(args):
               flush=True)
 
     common = dict(workers=args.workers, epochs=args.epochs)
+
+    def scenario_rows(scenario, pipelines, batch_size):
+        for name, (rate, rates) in measure_interleaved(pipelines, batch_size=batch_size, **common).items():
+            row(scenario, name, rate, rates)
+
     if "imagenet" in wanted:
         src = os.path.join(work, "imagenet")
         if not os.path.isdir(src):
@@ -148,12 +166,12 @@ def run(args):
                 fastdata.convert(src, src + suffix, progress=False)
         rrc = transforms.RandomResizedCrop(224)
         print(f"imagenet-like: {args.imagenet} JPEGs, RandomResizedCrop(224) -> uint8, batch 64", flush=True)
-        row("imagenet", "folder", *measure(FolderDataset(src, "rrc224", "tensor"), batch_size=64,
-                                           collate_fn=folder_collate, **common))
-        row("imagenet", "ceiling", *measure(RamDataset(src, rrc, (224, 224)), batch_size=64, **common))
-        for suffix, name in ((".lmdb", "lmdb"), (".h5", "hdf5")):
-            ds = fastdata.open_dataset(src + suffix, output="tensor", decode=rrc)
-            row("imagenet", name, *measure(ds, batch_size=64, **common))
+        scenario_rows("imagenet", {
+            "folder": (FolderDataset(src, "rrc224", "tensor"), folder_collate, None),
+            "ceiling": (RamDataset(src, rrc, (224, 224)), collate, None),
+            "lmdb": (fastdata.open_dataset(src + ".lmdb", output="tensor", decode=rrc), collate, None),
+            "hdf5": (fastdata.open_dataset(src + ".h5", output="tensor", decode=rrc), collate, None),
+        }, 64)
 
     if wanted & {"cifar", "cifar-cold", "cifar-raw"}:
         src = os.path.join(work, "cifar")
@@ -166,28 +184,23 @@ def run(args):
             if scenario not in wanted:
                 continue
             cold = scenario == "cifar-cold"
-            print(f"{scenario}: {args.cifar} 32x32 JPEGs -> uint8, batch 256{' (page cache evicted each epoch)' if cold else ''}",
-                  flush=True)
-            folder = FolderDataset(src, "none", "tensor")
-            row(scenario, "folder", *measure(folder, batch_size=256, collate_fn=folder_collate,
-                                             files=folder_files(src) if cold else None, **common))
+            print(f"{scenario}: {args.cifar} 32x32 JPEGs -> uint8, batch 256"
+                  f"{' (page cache evicted each epoch)' if cold else ''}", flush=True)
+            pipelines = {"folder": (FolderDataset(src, "none", "tensor"), folder_collate,
+                                    folder_files(src) if cold else None)}
             if not cold:
-                row(scenario, "ceiling", *measure(RamDataset(src, FullDecode((32, 32)), (32, 32)), batch_size=256,
-                                                  **common))
+                pipelines["ceiling"] = (RamDataset(src, FullDecode((32, 32)), (32, 32)), collate, None)
             for suffix, name in ((".lmdb", "lmdb"), (".h5", "hdf5")):
-                ds = fastdata.open_dataset(src + suffix, output="tensor")
-                row(scenario, name, *measure(ds, batch_size=256, files=store_files(src + suffix) if cold else None,
-                                             **common))
+                pipelines[name] = (fastdata.open_dataset(src + suffix, output="tensor"), collate,
+                                   store_files(src + suffix) if cold else None)
+            scenario_rows(scenario, pipelines, 256)
         if "cifar-raw" in wanted:
             print("cifar-raw: --raw 32x32 stores vs the folder, batch 256", flush=True)
-            if "folder" not in results.get("cifar", {}):
-                row("cifar-raw", "folder", *measure(FolderDataset(src, "none", "tensor"), batch_size=256,
-                                                    collate_fn=folder_collate, **common))
-            else:
-                results["cifar-raw"] = {"folder": results["cifar"]["folder"]}
-            for suffix, name in (("-raw.lmdb", "lmdb"), ("-raw.h5", "hdf5")):
-                ds = fastdata.open_dataset(src + suffix, output="tensor")
-                row("cifar-raw", name, *measure(ds, batch_size=256, **common))
+            scenario_rows("cifar-raw", {
+                "folder": (FolderDataset(src, "none", "tensor"), folder_collate, None),
+                "lmdb": (fastdata.open_dataset(src + "-raw.lmdb", output="tensor"), collate, None),
+                "hdf5": (fastdata.open_dataset(src + "-raw.h5", output="tensor"), collate, None),
+            }, 256)
 
     print("\nratios (median images/s, same run)")
     print(f"{'scenario':11s} {'store':6s} {'x folder':>9s} {'x ceiling':>10s}")
