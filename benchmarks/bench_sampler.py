@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--store", help="also measure cold-cache read speed of this store by sampler")
     args = parser.parse_args(argv)
 
     n = args.classes * args.per_class
@@ -106,7 +107,44 @@ def main(argv=None) -> int:
         print(f"{name:34s} {m['labels']:7.1f} {m['tv']:6.3f} {m['same_nb']:8.3f} "
               f"{m['runs']:7.1f} {m['regions']:7.1f} {m['adjacent']:8.3f}")
     print(f"({time.perf_counter() - t0:.1f} s)")
+    if args.store:
+        read_speed(args.store, args.batch, args.epochs)
     return 0
+
+
+def read_speed(store: str, batch: int, epochs: int) -> None:
+    """Cold-cache storage reads (no decoding) of one rank's epoch, by sampler.
+
+    The page cache of every shard is evicted before each epoch, so this is the
+    read pattern a cold local disk or a network filesystem sees.
+    """
+    import os
+
+    import fastdata
+    from fastdata.bench.cache import evict_page_cache
+    from fastdata.manifest import read_manifest
+
+    ds = fastdata.open_dataset(store)
+    files = [os.path.join(store, s["name"]) for s in read_manifest(store)["shards"]]
+    print(f"\ncold-cache reads of {store} ({len(ds)} records, batch {batch}; storage only, no decode)")
+    print(f"{'sampler':34s} {'records/s':>10s} {'x random':>9s}")
+    base = None
+    for name, block in (("block_size=1 (random)", 1), ("block_size=16", 16), ("block_size=64", 64)):
+        rates = []
+        for epoch in range(epochs):
+            sampler = DistributedShardSampler(ds, num_replicas=1, rank=0, block_size=block)
+            sampler.set_epoch(epoch)
+            order = np.fromiter(iter(sampler), dtype=np.int64)
+            ds.close()
+            evict_page_cache(files)
+            t = time.perf_counter()
+            for k in range(0, len(order), batch):
+                ds._read_batch(order[k:k + batch])
+            rates.append(len(order) / (time.perf_counter() - t))
+        rate = float(np.median(rates))
+        base = base or rate
+        print(f"{name:34s} {rate:10.0f} {rate / base:9.2f}")
+    ds.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Regenerate every figure in the README's performance section, on this machine.
+# ~25 minutes on 2 cores. Results land in ${OUT:-bench-out}/ (text tables, JSON,
+# the plot); paste the tables into README.md with the machine line they print.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+DATA=${DATA:-$OUT/data}
+mkdir -p "$OUT" "$DATA"
+python benchmarks/bench_speed.py --workdir "$DATA/speed" --epochs 5 --json "$OUT/speed.json" | tee "$OUT/speed.txt"
+python benchmarks/bench_memory.py --n 100000 --epochs 10 --variants fastdata,naive --data "$DATA/memory" \
+    --json "$OUT/memory.json" | tee "$OUT/memory.txt"
+python benchmarks/bench_convert.py --n 300 --data "$DATA/convert" --json "$OUT/convert.json" | tee "$OUT/convert.txt"
+python benchmarks/bench_sampler.py | tee "$OUT/sampler.txt"
+fastdata bench "$DATA/speed/imagenet" "$DATA/speed/imagenet.lmdb" "$DATA/speed/imagenet.h5" \
+    --workers 0,1,2 --transform rrc224 --epochs 3 --out "$OUT/harness" | tee "$OUT/harness.txt"
+cp "$OUT/harness/throughput_vs_workers.png" docs/img/throughput_vs_workers.png
