@@ -9,10 +9,12 @@ reason string.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import os
 import stat
+import tempfile
 import warnings
 
 from PIL import Image
@@ -28,6 +30,8 @@ EXTENSION_FORMATS = {
 #: Pillow may only try these decoders on input (no exotic plugins on hostile files)
 ALLOWED_FORMATS = tuple(sorted(set(EXTENSION_FORMATS.values())))
 DEFAULT_REENCODE_QUALITY = 90
+#: names of the per-chunk files workers hand image bytes back through (in staging)
+SPILL_PREFIX, SPILL_SUFFIX = "chunk-", ".spill"
 #: largest input file read: a bigger one could not be stored as one record (and
 #: reading it would only exhaust memory)
 MAX_INPUT_BYTES = MAX_RECORD_BYTES - (1 << 20)
@@ -116,9 +120,52 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     return Sample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data), relpath=relpath)
 
 
-def ingest_chunk(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec):
+def ingest_chunk(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec,
+                 spill_dir: str | None = None):
     """Worker entry point: ingest a chunk. Returns a list with a Sample or a
-    rejection reason (str) per input, plus the input bytes read."""
+    rejection reason (str) per input, plus the input bytes read; with
+    ``spill_dir``, the list comes back spilled (see :func:`spill`)."""
+    results, read_bytes = _ingest_all(paths, relpaths, labels, storage)
+    if spill_dir is not None:
+        return spill(results, spill_dir), read_bytes
+    return results, read_bytes
+
+
+def spill(results: list, spill_dir: str) -> tuple:
+    """Move a chunk's image bytes into one file in ``spill_dir`` and return
+    ``(path, results without image bytes, image lengths)``.
+
+    Why: sending megabytes of image bytes back through the process pool's
+    64 KiB pipe stalls the worker until the converter's receiving thread wins the
+    GIL for every piece; one page-cache file per chunk does not (measured: the
+    worker's time per image fell by about a fifth).
+    """
+    images = [s.image for s in results if isinstance(s, Sample)]
+    fd, path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=SPILL_SUFFIX, dir=spill_dir)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(b"".join(images))
+    light = [dataclasses.replace(s, image=b"") if isinstance(s, Sample) else s for s in results]
+    return path, light, [len(b) for b in images]
+
+
+def unspill(spilled: tuple) -> list:
+    """Inverse of :func:`spill` (in the converter): read the file back, delete it."""
+    path, light, lengths = spilled
+    with open(path, "rb") as fh:
+        blob = fh.read()
+    os.unlink(path)
+    out, pos, k = [], 0, 0
+    for item in light:
+        if isinstance(item, Sample):
+            out.append(dataclasses.replace(item, image=blob[pos:pos + lengths[k]]))
+            pos += lengths[k]
+            k += 1
+        else:
+            out.append(item)
+    return out
+
+
+def _ingest_all(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec):
     out: list = []
     read_bytes = 0
     for path, rel, label in zip(paths, relpaths, labels):

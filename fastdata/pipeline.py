@@ -38,7 +38,7 @@ from . import __version__
 from .errors import ConversionError, RejectedInputError, ResumeMismatchError
 from .formats import writer_class
 from .formats.base import Sample, StorageSpec
-from .ingest import ingest_chunk
+from .ingest import SPILL_PREFIX, SPILL_SUFFIX, ingest_chunk, unspill
 from .layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
 from .manifest import (
     MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, fsync_dir, write_manifest,
@@ -143,6 +143,11 @@ def remove_temporaries(dst: str) -> None:
         if (name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock")
                 or name.endswith(TMP_SUFFIX + ".payload")):
             os.unlink(os.path.join(dst, name))
+    staging = staging_path(dst)
+    if os.path.isdir(staging):
+        for name in os.listdir(staging):
+            if name.startswith(SPILL_PREFIX) and name.endswith(SPILL_SUFFIX):
+                os.unlink(os.path.join(staging, name))
 
 
 def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True) -> dict[int, ShardResult]:
@@ -285,6 +290,8 @@ def run_shards(
     if not todo:
         return stats
     window = max(2, workers * 4)
+    spill_dir = staging_path(dst)
+    os.makedirs(spill_dir, exist_ok=True)
     num_classes = len(scan.classes)
     open_shards: dict[int, _ShardInProgress] = {}
     chunks_left = {p.shard_id: len(range(p.start, p.stop, chunk_size)) for p in todo}
@@ -301,7 +308,7 @@ def run_shards(
                 return False
             plan, a, b = nxt
             fut = executor.submit(ingest_chunk, scan.paths[a:b], scan.relpaths[a:b],
-                                  scan.labels[a:b].tolist(), storage)
+                                  scan.labels[a:b].tolist(), storage, spill_dir)
             inflight.append((plan, a, b, fut))
             return True
 
@@ -314,7 +321,8 @@ def run_shards(
         while inflight:
             plan, a, b, fut = inflight.popleft()
             current_files = f"{os.fsdecode(scan.paths[a])} .. {os.fsdecode(scan.paths[b - 1])}"
-            results, read_bytes = fut.result()
+            spilled, read_bytes = fut.result()
+            results = unspill(spilled)
             submit_next()
             shard = open_shards.get(plan.shard_id)
             if shard is None:
