@@ -71,10 +71,3 @@ def decode_numpy_into(data: bytes, fmt: str, out: np.ndarray, raw_shape: tuple[i
     if array.shape != out.shape:
         raise ValueError(f"image is {array.shape[1]}x{array.shape[0]}, expected {out.shape[1]}x{out.shape[0]}")
     out[...] = array
-
-
-def hwc_to_chw_tensor(array: np.ndarray):
-    """uint8 HWC numpy -> uint8 CHW torch tensor (a view, no copy)."""
-    import torch
-
-    return torch.from_numpy(array).permute(2, 0, 1)

@@ -461,7 +461,3 @@ def clear_store(dst: str) -> None:
             shutil.rmtree(path)
         else:
             os.unlink(path)
-
-
-def now() -> float:
-    return time.perf_counter()
