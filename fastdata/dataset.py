@@ -50,8 +50,10 @@ class Batch(list):
     uses those directly and nothing is copied again.
     """
 
-    images: Any
+    images: Any  # uint8 N,C,H,W tensor (channels_last strides) or N,H,W,C numpy array
     labels: torch.Tensor
+    pixels: np.ndarray  # the N,H,W,C array the images view
+    inline: bool  # built in a worker to cross the queue by value (see collate)
 
 
 #: batches up to this size cross the worker queue inline (see :class:`_InlineBatch`)
