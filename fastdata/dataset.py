@@ -318,15 +318,19 @@ class StoreDataset(Dataset):
             return self._substitute(index, err)
 
     def _substitute(self, index: int, err: CorruptRecordError):
+        return self._skip_to_next(index, err, self._load)
+
+    def _skip_to_next(self, index: int, err: CorruptRecordError, load: Callable[[int], Any]):
+        """The ``on_error`` policy for a damaged sample: raise ``err``, or (``"skip"``)
+        count and warn, then return ``load`` of the first readable of the next 63 samples."""
         if self.on_error != "skip":
             raise err
         n = len(self)
         self.skipped += 1
-        warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=4)
         for step in range(1, min(n, 64)):
-            candidate = (index + step) % n
             try:
-                return self._load(candidate)
+                return load((index + step) % n)
             except CorruptRecordError:
                 continue
         raise CorruptRecordError(f"{self.root}: sample {index} and the 63 after it are all damaged; "
@@ -432,16 +436,7 @@ class StoreDataset(Dataset):
         try:
             return self._raw_bytes(index)
         except CorruptRecordError as err:
-            if self.on_error != "skip":
-                raise
-            self.skipped += 1
-            warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=3)
-            for step in range(1, min(len(self), 64)):
-                try:
-                    return self._raw_bytes((index + step) % len(self))
-                except CorruptRecordError:
-                    continue
-            raise
+            return self._skip_to_next(index, err, self._raw_bytes)
 
 
 def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.ndarray], None], *,
