@@ -88,11 +88,14 @@ class _Slow(torch.utils.data.Dataset):
         return self.inner[i]
 
 
-def _kill_one_worker(loader_iter) -> None:
+def _kill_one_worker(before: set) -> None:
+    """SIGKILL one DataLoader worker: a child that did not exist before the loader
+    started (other children, e.g. multiprocessing's resource tracker or a
+    converter's forkserver, must not be hit)."""
     me = psutil.Process()
     deadline = time.time() + 10
     while time.time() < deadline:
-        kids = [c for c in me.children() if c.is_running()]
+        kids = [c for c in me.children() if c.pid not in before and c.is_running()]
         if kids:
             os.kill(kids[-1].pid, signal.SIGKILL)
             return
@@ -113,9 +116,10 @@ def test_killed_workers_then_fresh_loader_works_and_nothing_accumulates(stores, 
     for _ in range(kills):
         loader = DataLoader(_Slow(ds), batch_size=2, num_workers=2, multiprocessing_context="fork",
                             collate_fn=_labels, timeout=30)
+        before = {c.pid for c in psutil.Process().children()}
         it = iter(loader)
         next(it)
-        _kill_one_worker(it)
+        _kill_one_worker(before)
         with pytest.raises(RuntimeError, match="(?i)worker"):
             for _batch in it:
                 pass
