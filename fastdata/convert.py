@@ -16,8 +16,8 @@ from .layout import STAGING_DIR, backend_for_path
 from .lock import StoreLock
 from .manifest import MANIFEST_NAME, read_manifest
 from .pipeline import (
-    PipelineStats, clear_store, load_finished, prepare_staging, publish, remove_temporaries, run_shards,
-    store_entries,
+    PipelineStats, clear_store, load_finished, prepare_staging, prestart_pool, publish, remove_temporaries,
+    run_shards, store_entries,
 )
 from .plan import estimated_sizes, plan_fingerprint, plan_shards
 from .source import scan as scan_source
@@ -183,6 +183,7 @@ def convert(
     writer_options = {"initial_map_size": parse_size(lmdb_map_size)} if lmdb_map_size else {}
     started = time.perf_counter()
     dst = os.path.abspath(dst)
+    prestart_pool()
 
     scan = scan_source(src)
     if not scan.classes:
@@ -260,23 +261,31 @@ def _fill_report(report: ConvertReport, manifest: dict, stats: PipelineStats, fi
 
 
 class _progress_bar:
-    """tqdm with images/s and MB/s; silent when disabled or not on a terminal."""
+    """tqdm with images/s and MB/s; silent when disabled or not on a terminal.
+
+    The bar is created at the first update, after the worker pool started: tqdm
+    runs a monitor thread, and a pool forked from a threaded process is unsafe
+    (the pipeline then falls back to the slower forkserver).
+    """
 
     def __init__(self, total: int, enabled: bool | None, desc: str = "convert"):
         if enabled is None:
             enabled = sys.stderr.isatty()
+        self.enabled = enabled
+        self.total = total
+        self.desc = desc
         self.bar = None
         self.bytes = 0
         self.rejected = 0
         self.t0 = time.perf_counter()
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="img", desc=desc, dynamic_ncols=True, smoothing=0.1)
 
     def update_counts(self, images: int, rejected: int, nbytes: int) -> None:
         self.bytes += nbytes
         self.rejected += rejected
+        if self.enabled and self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="img", desc=self.desc, dynamic_ncols=True, smoothing=0.1)
         if self.bar is not None:
             dt = max(time.perf_counter() - self.t0, 1e-9)
             self.bar.set_postfix_str(f"{self.bytes / dt / 1e6:.1f} MB/s, {self.rejected} rejected", refresh=False)

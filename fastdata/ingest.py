@@ -51,8 +51,12 @@ def _read_bytes(path: bytes) -> bytes:
                 raise Rejected("not a regular file (a FIFO, socket or device); not read")
             if st.st_size > MAX_INPUT_BYTES:
                 raise Rejected(f"file of {st.st_size} bytes exceeds the {MAX_INPUT_BYTES} byte limit for one image")
-            data = fh.read(MAX_INPUT_BYTES + 1)
-            if len(data) > MAX_INPUT_BYTES:  # grew after the fstat
+            # read(size + 1), not read(limit): Python allocates the requested size up
+            # front, and a limit-sized buffer per file cost ~0.1 ms/image (8% of a decode)
+            data = fh.read(st.st_size + 1)
+            if len(data) > st.st_size:  # grew after the fstat: read on, up to the limit
+                data += fh.read(MAX_INPUT_BYTES + 1 - len(data))
+            if len(data) > MAX_INPUT_BYTES:
                 raise Rejected(f"file exceeds the {MAX_INPUT_BYTES} byte limit for one image")
             return data
     except FileNotFoundError:

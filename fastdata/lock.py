@@ -16,6 +16,23 @@ from .errors import StoreLockedError
 from .layout import LOCK_NAME
 
 
+_held_fds: set[int] = set()
+
+
+def _close_in_child() -> None:
+    # A forked converter worker must not keep the store locked after the converter
+    # dies: closing its copy of the descriptor leaves the parent's lock in place.
+    for fd in list(_held_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class StoreLock:
     """Exclusive lock on a store directory. Use as a context manager."""
 
@@ -50,6 +67,7 @@ class StoreLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             self._fd = fd
+            _held_fds.add(fd)
             return self
 
     def release(self) -> None:
@@ -59,6 +77,7 @@ class StoreLock:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        _held_fds.discard(self._fd)
         os.close(self._fd)
         self._fd = None
 
