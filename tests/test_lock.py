@@ -165,3 +165,30 @@ def test_release_between_open_and_flock_does_not_hand_out_two_locks(tmp_path, mo
     with pytest.raises(StoreLockedError):
         StoreLock(store).acquire()
     second.release()
+
+
+def test_forked_child_does_not_hold_the_store_lock(tmp_path):
+    """The converter may fork its workers: a child must not keep the lock's
+    descriptor (it would hold the store locked after the converter dies)."""
+    import multiprocessing
+
+    with StoreLock(str(tmp_path)) as lock:
+        fd = lock._fd
+        ctx = multiprocessing.get_context("fork")
+        parent_end, child_end = ctx.Pipe()
+
+        lock_inode = os.fstat(fd).st_ino
+
+        def report(conn, fd=fd):
+            # the number may have been reused for another file (multiprocessing opens /dev/null)
+            try:
+                conn.send("open" if os.fstat(fd).st_ino == lock_inode else "closed")
+            except OSError:
+                conn.send("closed")
+
+        child = ctx.Process(target=report, args=(child_end,))
+        child.start()
+        answer = parent_end.recv()
+        child.join(10)
+        assert answer == "closed"
+        os.fstat(fd)  # still held here
