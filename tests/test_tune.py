@@ -12,7 +12,7 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fastdata.bench.tune import (
@@ -74,6 +74,9 @@ def quiet(_line):
     cores=st.integers(0, 16),
     noise=st.floats(0.7, 1.6),
 )
+# found by hypothesis: the estimate (noise 1) put the only fitting configuration
+# over the skip margin, and the tuner said "nothing fits" without measuring it
+@example(sample=1000, budget_mib=151, batch=1, cores=0, noise=0.75)
 def test_recommendation_never_exceeds_budget(sample, budget_mib, batch, cores, noise):
     target = Synthetic(sample, cores=max(cores, 1), noise=noise)
     budget = budget_mib * MiB

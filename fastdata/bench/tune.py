@@ -174,14 +174,16 @@ class _Search:
     def fits(self, t: Trial) -> bool:
         return t.measured is not None and t.measured.ok and t.measured.peak_pss <= self.budget
 
-    def run(self, s: Settings) -> Trial:
-        """Measure ``s`` (once), unless the estimate says it cannot fit."""
-        if s in self.cache:
+    def run(self, s: Settings, force: bool = False) -> Trial:
+        """Measure ``s`` (once), unless the estimate says it cannot fit (and not ``force``)."""
+        if s in self.cache and not (force and self.cache[s].measured is None):
             return self.cache[s]
         t = Trial(s, estimate_memory(s, self.probe))
+        if s in self.cache:
+            self.trials.remove(self.cache[s])
         self.cache[s] = t
         self.trials.append(t)
-        if t.predicted_pss > self.budget * (1 + self.skip_margin):
+        if not force and t.predicted_pss > self.budget * (1 + self.skip_margin):
             t.verdict = "skipped: predicted over budget"
             self.log(f"  {s.describe():<52} predicted {format_size(t.predicted_pss):>10}  skipped (over budget)")
             return t
@@ -281,7 +283,11 @@ def tune(
         if chosen_batch is not None:
             break
     if chosen_batch is None:
-        smallest = search.cache.get(Settings(0, candidates[-1]))
+        # the estimate may over-state real use: "nothing fits" is only said after measuring
+        smallest = search.run(Settings(0, candidates[-1]), force=True)
+        if search.fits(smallest):
+            chosen_batch = candidates[-1]
+    if chosen_batch is None:
         figure = (format_size(smallest.measured.peak_pss) if smallest and smallest.measured and smallest.measured.ok
                   else f"about {format_size(estimate_memory(Settings(0, candidates[-1]), probe))}")
         hint = "" if effective_batch_size else " or lower --batch-size (or give --effective-batch-size)"
