@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import batch_ring
 from .decode import decode_numpy, decode_numpy_into, decode_pil
 from .errors import CorruptRecordError, FastdataError, FormatError
 from .formats import reader_class
@@ -66,8 +67,10 @@ class _InlineBatch:
     A tensor sent through a DataLoader queue travels as a shared-memory segment
     whose descriptor the main process fetches with a round trip to a helper
     thread of the (busy) worker; for small batches (e.g. 256 images of 32x32)
-    that round trip costs more than the data. This object pickles the pixels and
-    labels by value instead and unpickles straight into ``(images, labels)``.
+    that round trip costs more than the data. This object travels through the
+    worker's batch ring (:mod:`fastdata.batch_ring`: only a descriptor is
+    pickled) or, while the ring is not mapped yet or full, by value, and
+    unpickles straight into ``(images, labels)``.
     """
 
     __slots__ = ("images", "labels", "channels_first")
@@ -76,11 +79,32 @@ class _InlineBatch:
         self.images, self.labels, self.channels_first = images, labels, channels_first
 
     def __reduce__(self):
-        return _rebuild_inline, (self.images.tobytes(), self.images.shape, self.labels.tobytes(), self.channels_first)
+        images = np.ascontiguousarray(self.images)
+        labels = self.labels.tobytes()
+        ring = batch_ring.worker_ring(images.nbytes) if torch.utils.data.get_worker_info() is not None else None
+        if ring is not None and ring.attached:
+            slot = ring.put(images)
+            if slot is not None:
+                return _rebuild_from_ring, (ring.descriptor(), slot, images.shape, labels, self.channels_first)
+        announce = ring.descriptor() if ring is not None else None
+        return _rebuild_inline, (images.tobytes(), images.shape, labels, self.channels_first, announce)
 
 
-def _rebuild_inline(image_bytes: bytes, shape: tuple, label_bytes: bytes, channels_first: bool):
+def _rebuild_inline(image_bytes: bytes, shape: tuple, label_bytes: bytes, channels_first: bool,
+                    ring: tuple | None = None):
+    if ring is not None:
+        batch_ring.attach(*ring)  # from now on that worker sends through its ring
+    batch_ring.received["by_value"] += 1
     images = np.frombuffer(bytearray(image_bytes), dtype=np.uint8).reshape(shape)
+    return _as_output(images, label_bytes, channels_first)
+
+
+def _rebuild_from_ring(ring: tuple, slot: int, shape: tuple, label_bytes: bytes, channels_first: bool):
+    images = batch_ring.ring_array(*ring, slot, int(np.prod(shape))).reshape(shape)
+    return _as_output(images, label_bytes, channels_first)
+
+
+def _as_output(images: np.ndarray, label_bytes: bytes, channels_first: bool):
     labels = torch.from_numpy(np.frombuffer(bytearray(label_bytes), dtype=np.int64))
     if channels_first:
         return torch.from_numpy(images).permute(0, 3, 1, 2), labels
@@ -423,14 +447,16 @@ class StoreDataset(Dataset):
         for shard in np.unique(shards).tolist():
             pos = np.flatnonzero(shards == shard)
             local = idx[pos] - self.shard_starts[shard]
-            block = np.empty((len(pos),) + arr.shape[1:], dtype=np.uint8)
+            whole = len(pos) == len(idx)  # one shard (the common case): read straight into the batch
+            block = arr if whole else np.empty((len(pos),) + arr.shape[1:], dtype=np.uint8)
             try:
                 self._reader(shard).get_raw_batch(local, block)
             except CorruptRecordError:
                 # find the damaged record(s): per sample, raising or substituting as the policy says
                 for k, p in enumerate(pos.tolist()):
                     block[k] = decode_numpy(self._raw_bytes_or_substitute(int(idx[p])), "RAW", self.storage.raw_shape)
-            arr[pos] = block
+            if not whole:
+                arr[pos] = block
 
     def _raw_bytes_or_substitute(self, index: int) -> bytes:
         try:
