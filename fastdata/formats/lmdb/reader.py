@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 
 from ...errors import CorruptRecordError, FormatError
-from ...record import Record, ShardIndex, decode_record, record_image
+from ...record import Record, ShardIndex, checksum, decode_record, record_image
 from ..base import ShardReader, StorageSpec
 from . import spec
 
@@ -109,6 +109,7 @@ class LMDBShardReader(ShardReader):
     def __init__(self, path: str, storage: StorageSpec, *, readahead: bool = False, **options):
         super().__init__(path, storage)
         self._pid = os.getpid()
+        self._checksums: np.ndarray | None = None  # raw mode: loaded at the first batch
         try:
             self._key, self.env, (self.records, self.index_db) = _ENVS.acquire(path, readahead)
         except lmdb.Error as err:
@@ -196,10 +197,38 @@ class LMDBShardReader(ShardReader):
         return out
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
-        """Raw mode: one read transaction, each record's pixels copied into its slot."""
-        shape = out.shape[1:]
-        for j, data in enumerate(self.get_many(local_indices)):
-            out[j] = np.frombuffer(data, dtype=np.uint8).reshape(shape)
+        """Raw mode: one read transaction in key order, one copy into ``out``.
+
+        A raw record's pixels are its last H*W*3 bytes (``img`` is the record's
+        last field, of fixed size), so they are sliced without unpacking the
+        record (2.7 us a sample) and checked against the shard index's checksum
+        instead of the record's own copy of it.
+        """
+        if self._checksums is None:
+            self._checksums = self.read_index().checksums
+        idx = np.asarray(local_indices, dtype=np.int64)
+        nbytes = int(np.prod(out.shape[1:]))
+        order = np.argsort(idx, kind="stable")
+        sorted_idx = idx[order].tolist()
+        expected = self._checksums[idx[order]].tolist() if len(idx) else []
+        pieces = []
+        i = -1
+        try:
+            with self.env.begin(db=self.records, buffers=True) as txn:
+                for i, want in zip(sorted_idx, expected):
+                    view = txn.get(spec.encode_key(i))
+                    if view is None or len(view) <= nbytes:
+                        raise CorruptRecordError(f"{self.path} record {i}: missing or too short for a raw image",
+                                                 shard=self.path, index=i)
+                    pixels = view[len(view) - nbytes:]
+                    if checksum(pixels) != want:
+                        raise CorruptRecordError(f"{self.path} record {i}: image checksum mismatch "
+                                                 "(the record is damaged)", shard=self.path, index=i)
+                    pieces.append(pixels)
+                block = b"".join(pieces)  # inside the transaction: the views die with it
+        except lmdb.Error as err:
+            raise self._damaged(err, i) from None
+        out[order] = np.frombuffer(block, dtype=np.uint8).reshape(out.shape)
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None
