@@ -8,7 +8,7 @@ destination:
 * ``fsync``  ``os.fsync`` (shard files, sidecars, the manifest, their directory)
 * ``rename`` ``os.replace`` / ``os.rename`` (shard publish, atomic_write)
 * ``lmdb-commit`` the LMDB write transaction's commit (raises ``lmdb.DiskError`` / ``lmdb.Error``)
-* ``hdf5-write`` ``h5py.Dataset.__setitem__`` (the shard's image bytes)
+* ``hdf5-write`` the copy of the shard's image bytes into its place in the HDF5 file
 * ``hdf5-payload`` writes to the HDF5 writer's side file of image bytes
 
 For every case: ``fastdata.convert`` raises :class:`ConversionError` whose
@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 
-import h5py
 import lmdb
 import pytest
 
@@ -160,16 +159,16 @@ def install(monkeypatch, op: str, faults: Faults) -> None:
 
         monkeypatch.setattr(lmdb, "open", open_env)
     elif op == "hdf5-write":
-        real_setitem = h5py.Dataset.__setitem__
+        from fastdata.formats.hdf5 import writer as hdf5_writer
 
-        def setitem(self, key, value):
-            name = self.file.filename  # "<_io.FileIO name='...'>" when written through a file object
-            match = re.search(r"name='([^']*)'", name)
-            if faults.hit(match.group(1) if match else name):
+        real_copy = hdf5_writer._copy_range
+
+        def copy_range(src_fd, dst_fd, *args):
+            if faults.hit(_fd_path(dst_fd)):
                 raise faults.oserror()
-            return real_setitem(self, key, value)
+            return real_copy(src_fd, dst_fd, *args)
 
-        monkeypatch.setattr(h5py.Dataset, "__setitem__", setitem)
+        monkeypatch.setattr(hdf5_writer, "_copy_range", copy_range)
     elif op == "hdf5-payload":
         from fastdata.formats.hdf5 import writer as hdf5_writer
 
