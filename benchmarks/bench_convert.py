@@ -14,9 +14,10 @@ What it measures, all in one run on the same generated data:
   descendant: pool workers, forkserver, resource tracker), sampled in a thread,
   for N and 10N images. PSS, not RSS: shared pages are divided among sharers.
 
-Ceiling and conversion runs are interleaved for ``--rounds`` rounds (default 3) and
-each figure is the median over rounds: this shared VM's speed drifts by +-20% from
-minute to minute, and one run each is not a ratio worth quoting.
+Ceiling and conversion runs are interleaved for ``--rounds`` rounds (default 5);
+rates are medians over rounds and each ratio is the median of the rounds' own
+ratios (a round's runs are adjacent in time): this shared VM's speed drifts by
++-20% from minute to minute, and one run each is not a ratio worth quoting.
 
 Targets from the issue: convert >= 0.8x ceiling; >= 1.7x faster with 2 workers
 than with 1 on a 2-core machine; peak PSS flat from N to 10N.
@@ -41,6 +42,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -208,6 +210,12 @@ def median_run(runs: list[dict]) -> dict:
     return ordered[len(ordered) // 2]
 
 
+def per_round_median(rounds: dict, kind_a: str, procs_a: str, kind_b: str, procs_b: str) -> float:
+    """Median over rounds of (images/s of a) / (images/s of b) within the same round."""
+    pairs = zip(rounds[kind_a][procs_a], rounds[kind_b][procs_b])
+    return statistics.median(rate(a)[0] / rate(b)[0] for a, b in pairs)
+
+
 def rate(r: dict) -> tuple[float, float]:
     return r["images"] / r["elapsed"], r["input_bytes"] / r["elapsed"] / 1e6
 
@@ -226,15 +234,22 @@ def print_report(res: dict) -> None:
     print(f"{'processes':>9} | {'ceiling img/s':>13} {'MB/s':>7} | {'convert img/s':>13} {'MB/s':>7} | "
           f"{'convert/ceiling':>15}")
     print("-" * 78)
+    rounds = res.get("rounds")
     for n in sorted({1, w}):
         c_img, c_mb = rate(res["ceiling"][str(n)])
         v_img, v_mb = rate(res["convert"][str(n)])
-        ratio = v_img / c_img
+        # the ratio is the median of the rounds' ratios: each round's two runs are
+        # adjacent in time, so a slow spell of the machine cancels out
+        ratio = per_round_median(rounds, "convert", str(n), "ceiling", str(n)) if rounds else v_img / c_img
         print(f"{n:>9} | {c_img:>13.0f} {c_mb:>7.1f} | {v_img:>13.0f} {v_mb:>7.1f} | {ratio:>8.2f}x "
               f"({mark(ratio >= TARGET_CEILING_RATIO)})")
     if w > 1:
-        conv_speedup = rate(res["convert"][str(w)])[0] / rate(res["convert"]["1"])[0]
-        ceil_speedup = rate(res["ceiling"][str(w)])[0] / rate(res["ceiling"]["1"])[0]
+        if rounds:
+            conv_speedup = per_round_median(rounds, "convert", str(w), "convert", "1")
+            ceil_speedup = per_round_median(rounds, "ceiling", str(w), "ceiling", "1")
+        else:
+            conv_speedup = rate(res["convert"][str(w)])[0] / rate(res["convert"]["1"])[0]
+            ceil_speedup = rate(res["ceiling"][str(w)])[0] / rate(res["ceiling"]["1"])[0]
         line = f"speed-up {w} vs 1 process(es): convert {conv_speedup:.2f}x, ceiling {ceil_speedup:.2f}x"
         if w == 2:
             line += f" (target >= {TARGET_SPEEDUP_2}x: {mark(conv_speedup >= TARGET_SPEEDUP_2)})"
@@ -259,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--data", default=None, help="folder for the generated datasets (kept and reused); "
                                                 "default: a temporary folder, deleted at the end")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved ceiling/convert rounds; figures are "
-                                                         "medians over rounds (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved ceiling/convert rounds; figures are "
+                                                         "medians over rounds (default 5)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
     n = 30 if args.quick else args.n
