@@ -8,8 +8,8 @@ destination:
 * ``fsync``  ``os.fsync`` (shard files, sidecars, the manifest, their directory)
 * ``rename`` ``os.replace`` / ``os.rename`` (shard publish, atomic_write)
 * ``lmdb-commit`` the LMDB write transaction's commit (raises ``lmdb.DiskError`` / ``lmdb.Error``)
-* ``hdf5-write`` the copy of the shard's image bytes into its place in the HDF5 file
-* ``hdf5-payload`` writes to the HDF5 writer's side file of image bytes
+* ``hdf5-write`` writes libhdf5 makes through its file object (metadata, index arrays)
+* ``hdf5-payload`` the HDF5 writer's own writes of image bytes into the shard file
 
 For every case: ``fastdata.convert`` raises :class:`ConversionError` whose
 message names a path in the store and the cause; ``manifest.json`` does not
@@ -161,14 +161,14 @@ def install(monkeypatch, op: str, faults: Faults) -> None:
     elif op == "hdf5-write":
         from fastdata.formats.hdf5 import writer as hdf5_writer
 
-        real_copy = hdf5_writer._copy_range
+        real_write = hdf5_writer._os_write
 
-        def copy_range(src_fd, dst_fd, *args):
-            if faults.hit(_fd_path(dst_fd)):
+        def os_write(fh, view):  # every write libhdf5 makes through its file object
+            if faults.hit(fh.name):
                 raise faults.oserror()
-            return real_copy(src_fd, dst_fd, *args)
+            return real_write(fh, view)
 
-        monkeypatch.setattr(hdf5_writer, "_copy_range", copy_range)
+        monkeypatch.setattr(hdf5_writer, "_os_write", os_write)
     elif op == "hdf5-payload":
         from fastdata.formats.hdf5 import writer as hdf5_writer
 

@@ -21,6 +21,8 @@ slow path (h5py/h5py#59); one flat byte array plus offsets reads a contiguous
 range of samples in one call. Why contiguous: the payload then has one file
 offset (``dataset.id.get_offset()``), so fastdata's reader maps it and slices
 samples without a per-read call into libhdf5 (~40 us each through h5py).
+fastdata's writer happens to put the payload at 64 KiB (it streams the bytes there
+before creating the HDF5 structure around them); readers must not rely on that.
 """
 
 from __future__ import annotations

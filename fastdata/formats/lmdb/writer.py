@@ -10,6 +10,7 @@ import numpy as np
 
 from ...manifest import fsync_file
 from ...record import IndexBuilder, ShardIndex, encode_record
+from ...writeback import Writeback
 from ..base import Sample, ShardWriter, StorageSpec
 from . import spec
 
@@ -29,6 +30,7 @@ class LMDBShardWriter(ShardWriter):
         self.index_db = self.env.open_db(spec.INDEX_DB)
         self.index = IndexBuilder()
         self.map_growths = 0
+        self.writeback = Writeback(path)
 
     def _commit(self, fill) -> None:
         while True:
@@ -55,6 +57,7 @@ class LMDBShardWriter(ShardWriter):
                     raise RuntimeError(f"{self.path}: duplicate key {start + offset}")
 
         self._commit(fill)
+        self.writeback.wrote(sum(len(v) for v in values))
         for s in samples:
             self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
                            nbytes=len(s.image), relpath=s.relpath)
@@ -70,6 +73,7 @@ class LMDBShardWriter(ShardWriter):
                         db=self.index_db)
 
         self._commit(fill)
+        self.writeback.close()
         self.env.sync(True)
         self.env.close()
         fsync_file(self.path)
@@ -79,4 +83,8 @@ class LMDBShardWriter(ShardWriter):
         try:
             self.env.close()
         except lmdb.Error:
+            pass
+        try:
+            self.writeback.close()
+        except OSError:
             pass
