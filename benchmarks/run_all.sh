@@ -10,8 +10,8 @@ mkdir -p "$OUT" "$DATA"
 python benchmarks/bench_speed.py --workdir "$DATA/speed" --epochs 5 --json "$OUT/speed.json" | tee "$OUT/speed.txt"
 python benchmarks/bench_memory.py --n 100000 --epochs 10 --variants fastdata,naive --data "$DATA/memory" \
     --json "$OUT/memory.json" | tee "$OUT/memory.txt"
-python benchmarks/bench_convert.py --n 300 --data "$DATA/convert" --json "$OUT/convert.json" | tee "$OUT/convert.txt"
-python benchmarks/bench_convert.py --n 300 --backend hdf5 --data "$DATA/convert" --json "$OUT/convert-hdf5.json" \
+python benchmarks/bench_convert.py --data "$DATA/convert" --json "$OUT/convert.json" | tee "$OUT/convert.txt"
+python benchmarks/bench_convert.py --backend hdf5 --data "$DATA/convert" --json "$OUT/convert-hdf5.json" \
     | tee "$OUT/convert-hdf5.txt"
 python benchmarks/bench_sampler.py | tee "$OUT/sampler.txt"
 fastdata bench "$DATA/speed/imagenet" "$DATA/speed/imagenet.lmdb" "$DATA/speed/imagenet.h5" \
