@@ -190,7 +190,9 @@ def crash_loop(tmp_path, suffix: str, *, per_class: int, kills: int, seed: str) 
             extra = ["--resume"]
         else:
             extra = []
-        use_sigint = stats["launches"] % 5 == 0
+        # every 5th kill is a Ctrl-C; decided by kills, not launches, so a launch that
+        # finishes before its kill point passes the Ctrl-C on to the next one
+        use_sigint = stats["kills"] % 5 == 4
         finished = _finished_shards(dst) if extra == ["--resume"] else {}
         proc = subprocess.Popen(_command(src, dst, extra + ["--quiet"], shard_size), start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
