@@ -433,8 +433,11 @@ def run_shards(
     finally:
         for shard in open_shards.values():
             shard.abort()
-        if starting is not None:  # stopping early: let it finish starting what it started
-            starting.join(timeout=60)
+        if starting is not None:
+            # stopping early: let it finish starting what it started, but never wait
+            # long (a worker it starts after this is still ended by its watchdog
+            # when the converter exits)
+            starting.join(timeout=10)
         _stop_pool(executor)
     return stats
 
