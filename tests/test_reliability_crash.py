@@ -140,6 +140,13 @@ def _finished_shards(dst: str) -> dict[str, int]:
     return out
 
 
+def _default_sigint() -> None:
+    """In the converter child: Ctrl-C as in a terminal. A test run started in the
+    background of a non-interactive shell inherits SIGINT *ignored* (POSIX), and
+    Python keeps an ignored SIGINT ignored, so the Ctrl-C kills would all miss."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _lock_pid(dst: str) -> int | None:
     try:
         with open(os.path.join(dst, LOCK_NAME)) as fh:
@@ -195,7 +202,13 @@ def crash_loop(tmp_path, suffix: str, *, per_class: int, kills: int, seed: str) 
         use_sigint = stats["kills"] % 5 == 4
         finished = _finished_shards(dst) if extra == ["--resume"] else {}
         proc = subprocess.Popen(_command(src, dst, extra + ["--quiet"], shard_size), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
+        if use_sigint:
+            # a Ctrl-C before the converter holds the lock would only test Python's own
+            # start-up (a KeyboardInterrupt traceback from `import site`, exit 1)
+            deadline = time.monotonic() + 30
+            while proc.poll() is None and _lock_pid(dst) != proc.pid and time.monotonic() < deadline:
+                time.sleep(0.002)
         _wait_for_kill_point(proc, dst, rng, n_shards, full_s)
         if proc.poll() is None:
             if use_sigint:
