@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import itertools
 import json
 import multiprocessing
 import os
@@ -399,13 +400,18 @@ def run_shards(
                 open_shards[plan.shard_id] = _ShardInProgress(dst, backend, plan, storage, num_classes, writer_options)
                 stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
         # While the pool starts (a fresh forkserver first imports fastdata: ~0.3 s),
-        # the converter converts the first chunks itself instead of waiting.
+        # the converter converts the first chunks itself instead of waiting; JPEG
+        # chunks only, since a decoder crash here would take the converter down
+        # instead of a worker, and libjpeg-turbo is the most hardened of the decoders.
         starting = _start_in_background(executor) if ctx.get_start_method() != "fork" else None
         while starting is not None and starting.is_alive():
             nxt = next(source_chunks, None)
             if nxt is None:
                 break
             plan, a, b = nxt
+            if not all(os.path.splitext(p)[1].lower() in (b".jpg", b".jpeg") for p in scan.paths[a:b]):
+                source_chunks = itertools.chain([nxt], source_chunks)  # the pool takes it first
+                break
             current_files = f"{os.fsdecode(scan.paths[a])} .. {os.fsdecode(scan.paths[b - 1])}"
             consume(plan, a, b, *ingest_chunk(scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(),
                                               storage))
@@ -423,7 +429,8 @@ def run_shards(
             consume(plan, a, b, results, read_bytes)
     except BrokenProcessPool:
         raise ConversionError(
-            f"a conversion worker died unexpectedly (killed, or out of memory?) while reading {current_files}; "
+            f"a conversion worker died unexpectedly (killed, or out of memory?) "
+            f"{f'while reading {current_files}' if current_files else 'while starting'}; "
             "finished shards are kept: rerun the same command with --resume. (Calling fastdata.convert from a "
             "script? Workers start with forkserver and import your main module: put the call under "
             "`if __name__ == \"__main__\":`.)"
