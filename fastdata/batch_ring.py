@@ -31,6 +31,7 @@ import os
 import weakref
 
 import numpy as np
+import psutil
 
 SLOTS = 8
 _HEADER = 64
@@ -153,7 +154,7 @@ def attach(pid: int, fd: int, inode: int) -> _AttachedRing | None:
     except (OSError, ValueError):
         _failed.add(key)
         return None
-    for old in [k for k in _attached if k[0] == pid or not _alive(k[0])]:
+    for old in [k for k in _attached if k[0] == pid or not psutil.pid_exists(k[0])]:
         # a worker that made a new ring never sends into its old one again;
         # batches still viewing an old mapping keep it alive themselves
         del _attached[old]
@@ -168,13 +169,3 @@ def ring_array(pid: int, fd: int, inode: int, slot: int, nbytes: int) -> np.ndar
         raise RuntimeError(f"fastdata: lost the batch ring of DataLoader worker {pid}")
     received["ring"] += 1
     return ring.take(slot, nbytes)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

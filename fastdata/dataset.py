@@ -54,10 +54,10 @@ class Batch(list):
     images: Any  # uint8 N,C,H,W tensor (channels_last strides) or N,H,W,C numpy array
     labels: torch.Tensor
     pixels: np.ndarray  # the N,H,W,C array the images view
-    inline: bool  # built in a worker to cross the queue by value (see collate)
+    inline: bool  # built in a worker, small: crosses the queue as an _InlineBatch (see collate)
 
 
-#: batches up to this size cross the worker queue inline (see :class:`_InlineBatch`)
+#: batches up to this size cross the worker queue as an :class:`_InlineBatch`
 INLINE_BATCH_BYTES = 4 << 20
 
 
@@ -471,7 +471,8 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
     write the pixels into ``arr`` (uint8 [n, H, W, 3]), and wrap it as a :class:`Batch`.
 
     In a DataLoader worker a batch up to :data:`INLINE_BATCH_BYTES` is built in
-    private memory and crosses the queue by value (:class:`_InlineBatch`); a larger
+    private memory and crosses the queue as an :class:`_InlineBatch` (through the
+    worker's batch ring, or by value); a larger
     one is built directly in shared memory with the labels in the same segment
     (each shared storage costs the main process a round trip to fetch its
     descriptor). In the main process it is plain memory.

@@ -41,7 +41,7 @@ from . import __version__
 from .errors import ConversionError, RejectedInputError, ResumeMismatchError
 from .formats import writer_class
 from .formats.base import Sample, StorageSpec
-from .ingest import SPILL_PREFIX, SPILL_SUFFIX, ingest_chunk, unspill
+from .ingest import EXTENSION_FORMATS, SPILL_PREFIX, SPILL_SUFFIX, ingest_chunk, unspill
 from .layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
 from .manifest import (
     MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, fsync_dir, write_manifest,
@@ -143,8 +143,7 @@ def io_error(err: Exception, where: str) -> ConversionError:
 def remove_temporaries(dst: str) -> None:
     """Delete half-written shards and manifests left by an interrupted run."""
     for name in os.listdir(dst):
-        if (name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock")
-                or name.endswith(TMP_SUFFIX + ".payload")):
+        if name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock"):
             os.unlink(os.path.join(dst, name))
     staging = staging_path(dst)
     if os.path.isdir(staging):
@@ -350,6 +349,9 @@ def run_shards(
     writing = dst  # the file being written when an I/O error strikes
     starting: threading.Thread | None = None
     try:
+        def files_of(a: int, b: int) -> str:
+            return f"{os.fsdecode(scan.paths[a])} .. {os.fsdecode(scan.paths[b - 1])}"
+
         def submit_next() -> bool:
             nxt = next(source_chunks, None)
             if nxt is None:
@@ -409,10 +411,11 @@ def run_shards(
             if nxt is None:
                 break
             plan, a, b = nxt
-            if not all(os.path.splitext(p)[1].lower() in (b".jpg", b".jpeg") for p in scan.paths[a:b]):
+            if not all(EXTENSION_FORMATS.get(os.path.splitext(os.fsdecode(p))[1].lower()) == "JPEG"
+                       for p in scan.paths[a:b]):
                 source_chunks = itertools.chain([nxt], source_chunks)  # the pool takes it first
                 break
-            current_files = f"{os.fsdecode(scan.paths[a])} .. {os.fsdecode(scan.paths[b - 1])}"
+            current_files = files_of(a, b)
             consume(plan, a, b, *ingest_chunk(scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(),
                                               storage))
         if starting is not None:
@@ -422,7 +425,7 @@ def run_shards(
             pass
         while inflight:
             plan, a, b, fut = inflight.popleft()
-            current_files = f"{os.fsdecode(scan.paths[a])} .. {os.fsdecode(scan.paths[b - 1])}"
+            current_files = files_of(a, b)
             spilled, read_bytes = fut.result()
             results = unspill(spilled)
             submit_next()

@@ -17,7 +17,6 @@ from ..base import Sample, ShardWriter, StorageSpec
 from . import spec
 
 
-
 def _os_write(fh: io.FileIO, view: memoryview) -> int | None:
     """One write of libhdf5's through its file object (a seam for fault-injection tests)."""
     return io.FileIO.write(fh, view)
