@@ -2,7 +2,8 @@
 
 ``main(argv=None) -> int`` so tests run it in-process. Errors are one line on
 stderr and a non-zero exit code: 2 for a fastdata error or bad usage, 1 when a
-check fails (``verify``, ``doctor``), 130 on Ctrl-C.
+check fails (``verify``, ``doctor``), 130 on Ctrl-C; ``verify`` also exits 3 on
+a path that is not a store and 4 on an unfinished conversion.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from . import __version__
 from .errors import FastdataError
 
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: ``verify`` only: the path is not a fastdata store / holds an unfinished conversion
+EXIT_NOT_A_STORE, EXIT_UNFINISHED = 3, 4
 
 
 def _cmd_convert(args) -> int:
@@ -78,7 +81,8 @@ def _cmd_verify(args) -> int:
         print(json.dumps(report.__dict__, indent=2))
     else:
         print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
-    return EXIT_OK if report.ok else EXIT_FAILED_CHECK
+    return {"ok": EXIT_OK, "not_a_store": EXIT_NOT_A_STORE, "unfinished": EXIT_UNFINISHED}.get(
+        report.status, EXIT_FAILED_CHECK)
 
 
 def _cmd_demo(args) -> int:
@@ -103,16 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows")
     c.add_argument("dst", metavar="DST", help="destination directory; *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     c.add_argument("--format", choices=["lmdb", "hdf5"], help="backend (overrides DST's suffix)")
-    c.add_argument("--workers", type=int, default=None, help="reader/validator processes (default: all cores)")
-    c.add_argument("--shard-size", default="1GiB", help="target shard file size, e.g. 512MiB, 2G (default 1GiB)")
+    c.add_argument("--workers", type=int, default=None,
+                   help="reader/validator processes (default or 0: all cores; more than 4x the cores is allowed "
+                        "with a warning)")
+    c.add_argument("--shard-size", default=None, metavar="SIZE",
+                   help="target shard file size, at least 1MiB and at most 10,000 shards (default 1GiB); "
+                        "kB/MB/GB and k/M/G are decimal (2G = 2GB = 2,000,000,000 bytes), KiB/MiB/GiB binary")
     mode = c.add_mutually_exclusive_group()
     mode.add_argument("--max-side", type=int, metavar="N",
                       help="re-encode as JPEG only images whose longer side exceeds N pixels")
     mode.add_argument("--raw", metavar="HxW", help="store decoded uint8 RGB pixels resized to HxW (e.g. 32x32)")
     c.add_argument("--quality", type=int, metavar="Q", help="JPEG quality for --max-side (default 90)")
-    c.add_argument("--strict", action="store_true", help="stop at the first unusable input instead of skipping it")
+    c.add_argument("--strict", action="store_true", default=None,
+                   help="stop at the first unusable input instead of skipping it")
     again = c.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="finish an interrupted conversion, keeping finished shards")
+    again.add_argument("--resume", action="store_true",
+                       help="finish an interrupted conversion, keeping finished shards; options left out "
+                            "(--shard-size, --format, --max-side/--quality/--raw, --strict) take the values "
+                            "the interrupted run recorded, and one given that differs is refused, naming it")
     again.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
@@ -125,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check every record of a store",
                        description="Check every shard and record against its checksum and the manifest counts. "
-                                   "Exit 0 when sound, 1 when damaged (each problem names shard and record).")
+                                   "Exit 0 when sound, 1 when damaged (each problem names shard and record), "
+                                   "2 on an error (the path does not exist, a remote URL, bad usage), "
+                                   "3 when the path is not a fastdata store (no manifest.json), "
+                                   "4 when it holds an unfinished conversion (finish it with convert --resume).")
     v.add_argument("store", metavar="STORE")
     v.add_argument("--decode", action="store_true", help="also fully decode every image")
     v.add_argument("--json", action="store_true", help="print JSON")

@@ -12,18 +12,26 @@ from dataclasses import dataclass, field
 from .distributed import current_group
 from .errors import FastdataError, ResumeMismatchError, SourceError, StoreExistsError
 from .formats.base import StorageSpec
-from .layout import STAGING_DIR, backend_for_path
-from .lock import StoreLock
+from .layout import STAGING_DIR, backend_for_path, check_local_path
+from .lock import StoreLock, raise_if_locked
 from .manifest import MANIFEST_NAME, read_manifest
 from .pipeline import (
     PipelineStats, clear_store, load_finished, prepare_staging, prestart_pool, publish, remove_temporaries,
     run_shards, store_entries,
 )
-from .plan import estimated_sizes, plan_fingerprint, plan_shards
+from .plan import ShardPlan, estimated_sizes, plan_fingerprint, plan_shards
+from .resume import RecordedRun, RunOptions, option_differences, read_recorded_run, record_run, source_differences
 from .source import scan as scan_source
-from .units import format_size, parse_size
+from .units import Size, describe_size, format_size, parse_size, parse_size_spec
 
 DEFAULT_SHARD_SIZE = "1GiB"
+#: smallest --shard-size accepted: below it a store is thousands of tiny files to open and check.
+#: FASTDATA_MIN_SHARD_SIZE lowers it (the test suite converts kilobyte-sized trees into several shards).
+MIN_SHARD_SIZE = 1 << 20
+#: most shards one conversion may make (each shard is a file a reader opens and maps)
+MAX_SHARDS = 10_000
+#: --workers above this many times the core count gets a warning
+WORKERS_PER_CORE_WARNING = 4
 
 
 @dataclass
@@ -40,6 +48,8 @@ class ConvertReport:
     shards: int = 0
     resumed_shards: int = 0
     already_complete: bool = False
+    #: the content options used, in the units they were given (e.g. "shard size 2 GB (2,000,000,000 bytes)")
+    options: str = ""
     rejected_items: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
 
@@ -58,7 +68,7 @@ class ConvertReport:
                                                     if self.rejected else ""),
             f"input {format_size(self.input_bytes)}, output {format_size(self.output_bytes)}, "
             f"{self.elapsed:.1f} s, {self.images_per_s:.0f} images/s",
-        ]
+        ] + ([f"options: {self.options}"] if self.options else [])
         for path, reason in self.rejected_items[:5]:
             lines.append(f"  rejected {path}: {reason}")
         if self.rejected > 5:
@@ -113,6 +123,101 @@ def choose_backend(dst: str, fmt: str | None) -> str:
     return backend
 
 
+def min_shard_size() -> int:
+    """The smallest shard size accepted (``FASTDATA_MIN_SHARD_SIZE`` lowers the 1 MiB floor)."""
+    override = os.environ.get("FASTDATA_MIN_SHARD_SIZE")
+    return parse_size(override) if override else MIN_SHARD_SIZE
+
+
+def check_shard_size(size: Size) -> Size:
+    """Refuse a shard size below :func:`min_shard_size`, saying what to pick."""
+    floor = min_shard_size()
+    if size.bytes < floor:
+        raise ValueError(f"shard size {size} is below the {describe_size(floor)} minimum (tiny shards make a store "
+                         "of thousands of files to open and check): pick e.g. --shard-size 256MiB, or leave the "
+                         f"default {DEFAULT_SHARD_SIZE}")
+    return size
+
+
+def check_shard_count(plans: list[ShardPlan], sizes_total: int, size: Size) -> None:
+    """Refuse a plan of more than :data:`MAX_SHARDS` shards, suggesting a shard size that fits."""
+    if len(plans) <= MAX_SHARDS:
+        return
+    suggest = MIN_SHARD_SIZE  # a power of two MiB with room for greedy packing's slack
+    while suggest * MAX_SHARDS < 2 * sizes_total:
+        suggest *= 2
+    raise ValueError(f"shard size {size} would split {format_size(sizes_total)} of images into {len(plans):,} shards "
+                     f"(more than {MAX_SHARDS:,}): pick at least --shard-size {suggest >> 20}MiB")
+
+
+def resolve_workers(workers: int | None) -> tuple[int, str | None]:
+    """``(processes, warning or None)``: None or 0 means all cores; negative is an error;
+    more than 4x the cores is allowed (slow network storage can use it) but warned about."""
+    cores = os.cpu_count() or 1
+    if workers is None or int(workers) == 0:
+        return cores, None
+    workers = int(workers)
+    if workers < 0:
+        raise ValueError(f"--workers must be 0 (all cores) or a positive number of processes, got {workers}")
+    if workers > WORKERS_PER_CORE_WARNING * cores:
+        return workers, (f"--workers {workers} is more than {WORKERS_PER_CORE_WARNING}x the {cores} core(s) here: "
+                         "each worker is a process with its own memory, and past the core count they mostly wait; "
+                         f"{cores} is usually fastest for local disks")
+    return workers, None
+
+
+def resolve_options(dst: str, recorded: RunOptions | None, *, format: str | None, shard_size, max_side: int | None,
+                    quality: int | None, raw, strict: bool | None) -> RunOptions:
+    """The content options of this run.
+
+    Each option given (not None) is used as given; each one not given takes the
+    value recorded by the run being resumed (``recorded``), else its default.
+    The storage options (``max_side``, ``quality``, ``raw``) count as one: giving
+    any of them replaces the recorded storage mode.
+
+    Raises:
+        ValueError: an option is invalid (the message says what to give instead).
+    """
+    backend = choose_backend(dst, format) if format is not None or recorded is None else recorded.backend
+    storage_given = any(v is not None for v in (max_side, quality, raw))
+    storage = storage_spec(max_side, quality, raw) if storage_given or recorded is None else recorded.storage
+    if shard_size is not None:
+        size = check_shard_size(parse_size_spec(shard_size))
+    else:
+        size = recorded.shard_size if recorded is not None else parse_size_spec(DEFAULT_SHARD_SIZE)
+    strict = bool(strict) if strict is not None else (recorded.strict if recorded is not None else False)
+    return RunOptions(backend=backend, storage=storage, shard_size=size, strict=strict)
+
+
+def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str, scan) -> None:
+    """Refuse a resume whose options or source differ from the recorded run, naming each difference.
+
+    Without a record (a run from an older fastdata) the staging fingerprint check decides.
+
+    Raises:
+        ResumeMismatchError: listing every differing option (was/now) and the source changes.
+    """
+    if recorded is None or recorded.fingerprint == fingerprint:
+        return
+    diffs = option_differences(recorded.options, run)
+    if recorded.listing is not None:
+        changes = source_differences(recorded.listing, scan)
+    else:  # a published store keeps no listing: tell whether the source (not only the options) changed
+        same = plan_fingerprint(scan, recorded.options.backend, recorded.options.storage,
+                                recorded.options.shard_size.bytes) == recorded.fingerprint
+        changes = [] if same else ["the source files differ (files added, removed or changed)"]
+    if changes and recorded.source and os.path.abspath(src) != recorded.source:
+        changes.append(f"source: was {recorded.source}, now {os.path.abspath(src)}")
+    what = "; ".join(diffs + changes) or "the inputs differ"
+    if recorded.complete:
+        raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
+                                  "use --overwrite to replace it")
+    hint = (" Leave out the differing options: --resume reuses the recorded ones "
+            f"({recorded.options.describe()})." if diffs else "")
+    raise ResumeMismatchError(f"cannot resume {dst}: {what}.{hint} Or start over with --overwrite "
+                              "(this discards the finished shards)")
+
+
 def _check_destination(dst: str, resume: bool, overwrite: bool) -> None:
     if not os.path.exists(dst):
         return
@@ -139,11 +244,11 @@ def convert(
     *,
     format: str | None = None,
     workers: int | None = None,
-    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    shard_size: int | str | None = None,
     max_side: int | None = None,
     quality: int | None = None,
     raw=None,
-    strict: bool = False,
+    strict: bool | None = None,
     resume: bool = False,
     overwrite: bool = False,
     progress: bool | None = None,
@@ -156,12 +261,16 @@ def convert(
         src: image folder (class subfolders) or a ``.csv``/``.tsv`` list of ``path,label``.
         dst: destination directory; its suffix picks the backend unless ``format`` is given.
         format: ``"lmdb"`` or ``"hdf5"``.
-        workers: reader/validator processes (default: all cores).
-        shard_size: target bytes per shard file (``int`` or e.g. ``"512MiB"``).
+        workers: reader/validator processes (default or 0: all cores; negative is an error; more than
+            4x the cores is allowed with a warning).
+        shard_size: target bytes per shard file (``int`` or e.g. ``"512MiB"``, ``"2GB"``; default 1GiB).
+            At least 1 MiB, and at most 10,000 shards per store.
         max_side, quality: re-encode images whose longer side exceeds ``max_side`` as JPEG.
         raw: ``"HxW"``: store decoded RGB pixels resized to that shape.
-        strict: stop at the first unusable input instead of skipping and reporting it.
-        resume: finish an interrupted conversion, keeping its completed shards.
+        strict: stop at the first unusable input instead of skipping and reporting it (default False).
+        resume: finish an interrupted conversion, keeping its completed shards. The content options
+            (``format``, ``shard_size``, ``max_side``/``quality``/``raw``, ``strict``) left as None take
+            the values the interrupted run recorded; one given that differs refuses the resume, naming it.
         overwrite: replace an existing store at ``dst``.
         progress: show a progress bar (default: when stderr is a terminal).
         lmdb_map_size: initial LMDB map size (it grows automatically).
@@ -176,10 +285,15 @@ def convert(
     src, dst = os.fspath(src), os.fspath(dst)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are exclusive")
-    backend = choose_backend(dst, format)
-    storage = storage_spec(max_side, quality, raw)
-    shard_bytes = parse_size(shard_size)
-    workers = max(1, int(workers or os.cpu_count() or 1))
+    check_local_path(src, "source")
+    check_local_path(dst, "destination", must_exist=False)
+    if current_group() is None:  # (ranks: rank 0 checks, so that all ranks stop together)
+        raise_if_locked(dst)  # a live writer is named before any other complaint about DST
+    recorded = read_recorded_run(os.path.abspath(dst)) if resume else None
+    run = resolve_options(dst, recorded.options if recorded else None, format=format, shard_size=shard_size,
+                          max_side=max_side, quality=quality, raw=raw, strict=strict)
+    backend, storage, shard_bytes, strict = run.backend, run.storage, run.shard_size.bytes, run.strict
+    workers, workers_warning = resolve_workers(workers)
     writer_options = {"initial_map_size": parse_size(lmdb_map_size)} if lmdb_map_size else {}
     started = time.perf_counter()
     dst = os.path.abspath(dst)
@@ -194,14 +308,20 @@ def convert(
                                "(remove them if they are not classes)")
     for path, problem in scan.walk_problems:
         report.warnings.append(f"{path}: {problem}")
+    report.warnings.extend([workers_warning] if workers_warning else [])
+    report.options = run.describe() + (" (recorded by the interrupted run)" if recorded and not recorded.complete
+                                       else "")
+    sizes = estimated_sizes(scan, storage)
+    plans = plan_shards(sizes, shard_bytes)
+    check_shard_count(plans, int(sizes.sum()), run.shard_size)
 
     group = current_group()
     if group is not None:
         from .distributed import convert_distributed
 
         return convert_distributed(
-            group, scan=scan, dst=dst, src=src, backend=backend, storage=storage, shard_bytes=shard_bytes,
-            workers=workers, strict=strict, resume=resume, overwrite=overwrite, progress=progress,
+            group, scan=scan, dst=dst, src=src, run=run, recorded=recorded, plans=plans,
+            workers=workers, resume=resume, overwrite=overwrite, progress=progress,
             writer_options=writer_options, chunk_size=chunk_size, report=report)
     _check_destination(dst, resume, overwrite)
     os.makedirs(dst, exist_ok=True)
@@ -211,6 +331,8 @@ def convert(
         if overwrite:
             clear_store(dst)
         fingerprint = plan_fingerprint(scan, backend, storage, shard_bytes)
+        if resume:
+            check_resume(dst, src, recorded, run, fingerprint, scan)
         if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
             manifest = read_manifest(dst)
             if manifest["options"].get("fingerprint") != fingerprint:
@@ -223,8 +345,9 @@ def convert(
             report.images = manifest["num_samples"]
             report.elapsed = time.perf_counter() - started
             return report
-        plans = plan_shards(estimated_sizes(scan, storage), shard_bytes)
         prepare_staging(dst, fingerprint, resume)
+        if recorded is None or recorded.fingerprint != fingerprint:
+            record_run(dst, run, src, fingerprint, scan)  # what a later --resume reuses and compares against
         remove_temporaries(dst)
         finished = load_finished(dst, backend, plans) if resume else {}
         todo = [p for p in plans if p.shard_id not in finished]
@@ -241,6 +364,7 @@ def convert(
         options = {
             "source": os.path.abspath(src),
             "shard_size": shard_bytes,
+            "shard_size_unit": run.shard_size.unit,
             "strict": strict,
             "fingerprint": fingerprint,
         }

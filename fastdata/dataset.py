@@ -33,6 +33,7 @@ from .decode import decode_numpy, decode_numpy_into, decode_pil
 from .errors import CorruptRecordError, FastdataError, FormatError
 from .formats import reader_class
 from .formats.base import StorageSpec
+from .layout import check_local_path
 from .manifest import read_manifest
 from .record import FORMAT_NAMES
 
@@ -155,6 +156,7 @@ class StoreDataset(Dataset):
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
+        check_local_path(path, "store")  # before abspath, which would turn "s3://b/x" into "<cwd>/s3:/b/x"
         self.root = os.path.abspath(os.fspath(path))
         manifest = read_manifest(self.root)
         if self.backend and manifest["backend"] != self.backend:

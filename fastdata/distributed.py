@@ -99,18 +99,24 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, backend: str, storage, shard_bytes: int,
-                        workers: int, strict: bool, resume: bool, overwrite: bool, progress, writer_options: dict,
-                        chunk_size: int, report):
-    """Run one conversion across all ranks of ``group`` (see the module docstring)."""
-    from .convert import _check_destination, _fill_report, _progress_bar
-    from .lock import StoreLock
+def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, run, recorded, plans: list, workers: int,
+                        resume: bool, overwrite: bool, progress, writer_options: dict, chunk_size: int, report):
+    """Run one conversion across all ranks of ``group`` (see the module docstring).
+
+    ``run`` holds the resolved content options (a :class:`~fastdata.resume.RunOptions`; with
+    ``resume``, options not given were taken from ``recorded``, the interrupted run's record),
+    ``plans`` the shard plan every rank computed from the same scan.
+    """
+    from .convert import _check_destination, _fill_report, _progress_bar, check_resume
+    from .lock import StoreLock, raise_if_locked
     from .manifest import MANIFEST_NAME, read_manifest
     from .pipeline import (
         PipelineStats, clear_store, load_finished, prepare_staging, publish, remove_temporaries, run_shards,
     )
-    from .plan import estimated_sizes, plan_fingerprint, plan_shards
+    from .plan import plan_fingerprint
+    from .resume import record_run
 
+    backend, storage, shard_bytes, strict = run.backend, run.storage, run.shard_size.bytes, run.strict
     started = time.perf_counter()
     rank, world = group.rank, group.world_size
     fingerprint = plan_fingerprint(scan, backend, storage, shard_bytes)
@@ -125,6 +131,7 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, backend: 
     verdict = None
     if rank == 0:
         try:
+            raise_if_locked(dst)  # a live writer is named before any other complaint about DST
             _check_destination(dst, resume, overwrite)
             os.makedirs(dst, exist_ok=True)
             lock = StoreLock(dst).acquire()
@@ -132,6 +139,8 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, backend: 
                 report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
             if overwrite:
                 clear_store(dst)
+            if resume:
+                check_resume(dst, src, recorded, run, fingerprint, scan)
             if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
                 manifest = read_manifest(dst)
                 verdict = ("complete", manifest["num_samples"]) if manifest["options"].get(
@@ -139,6 +148,8 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, backend: 
                                                                  "inputs or options; use --overwrite to replace it")
             else:
                 prepare_staging(dst, fingerprint, resume)
+                if recorded is None or recorded.fingerprint != fingerprint:
+                    record_run(dst, run, src, fingerprint, scan)  # what a later --resume reuses and compares
                 remove_temporaries(dst)
                 verdict = ("go", None)
         except (FastdataError, OSError) as err:
@@ -153,7 +164,6 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, backend: 
             report.elapsed = time.perf_counter() - started
             return report
 
-        plans = plan_shards(estimated_sizes(scan, storage), shard_bytes)
         mine = shards_for_rank(plans, rank, world)
         status, stats, finished = None, PipelineStats(), {}
         try:
@@ -182,8 +192,8 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, backend: 
                 missing = sorted({p.shard_id for p in plans} - set(results))
                 if missing:
                     raise ConversionError(f"{dst}: shard(s) {missing} have no completion record; rerun with --resume")
-                options = {"source": os.path.abspath(src), "shard_size": shard_bytes, "strict": strict,
-                           "fingerprint": fingerprint}
+                options = {"source": os.path.abspath(src), "shard_size": shard_bytes,
+                           "shard_size_unit": run.shard_size.unit, "strict": strict, "fingerprint": fingerprint}
                 publish(dst=dst, backend=backend, scan=scan, storage=storage, results=list(results.values()),
                         options=options)
                 published = "ok"

@@ -55,3 +55,11 @@ class ConversionError(FastdataError):
 
 class ResumeMismatchError(ConversionError):
     """``resume`` was asked but the source or options differ from the interrupted run."""
+
+
+class PathNotFoundError(FastdataError):
+    """A path given to fastdata (source, store, list file, doctor target) does not exist."""
+
+
+class RemotePathError(FastdataError):
+    """A remote URL (``s3://``, ``gs://``, ``https://``...) was given; only local paths are supported."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import shlex
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,7 +13,8 @@ import numpy as np
 from .errors import FastdataError, FormatError
 from .formats import reader_class
 from .formats.base import StorageSpec
-from .manifest import read_manifest
+from .layout import STAGING_DIR, check_local_path
+from .manifest import MANIFEST_NAME, read_manifest
 from .pipeline import file_checksum
 from .record import FORMAT_CODES, FORMAT_NAMES
 
@@ -40,9 +42,19 @@ def info(store: str) -> dict:
     }
 
 
+#: :attr:`VerifyReport.status` values
+SOUND, DAMAGED, NOT_A_STORE, UNFINISHED = "ok", "damaged", "not_a_store", "unfinished"
+
+
 @dataclass
 class VerifyReport:
-    """Result of :func:`verify`. ``problems`` name the shard and record at fault."""
+    """Result of :func:`verify`. ``problems`` name the shard and record at fault.
+
+    ``status`` says which kind of result it is: ``"ok"``, ``"damaged"`` (a store
+    whose files or records are damaged), ``"not_a_store"`` (no ``manifest.json``
+    and no unfinished conversion) or ``"unfinished"`` (an interrupted conversion:
+    finish it with ``--resume``). Only ``"damaged"`` means damage.
+    """
 
     store: str
     ok: bool = True
@@ -50,12 +62,22 @@ class VerifyReport:
     shards_checked: int = 0
     decoded: int = 0
     problems: list[str] = field(default_factory=list)
+    status: str = SOUND
 
     def fail(self, message: str) -> None:
         self.ok = False
+        self.status = DAMAGED
+        self.problems.append(message)
+
+    def refuse(self, status: str, message: str) -> None:
+        """Not damage: the path is not a (finished) store; ``message`` says what it is and what to do."""
+        self.ok = False
+        self.status = status
         self.problems.append(message)
 
     def summary(self) -> str:
+        if self.status in (NOT_A_STORE, UNFINISHED):
+            return f"{self.store}: {self.problems[0]}"
         if self.ok:
             extra = f", {self.decoded} decoded" if self.decoded else ""
             return f"{self.store}: OK ({self.shards_checked} shard(s), {self.records_checked} records verified{extra})"
@@ -182,14 +204,43 @@ def _check_records_isolated(args: tuple, timeout: float) -> tuple[int, int, list
         parent.close()
 
 
+def _is_store_candidate(store: str, report: VerifyReport) -> bool:
+    """False (with the reason in ``report``) when ``store`` is not a directory with a
+    manifest: an unfinished conversion, or something that is not a store at all."""
+    if not os.path.isdir(store):
+        report.refuse(NOT_A_STORE, "not a fastdata store: not a directory (a store is a directory holding "
+                                   f"{MANIFEST_NAME} and shard files)")
+        return False
+    if os.path.lexists(os.path.join(store, MANIFEST_NAME)):
+        return True
+    if os.path.isdir(os.path.join(store, STAGING_DIR)):
+        from .resume import recorded_source
+
+        source = recorded_source(store) or "SRC"
+        report.refuse(UNFINISHED, f"unfinished conversion: finish it with fastdata convert {shlex.quote(source)} "
+                                  f"{shlex.quote(store)} --resume")
+        return False
+    report.refuse(NOT_A_STORE, f"not a fastdata store: no {MANIFEST_NAME}")
+    return False
+
+
 def verify(store: str, *, decode: bool = False, timeout: float = 600.0) -> VerifyReport:
     """Check a store: manifest, shard files (size and whole-file checksum), every
     record against its checksum, counts against the manifest; with ``decode``
     also fully decode every image.
 
-    Never raises for damage: every finding lands in ``report.problems``.
+    Never raises for damage: every finding lands in ``report.problems``. A folder
+    that is not a store, or holds an unfinished conversion, is reported with
+    ``status`` ``"not_a_store"``/``"unfinished"``, not as damage.
+
+    Raises:
+        PathNotFoundError: ``store`` does not exist.
+        RemotePathError: ``store`` is a URL.
     """
     report = VerifyReport(store=os.path.abspath(store))
+    check_local_path(store, "store")
+    if not _is_store_candidate(store, report):
+        return report
     try:
         m = read_manifest(store)
     except FormatError as err:

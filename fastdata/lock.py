@@ -50,10 +50,7 @@ class StoreLock:
             except BlockingIOError:
                 holder = _read_pid(fd)
                 os.close(fd)
-                raise StoreLockedError(
-                    f"{os.path.dirname(self.path)} is being written by another converter"
-                    f"{f' (pid {holder})' if holder else ''}; wait for it to finish or stop it"
-                ) from None
+                raise StoreLockedError(_locked_message(os.path.dirname(self.path), holder)) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -94,3 +91,29 @@ def _read_pid(fd: int) -> int | None:
         return int(text) if text else None
     except (OSError, ValueError):
         return None
+
+
+def raise_if_locked(store_dir: str) -> None:
+    """Raise :class:`StoreLockedError` when a live converter holds ``store_dir``'s lock.
+
+    A check without taking the lock, so a converter can name the live writer before
+    any other complaint about the destination (existing store, unfinished run, options).
+    A stale lock (its holder died) passes: the converter takes it over later.
+    """
+    try:
+        fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY)
+    except OSError:  # no lock file (or no directory): nobody is writing
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLockedError(_locked_message(store_dir, _read_pid(fd))) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _locked_message(store_dir: str, holder: int | None) -> str:
+    return (f"{store_dir} is being written by another converter{f' (pid {holder})' if holder else ''}; "
+            "wait for it to finish or stop it")

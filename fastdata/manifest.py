@@ -112,8 +112,12 @@ def read_manifest(store_dir: str) -> dict:
     """Load and validate a store's manifest.
 
     Raises :class:`IncompleteStoreError` when there is none (an unfinished or
-    interrupted conversion) and :class:`FormatError` for anything malformed.
+    interrupted conversion), :class:`FormatError` for anything malformed, and
+    :class:`PathNotFoundError`/:class:`RemotePathError` for a missing path or a URL.
     """
+    from .layout import check_local_path  # local import: layout imports nothing heavy
+
+    check_local_path(store_dir, "store")  # a URL or a missing path is named as such, not as "not a store"
     path = os.path.join(store_dir, MANIFEST_NAME)
     if not os.path.isdir(store_dir):
         raise FormatError(f"{store_dir}: not a fastdata store (not a directory)")

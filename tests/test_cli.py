@@ -79,11 +79,11 @@ def test_errors_from_the_real_entry_point_are_one_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "fastdata", "convert", str(tmp_path / "missing"),
                           str(tmp_path / "o.lmdb")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
-    assert "source folder not found" in _one_line_error(run.stderr)
+    assert "does not exist" in _one_line_error(run.stderr)
 
 
 @pytest.mark.parametrize("args, expect", [
-    (["{missing}", "{tmp}/o.lmdb"], "source folder not found"),
+    (["{missing}", "{tmp}/o.lmdb"], "does not exist"),
     (["{src}", "{tmp}/o.zip"], "cannot tell the backend"),
     (["{src}", "{tmp}/o.lmdb", "--shard-size", "lots"], "not a size"),
     (["{src}", "{tmp}/o.lmdb", "--raw", "12xx"], "HxW"),

@@ -112,3 +112,43 @@ def test_cannot_load_exits_2_with_one_line(userpkg, capsys, spec, words):
     assert len(err.splitlines()) == 1 and words in err
     with pytest.raises(FastdataError):
         load_object(spec)
+
+
+@pytest.fixture
+def user_file(tmp_path, monkeypatch):
+    """``proj/code/filedata.py`` (importing its sibling ``filehelper.py``), run from elsewhere."""
+    code = tmp_path / "proj" / "code"
+    code.mkdir(parents=True)
+    (code / "filehelper.py").write_text("SIZE = 5000\n")
+    (code / "filedata.py").write_text("from filehelper import SIZE  # a sibling import\n" + MODULE)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader adds the file's folder
+    yield code / "filedata.py"
+    for name in ("filedata", "filehelper"):
+        sys.modules.pop(name, None)
+
+
+def test_file_path_spec_is_accepted(user_file, capsys):
+    relative = "../proj/code/filedata.py"
+    assert main(["doctor", f"{relative}:Clean"]) == 0, capsys.readouterr().err
+    assert "no hazards found" in capsys.readouterr().out
+    assert main(["doctor", f"{user_file}:Leaky"]) == 1  # absolute path, same module
+    assert "[open_handle] dataset.log" in capsys.readouterr().out
+    assert type(load_object(f"{relative}:make_leaky")).__name__ == "Leaky"
+    # control: the same file as a module name is not importable from here
+    with pytest.raises(FastdataError, match="cannot import filedata_not_on_path"):
+        load_object("filedata_not_on_path:Clean")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("missing_dir/nothere.py:Clean", "does not exist"),
+    ("{file}:nothing", "no attribute"),
+    ("{folder}:Clean", "expected a Python file"),
+])
+def test_bad_file_spec_exits_2_with_one_line(user_file, capsys, spec, words):
+    spec = spec.format(file=user_file, folder=user_file.parent)
+    assert main(["doctor", spec]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err

@@ -85,6 +85,28 @@ def test_overwrite_is_refused_while_another_converter_holds_the_lock(src, tmp_pa
     assert fastdata.verify(dst).ok, "a refused --overwrite must not have cleared the store"
 
 
+@pytest.mark.parametrize("state", ["complete", "unfinished"])
+def test_a_live_writer_is_named_first_whatever_the_flags(src, tmp_path, holder, state):
+    """Another converter writing DST is the first thing said, before "already holds a store",
+    "holds an unfinished conversion" or a resume mismatch (which would send the user to
+    --overwrite while a converter is still writing there)."""
+    dst = str(tmp_path / "out.lmdb")
+    if state == "complete":
+        fastdata.convert(src, dst, workers=1, progress=False)
+    else:
+        os.makedirs(os.path.join(dst, ".fastdata-staging"))
+        with open(os.path.join(dst, ".fastdata-staging", "plan.json"), "w") as fh:
+            fh.write('{"fingerprint": "from another run"}')
+    live = holder(dst)
+    before = sorted(os.listdir(dst))
+    for flags in ([], ["--resume"], ["--resume", "--shard-size", "2MiB"], ["--overwrite"]):
+        done = _cli("convert", src, dst, "--workers", "1", *flags)
+        assert done.returncode == 2, (flags, done.stderr)
+        assert f"being written by another converter (pid {live.pid})" in done.stderr, (flags, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert sorted(os.listdir(dst)) == before
+
+
 def test_stale_lock_of_a_killed_holder_is_taken_over_with_its_pid(src, tmp_path, holder):
     dst = str(tmp_path / "out.lmdb")
     dead = holder(dst)

@@ -118,7 +118,9 @@ def add_commands(subparsers) -> None:
                     "Exit 0 when clean, 1 when a hazard is found, 2 when the object cannot be loaded."),
         epilog="example:\n  fastdata doctor mypkg.data:make_train_set --sample 4",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    d.add_argument("spec", metavar="MODULE:ATTRIBUTE", help="e.g. mypkg.data:train_set (the current directory is importable)")
+    d.add_argument("spec", metavar="MODULE:ATTRIBUTE",
+                   help="e.g. mypkg.data:train_set (the current directory is importable) "
+                        "or path/to/data.py:train_set")
     d.add_argument("--sample", type=int, default=0, metavar="N",
                    help="fetch N items first (finds handles that __getitem__ opens, and items that raise)")
     d.add_argument("--threshold", type=int, default=1000, metavar="N",

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Iterable, Sequence
 
 from ..errors import FastdataError
-from ..layout import backend_for_path
+from ..layout import backend_for_path, check_local_path
 from ..manifest import read_manifest
 
 KINDS = ("folder", "lmdb", "hdf5")
@@ -108,10 +108,9 @@ def target_kind(path: str) -> str:
     """``"lmdb"``/``"hdf5"`` for a published fastdata store, ``"folder"`` for a directory of class folders.
 
     Raises:
-        FastdataError: the path does not exist, or is not a directory.
+        FastdataError: the path does not exist, is a remote URL, or is not a directory.
     """
-    if not os.path.exists(path):
-        raise FastdataError(f"{path}: no such file or directory")
+    check_local_path(path, "target")
     if not os.path.isdir(path):
         raise FastdataError(f"{path}: not a directory (a target is an image folder or a fastdata store)")
     if os.path.exists(os.path.join(path, "manifest.json")):
