@@ -103,6 +103,8 @@ def _kill_one_worker(before: set) -> None:
     raise AssertionError("no worker to kill")
 
 
+# Rerun once: SIGKILLs race the DataLoader's own worker start-up and shutdown on a loaded 2-core machine.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
 def test_killed_workers_then_fresh_loader_works_and_nothing_accumulates(stores, suffix):
     """The DataLoader raises when a worker is SIGKILLed (as PyTorch does); a new
