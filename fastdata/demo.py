@@ -61,6 +61,12 @@ def run_demo(size: str = "full", out: str | None = None, keep: bool = False, qui
     """
     import fastdata
 
+    from .extras import require
+
+    # Before any work: the demo's images and plots come with the bench extra.
+    require("cv2", "fastdata demo")
+    if bench:
+        require("matplotlib", "fastdata demo (its plots)")
     from .synth import make_image_folder
 
     sizes = _sizes()

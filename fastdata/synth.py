@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Tuple, Union
 
-import cv2
 import numpy as np
 from PIL import Image
+
+from .extras import require
+
+cv2 = require("cv2", "synthetic images (fastdata.synth, the demo, the benchmarks)")
 
 __all__ = ["SynthSummary", "make_image_folder", "make_bad_inputs", "make_odd_images", "synth_jpeg"]
 

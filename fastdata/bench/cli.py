@@ -149,6 +149,10 @@ def _cmd_bench(args) -> int:
         start_method=args.start_method, output=args.output, transform=args.transform, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, max_batches=args.max_batches, cold=args.cold, step_ms=args.step_ms,
         seed=args.seed)
+    if not args.no_plots:  # say so now, not after the whole run
+        from .plots import check_plotting
+
+        check_plotting()
     if not args.quiet:
         print(f"measuring {len(configs)} configuration(s), each in a fresh process", file=sys.stderr)
     result = run_bench(configs, args.out, timeout=args.timeout, progress=not args.quiet, plots=not args.no_plots)

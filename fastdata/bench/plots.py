@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from ..extras import require
+
 _BASE_AXES = ("batch_size", "pin_memory", "output", "transform", "cold", "step_ms")
 _WORKER_AXES = ("prefetch_factor", "persistent_workers", "start_method")
 _SHORT = {"batch_size": "bs", "pin_memory": "pin", "output": "", "transform": "", "cold": "cold",
@@ -75,10 +77,21 @@ def frontier(points: Sequence[tuple]) -> list:
     return best
 
 
+_PURPOSE = "benchmark plots (skip them with --no-plots)"
+
+
+def check_plotting() -> None:
+    """Fail early, before a long run, when matplotlib is missing.
+
+    Raises:
+        fastdata.extras.MissingExtraError: one line naming the extra to install.
+    """
+    require("matplotlib", _PURPOSE)
+
+
 def write_plots(rows: Sequence[dict], out: str) -> dict:
     """Write the three PNGs into ``out``. Returns ``{name: path}`` (empty when no row succeeded)."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", _PURPOSE)
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
