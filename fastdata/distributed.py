@@ -17,7 +17,8 @@ work across ranks:
 
 The result is identical to a single-machine conversion with the same options,
 because the plan does not depend on who converts which shard. ``--resume``
-works across ranks: each rank keeps its finished shards. DST must be on a
+works across ranks: each rank keeps its finished shards, and options not given
+again take the values the interrupted run recorded (rank 0 compares them). DST must be on a
 filesystem all ranks share (NFS is fine for writing shard files; do not *read*
 LMDB over NFS in training: copy shards to node-local disk).
 """

@@ -7,7 +7,8 @@
       rejected.tsv            inputs that were skipped, with the reason
       shard-00000.lmdb        LMDB backend (one file per shard, subdir=False)
       shard-00000.h5          HDF5 backend
-      .fastdata-staging/      only while converting: plan + one sidecar per finished shard
+      .fastdata-staging/      only while converting: plan, the run's options and source
+                              listing (for --resume), one sidecar per finished shard
       .fastdata.lock          only while converting: flock'ed by the live converter
       shard-00000.lmdb.tmp    only while converting: a shard being written
 """

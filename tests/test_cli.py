@@ -89,7 +89,6 @@ def test_errors_from_the_real_entry_point_are_one_line(tmp_path):
     (["{src}", "{tmp}/o.lmdb", "--raw", "12xx"], "HxW"),
     (["{src}", "{tmp}/o.lmdb", "--quality", "80"], "--quality only applies with --max-side"),
     (["{src}", "{tmp}/o.lmdb", "--max-side", "0"], "--max-side"),
-    (["{src}/list.csv", "{tmp}/o.lmdb"], "expected 2 columns"),
 ])
 def test_convert_errors_exit_2_with_one_line(tmp_path, capsys, args, expect):
     src = make_tree(tmp_path / "src", {"a": 1}, size=(8, 8))
@@ -98,6 +97,17 @@ def test_convert_errors_exit_2_with_one_line(tmp_path, capsys, args, expect):
     assert main(["convert"] + [a.format(**fill) for a in args]) == 2
     assert expect in _one_line_error(capsys.readouterr().err)
     assert not list(tmp_path.glob("o.*"))  # nothing created on a usage error
+
+
+def test_bad_list_rows_exit_2_without_a_traceback(tmp_path, capsys):
+    """A list file's bad rows: one error headline naming the file (the rows may follow, one a line)."""
+    src = make_tree(tmp_path / "src", {"a": 1}, size=(8, 8))
+    (Path(src) / "list.csv").write_text("a/a_000.jpg,a,oops\n")
+    assert main(["convert", f"{src}/list.csv", str(tmp_path / "o.lmdb")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastdata: error: ") and "list.csv" in err.splitlines()[0]
+    assert "expected 2 columns" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("o.*"))
 
 
 def test_usage_errors_exit_2(capsys):

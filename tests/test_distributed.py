@@ -132,3 +132,34 @@ def test_resume_across_ranks_after_kill(tmp_path):
     assert shard_digests(dst) == shard_digests(tmp_path / "ref.lmdb")
     if killed and any(n.endswith(".lmdb.json") for n in done_before):
         assert "kept from the interrupted run" in result.stdout
+
+
+def test_resume_across_ranks_reuses_the_recorded_options(tmp_path, monkeypatch):
+    """An interrupted 30 kB-shard conversion finished by torchrun with only --resume: the
+    ranks take the recorded shard size; a different --shard-size is refused, naming it."""
+    import importlib
+
+    import fastdata
+
+    convert_module = importlib.import_module("fastdata.convert")
+    src, dst = tmp_path / "src", tmp_path / "out.lmdb"
+    make_tree(src, {"a": 20, "b": 20}, size=(96, 72))
+    single(src, tmp_path / "ref.lmdb", "--shard-size", "30kB")
+    real = convert_module.run_shards
+
+    def first_shard_then_ctrl_c(**kwargs):
+        real(**dict(kwargs, plans=kwargs["plans"][:1]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_module, "run_shards", first_shard_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        fastdata.convert(str(src), str(dst), shard_size="30kB", workers=1, progress=False)
+    monkeypatch.undo()
+
+    refused = torchrun("convert", str(src), str(dst), "--shard-size", "40kB", "--workers", "1", "--resume",
+                       check=False)
+    assert refused.returncode != 0
+    assert "shard size: was 30 kB (30,000 bytes), now 40 kB (40,000 bytes)" in refused.stderr, refused.stderr[-2000:]
+    result = torchrun("convert", str(src), str(dst), "--workers", "1", "--resume")
+    assert "1 kept from the interrupted run" in result.stdout
+    assert shard_digests(dst) == shard_digests(tmp_path / "ref.lmdb")
