@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert an image folder or list file into a store",
                        description="Convert an ImageFolder tree (SRC/<class>/<images>) or a CSV/TSV list "
                                    "(path,label) into an LMDB or HDF5 store at DST (a directory).")
-    c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows")
+    c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows (when every "
+                   "label is an integer, it is the target itself: classes '0'..max label; otherwise labels are "
+                   "class names, numbered in sorted order)")
     c.add_argument("dst", metavar="DST", help="destination directory; *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     c.add_argument("--format", choices=["lmdb", "hdf5"], help="backend (overrides DST's suffix)")
     c.add_argument("--workers", type=int, default=None,

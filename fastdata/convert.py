@@ -21,6 +21,7 @@ from .pipeline import (
 )
 from .plan import ShardPlan, estimated_sizes, plan_fingerprint, plan_shards
 from .resume import RecordedRun, RunOptions, option_differences, read_recorded_run, record_run, source_differences
+from .source import check_destination_outside
 from .source import scan as scan_source
 from .units import Size, describe_size, format_size, parse_size, parse_size_spec
 
@@ -308,6 +309,7 @@ def convert(
                                "(remove them if they are not classes)")
     for path, problem in scan.walk_problems:
         report.warnings.append(f"{path}: {problem}")
+    check_destination_outside(scan, dst)
     report.warnings.extend([workers_warning] if workers_warning else [])
     report.options = run.describe() + (" (recorded by the interrupted run)" if recorded and not recorded.complete
                                        else "")
@@ -377,6 +379,9 @@ def _fill_report(report: ConvertReport, manifest: dict, stats: PipelineStats, fi
     report.images = manifest["num_samples"]
     report.rejected = len(manifest["rejected"])
     report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
+    # inputs kept with a remark (the scan's own remarks are already in the report)
+    report.warnings.extend(w for w in (f"{x['path']}: {x['warning']}" for x in manifest.get("warnings", []))
+                           if w not in report.warnings)
     report.input_bytes = stats.input_bytes + sum(r.input_bytes for r in finished.values())
     report.output_bytes = sum(s["bytes"] for s in manifest["shards"])
     report.shards = len(manifest["shards"])

@@ -15,20 +15,20 @@ import io
 import os
 import stat
 import tempfile
-import warnings
 
 from PIL import Image
 
 from .formats.base import Sample, StorageSpec
+from .imageio import ImageDecodeError, open_image, stored_format
 from .record import MAX_RECORD_BYTES, checksum
 
-#: extension -> the Pillow format the content must have
+#: extension -> the Pillow format a file with that name normally holds. The content,
+#: not the name, decides the decoder (as for ImageFolder's loader); a file whose
+#: content differs is kept and reported as a warning (see :class:`IngestedSample`).
 EXTENSION_FORMATS = {
     ".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".ppm": "PPM", ".pgm": "PPM",
     ".bmp": "BMP", ".tif": "TIFF", ".tiff": "TIFF", ".webp": "WEBP",
 }
-#: Pillow may only try these decoders on input (no exotic plugins on hostile files)
-ALLOWED_FORMATS = tuple(sorted(set(EXTENSION_FORMATS.values())))
 DEFAULT_REENCODE_QUALITY = 90
 #: names of the per-chunk files workers hand image bytes back through (in staging)
 SPILL_PREFIX, SPILL_SUFFIX = "chunk-", ".spill"
@@ -73,31 +73,31 @@ def _read_bytes(path: bytes) -> bytes:
         raise Rejected(f"cannot read: {err.strerror or err}") from None
 
 
-def open_validated(data: bytes, expected_format: str | None) -> Image.Image:
-    """Open ``data`` with Pillow restricted to :data:`ALLOWED_FORMATS`, fully decode it
-    and check its format against the extension. Raises :class:`Rejected`."""
-    if not data:
-        raise Rejected("empty file (0 bytes)")
-    with warnings.catch_warnings():
-        # Pillow only *warns* between MAX_IMAGE_PIXELS and twice that; treat both as bombs.
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            im = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-            raise Rejected(f"decompression bomb: {err}") from None
-        except Image.UnidentifiedImageError:
-            raise Rejected(f"not a recognised image (garbage, or not one of {', '.join(ALLOWED_FORMATS)})") from None
-        except Exception as err:  # Pillow raises many unrelated types on garbage
-            raise Rejected(f"not a recognised image ({type(err).__name__}: {err})") from None
-        if expected_format and im.format != expected_format:
-            raise Rejected(f"content is {im.format} but the extension says {expected_format}: rename the file")
-        try:
-            im.load()
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-            raise Rejected(f"decompression bomb: {err}") from None
-        except Exception as err:
-            raise Rejected(f"truncated or corrupt image data ({type(err).__name__}: {err})") from None
-    return im
+@dataclasses.dataclass(frozen=True)
+class IngestedSample(Sample):
+    """A :class:`Sample` plus a note for the conversion's warnings (e.g. a PNG named
+    ``.jpg``: stored as the PNG it is, as ImageFolder would load it)."""
+
+    warning: str = ""
+
+
+def open_validated(data: bytes) -> Image.Image:
+    """Open and fully decode ``data`` under the image policy
+    (:func:`fastdata.imageio.open_image`). Raises :class:`Rejected`."""
+    try:
+        return open_image(data)
+    except ImageDecodeError as err:
+        raise Rejected(str(err)) from None
+
+
+def extension_mismatch(path: bytes, fmt: str) -> str:
+    """A warning when the file name's extension says another format than ``fmt``
+    (the content's), else ""."""
+    ext = os.path.splitext(os.fsdecode(path))[1].lower()
+    expected = EXTENSION_FORMATS.get(ext)
+    if expected is None or expected == fmt:
+        return ""
+    return f"content is {fmt} but the extension {ext!r} says {expected}; kept and stored as {fmt}, as ImageFolder loads it"
 
 
 def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: bytes | None = None) -> Sample:
@@ -105,9 +105,9 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     storable sample or raise :class:`Rejected`."""
     if data is None:
         data = _read_bytes(path)
-    ext = os.path.splitext(os.fsdecode(path))[1].lower()
-    im = open_validated(data, EXTENSION_FORMATS.get(ext))
-    fmt, width, height = im.format, im.width, im.height
+    im = open_validated(data)
+    fmt, width, height = stored_format(im), im.width, im.height
+    warning = extension_mismatch(path, fmt)
     if storage.mode == "raw":
         h, w = storage.raw_shape
         rgb = im.convert("RGB")
@@ -121,7 +121,8 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
         buf = io.BytesIO()
         rgb.save(buf, format="JPEG", quality=storage.quality or DEFAULT_REENCODE_QUALITY)
         data, fmt, (width, height) = buf.getvalue(), "JPEG", size
-    return Sample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data), relpath=relpath)
+    return IngestedSample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data),
+                          relpath=relpath, warning=warning)
 
 
 def ingest_chunk(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import shlex
@@ -89,7 +88,7 @@ class VerifyReport:
 def _check_records(backend: str, path: str, storage_json: dict, expected_count: int, num_classes: int,
                    decode: bool, name: str) -> tuple[int, int, list[str]]:
     """Read every record of one shard. Returns (checked, decoded, problems)."""
-    from PIL import Image
+    from .imageio import open_image  # imports Pillow: only when decoding
 
     problems: list[str] = []
     storage = StorageSpec.from_json(storage_json)
@@ -127,8 +126,7 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                         h, w = storage.raw_shape
                         np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
                     else:
-                        with Image.open(io.BytesIO(data), formats=[fmt]) as im:
-                            im.load()
+                        open_image(data).close()  # the readers' policy: same verdict as ds[i]
                     decoded += 1
                 except Exception as err:  # any decoder failure is a finding, not a crash
                     problems.append(f"{name} record {i}: cannot decode {fmt} image ({type(err).__name__}: {err})")

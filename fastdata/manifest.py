@@ -180,6 +180,13 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         if not (isinstance(item, dict) and set(item) == {"path", "reason"}
                 and isinstance(item["path"], str) and isinstance(item["reason"], str)):
             raise FormatError(f"{where}: rejected entry {i} is not {{'path': str, 'reason': str}}")
+    # optional (stores written before it existed have none): inputs kept with a remark
+    if type(body.get("warnings", [])) is not list:
+        raise FormatError(f"{where}: manifest field 'warnings' is not list")
+    for i, item in enumerate(body.get("warnings", [])):
+        if not (isinstance(item, dict) and set(item) == {"path", "warning"}
+                and isinstance(item["path"], str) and isinstance(item["warning"], str)):
+            raise FormatError(f"{where}: warnings entry {i} is not {{'path': str, 'warning': str}}")
     expected_first = 0
     names: set = set()
     for i, shard in enumerate(body["shards"]):

@@ -66,6 +66,9 @@ class ShardResult:
     input_bytes: int
     class_counts: list[int]
     rejected: list[list[str]]
+    #: [relpath, warning] for inputs kept with a remark (e.g. a PNG named .jpg);
+    #: a default so sidecars written before this field existed still load
+    warnings: list[list[str]] = field(default_factory=list)
     resumed: bool = False
 
     def to_json(self) -> dict:
@@ -189,6 +192,7 @@ class _ShardInProgress:
         self.input_bytes = 0
         self.class_counts = [0] * num_classes
         self.rejected: list[list[str]] = []
+        self.warnings: list[list[str]] = []
 
     def add(self, samples: list[Sample]) -> None:
         self.writer.put(samples)
@@ -208,7 +212,7 @@ class _ShardInProgress:
                 shard_id=self.plan.shard_id, name=self.name, count=self.count,
                 bytes=os.path.getsize(self.final_path), xxh=file_checksum(self.final_path),
                 image_bytes=self.image_bytes, input_bytes=self.input_bytes,
-                class_counts=self.class_counts, rejected=self.rejected,
+                class_counts=self.class_counts, rejected=self.rejected, warnings=self.warnings,
             )
             atomic_write(sidecar, json.dumps(result.to_json()).encode())
         except BaseException:
@@ -374,6 +378,8 @@ def run_shards(
             for offset, item in enumerate(results):
                 if isinstance(item, Sample):
                     samples.append(item)
+                    if getattr(item, "warning", ""):
+                        shard.warnings.append([os.fsdecode(scan.relpaths[a + offset]), item.warning])
                     continue
                 rel = os.fsdecode(scan.relpaths[a + offset])
                 if strict:
@@ -490,12 +496,15 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
     shards, first = [], 0
     class_counts = [0] * len(scan.classes)
     rejected = []
+    # scan-level remarks first (empty class folders, folders named like splits, ...), then per-input ones
+    warnings = [{"path": p, "warning": why} for p, why in scan.walk_problems]
     for r in results:
         shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
                        "xxh": r.xxh, "image_bytes": r.image_bytes})
         first += r.count
         class_counts = [x + y for x, y in zip(class_counts, r.class_counts)]
         rejected.extend({"path": p, "reason": why} for p, why in r.rejected)
+        warnings.extend({"path": p, "warning": why} for p, why in r.warnings)
     tsv = "path\treason\n" + "".join(
         f"{_tsv_field(item['path'])}\t{_tsv_field(item['reason'])}\n" for item in rejected)
     body = {
@@ -508,6 +517,7 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
         "class_counts": class_counts,
         "shards": shards,
         "rejected": rejected,
+        "warnings": warnings,
         "options": dict(options, fastdata_version=__version__),
     }
     try:

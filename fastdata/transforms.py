@@ -17,7 +17,8 @@ a full-size PIL image when a small output is wanted:
   4:2:0 chroma from its DCT blocks where a full decode interpolates it.
 * Anything else (PNG, ..., CMYK/YCCK JPEGs whose simplejpeg RGB output differs from
   Pillow's by rounding, JPEGs simplejpeg rejects, images over Pillow's decompression
-  bomb limit) goes through Pillow, whose error is the one raised if it fails too.
+  bomb limit) goes through Pillow under :mod:`fastdata.imageio`'s policy (allowed
+  formats only, chosen by content; bombs refused), whose error is raised if it fails too.
 * Crops are numpy views; resizing is torch's uint8 antialiased bilinear, within 1 of
   torchvision's PIL ``BILINEAR`` and 2-6x faster (see :func:`_resize` for why not
   OpenCV). Sampling geometry follows torchvision exactly. EXIF orientation is not
@@ -29,7 +30,6 @@ Random transforms draw from an explicit ``numpy.random.Generator`` (default:
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Sequence
 from typing import Union
@@ -39,6 +39,7 @@ import simplejpeg
 import torch
 from PIL import Image
 
+from .imageio import decode_rgb_array, fast_jpeg_size
 from .seeding import get_rng
 
 __all__ = [
@@ -53,10 +54,6 @@ __all__ = [
 Buffer = Union[bytes, bytearray, memoryview]
 Box = tuple[int, int, int, int]  # top, left, height, width in source pixels
 
-_JPEG_SOI = b"\xff\xd8"
-# Colour spaces whose simplejpeg RGB output is pixel-identical to Pillow's
-# convert("RGB") (tests/test_transforms.py checks each); CMYK differs by 1 in places.
-_SIMPLEJPEG_COLORSPACES = frozenset({"YCbCr", "Gray", "RGB"})
 _DCT_FACTORS = (8, 4, 2)  # libjpeg-turbo scales 1/8, 1/4, 1/2; largest first
 # A DCT-scaled decode must keep this many pixels per output pixel (each side), so that
 # the antialiased resize after it, not the DCT's block averaging, shapes the result.
@@ -67,19 +64,9 @@ _DCT_HEADROOM = 2
 
 
 def _jpeg_size(data: Buffer) -> tuple[int, int] | None:
-    """(height, width) if simplejpeg should decode ``data``, else None (use Pillow)."""
-    if bytes(data[:2]) != _JPEG_SOI:
-        return None
-    try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except Exception:  # noqa: BLE001 - any fast-path failure defers to Pillow's verdict
-        return None
-    if colorspace not in _SIMPLEJPEG_COLORSPACES:
-        return None
-    limit = Image.MAX_IMAGE_PIXELS
-    if limit is not None and height * width > limit:
-        return None  # Pillow warns or raises DecompressionBombError, as users expect
-    return height, width
+    """(height, width) if simplejpeg should decode ``data``, else None (use Pillow).
+    The image policy decides (JPEG content, safe colour space, under the bomb limit)."""
+    return fast_jpeg_size(data)
 
 
 def _decode_jpeg(data: Buffer, size: tuple[int, int], factor: int, fast: bool = False) -> np.ndarray | None:
@@ -108,23 +95,25 @@ def _decode_jpeg(data: Buffer, size: tuple[int, int], factor: int, fast: bool = 
 
 
 def _pil_decode(data: Buffer) -> np.ndarray:
-    """Pillow decode -> writable HxWx3 uint8 RGB, as torchvision's pil_loader does."""
-    with Image.open(io.BytesIO(data)) as im:
-        return np.array(im.convert("RGB"))
+    """Pillow decode -> writable HxWx3 uint8 RGB, as torchvision's pil_loader does, under
+    the image policy (allowed formats only, by content; decompression bombs refused)."""
+    return decode_rgb_array(data)
 
 
 def full_decode(data: Buffer) -> np.ndarray:
     """Decode an image to RGB at full size.
 
     Args:
-        data (bytes | bytearray | memoryview): an encoded image (any Pillow format).
+        data (bytes | bytearray | memoryview): an encoded image in one of
+            :data:`fastdata.imageio.ALLOWED_FORMATS` (the content decides, not a name).
 
     Returns:
         numpy.ndarray: HxWx3 uint8, pixel-identical to
         ``numpy.asarray(PIL.Image.open(BytesIO(data)).convert("RGB"))``.
 
     Raises:
-        PIL.UnidentifiedImageError, OSError, PIL.Image.DecompressionBombError: as Pillow.
+        fastdata.imageio.ImageDecodeError (an OSError): another format, corrupt data,
+            or a decompression bomb (over ``PIL.Image.MAX_IMAGE_PIXELS``).
     """
     size = _jpeg_size(data)
     if size is not None:

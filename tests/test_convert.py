@@ -148,7 +148,8 @@ def _png_header_only(width: int, height: int) -> bytes:
 
 
 def _write_bad_inputs(cls_dir: Path) -> dict[str, str]:
-    """name -> expected substring of the rejection reason."""
+    """name -> expected substring of the rejection reason. Also writes a PNG named
+    .jpg and a JPEG named .png, which ImageFolder loads: kept, with a warning."""
     cls_dir.mkdir(parents=True, exist_ok=True)
     good = Path(make_jpeg(cls_dir / "tmp_good.jpg", size=(64, 48), seed=9)).read_bytes()
     os.unlink(cls_dir / "tmp_good.jpg")
@@ -169,8 +170,6 @@ def _write_bad_inputs(cls_dir: Path) -> dict[str, str]:
         "zero.jpg": "empty file",
         "truncated.jpg": "truncated",
         "garbage.jpg": "not a recognised image",
-        "png_named.jpg": "content is PNG",
-        "jpeg_named.png": "content is JPEG",
         "bomb.png": "decompression bomb",
         "bomb_warning.png": "decompression bomb",
         "broken_link.jpg": "broken symlink",
@@ -196,14 +195,15 @@ def test_bad_inputs_are_skipped_and_reported(tree_with_bad_inputs, tmp_path, bac
         assert why in rejected[path], (path, rejected[path])
     # nothing lost silently: every scanned input is either stored or rejected
     assert sorted([r["relpath"] for r in records] + list(rejected)) == sorted(_scan_order(root))
-    assert len(records) == 7 and manifest["num_samples"] == 7
+    assert len(records) == 9 and manifest["num_samples"] == 9  # 7 good + 2 misnamed but loadable
+    assert {w["path"] for w in manifest["warnings"]} == {"mixed/png_named.jpg", "mixed/jpeg_named.png"}
     lines = (dst / "rejected.tsv").read_text().splitlines()
     assert lines[0] == "path\treason"
     assert {tuple(line.split("\t")) for line in lines[1:]} == set(rejected.items())
     assert verify(str(dst), decode=True).ok
 
     report = fastdata.convert(root, str(tmp_path / "again" / name), workers=1, progress=False)
-    assert report.rejected == len(expected) and report.images == 7
+    assert report.rejected == len(expected) and report.images == 9
     assert f"rejected {len(expected)} input(s)" in report.summary()
     assert sorted(report.rejected_items) == sorted(rejected.items())
 

@@ -2,15 +2,18 @@
 conversion completes, nothing hangs, exhausts memory or executes code.
 
 Covered: decompression bombs (over Pillow's limit, and in the warning band
-between the limit and twice it), a truncated JPEG, a PNG named .jpg, a GIF
-named .png and a PostScript file named .jpg (formats the store does not
-declare: Pillow is restricted, so no Ghostscript ever runs), a 0-byte file, an
+between the limit and twice it), a truncated JPEG, a GIF named .png and a
+PostScript file named .jpg (formats outside the allow-list: Pillow is
+restricted, so no Ghostscript ever runs), a 0-byte file, an
 unreadable file (real EACCES: the converter runs without CAP_DAC_OVERRIDE), a
 broken symlink, a symlink loop (file and directory), a FIFO and a /dev/zero
 symlink named .jpg (would block or read forever), a sparse file larger than a
 record may be, a file deleted between scan and read, and non-UTF-8 file names
 (a valid one is kept under its byte-exact relpath; an invalid one is rejected
 and reported under the same bytes).
+
+A PNG named .jpg is *not* hostile: ImageFolder loads it, so it is kept, stored
+as PNG, and reported as a warning (not a rejection).
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ EXPECTED_REJECTIONS = {
     b"a/bomb_error.png": "decompression bomb",
     b"a/bomb_warning.png": "decompression bomb",
     b"a/truncated.jpg": "truncated or corrupt",
-    b"a/png_named.jpg": "content is PNG but the extension says JPEG",
     b"a/gif_named.png": "not a recognised image",
     b"a/postscript.jpg": "not a recognised image",
     b"a/zero.jpg": "empty file",
@@ -111,7 +113,7 @@ def hostile_tree(tmp_path):
     outside = tmp_path / "outside.jpg"
     make_jpeg(outside, seed=42)
     os.symlink(outside, b / "outside_link.jpg")
-    valid = [b"a/good_0.jpg", b"a/good_1.jpg", b"a/good_2.jpg",
+    valid = [b"a/good_0.jpg", b"a/good_1.jpg", b"a/good_2.jpg", b"a/png_named.jpg",
              b"b/caf\xe9.jpg", b"b/good_0.jpg", b"b/good_1.jpg", b"b/good_2.jpg", b"b/outside_link.jpg"]
     return str(src), valid, str(outside)
 
@@ -144,6 +146,7 @@ def test_every_hostile_input_is_rejected_with_a_reason_and_the_conversion_comple
         assert expected in rejected[path], f"{path!r}: {rejected[path]!r}"
     assert report.images == len(valid) and report.rejected == len(EXPECTED_REJECTIONS)
     assert any("symlink loop" in w and "up_loop" in w for w in report.warnings), report.warnings
+    assert any("a/png_named.jpg" in w and "content is PNG" in w for w in report.warnings), report.warnings
 
     # the valid inputs, in scan order, byte-exact; non-UTF-8 relpaths kept as their bytes
     manifest, records = store_records(dst)

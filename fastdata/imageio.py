@@ -1,0 +1,133 @@
+"""The one image-opening policy: every place fastdata hands bytes to Pillow goes
+through :func:`open_image`.
+
+The policy, the same at conversion time (validating inputs), at read time
+(``ds[i]``, batches, the fused ``decode=`` transforms) and in ``fastdata verify``:
+
+* **Content decides the decoder**, as ``PIL.Image.open`` does for ImageFolder: a
+  PNG named ``.jpg`` is a PNG. A record's format field is metadata, never a
+  decoder choice, so every read path gives the same answer for the same bytes.
+* **A fixed allow-list** of decoders, :data:`ALLOWED_FORMATS` (the formats of
+  torchvision's ``IMG_EXTENSIONS``), never "whatever plugins Pillow has": a hostile
+  file or record cannot reach an exotic decoder.
+* **Decompression bombs are errors**: Pillow only *warns* between
+  ``Image.MAX_IMAGE_PIXELS`` and twice that; here both refuse the image. The
+  simplejpeg fast paths (which never call Pillow) check the same limit through
+  :func:`fast_jpeg_size`.
+* **One error type**, :class:`ImageDecodeError`, whatever Pillow raised.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Union
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+#: the only decoders Pillow may try (the Pillow format names of torchvision's
+#: IMG_EXTENSIONS: .pgm files are Pillow's "PPM"; camera "MPO" files are JPEGs
+#: that Pillow's JPEG decoder opens, see :func:`stored_format`)
+ALLOWED_FORMATS = ("BMP", "JPEG", "PNG", "PPM", "TIFF", "WEBP")
+#: simplejpeg colour spaces whose RGB output equals Pillow's convert("RGB")
+#: (CMYK/YCCK differ by rounding and go through Pillow)
+SIMPLEJPEG_SAFE_COLORSPACES = frozenset({"RGB", "YCbCr", "Gray"})
+_JPEG_SOI = b"\xff\xd8"
+
+
+class ImageDecodeError(OSError):
+    """The bytes are not an image fastdata may decode: not one of
+    :data:`ALLOWED_FORMATS`, truncated or corrupt, or a decompression bomb.
+
+    A subclass of ``OSError``, as Pillow's own decode errors are, so code written
+    for ``PIL.Image.open`` keeps catching it. ``str(err)`` is a one-line reason.
+    """
+
+
+def open_image(data: Buffer, allowed: tuple[str, ...] = ALLOWED_FORMATS) -> Image.Image:
+    """Open and fully decode ``data`` under the policy of this module.
+
+    Args:
+        data (bytes | bytearray | memoryview): an encoded image file.
+        allowed (tuple[str, ...]): Pillow format names that may be tried.
+
+    Returns:
+        PIL.Image.Image: the loaded image (any mode; call ``convert("RGB")``).
+
+    Raises:
+        ImageDecodeError: empty, unrecognised or disallowed format, a decompression
+            bomb, or truncated/corrupt data.
+    """
+    if len(data) == 0:
+        raise ImageDecodeError("empty file (0 bytes)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(io.BytesIO(data), formats=allowed)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            raise ImageDecodeError(f"decompression bomb: {err}") from None
+        except Image.UnidentifiedImageError:
+            raise ImageDecodeError(
+                f"not a recognised image (garbage, or not one of {', '.join(allowed)})") from None
+        except Exception as err:  # noqa: BLE001 - Pillow raises many unrelated types on garbage
+            raise ImageDecodeError(f"not a recognised image ({type(err).__name__}: {err})") from None
+        try:
+            im.load()
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            raise ImageDecodeError(f"decompression bomb: {err}") from None
+        except Exception as err:  # noqa: BLE001 - likewise for decoder errors
+            raise ImageDecodeError(f"truncated or corrupt {im.format} image data ({type(err).__name__}: {err})") from None
+    return im
+
+
+def stored_format(im: Image.Image) -> str:
+    """The format name a store records for an image opened by :func:`open_image`.
+
+    Pillow calls a JPEG with a multi-picture extension (most phone and camera
+    photos with a depth map or preview) "MPO"; it is a JPEG file whose first
+    picture is what ``Image.open(...).convert("RGB")`` returns, so it is stored as JPEG.
+    """
+    return "JPEG" if im.format == "MPO" else str(im.format)
+
+
+def fast_jpeg_size(data: Buffer) -> tuple[int, int] | None:
+    """``(height, width)`` when simplejpeg may decode ``data`` instead of Pillow
+    with the same pixels and the same refusals, else None (use :func:`open_image`).
+
+    Not for: non-JPEG bytes (whatever the record's format field says), colour
+    spaces simplejpeg converts differently, and images over Pillow's
+    decompression-bomb limit (Pillow must refuse those, so the fast path must not
+    decode them either).
+    """
+    if bytes(data[:2]) != _JPEG_SOI:
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except Exception:  # noqa: BLE001 - any header failure defers to Pillow's verdict
+        return None
+    if colorspace not in SIMPLEJPEG_SAFE_COLORSPACES:
+        return None
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and height * width > limit:
+        return None
+    return height, width
+
+
+def decode_rgb_array(data: Buffer) -> np.ndarray:
+    """Writable HxWx3 uint8 RGB array of ``data`` through Pillow under the policy
+    (pixel-identical to ``numpy.array(Image.open(f).convert("RGB"))``).
+
+    Raises:
+        ImageDecodeError: as :func:`open_image`.
+    """
+    im = open_image(data)
+    try:
+        # np.array, not np.asarray: Pillow's array interface hands out read-only bytes,
+        # and torch.from_numpy on a read-only array warns (writes would be undefined)
+        return np.array(im.convert("RGB"))
+    finally:
+        im.close()
