@@ -41,6 +41,22 @@ class Rejected(Exception):
     """Internal: the file is not usable; ``str(self)`` is the reason."""
 
 
+def starts_like_jpeg(path: bytes) -> bool:
+    """True when ``path`` is a regular file whose first bytes are a JPEG start-of-image
+    marker (so only the JPEG decoder can open it under the image policy). Never
+    blocks (FIFOs are opened non-blocking and refused); any error gives False."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 2) == b"\xff\xd8"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _read_bytes(path: bytes) -> bytes:
     try:
         # O_NONBLOCK: opening a FIFO named *.jpg must not block the worker forever

@@ -41,7 +41,7 @@ from . import __version__
 from .errors import ConversionError, RejectedInputError, ResumeMismatchError
 from .formats import writer_class
 from .formats.base import Sample, StorageSpec
-from .ingest import EXTENSION_FORMATS, SPILL_PREFIX, SPILL_SUFFIX, ingest_chunk, unspill
+from .ingest import EXTENSION_FORMATS, SPILL_PREFIX, SPILL_SUFFIX, ingest_chunk, starts_like_jpeg, unspill
 from .layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
 from .manifest import (
     MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, fsync_dir, write_manifest,
@@ -411,6 +411,8 @@ def run_shards(
         # the converter converts the first chunks itself instead of waiting; JPEG
         # chunks only, since a decoder crash here would take the converter down
         # instead of a worker, and libjpeg-turbo is the most hardened of the decoders.
+        # The content picks the decoder, so the names are not enough: the first bytes
+        # of every file must be a JPEG's too (a PNG named .jpg goes to the pool).
         starting = _start_in_background(executor) if ctx.get_start_method() != "fork" else None
         while starting is not None and starting.is_alive():
             nxt = next(source_chunks, None)
@@ -418,7 +420,7 @@ def run_shards(
                 break
             plan, a, b = nxt
             if not all(EXTENSION_FORMATS.get(os.path.splitext(os.fsdecode(p))[1].lower()) == "JPEG"
-                       for p in scan.paths[a:b]):
+                       and starts_like_jpeg(p) for p in scan.paths[a:b]):
                 source_chunks = itertools.chain([nxt], source_chunks)  # the pool takes it first
                 break
             current_files = files_of(a, b)

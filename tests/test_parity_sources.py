@@ -241,3 +241,18 @@ def test_every_bad_list_row_is_reported_at_once(tmp_path):
     message = str(pytest.raises(SourceError, scan, str(lst)).value)
     assert "25 bad rows" in message and "line 20:" in message and "line 21:" not in message
     assert "and 5 more" in message
+
+
+def test_only_files_that_start_like_a_jpeg_are_ingested_in_the_converter_process(real_photo_tree, tmp_path):
+    """While the pool starts, the converter ingests chunks itself only when libjpeg is
+    the one decoder they can reach; the content decides, so a PNG named .JPEG must
+    go to a worker (a decoder crash there does not take the converter down)."""
+    from fastdata.ingest import starts_like_jpeg
+
+    assert starts_like_jpeg(os.fsencode(os.path.join(real_photo_tree, "dog", "plain.jpg")))
+    assert starts_like_jpeg(os.fsencode(os.path.join(real_photo_tree, "cat", "phone.jpg")))   # MPO: a JPEG
+    assert not starts_like_jpeg(os.fsencode(os.path.join(real_photo_tree, "dog", "n02105855_2933.JPEG")))
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    assert not starts_like_jpeg(os.fsencode(fifo))            # returns at once, without a writer
+    assert not starts_like_jpeg(os.fsencode(tmp_path / "missing.jpg"))
