@@ -15,13 +15,24 @@ Rules this module follows (GUIDE section 3):
 * Every record is checked against its checksum; a bad one raises
   :class:`~fastdata.errors.CorruptRecordError` naming store, shard and index
   (or, with ``on_error="skip"``, is replaced by the next readable sample and
-  counted in ``skipped``).
+  counted in ``skipped``). Only storage damage counts: a checksum failure, or
+  stored bytes that fastdata's own decoders (the default decode, or an instance
+  of a class from :mod:`fastdata.transforms`) cannot decode. Exceptions from the
+  user's ``decode=`` callable, ``transform`` or ``target_transform`` propagate
+  unchanged, whatever ``on_error`` says.
+* Random decode-time transforms get a generator that is a pure function of
+  ``(seed, epoch, index)`` (:func:`fastdata.seeding.sample_rng`), so the same
+  epoch gives the same crops whatever the number of workers, the batch size,
+  the start method or the resume point.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import warnings
+from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -29,6 +40,7 @@ import torch
 from torch.utils.data import Dataset
 
 from . import batch_ring
+from . import transforms as fd_transforms
 from .decode import decode_numpy, decode_numpy_into, decode_pil
 from .errors import CorruptRecordError, FastdataError, FormatError
 from .formats import reader_class
@@ -36,11 +48,14 @@ from .formats.base import StorageSpec
 from .layout import check_local_path
 from .manifest import read_manifest
 from .record import FORMAT_NAMES
+from .seeding import epoch_of, sample_rng
 
 OUTPUTS = ("pil", "numpy", "tensor")
 #: handles inherited from a parent process: kept referenced so that neither we
 #: nor the garbage collector ever touches them in the child
 _INHERITED_HANDLES: list = []
+#: skips counted in DataLoader workers, received with their batches: dataset token -> count
+_WORKER_SKIPS: defaultdict[str, int] = defaultdict(int)
 
 
 class Batch(list):
@@ -56,6 +71,17 @@ class Batch(list):
     labels: torch.Tensor
     pixels: np.ndarray  # the N,H,W,C array the images view
     inline: bool  # built in a worker, small: crosses the queue as an _InlineBatch (see collate)
+    skips: int = 0  # damaged samples replaced while building this batch (on_error="skip")
+    token: str = ""  # the dataset's skip-counter token (see StoreDataset.skipped)
+
+
+class Samples(list):
+    """What ``__getitems__`` returns otherwise: a plain list of ``(image, target)``
+    pairs that also says how many damaged samples it replaced (``skips``), so that
+    :func:`collate` can carry that count from a worker to the main process."""
+
+    skips: int = 0
+    token: str = ""
 
 
 #: batches up to this size cross the worker queue as an :class:`_InlineBatch`
@@ -114,12 +140,49 @@ def _as_output(images: np.ndarray, label_bytes: bytes, channels_first: bool):
 
 def collate(batch):
     """``collate_fn`` that passes a :class:`Batch` through without copying and
-    defers to ``default_collate`` for anything else."""
+    defers to ``default_collate`` for anything else.
+
+    In a DataLoader worker, a batch in which damaged samples were replaced
+    (``on_error="skip"``) also carries that count to the main process, where it
+    is added to the dataset's ``skipped``."""
     if isinstance(batch, Batch):
         if getattr(batch, "inline", False):
-            return _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
-        return batch.images, batch.labels
-    return torch.utils.data.default_collate(batch)
+            out = _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
+        else:
+            out = batch.images, batch.labels
+    else:
+        out = torch.utils.data.default_collate(batch)
+    skips = getattr(batch, "skips", 0)
+    if skips and torch.utils.data.get_worker_info() is not None:
+        return _CountedSkips(out, batch.token, skips)
+    return out
+
+
+class _CountedSkips:
+    """A collated batch on its way from a worker, plus the skips made building it:
+    unpickled in the main process, it adds them to :data:`_WORKER_SKIPS` and
+    turns back into the batch itself."""
+
+    __slots__ = ("batch", "token", "skips")
+
+    def __init__(self, batch, token: str, skips: int):
+        self.batch, self.token, self.skips = batch, token, skips
+
+    def __reduce__(self):
+        return _receive_skips, (self.batch, self.token, self.skips)
+
+
+def _receive_skips(batch, token: str, skips: int):
+    _WORKER_SKIPS[token] += skips
+    return batch
+
+
+def _is_fastdata_decoder(decode: Callable) -> bool:
+    """Whether ``decode`` is fastdata's own code: an instance of a class defined in
+    :mod:`fastdata.transforms` (not a subclass defined elsewhere) or a function
+    defined there (``full_decode``). Its failures on stored bytes mean damage."""
+    module = decode.__module__ if inspect.isfunction(decode) else type(decode).__module__
+    return module == fd_transforms.__name__
 
 
 class StoreDataset(Dataset):
@@ -138,6 +201,7 @@ class StoreDataset(Dataset):
         *,
         on_error: str = "raise",
         readahead: bool = False,
+        seed: int | None = None,
     ):
         """Open the store's metadata.
 
@@ -148,9 +212,16 @@ class StoreDataset(Dataset):
             output: ``"pil"`` (RGB PIL image), ``"numpy"`` (HWC uint8) or
                 ``"tensor"`` (CHW uint8 ``torch.Tensor``).
             decode: a decode-time transform (``fastdata.transforms``) mapping
-                encoded bytes to an HWC uint8 array; ``None`` = full decode.
-            on_error: ``"raise"`` (default) or ``"skip"`` for corrupt records.
+                encoded bytes to an HWC uint8 array; ``None`` = full decode. Any
+                other callable ``decode(bytes) -> array`` is user code: its
+                exceptions propagate unchanged.
+            on_error: ``"raise"`` (default) or ``"skip"``: replace a damaged record
+                (checksum failure, or stored bytes fastdata's decoders cannot decode)
+                by the next readable sample, warn, and count it in :attr:`skipped`.
             readahead: LMDB OS readahead (on for sequential scans only).
+            seed: seed of the per-sample random streams of ``decode`` transforms
+                (see :meth:`set_epoch`); ``None`` = ``torch.initial_seed()`` of the
+                process creating the dataset (``fastdata.loader(seed=...)`` overrides it).
         """
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
@@ -170,6 +241,12 @@ class StoreDataset(Dataset):
         self.target_transform = target_transform
         self.output = output
         self.decode = decode
+        # fastdata's own decoders: their failures on stored bytes mean a damaged record
+        self._decode_is_ours = decode is None or _is_fastdata_decoder(decode)
+        # DecodeTransform promises an ``rng`` argument: it gets the per-sample stream
+        self._decode_takes_rng = isinstance(decode, fd_transforms.DecodeTransform)
+        self.seed = int(torch.initial_seed() if seed is None else seed)
+        self.epoch = 0
         self.on_error = on_error
         self.readahead = readahead
         self.classes: list[str] = list(manifest["classes"])
@@ -177,9 +254,92 @@ class StoreDataset(Dataset):
         self._shard_files: tuple[str, ...] = tuple(s["name"] for s in manifest["shards"])
         self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
         self._load_index(manifest)
-        self.skipped = 0
+        self._source = (manifest.get("options") or {}).get("source")
+        self._samples: list[tuple[str, int]] | None = None
+        self._skips = 0
+        # names this dataset's skip count in the main process (shared with its worker copies)
+        self._token = os.urandom(8).hex()
         self._readers: dict[int, Any] = {}
         self._pid: int | None = None
+
+    # -- epochs and counters ----------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose random crops the next reads use.
+
+        The generator a random ``decode`` transform draws from for sample ``i`` is
+        :func:`fastdata.seeding.sample_rng` ``(self.seed, epoch, i)``, so crops depend on
+        nothing else (not on workers, batch size, start method or resume point).
+        :class:`~fastdata.DistributedShardSampler` ``.set_epoch`` and each new iteration of
+        :func:`fastdata.loader` call this for you. Worker processes learn the epoch from the
+        indices they are given (:class:`fastdata.seeding.EpochIndex`, which fastdata's
+        samplers yield); with plain int indices they use their own copy of ``epoch``, which
+        is only current if the workers were started after this call (``persistent_workers=False``).
+
+        Args:
+            epoch (int): a non-negative epoch number.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self.epoch = int(epoch)
+
+    @property
+    def skipped(self) -> int:
+        """Damaged samples replaced so far under ``on_error="skip"``.
+
+        Counts the skips made in this process plus those made in DataLoader workers
+        for batches the main process has received, when the loader's ``collate_fn`` is
+        :func:`fastdata.collate` (the default of :func:`fastdata.loader`), which carries
+        each batch's count along with it. A batch is counted when it arrives, which with
+        prefetching can be a little before the training loop sees it.
+        """
+        return self._skips + _WORKER_SKIPS.get(self._token, 0)
+
+    # -- ImageFolder attributes -------------------------------------------------------------
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``[(path, target), ...]`` as ImageFolder's ``samples``, built on first access.
+
+        Paths are the absolute source paths recorded at conversion (the source folder,
+        or the list file's folder for a CSV/TSV list, joined with each record's stored
+        path); they need not exist on this machine. A store whose manifest records no
+        source gives the stored paths, relative to the converted root (:meth:`relpath`).
+        The list is never pickled: worker processes do not receive it.
+        """
+        if self._samples is None:
+            base = self._source_base()
+            self._samples = [(os.path.join(base, self.relpath(i)) if base else self.relpath(i), int(t))
+                             for i, t in enumerate(self.targets.tolist())]
+        return self._samples
+
+    @property
+    def imgs(self) -> list[tuple[str, int]]:
+        """Alias of :attr:`samples`, as in ImageFolder."""
+        return self.samples
+
+    def _source_base(self) -> str | None:
+        source = self._source
+        if not source:
+            return None
+        if source.lower().endswith((".csv", ".tsv")):  # a list: its paths are relative to its folder
+            return os.path.dirname(source)
+        return source
+
+    def extra_repr(self) -> str:
+        """Lines :meth:`__repr__` adds after the root, as torchvision's ``extra_repr``."""
+        lines = [f"Backend: {self.backend}", f"Output: {self.output}"]
+        if self.decode is not None:
+            lines.append(f"Decode: {self.decode!r}")
+        if self.on_error != "raise":
+            lines.append(f"On error: {self.on_error}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        """torchvision's ``VisionDataset`` layout: name, size, root, extras, transforms."""
+        body = [f"Number of datapoints: {len(self)}", f"Root location: {self.root}"]
+        body += self.extra_repr().splitlines()
+        if self.transform is not None or self.target_transform is not None:
+            body.append(_standard_transform_repr(self.transform, self.target_transform))
+        return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in body])
 
     # -- metadata ---------------------------------------------------------------------------
     def _load_index(self, manifest: dict) -> None:
@@ -287,6 +447,7 @@ class StoreDataset(Dataset):
         state = self.__dict__.copy()
         state["_readers"] = {}
         state["_pid"] = None
+        state["_samples"] = None  # rebuilt on demand; workers should not carry a list per sample
         return state
 
     # -- reading ----------------------------------------------------------------------------
@@ -305,23 +466,56 @@ class StoreDataset(Dataset):
             f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}) is damaged: {err}; "
             "run 'fastdata verify' on the store", store=self.root, shard=self._shard_files[shard], index=index)
 
-    def _decode(self, data: bytes, index: int):
+    def _undecodable(self, index: int, err: Exception) -> CorruptRecordError:
+        shard, local = self.locate(index)
         fmt = FORMAT_NAMES[int(self._formats[index])]
-        try:
-            if self.decode is not None:
-                array = self.decode(data)
-                return array if self.output != "pil" else _to_pil(array)
+        return CorruptRecordError(
+            f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
+            f"{fmt} image ({type(err).__name__}: {err}); run 'fastdata verify --decode' on the store",
+            store=self.root, shard=self._shard_files[shard], index=index)
+
+    def _run_decoder(self, data: bytes, index: int, epoch: int, out: np.ndarray | None):
+        """Decode stored ``data`` of sample ``index`` into ``out`` [H,W,3] or a new image."""
+        fmt = FORMAT_NAMES[int(self._formats[index])]
+        if self.decode is None:
+            if out is not None:
+                decode_numpy_into(data, fmt, out, self.storage.raw_shape)
+                return out
             if self.output == "pil":
                 return decode_pil(data, fmt, self.storage.raw_shape)
             return decode_numpy(data, fmt, self.storage.raw_shape)
+        if self._decode_takes_rng:
+            rng = sample_rng(self.seed, epoch, index)
+            if out is not None:
+                self.decode.decode_into(data, out, rng)
+                return out
+            return self.decode(data, rng)
+        array = self.decode(data)
+        if out is not None:
+            out[...] = array
+            return out
+        return array
+
+    def _decode(self, data: bytes, index: int, epoch: int, out: np.ndarray | None = None):
+        """:meth:`_run_decoder`, with fastdata's own decoders' failures named as damage
+        (:class:`CorruptRecordError`) and a user's decode callable's left as they are."""
+        if not self._decode_is_ours:
+            return self._run_decoder(data, index, epoch, out)
+        try:
+            return self._run_decoder(data, index, epoch, out)
         except FastdataError:
             raise
-        except Exception as err:  # decoders raise many types on damaged data
-            shard, local = self.locate(index)
-            raise CorruptRecordError(
-                f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
-                f"{fmt} image ({type(err).__name__}: {err})", store=self.root,
-                shard=self._shard_files[shard], index=index) from None
+        except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
+            raise self._undecodable(index, err) from err
+
+    def _image(self, index: int, epoch: int):
+        """The decoded image of sample ``index`` before ``transform``; damage raises CorruptRecordError."""
+        return self._as_pil_if_asked(self._decode(self._raw_bytes(index), index, epoch))
+
+    def _as_pil_if_asked(self, image):
+        if self.decode is not None and self.output == "pil":
+            return _to_pil(image)
+        return image
 
     def _finish(self, image, index: int):
         if self.output == "tensor" and isinstance(image, np.ndarray):
@@ -333,30 +527,39 @@ class StoreDataset(Dataset):
             target = self.target_transform(target)
         return image, target
 
-    def _load(self, index: int):
-        return self._finish(self._decode(self._raw_bytes(index), index), index)
+    def _load(self, epoch: int, index: int):
+        return self._finish(self._image(index, epoch), index)
+
+    def _load_into(self, out: np.ndarray, epoch: int, index: int) -> None:
+        self._decode(self._raw_bytes(index), index, epoch, out)
 
     def __getitem__(self, index: int):
+        epoch = epoch_of(index, self.epoch)
         index = self._check_index(index)
         try:
-            return self._load(index)
+            image = self._image(index, epoch)
         except CorruptRecordError as err:
-            return self._substitute(index, err)
+            return self._skip_to_next(index, err, functools.partial(self._load, epoch))[1]
+        return self._finish(image, index)
 
-    def _substitute(self, index: int, err: CorruptRecordError):
-        return self._skip_to_next(index, err, self._load)
+    def _skip_to_next(self, index: int, err: CorruptRecordError, load: Callable[[int], Any]) -> tuple[int, Any]:
+        """The one ``on_error`` policy for a damaged sample, shared by every read path.
 
-    def _skip_to_next(self, index: int, err: CorruptRecordError, load: Callable[[int], Any]):
-        """The ``on_error`` policy for a damaged sample: raise ``err``, or (``"skip"``)
-        count and warn, then return ``load`` of the first readable of the next 63 samples."""
+        Raise ``err``; or (``"skip"``) count and warn, then return ``(k, load(k))`` for
+        the first readable ``k`` of the next 63 samples. ``load`` produces the
+        substitute in the caller's own form (an ``(image, target)`` pair, or pixels
+        written into a batch slot), so the substitute always has the shape the
+        caller's original would have had.
+        """
         if self.on_error != "skip":
             raise err
         n = len(self)
-        self.skipped += 1
+        self._skips += 1
         warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=4)
         for step in range(1, min(n, 64)):
+            k = (index + step) % n
             try:
-                return load((index + step) % n)
+                return k, load(k)
             except CorruptRecordError:
                 continue
         raise CorruptRecordError(f"{self.root}: sample {index} and the 63 after it are all damaged; "
@@ -370,22 +573,29 @@ class StoreDataset(Dataset):
         back in the order asked. With a fixed output shape (raw stores, or a
         ``decode`` transform with ``output_size``), ``output`` numpy/tensor and
         no ``transform``, the images are decoded into one preallocated batch
-        array: a :class:`Batch`.
+        array: a :class:`Batch`; otherwise a :class:`Samples` list. Both carry the
+        number of damaged samples replaced (``skips``) for :func:`collate`.
         """
+        epoch = epoch_of(indices, self.epoch)
         idx = self._check_indices(indices)
+        before = self._skips
         shape = self._fixed_shape()
-        if shape is not None:
-            return self._fixed_batch(idx, shape)
-        datas = self._read_batch(idx)
-        out = []
-        for i, data in zip(idx.tolist(), datas):
-            if isinstance(data, CorruptRecordError):
-                out.append(self._substitute(i, data))
-                continue
+        out = self._fixed_batch(idx, shape, epoch) if shape is not None else self._sample_list(idx, epoch)
+        out.skips, out.token = self._skips - before, self._token
+        return out
+
+    def _sample_list(self, idx: np.ndarray, epoch: int) -> Samples:
+        out = Samples()
+        load = functools.partial(self._load, epoch)
+        for i, data in zip(idx.tolist(), self._read_batch(idx)):
             try:
-                out.append(self._finish(self._decode(data, i), i))
+                if isinstance(data, CorruptRecordError):
+                    raise data
+                image = self._as_pil_if_asked(self._decode(data, i, epoch))
             except CorruptRecordError as err:
-                out.append(self._substitute(i, err))
+                out.append(self._skip_to_next(i, err, load)[1])
+                continue
+            out.append(self._finish(image, i))
         return out
 
     def _read_batch(self, idx: np.ndarray) -> list:
@@ -418,34 +628,34 @@ class StoreDataset(Dataset):
         size = getattr(self.decode, "output_size", None)
         return tuple(size) if size else None
 
-    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int]) -> Batch:
-        return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr),
+    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], epoch: int) -> Batch:
+        return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr, epoch),
                            channels_first=self.output == "tensor", target_transform=self.target_transform)
 
-    def _fill(self, idx: np.ndarray, arr: np.ndarray) -> None:
-        """Write the pixels of samples ``idx`` into the batch array ``arr`` [n,H,W,3]."""
+    def _fill(self, idx: np.ndarray, arr: np.ndarray, epoch: int) -> np.ndarray | None:
+        """Write the pixels of samples ``idx`` into the batch array ``arr`` [n,H,W,3].
+
+        Returns the targets of the samples actually written when a damaged one was
+        replaced (its substitute brings its own label), else None.
+        """
         if self.storage.mode == "raw":
-            self._fill_raw(idx, arr)
-            return
+            return self._fill_raw(idx, arr)
+        sources = None
         for j, data in enumerate(self._read_batch(idx)):
             i = int(idx[j])
-            if isinstance(data, CorruptRecordError):
-                arr[j] = self._substitute(i, data)[0] if self.on_error == "skip" else _raise(data)
-                continue
             try:
-                if self.decode is None:
-                    decode_numpy_into(data, FORMAT_NAMES[int(self._formats[i])], arr[j])
-                elif hasattr(self.decode, "decode_into"):
-                    self.decode.decode_into(data, arr[j])
-                else:
-                    arr[j] = self.decode(data)
-            except Exception as err:  # noqa: BLE001 - named and typed below
-                named = CorruptRecordError(f"{self.root} sample {i}: cannot decode ({type(err).__name__}: {err})",
-                                           store=self.root, index=i)
-                arr[j] = self._substitute(i, named)[0] if self.on_error == "skip" else _raise(named)
+                if isinstance(data, CorruptRecordError):
+                    raise data
+                self._decode(data, i, epoch, arr[j])
+            except CorruptRecordError as err:
+                k, _ = self._skip_to_next(i, err, functools.partial(self._load_into, arr[j], epoch))
+                sources = idx.copy() if sources is None else sources
+                sources[j] = k
+        return None if sources is None else self.targets[sources]
 
-    def _fill_raw(self, idx: np.ndarray, arr: np.ndarray) -> None:
+    def _fill_raw(self, idx: np.ndarray, arr: np.ndarray) -> np.ndarray | None:
         shards = np.searchsorted(self.shard_starts, idx, side="right") - 1
+        sources = None
         for shard in np.unique(shards).tolist():
             pos = np.flatnonzero(shards == shard)
             local = idx[pos] - self.shard_starts[shard]
@@ -455,22 +665,28 @@ class StoreDataset(Dataset):
                 self._reader(shard).get_raw_batch(local, block)
             except CorruptRecordError:
                 # find the damaged record(s): per sample, raising or substituting as the policy says
-                for k, p in enumerate(pos.tolist()):
-                    block[k] = decode_numpy(self._raw_bytes_or_substitute(int(idx[p])), "RAW", self.storage.raw_shape)
+                for b, p in enumerate(pos.tolist()):
+                    i = int(idx[p])
+                    try:
+                        block[b] = self._raw_pixels(i)
+                    except CorruptRecordError as err:
+                        k, block[b] = self._skip_to_next(i, err, self._raw_pixels)
+                        sources = idx.copy() if sources is None else sources
+                        sources[p] = k
             if not whole:
                 arr[pos] = block
+        return None if sources is None else self.targets[sources]
 
-    def _raw_bytes_or_substitute(self, index: int) -> bytes:
-        try:
-            return self._raw_bytes(index)
-        except CorruptRecordError as err:
-            return self._skip_to_next(index, err, self._raw_bytes)
+    def _raw_pixels(self, index: int) -> np.ndarray:
+        return decode_numpy(self._raw_bytes(index), "RAW", self.storage.raw_shape)
 
 
 def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.ndarray], None], *,
                 channels_first: bool, target_transform: Callable | None = None) -> Batch:
     """Allocate a fixed-shape batch where it will travel from, let ``fill(arr)``
     write the pixels into ``arr`` (uint8 [n, H, W, 3]), and wrap it as a :class:`Batch`.
+    ``fill`` may return the batch's targets when they differ from ``targets``
+    (damaged samples replaced by others), else None.
 
     In a DataLoader worker a batch up to :data:`INLINE_BATCH_BYTES` is built in
     private memory and crosses the queue as an :class:`_InlineBatch` (through the
@@ -493,7 +709,11 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
     else:
         images = torch.empty((n, h, w, 3), dtype=torch.uint8)
     arr = images.numpy()
-    fill(arr)
+    replaced = fill(arr)
+    if replaced is not None:
+        targets = replaced
+        if labels is not None:
+            labels.numpy()[:] = targets
     if labels is None:
         labels = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64))
     batch = Batch()
@@ -510,8 +730,14 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
     return batch
 
 
-def _raise(err: Exception):
-    raise err
+def _standard_transform_repr(transform: Callable | None, target_transform: Callable | None) -> str:
+    """torchvision's ``StandardTransform.__repr__``."""
+    body = ["StandardTransform"]
+    for head, fn in (("Transform: ", transform), ("Target transform: ", target_transform)):
+        if fn is not None:
+            lines = repr(fn).splitlines()
+            body += [head + lines[0]] + [" " * len(head) + line for line in lines[1:]]
+    return "\n".join(body)
 
 
 def _to_pil(array: np.ndarray):

@@ -111,6 +111,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from .seeding import EpochIndex
+
 __all__ = ["DistributedShardSampler", "STATE_VERSION", "epoch_order"]
 
 #: Version of the dict written by :meth:`DistributedShardSampler.state_dict`.
@@ -250,6 +252,10 @@ class DistributedShardSampler(Sampler[int]):
     label-sorted samples, batch 256, from the module docstring: distinct labels per batch
     226 / 24.8 / 16.9 / 28.2, storage regions read per batch 235 / 19.7 / 8.6 / 11.0.
 
+    Indices are yielded as :class:`fastdata.seeding.EpochIndex` (ints that carry the epoch), and
+    :meth:`set_epoch` / :meth:`load_state_dict` also call ``dataset.set_epoch`` when the dataset
+    has one, so a fastdata Dataset's random crops follow the sampler's epoch in every worker.
+
     Attributes:
         num_samples (int): per-rank count of a fresh epoch (as in ``DistributedSampler``).
         total_size (int): ``num_samples * num_replicas``.
@@ -321,13 +327,15 @@ class DistributedShardSampler(Sampler[int]):
             self.rank :: self.num_replicas
         ]
         self._position = (replicas, start)
-        return self._track(mine.tolist(), replicas, start, len(order))
+        return self._track(mine.tolist(), replicas, start, len(order), self.epoch)
 
-    def _track(self, mine: list[int], replicas: int, start: int, end: int) -> Iterator[int]:
+    def _track(self, mine: list[int], replicas: int, start: int, end: int, epoch: int) -> Iterator[int]:
         for k, index in enumerate(mine, 1):
             # Lockstep: after every rank yielded k, positions start .. start + k*R are consumed.
             self._position = (replicas, min(start + k * self.num_replicas, end))
-            yield index
+            # The epoch rides with the index, so DataLoader workers (even persistent ones,
+            # which never see the main process's dataset again) key their random crops by it.
+            yield EpochIndex(index, epoch)
         # Exhausted: this epoch is complete; iterating again without set_epoch restarts it.
         self._position = (replicas, end)
         self._resume = (self.num_replicas, 0)
@@ -345,6 +353,13 @@ class DistributedShardSampler(Sampler[int]):
             self.epoch = int(epoch)
             self._resume = (self.num_replicas, 0)
             self._position = (self.num_replicas, 0)
+        self._tell_dataset()
+
+    def _tell_dataset(self) -> None:
+        # A fastdata Dataset keys its random crops by (seed, epoch, index): keep its epoch ours.
+        set_dataset_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_dataset_epoch):
+            set_dataset_epoch(self.epoch)
 
     # -- resume -----------------------------------------------------------------------------
     def state_dict(self, consumed: Optional[int] = None) -> dict[str, Any]:
@@ -428,3 +443,4 @@ class DistributedShardSampler(Sampler[int]):
         self.epoch = int(state["epoch"])
         self._resume = (replicas, consumed)
         self._position = (replicas, consumed)
+        self._tell_dataset()
