@@ -88,14 +88,23 @@ def _staging(dst: str, name: str) -> str:
 
 
 def record_run(dst: str, options: RunOptions, src: str, fingerprint: str, scan: SourceScan) -> None:
-    """Write ``run.json`` and ``listing.npz`` into ``dst``'s staging folder (atomically)."""
+    """Write ``run.json`` and ``listing.npz`` into ``dst``'s staging folder (atomically).
+
+    Raises:
+        ConversionError: an I/O error, naming the file and the free space (as every staging write).
+    """
+    from .pipeline import io_error
+
     buf = io.BytesIO()
     np.savez(buf, relpaths=np.frombuffer(b"\0".join(scan.relpaths), dtype=np.uint8),
              sizes=np.asarray(scan.sizes, dtype=np.int64), labels=np.asarray(scan.labels, dtype=np.int64))
-    atomic_write(_staging(dst, LISTING_FILE), buf.getvalue())
     run = {"source": os.path.abspath(src), "fingerprint": fingerprint, "options": options.to_json(),
            "classes": list(scan.classes)}
-    atomic_write(_staging(dst, RUN_FILE), json.dumps(run).encode())
+    for name, data in ((LISTING_FILE, buf.getvalue()), (RUN_FILE, json.dumps(run).encode())):
+        try:
+            atomic_write(_staging(dst, name), data)
+        except OSError as err:
+            raise io_error(err, _staging(dst, name)) from err
 
 
 def read_recorded_run(dst: str) -> RecordedRun | None:
