@@ -140,6 +140,50 @@ def test_imagefolder_drop_in(small_tree, tmp_path, backend):
     ds.close()
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_samples_imgs_and_repr_like_imagefolder(small_tree, tmp_path, backend):
+    ref = ReferenceImageFolder(small_tree)
+    ds = fastdata.open_dataset(convert(small_tree, tmp_path / f"s{BACKENDS[backend]}"))
+    assert ds.samples == ref.samples  # absolute source paths, ImageFolder's order and targets
+    assert ds.imgs == ref.samples
+    assert all(type(t) is int for _, t in ds.samples)
+    assert isinstance(ds.targets, np.ndarray)  # stays an array: no per-sample Python objects
+    # the list is built on demand and never pickled (DataLoader workers do not carry it)
+    data = pickle.dumps(ds)
+    assert os.fsencode(ref.samples[5][0]) not in data and len(data) < 16 * 1024
+    assert pickle.loads(data).samples == ref.samples
+    assert repr(ds) == (f"Dataset {type(ds).__name__}\n"
+                        "    Number of datapoints: 24\n"
+                        f"    Root location: {ds.root}\n"
+                        f"    Backend: {backend}\n"
+                        "    Output: pil")
+    shown = fastdata.open_dataset(ds.root, output="numpy", decode=fastdata.transforms.CenterCrop(8),
+                                  transform=ShowsTwoLines(), target_transform=str)
+    assert repr(shown).splitlines()[3:] == [
+        "    Backend: " + backend, "    Output: numpy", "    Decode: CenterCrop(size=(8, 8), resize=None)",
+        "    StandardTransform", "Transform: Compose(", "               first", "           )",
+        f"Target transform: {str!r}"]
+
+
+class ShowsTwoLines:
+    """A transform whose repr spans lines, like torchvision's ``Compose``."""
+
+    def __call__(self, x):
+        return x
+
+    def __repr__(self) -> str:
+        return "Compose(\n    first\n)"
+
+
+def test_samples_of_a_list_source_are_relative_to_the_list_folder(tmp_path):
+    tree = make_tree(tmp_path / "imgs", {"a": 2, "b": 2}, size=(24, 20))
+    lines = ["path,label"] + [f"imgs/{c}/{c}_{i:03d}.jpg,{c}" for c in "ab" for i in range(2)]
+    (tmp_path / "list.csv").write_text("\n".join(lines) + "\n")
+    ds = fastdata.open_dataset(convert(tmp_path / "list.csv", tmp_path / "s.lmdb"))
+    assert [p for p, _ in ds.samples] == [os.path.join(tree, c, f"{c}_{i:03d}.jpg") for c in "ab" for i in range(2)]
+    assert all(os.path.isfile(p) for p, _ in ds.samples)
+
+
 def test_open_dataset_picks_the_class_and_checks_the_backend(sharded):
     assert type(fastdata.open_dataset(sharded["lmdb"])) is fastdata.LMDBImageDataset
     assert type(fastdata.open_dataset(sharded["hdf5"])) is fastdata.HDF5ImageDataset
@@ -369,6 +413,97 @@ def test_flipped_byte_raises_named_error_or_is_skipped(tmp_path, backend):
     assert skipping.skipped == 3
     for img, label in batch:
         assert (xxhash.xxh3_64_hexdigest(img.tobytes()), label) in set(expected.values()) - {expected[victim]}
+
+
+# --------------------------------------------------------------------------- user code vs damage
+class UserDecodeBug(Exception):
+    pass
+
+
+class FlakyDecode:
+    """A user's decode callable that fails on every other call."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, data):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise UserDecodeBug(f"call {self.calls}")
+        return fastdata.transforms.full_decode(data)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("output", ["numpy", "pil"])
+def test_user_decode_errors_propagate_unchanged(sharded, on_error, output):
+    ds = fastdata.open_dataset(sharded["lmdb"], output=output, decode=FlakyDecode(), on_error=on_error)
+    ds[0]  # call 1 works
+    with pytest.raises(UserDecodeBug) as info:
+        ds[1]
+    assert info.traceback[-1].frame.code.raw is FlakyDecode.__call__.__code__  # its own traceback
+    with pytest.raises(UserDecodeBug):
+        ds.__getitems__([2, 3, 4])
+    assert ds.skipped == 0  # nothing was blamed on the store
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_user_transform_errors_are_not_corrupt_records(sharded, on_error):
+    def transform(image):
+        raise ZeroDivisionError("bug in my transform")
+
+    def target_transform(target):
+        raise KeyError(target)
+
+    for kwargs in ({"transform": transform}, {"target_transform": target_transform}):
+        ds = fastdata.open_dataset(sharded["hdf5"], output="tensor", on_error=on_error, **kwargs)
+        expected = ZeroDivisionError if "transform" in kwargs else KeyError
+        with pytest.raises(expected):
+            ds[3]
+        with pytest.raises(expected):
+            ds.__getitems__([0, 1])
+        assert ds.skipped == 0
+
+
+def _serve_garbage_for(ds, victim: int) -> None:
+    """Make sample ``victim``'s stored bytes undecodable but checksum-clean, as a
+    damaged-then-rechecksummed record would be."""
+    raw_bytes, read_batch = ds._raw_bytes, ds._read_batch
+    garbage = b"\xff\xd8\xff\xe0 not a jpeg at all" * 4
+    ds._raw_bytes = lambda i: garbage if i == victim else raw_bytes(i)
+    ds._read_batch = lambda idx: [garbage if int(i) == victim else d for i, d in zip(idx, read_batch(idx))]
+
+
+class MyCrop(fastdata.transforms.RandomResizedCrop):
+    """A user subclass: user code, so its failures are its own."""
+
+
+@pytest.mark.parametrize("decode", ["default", "rrc", "center", "full_decode"])
+def test_fastdata_decoders_failing_on_stored_bytes_mean_damage(sharded, decode):
+    make = {"default": lambda: None, "rrc": lambda: fastdata.transforms.RandomResizedCrop(8),
+            "center": lambda: fastdata.transforms.CenterCrop(8), "full_decode": lambda: fastdata.transforms.full_decode}
+    victim = 5
+    for output in ("numpy", "tensor"):
+        ds = fastdata.open_dataset(sharded["lmdb"], output=output, decode=make[decode]())
+        _serve_garbage_for(ds, victim)
+        with pytest.raises(CorruptRecordError, match=f"sample {victim}.*cannot decode") as info:
+            ds[victim]
+        assert info.value.index == victim
+        with pytest.raises(CorruptRecordError):
+            ds.__getitems__([4, victim, 6])
+        skipping = fastdata.open_dataset(sharded["lmdb"], output=output, decode=make[decode](), on_error="skip")
+        _serve_garbage_for(skipping, victim)
+        with pytest.warns(RuntimeWarning, match=f"skipping damaged sample {victim}"):
+            batch = skipping.__getitems__([4, victim, 6])
+        assert [label for _, label in batch] == [int(skipping.targets[k]) for k in (4, 6, 6)]
+        assert skipping.skipped == 1
+
+
+def test_user_subclass_of_a_fastdata_transform_is_user_code(sharded):
+    ds = fastdata.open_dataset(sharded["lmdb"], output="numpy", decode=MyCrop(8), on_error="skip")
+    _serve_garbage_for(ds, 5)
+    with pytest.raises(Exception) as info:  # Pillow's own error, whatever its type
+        ds[5]
+    assert not isinstance(info.value, CorruptRecordError) and ds.skipped == 0
 
 
 # --------------------------------------------------------------------------- samplers / loader
