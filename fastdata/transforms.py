@@ -206,7 +206,7 @@ def _resize_window(img: np.ndarray, window: tuple[float, float, float, float], o
     b, r = min(math.ceil(top + h), img.shape[0]), min(math.ceil(left + w), img.shape[1])
     region = Image.fromarray(np.ascontiguousarray(img[t:b, le:r]))
     box = (left - le, top - t, min(left + w, r) - le, min(top + h, b) - t)
-    return _emit(np.asarray(region.resize((ow, oh), Image.BILINEAR, box=box)), out)
+    return _emit(np.asarray(region.resize((ow, oh), Image.Resampling.BILINEAR, box=box)), out)
 
 
 def _box_factor(box: Box, out_hw: tuple[int, int]) -> int:
