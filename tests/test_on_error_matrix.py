@@ -122,3 +122,21 @@ def test_damaged_record_first_and_middle_of_a_batch(damaged_stores, backend, out
         np.testing.assert_array_equal(as_hwc(image, output), as_hwc(reference[victim + 1][0], output))
         assert label == int(reference.targets[victim + 1])
     assert ds.skipped == 4
+
+
+def test_skip_count_reaches_the_main_process_from_persistent_spawned_workers(damaged_stores):
+    ds = open_ds(damaged_stores["lmdb"], "tensor", "rrc", "skip")
+    dl = fastdata.loader(ds, batch_sampler=BATCHES, num_workers=2, multiprocessing_context="spawn")
+    assert dl.persistent_workers
+    for epoch in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert len(list(dl)) == 2
+        assert ds.skipped == 2 * (epoch + 1)  # the same worker processes, counted per batch received
+    # without fastdata.collate a worker's count has no way back: it stays where it was made
+    plain = open_ds(damaged_stores["lmdb"], "tensor", "rrc", "skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        list(fastdata.loader(plain, batch_sampler=BATCHES, num_workers=2, persistent_workers=False,
+                             collate_fn=lambda batch: len(batch)))
+    assert plain.skipped == 0
