@@ -37,7 +37,7 @@ from typing import Union
 import numpy as np
 import simplejpeg
 import torch
-from PIL import Image
+from PIL import Image  # resampling of fractional windows only; decoding goes through .imageio
 
 from .imageio import decode_rgb_array, fast_jpeg_size
 from .seeding import get_rng
