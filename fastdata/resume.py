@@ -8,9 +8,10 @@ the source or a given option differs it can say exactly what differs
 ("shard size: was 4 MiB, now 1 GiB", "3 files added under n0144/") instead of
 only refusing.
 
-Files (inside ``DST/.fastdata-staging/``, next to the plan fingerprint):
+Files (inside ``DST/.fastdata-staging/``):
 
-* ``run.json``: ``{"source": abs path, "fingerprint": ..., "options": {...}}``
+* ``plan.json``: the plan fingerprint the pipeline checks, plus
+  ``"source"`` (absolute path), ``"options"`` and ``"classes"``;
 * ``listing.npz``: ``relpaths`` (NUL-joined bytes), ``sizes``, ``labels``.
 """
 
@@ -27,10 +28,11 @@ import numpy as np
 from .formats.base import StorageSpec
 from .layout import STAGING_DIR
 from .manifest import MANIFEST_NAME, atomic_write, read_manifest
+from .pipeline import PLAN_FILE, io_error
 from .source import SourceScan
 from .units import Size, exact_unit
 
-RUN_FILE = "run.json"
+RUN_FILE = PLAN_FILE  # the options live next to the fingerprint they produced
 LISTING_FILE = "listing.npz"
 #: at most this many folders are named in a "files added under ..." line
 MAX_FOLDERS_NAMED = 3
@@ -88,13 +90,12 @@ def _staging(dst: str, name: str) -> str:
 
 
 def record_run(dst: str, options: RunOptions, src: str, fingerprint: str, scan: SourceScan) -> None:
-    """Write ``run.json`` and ``listing.npz`` into ``dst``'s staging folder (atomically).
+    """Write the options into ``plan.json`` and the listing into ``listing.npz`` in ``dst``'s
+    staging folder (each atomically; the listing first, so a record never lacks it).
 
     Raises:
         ConversionError: an I/O error, naming the file and the free space (as every staging write).
     """
-    from .pipeline import io_error
-
     buf = io.BytesIO()
     np.savez(buf, relpaths=np.frombuffer(b"\0".join(scan.relpaths), dtype=np.uint8),
              sizes=np.asarray(scan.sizes, dtype=np.int64), labels=np.asarray(scan.labels, dtype=np.int64))
