@@ -119,14 +119,17 @@ def test_workers_far_above_the_core_count_is_warned_about(src, tmp_path, capsys,
                                  "http://host/x", "az://container/x"])
 def test_remote_urls_are_refused_everywhere(src, tmp_path, capsys, url):
     scheme = url.split("://")[0]
-    for argv in (["convert", url, str(tmp_path / "o.lmdb")], ["convert", src, url], ["info", url], ["verify", url]):
+    for argv in (["convert", url, str(tmp_path / "o.lmdb")], ["convert", src, url], ["info", url], ["verify", url],
+                 ["bench", url, "--no-plots", "--out", str(tmp_path / "b")],
+                 ["tune", url, "--memory-budget", "1GiB", "--out", str(tmp_path / "t")]):
         assert main(argv) == 2, argv
         err = one_line_error(capsys)
         assert f"remote stores ({scheme}://) are not supported yet" in err, argv
     for open_store in (fastdata.open_dataset, LMDBImageDataset, HDF5ImageDataset, target_kind, fastdata.verify):
         with pytest.raises(RemotePathError, match="not supported yet"):
             open_store(url)
-    assert os.listdir(tmp_path) == ["src"]  # nothing created (no folder named "s3:")
+    made = [d for _, dirs, _ in os.walk(tmp_path) for d in dirs] + os.listdir(".")
+    assert not [d for d in made if d.endswith(":")], "a URL was taken for a local path (a folder named 's3:')"
 
 
 def test_missing_paths_say_does_not_exist(src, tmp_path, capsys):

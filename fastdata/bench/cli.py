@@ -179,8 +179,8 @@ def _cmd_tune(args) -> int:
     if start not in ("fork", "spawn", "forkserver"):
         raise ValueError("--start-method must be fork, spawn or forkserver")
     pin = parse_bool(_pin(args.pin_memory))
+    kind = target_kind(args.target)  # before abspath, which would hide a URL ("s3://b/x" -> "<cwd>/s3:/b/x")
     target = os.path.abspath(args.target)
-    kind = target_kind(target)
     base = BenchConfig(target=target, kind=kind, batch_size=args.batch_size, output=args.output,
                        transform=args.transform, pin_memory=pin, start_method=start, epochs=args.epochs,
                        warmup_epochs=1, max_batches=args.max_batches, step_ms=args.step_ms)
