@@ -271,9 +271,10 @@ class StoreDataset(Dataset):
         nothing else (not on workers, batch size, start method or resume point).
         :class:`~fastdata.DistributedShardSampler` ``.set_epoch`` and each new iteration of
         :func:`fastdata.loader` call this for you. Worker processes learn the epoch from the
-        indices they are given (:class:`fastdata.seeding.EpochIndex`, which fastdata's
-        samplers yield); with plain int indices they use their own copy of ``epoch``, which
-        is only current if the workers were started after this call (``persistent_workers=False``).
+        indices they are given (:func:`fastdata.loader` tags each batch's first index, a
+        :class:`fastdata.seeding.EpochIndex`); with plain int indices they use their own copy
+        of ``epoch``, which is only current if the workers were started after this call
+        (another DataLoader with ``persistent_workers=False``).
 
         Args:
             epoch (int): a non-negative epoch number.

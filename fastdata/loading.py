@@ -2,14 +2,16 @@
 
 Epochs and random crops. A fastdata Dataset draws the random crops of sample ``i`` from a
 generator keyed by ``(dataset.seed, epoch, i)`` (:func:`fastdata.seeding.sample_rng`), so
-crops are a pure function of the epoch and the index. The loader feeds it the epoch in the
-one way that reaches every worker, persistent or not, forked or spawned: with the indices
-themselves. Its sampler yields :class:`fastdata.seeding.EpochIndex` values (ints that carry
-``.epoch``), read by the Dataset in whichever process builds the batch. Which epoch:
+crops are a pure function of the epoch and the index. Worker processes hold their own copy
+of the dataset (persistent workers keep it across epochs), so the loader sends the epoch
+with the indices: the first index of every batch is a :class:`fastdata.seeding.EpochIndex`
+(an int that carries ``.epoch``), which the Dataset reads in whichever process builds the
+batch. One tagged int per batch costs about a microsecond; tagging every index would cost
+the main process about 3 us per sample (creating and pickling int subclasses), which is
+why samplers themselves yield plain ints. Which epoch:
 
-* a sampler that tags indices itself (:class:`fastdata.DistributedShardSampler`): its own,
-  set with ``sampler.set_epoch(e)`` as usual;
-* another sampler with ``set_epoch`` (e.g. ``DistributedSampler``): its ``epoch``;
+* a sampler with ``set_epoch`` and ``epoch`` (:class:`fastdata.DistributedShardSampler`,
+  ``DistributedSampler``): its ``epoch``, set with ``sampler.set_epoch(e)`` as usual;
 * otherwise the loader counts: its n-th iteration (from 0) is epoch n, and
   :meth:`Loader.set_epoch` picks the epoch of the next one (e.g. when resuming).
 
@@ -22,10 +24,9 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
 from .dataset import collate
-from .sampler import DistributedShardSampler
 from .seeding import EpochIndex, seed_worker
 
 
@@ -38,62 +39,56 @@ def default_num_workers() -> int:
     return max(0, min(8, cores))
 
 
-class _EpochTagging:
-    """Shared by the two wrappers: delegate everything else to the wrapped sampler
-    (so ``loader.sampler.set_epoch(...)`` still reaches it)."""
+class _EpochTagged:
+    """The loader's index sampler with the first index of each batch (or, without
+    batching, every index) tagged with the epoch ``epoch()`` gives when an iteration starts."""
 
-    inner: object
+    def __init__(self, inner, epoch: Callable[[], int], batched: bool):
+        self.inner, self._epoch, self._batched = inner, epoch, batched
 
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getattr__(self, name: str):
-        if name == "inner":  # not set yet (e.g. during unpickling)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-class EpochSampler(_EpochTagging):
-    """Yield the indices of ``sampler`` as :class:`~fastdata.seeding.EpochIndex` tagged
-    with ``epoch()``, read once when an iteration starts.
-
-    Args:
-        sampler: any iterable of int indices.
-        epoch (Callable[[], int]): the epoch of the iteration starting now.
-    """
-
-    def __init__(self, sampler, epoch: Callable[[], int]):
-        self.inner, self._epoch = sampler, epoch
-
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator:
         epoch = self._epoch()
-        for index in self.inner:
-            yield EpochIndex(index, epoch)
-
-
-class EpochBatchSampler(_EpochTagging):
-    """:class:`EpochSampler` for a batch sampler: every index of every batch is tagged."""
-
-    def __init__(self, batch_sampler, epoch: Callable[[], int]):
-        self.inner, self._epoch = batch_sampler, epoch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        epoch = self._epoch()
+        if not self._batched:
+            for index in self.inner:
+                yield EpochIndex(index, epoch)
+            return
         for batch in self.inner:
-            yield [EpochIndex(index, epoch) for index in batch]
+            batch = list(batch)
+            if batch:
+                batch[0] = EpochIndex(batch[0], epoch)
+            yield batch
+
+
+def _sampler_with_epoch(loader: DataLoader):
+    """The loader's sampler if it has its own epoch (``set_epoch`` and ``epoch``), else None."""
+    for candidate in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if hasattr(candidate, "set_epoch") and hasattr(candidate, "epoch"):
+            return candidate
+    return None
 
 
 class Loader(DataLoader):
-    """The ``DataLoader`` :func:`loader` returns: it also advances a fastdata Dataset's epoch
-    at each new iteration when no sampler does (see the module docstring)."""
+    """The ``DataLoader`` :func:`loader` returns: for a dataset with ``set_epoch`` (a fastdata
+    Dataset) it sends the epoch to the workers with each batch of indices, and advances the
+    dataset's epoch at each new iteration when the sampler has no epoch of its own (see the
+    module docstring). ``sampler``, ``batch_sampler`` and ``batch_size`` are the usual ones."""
 
-    def __init__(self, dataset, *args, drives_epoch: bool = False, **kwargs):
+    def __init__(self, dataset, *args, **kwargs):
         super().__init__(dataset, *args, **kwargs)
-        self._drives_epoch = drives_epoch
+        self._tags_epochs = callable(getattr(dataset, "set_epoch", None))
+        self._epoch_sampler = _sampler_with_epoch(self)
         self._next_epoch = 0
+
+    def _current_epoch(self) -> int:
+        return int(self._epoch_sampler.epoch if self._epoch_sampler is not None else self.dataset.epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (the following ones count on from it).
+
+        With a sampler that has its own epoch, call the sampler's ``set_epoch`` instead.
 
         Args:
             epoch (int): a non-negative epoch number.
@@ -102,32 +97,20 @@ class Loader(DataLoader):
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         self._next_epoch = epoch
 
+    @property
+    def _index_sampler(self):
+        # What every DataLoader iterator draws its indices from (also at each reset of
+        # persistent workers); wrapping it leaves loader.sampler / batch_sampler untouched.
+        inner = super()._index_sampler
+        if not getattr(self, "_tags_epochs", False):
+            return inner
+        return _EpochTagged(inner, self._current_epoch, batched=self._auto_collation)
+
     def __iter__(self):
-        if self._drives_epoch:
+        if self._tags_epochs and self._epoch_sampler is None:
             self.dataset.set_epoch(self._next_epoch)
             self._next_epoch += 1
         return super().__iter__()
-
-
-def _tag_epochs(dataset, kwargs: dict) -> bool:
-    """Wrap the sampler (or batch sampler) in ``kwargs`` so that it yields epoch-tagged
-    indices; returns whether the loader must count epochs itself."""
-    def dataset_epoch() -> int:
-        return dataset.epoch
-
-    key = "batch_sampler" if "batch_sampler" in kwargs else "sampler"
-    inner = kwargs.get(key)
-    if inner is None:
-        generator = kwargs.get("generator")
-        inner = RandomSampler(dataset, generator=generator) if kwargs.pop("shuffle", True) else SequentialSampler(
-            dataset)
-    elif isinstance(inner, DistributedShardSampler) or isinstance(getattr(inner, "sampler", None),
-                                                                 DistributedShardSampler):
-        return False  # it tags indices with its own epoch
-    sampler_has_epoch = hasattr(inner, "set_epoch") and hasattr(inner, "epoch")
-    source = (lambda: inner.epoch) if sampler_has_epoch else dataset_epoch
-    kwargs[key] = (EpochBatchSampler if key == "batch_sampler" else EpochSampler)(inner, source)
-    return not sampler_has_epoch
 
 
 def loader(dataset, batch_size: int = 64, *, seed: int | None = None, **kwargs) -> Loader:
@@ -161,13 +144,12 @@ def loader(dataset, batch_size: int = 64, *, seed: int | None = None, **kwargs) 
     kwargs.setdefault("pin_memory", torch.cuda.is_available())
     kwargs.setdefault("worker_init_fn", seed_worker)
     kwargs.setdefault("collate_fn", collate)
-    drives_epoch = False
-    if callable(getattr(dataset, "set_epoch", None)):
-        if seed is not None:
-            dataset.seed = int(seed)
-        drives_epoch = _tag_epochs(dataset, kwargs)
-    elif "sampler" not in kwargs and "batch_sampler" not in kwargs:
+    if seed is not None:
+        if not hasattr(dataset, "seed"):
+            raise ValueError("seed= applies to fastdata datasets (the seed of their decode-time crops)")
+        dataset.seed = int(seed)
+    if "sampler" not in kwargs and "batch_sampler" not in kwargs:
         kwargs.setdefault("shuffle", True)
     if "batch_sampler" in kwargs:
-        return Loader(dataset, drives_epoch=drives_epoch, **kwargs)
-    return Loader(dataset, batch_size=batch_size, drives_epoch=drives_epoch, **kwargs)
+        return Loader(dataset, **kwargs)
+    return Loader(dataset, batch_size=batch_size, **kwargs)

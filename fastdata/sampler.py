@@ -111,8 +111,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .seeding import EpochIndex
-
 __all__ = ["DistributedShardSampler", "STATE_VERSION", "epoch_order"]
 
 #: Version of the dict written by :meth:`DistributedShardSampler.state_dict`.
@@ -252,9 +250,11 @@ class DistributedShardSampler(Sampler[int]):
     label-sorted samples, batch 256, from the module docstring: distinct labels per batch
     226 / 24.8 / 16.9 / 28.2, storage regions read per batch 235 / 19.7 / 8.6 / 11.0.
 
-    Indices are yielded as :class:`fastdata.seeding.EpochIndex` (ints that carry the epoch), and
-    :meth:`set_epoch` / :meth:`load_state_dict` also call ``dataset.set_epoch`` when the dataset
-    has one, so a fastdata Dataset's random crops follow the sampler's epoch in every worker.
+    :meth:`set_epoch` and :meth:`load_state_dict` also call ``dataset.set_epoch`` when the dataset
+    has one, so a fastdata Dataset's random crops follow the sampler's epoch; under
+    :func:`fastdata.loader` the epoch also reaches persistent workers (it travels with each batch
+    of indices). With another DataLoader and persistent workers, the workers keep the epoch they
+    started with: use ``persistent_workers=False`` there.
 
     Attributes:
         num_samples (int): per-rank count of a fresh epoch (as in ``DistributedSampler``).
@@ -327,15 +327,13 @@ class DistributedShardSampler(Sampler[int]):
             self.rank :: self.num_replicas
         ]
         self._position = (replicas, start)
-        return self._track(mine.tolist(), replicas, start, len(order), self.epoch)
+        return self._track(mine.tolist(), replicas, start, len(order))
 
-    def _track(self, mine: list[int], replicas: int, start: int, end: int, epoch: int) -> Iterator[int]:
+    def _track(self, mine: list[int], replicas: int, start: int, end: int) -> Iterator[int]:
         for k, index in enumerate(mine, 1):
             # Lockstep: after every rank yielded k, positions start .. start + k*R are consumed.
             self._position = (replicas, min(start + k * self.num_replicas, end))
-            # The epoch rides with the index, so DataLoader workers (even persistent ones,
-            # which never see the main process's dataset again) key their random crops by it.
-            yield EpochIndex(index, epoch)
+            yield index
         # Exhausted: this epoch is complete; iterating again without set_epoch restarts it.
         self._position = (replicas, end)
         self._resume = (self.num_replicas, 0)

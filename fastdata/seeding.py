@@ -25,9 +25,10 @@ fastdata's decode-time transforms a generator that is a pure function of
 ``(seed, epoch, sample index)``: :func:`sample_rng`. The seed is fixed in the main process
 (the dataset's ``seed``) and is copied into every worker; the epoch has to reach workers
 that outlive an epoch (persistent workers keep their own copy of the dataset), so it
-travels with the indices: samplers made by fastdata yield :class:`EpochIndex` values,
-plain ints that carry ``.epoch``. A dataset that receives plain ints uses its own
-``epoch`` (right in the main process, and in workers started after ``set_epoch``).
+travels with the indices: :func:`fastdata.loader` makes the first index of every batch an
+:class:`EpochIndex`, a plain int that carries ``.epoch``. A dataset given untagged indices
+uses its own ``epoch`` (right in the main process, and in workers started after
+``set_epoch``).
 """
 
 from __future__ import annotations
@@ -161,9 +162,10 @@ class EpochIndex(int):
     """A dataset index that also carries the epoch it was drawn for (``.epoch``).
 
     It behaves as the plain int everywhere (comparison, hashing, numpy, JSON); a fastdata
-    Dataset reads ``.epoch`` to key its per-sample random streams (:func:`sample_rng`).
-    Samplers yield these so that the epoch reaches DataLoader workers with the indices
-    themselves, whatever the workers' start method or lifetime.
+    Dataset reads ``.epoch`` of a batch's first index to key its per-sample random streams
+    (:func:`sample_rng`). :func:`fastdata.loader` tags each batch this way, so that the epoch
+    reaches DataLoader workers with the indices themselves, whatever the workers' start
+    method or lifetime.
     """
 
     epoch: int

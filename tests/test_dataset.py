@@ -25,7 +25,6 @@ import fastdata
 from conftest import make_tree
 from fastdata.dataset import Batch
 from fastdata.errors import CorruptRecordError, FormatError
-from fastdata.loading import EpochSampler
 from fastdata.manifest import read_manifest
 
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
@@ -545,8 +544,7 @@ def test_loader_defaults(sharded):
     assert dl.worker_init_fn is fastdata.seed_worker
     assert dl.collate_fn is fastdata.collate
     assert dl.batch_size == 64
-    # the loader's sampler tags each index with the epoch (random crops are keyed by it)
-    assert isinstance(dl.sampler, EpochSampler) and isinstance(dl.sampler.inner, RandomSampler)
+    assert isinstance(dl.sampler, RandomSampler)
 
 
 def test_loader_overrides(sharded):
@@ -557,14 +555,14 @@ def test_loader_overrides(sharded):
                          collate_fn=list, shuffle=False)
     assert dl.persistent_workers is False and dl.pin_memory is True
     assert dl.worker_init_fn is None and dl.collate_fn is list
-    assert isinstance(dl.sampler.inner, SequentialSampler)
+    assert isinstance(dl.sampler, SequentialSampler)
     sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=False)
     dl = fastdata.loader(ds, sampler=sampler, num_workers=0)
-    assert dl.sampler.inner is sampler
-    dl.sampler.set_epoch(3)  # reaches the wrapped sampler, whose epoch the indices carry
-    assert sampler.epoch == 3 and {i.epoch for i in dl.sampler} == {3}
+    assert dl.sampler is sampler
+    sampler.set_epoch(3)  # the batches of indices carry the sampler's epoch
+    assert {batch[0].epoch for batch in dl._index_sampler} == {3}
     bs = BatchSampler(SequentialSampler(ds), batch_size=6, drop_last=False)
     dl = fastdata.loader(ds, batch_sampler=bs, num_workers=0)
-    assert dl.batch_sampler.inner is bs
+    assert dl.batch_sampler is bs
     labels = [t for _, batch_labels in dl for t in batch_labels.tolist()]
     assert labels == ds.targets.tolist()

@@ -395,3 +395,25 @@ def test_gloo_two_ranks_default_world(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["replicas"] == 2
     assert result["per_rank"] == outputs(101, 2, block_size=4)
+
+
+class EpochRecorder(Sized):
+    """A dataset that, like fastdata's, takes the epoch for its random crops."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+def test_set_epoch_and_load_state_dict_tell_the_dataset():
+    ds = EpochRecorder(10)
+    sampler = DistributedShardSampler(ds, num_replicas=1, rank=0)
+    sampler.set_epoch(4)
+    state = sampler.state_dict(consumed=3)
+    other = DistributedShardSampler(EpochRecorder(10), num_replicas=1, rank=0)
+    other.load_state_dict(state)
+    assert ds.epochs == [4] and other.dataset.epochs == [4]
+    DistributedShardSampler(Sized(10), num_replicas=1, rank=0).set_epoch(2)  # no set_epoch: nothing to tell
