@@ -246,7 +246,8 @@ class StoreDataset(Dataset):
         # DecodeTransform promises an ``rng`` argument: it gets the per-sample stream
         self._decode_takes_rng = isinstance(decode, fd_transforms.DecodeTransform)
         self.seed = int(torch.initial_seed() if seed is None else seed)
-        self.epoch = 0
+        #: epoch of the per-sample crop streams; None until set_epoch: unkeyed per-process streams
+        self.epoch: int | None = None
         self.on_error = on_error
         self.readahead = readahead
         self.classes: list[str] = list(manifest["classes"])
@@ -266,9 +267,12 @@ class StoreDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose random crops the next reads use.
 
-        The generator a random ``decode`` transform draws from for sample ``i`` is
-        :func:`fastdata.seeding.sample_rng` ``(self.seed, epoch, i)``, so crops depend on
-        nothing else (not on workers, batch size, start method or resume point).
+        From then on, the generator a random ``decode`` transform draws from for sample
+        ``i`` is :func:`fastdata.seeding.sample_rng` ``(self.seed, epoch, i)``, so crops
+        depend on nothing else (not on workers, batch size, start method or resume point).
+        Until an epoch is set (by this call or by indices that carry one), crops come from
+        :func:`fastdata.seeding.get_rng`, a per-process stream: random in every epoch, as
+        with torchvision, but not reproducible.
         :class:`~fastdata.DistributedShardSampler` ``.set_epoch`` and each new iteration of
         :func:`fastdata.loader` call this for you. Worker processes learn the epoch from the
         indices they are given (:func:`fastdata.loader` tags each batch's first index, a
@@ -475,7 +479,7 @@ class StoreDataset(Dataset):
             f"{fmt} image ({type(err).__name__}: {err}); run 'fastdata verify --decode' on the store",
             store=self.root, shard=self._shard_files[shard], index=index)
 
-    def _run_decoder(self, data: bytes, index: int, epoch: int, out: np.ndarray | None):
+    def _run_decoder(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None):
         """Decode stored ``data`` of sample ``index`` into ``out`` [H,W,3] or a new image."""
         fmt = FORMAT_NAMES[int(self._formats[index])]
         if self.decode is None:
@@ -486,18 +490,22 @@ class StoreDataset(Dataset):
                 return decode_pil(data, fmt, self.storage.raw_shape)
             return decode_numpy(data, fmt, self.storage.raw_shape)
         if self._decode_takes_rng:
-            rng = sample_rng(self.seed, epoch, index)
+            transform: fd_transforms.DecodeTransform = self.decode  # type: ignore[assignment]
+            rng = None if epoch is None else sample_rng(self.seed, epoch, index)
             if out is not None:
-                self.decode.decode_into(data, out, rng)
+                transform.decode_into(data, out, rng)
                 return out
-            return self.decode(data, rng)
+            return transform(data, rng)
+        if out is not None and hasattr(self.decode, "decode_into"):
+            self.decode.decode_into(data, out)
+            return out
         array = self.decode(data)
         if out is not None:
             out[...] = array
             return out
         return array
 
-    def _decode(self, data: bytes, index: int, epoch: int, out: np.ndarray | None = None):
+    def _decode(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None = None):
         """:meth:`_run_decoder`, with fastdata's own decoders' failures named as damage
         (:class:`CorruptRecordError`) and a user's decode callable's left as they are."""
         if not self._decode_is_ours:
@@ -509,7 +517,7 @@ class StoreDataset(Dataset):
         except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
             raise self._undecodable(index, err) from err
 
-    def _image(self, index: int, epoch: int):
+    def _image(self, index: int, epoch: int | None):
         """The decoded image of sample ``index`` before ``transform``; damage raises CorruptRecordError."""
         return self._as_pil_if_asked(self._decode(self._raw_bytes(index), index, epoch))
 
@@ -528,10 +536,10 @@ class StoreDataset(Dataset):
             target = self.target_transform(target)
         return image, target
 
-    def _load(self, epoch: int, index: int):
+    def _load(self, epoch: int | None, index: int):
         return self._finish(self._image(index, epoch), index)
 
-    def _load_into(self, out: np.ndarray, epoch: int, index: int) -> None:
+    def _load_into(self, out: np.ndarray, epoch: int | None, index: int) -> None:
         self._decode(self._raw_bytes(index), index, epoch, out)
 
     def __getitem__(self, index: int):
@@ -585,7 +593,7 @@ class StoreDataset(Dataset):
         out.skips, out.token = self._skips - before, self._token
         return out
 
-    def _sample_list(self, idx: np.ndarray, epoch: int) -> Samples:
+    def _sample_list(self, idx: np.ndarray, epoch: int | None) -> Samples:
         out = Samples()
         load = functools.partial(self._load, epoch)
         for i, data in zip(idx.tolist(), self._read_batch(idx)):
@@ -629,11 +637,11 @@ class StoreDataset(Dataset):
         size = getattr(self.decode, "output_size", None)
         return tuple(size) if size else None
 
-    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], epoch: int) -> Batch:
+    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], epoch: int | None) -> Batch:
         return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr, epoch),
                            channels_first=self.output == "tensor", target_transform=self.target_transform)
 
-    def _fill(self, idx: np.ndarray, arr: np.ndarray, epoch: int) -> np.ndarray | None:
+    def _fill(self, idx: np.ndarray, arr: np.ndarray, epoch: int | None) -> np.ndarray | None:
         """Write the pixels of samples ``idx`` into the batch array ``arr`` [n,H,W,3].
 
         Returns the targets of the samples actually written when a damaged one was
@@ -682,7 +690,7 @@ class StoreDataset(Dataset):
         return decode_numpy(self._raw_bytes(index), "RAW", self.storage.raw_shape)
 
 
-def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.ndarray], None], *,
+def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.ndarray], np.ndarray | None], *,
                 channels_first: bool, target_transform: Callable | None = None) -> Batch:
     """Allocate a fixed-shape batch where it will travel from, let ``fill(arr)``
     write the pixels into ``arr`` (uint8 [n, H, W, 3]), and wrap it as a :class:`Batch`.

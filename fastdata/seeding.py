@@ -179,7 +179,7 @@ class EpochIndex(int):
         return EpochIndex, (int(self), self.epoch)
 
 
-def epoch_of(indices, default: int) -> int:
+def epoch_of(indices, default: int | None) -> int | None:
     """The epoch an index (or the first of a batch of indices) was tagged with, else ``default``."""
     first = indices
     if not isinstance(indices, EpochIndex) and isinstance(indices, (list, tuple)) and indices:

@@ -107,6 +107,7 @@ def test_damaged_record_first_and_middle_of_a_batch(damaged_stores, backend, out
     # every skip reaches the main process's count, also from worker processes
     assert ds.skipped == 2
     reference = open_ds(store, output, decode, "raise")  # per-sample reads of the readable samples
+    reference.set_epoch(0)  # the loader's first iteration is epoch 0
     assert len(batches) == len(SOURCES)
     for (images, labels), sources in zip(batches, SOURCES):
         assert labels.tolist() == [int(reference.targets[k]) for k in sources]

@@ -91,6 +91,7 @@ def test_crops_do_not_depend_on_workers_batch_size_or_start_method(store):
 
 def test_control_other_epochs_give_other_crops(store):
     ds = open_ds(store)
+    ds.set_epoch(0)
     epoch0 = [ds[i][0].clone() for i in range(N)]
     ds.set_epoch(1)
     epoch1 = [ds[i][0] for i in range(N)]
@@ -99,7 +100,18 @@ def test_control_other_epochs_give_other_crops(store):
     ds.set_epoch(0)
     assert all(torch.equal(ds[i][0], epoch0[i]) for i in range(N))
     other_seed = fastdata.open_dataset(store, output="tensor", decode=transforms.RandomResizedCrop(16), seed=SEED + 1)
+    other_seed.set_epoch(0)
     assert sum(not torch.equal(other_seed[i][0], epoch0[i]) for i in range(N)) >= N - 2
+
+
+def test_without_any_epoch_crops_stay_random_every_epoch(store):
+    """A plain DataLoader whose loop never sets an epoch must not freeze the augmentation
+    (the same crops every epoch): crops then come from the per-process stream."""
+    ds = open_ds(store)
+    dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
+                                     collate_fn=fastdata.collate)
+    first, second = flat(dl), flat(dl)
+    assert sum(a != b for a, b in zip(first, second)) >= N - 2
 
 
 # --------------------------------------------------------------------------- DistributedShardSampler
