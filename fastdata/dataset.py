@@ -243,8 +243,10 @@ class StoreDataset(Dataset):
         self.decode = decode
         # fastdata's own decoders: their failures on stored bytes mean a damaged record
         self._decode_is_ours = decode is None or _is_fastdata_decoder(decode)
-        # DecodeTransform promises an ``rng`` argument: it gets the per-sample stream
-        self._decode_takes_rng = isinstance(decode, fd_transforms.DecodeTransform)
+        # DecodeTransform promises an ``rng`` argument: it gets the per-sample stream, except
+        # fastdata's deterministic ones (a generator costs ~15 us a sample for nothing there)
+        self._decode_takes_rng = isinstance(decode, fd_transforms.DecodeTransform) and type(decode) not in (
+            fd_transforms.CenterCrop, fd_transforms.Resize)
         self.seed = int(torch.initial_seed() if seed is None else seed)
         #: epoch of the per-sample crop streams; None until set_epoch: unkeyed per-process streams
         self.epoch: int | None = None
@@ -308,7 +310,8 @@ class StoreDataset(Dataset):
         or the list file's folder for a CSV/TSV list, joined with each record's stored
         path); they need not exist on this machine. A store whose manifest records no
         source gives the stored paths, relative to the converted root (:meth:`relpath`).
-        The list is never pickled: worker processes do not receive it.
+        The list is never pickled: spawned workers do not receive it (forked ones inherit
+        it only if it was built before they started).
         """
         if self._samples is None:
             base = self._source_base()
