@@ -83,7 +83,8 @@ class Loader(DataLoader):
         self._next_epoch = 0
 
     def _current_epoch(self) -> int:
-        return int(self._epoch_sampler.epoch if self._epoch_sampler is not None else self.dataset.epoch)
+        source = self._epoch_sampler if self._epoch_sampler is not None else self.dataset
+        return int(source.epoch)  # type: ignore[union-attr]
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (the following ones count on from it).
