@@ -96,10 +96,15 @@ def add_commands(subparsers) -> None:
     t.add_argument("target", metavar="TARGET", help="image folder, LMDB store or HDF5 store")
     t.add_argument("--memory-budget", required=True, metavar="SIZE",
                    help="most memory the loading processes may use, e.g. 8GiB, 500MB")
-    t.add_argument("--batch-size", type=int, default=64, metavar="N", help="batch size (default 64)")
+    t.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch size (default 64)")
     t.add_argument("--effective-batch-size", type=int, default=None, metavar="E",
                    help="batch your recipe needs; if it does not fit, recommend the largest batch that does and "
-                        "gradient accumulation over ceil(E / batch) steps")
+                        "gradient accumulation over ceil(E / batch) steps (it takes the place of --batch-size, "
+                        "and the output says so)")
+    t.add_argument("--allow-no-workers", action="store_true",
+                   help="also consider num_workers=0 (loading in the training process: it never overlaps the "
+                        "training step); recommended only when measurably faster. With --step-ms it is always "
+                        "considered, since the simulated step shows the missing overlap")
     t.add_argument("--max-workers", type=int, default=None, metavar="N", help="most workers to try (default: core count)")
     t.add_argument("--min-gain", type=float, default=0.05, metavar="F",
                    help="relative throughput gain that justifies another step (default 0.05)")
@@ -193,17 +198,20 @@ def _cmd_tune(args) -> int:
     most = replace(base, workers=args.max_workers or available_cores(), prefetch_factor=8)
     for warning in environment_warnings([most]):
         print(f"warning: {warning}", file=sys.stderr)
+    uniform = _uniform_size(target, kind, args.transform)
     result = tune(harness_measure(base, args.timeout), harness_probe(base, args.timeout), budget,
                   batch_size=args.batch_size, effective_batch_size=args.effective_batch_size,
-                  max_workers=args.max_workers, min_gain=args.min_gain, step_ms=args.step_ms, log=log)
+                  max_workers=args.max_workers, min_gain=args.min_gain, step_ms=args.step_ms,
+                  allow_no_workers=args.allow_no_workers, log=log)
     snippet = dataloader_snippet(result, target, kind, args.transform, args.output, pin,
-                                 None if args.start_method == "default" else start)
+                                 None if args.start_method == "default" else start, uniform_size=uniform)
     loop = accumulation_snippet(result)
     m = result.measured
     print(f"\nrecommended: {result.settings.describe()}: {m.images_per_s:.0f} images/s, peak PSS "
           f"{format_size(m.peak_pss)} (predicted {format_size(result.predicted_pss)}) of a "
           f"{format_size(budget)} budget")
-    for note in result.notes:
+    print(f"  {_wait_sentence(m.data_wait_fraction, args.step_ms)}")
+    for note in result.notes + _size_notes(kind, args.transform, args.output, uniform):
         print(f"  {note}")
     print("\n" + snippet)
     if loop:
@@ -214,6 +222,42 @@ def _cmd_tune(args) -> int:
                        "machine": fingerprint()})
     print(f"\nsaved {path}")
     return EXIT_OK
+
+
+def _uniform_size(target: str, kind: str, transform: str):
+    """True/False: every image of a store has one size (its index knows); None for a folder or a resizing transform."""
+    if kind == "folder" or transform != "none":
+        return None
+    from ..dataset import open_dataset
+
+    ds = open_dataset(target)
+    try:
+        return ds.storage.mode == "raw" or ds.uniform_shape is not None
+    finally:
+        ds.close()
+
+
+def _wait_sentence(fraction, step_ms: float) -> str:
+    if fraction is None:
+        return "data wait: not measured"
+    if step_ms:
+        return (f"data wait: {fraction:.0%} of the time the loop (a {step_ms:g} ms step per batch) waited for the "
+                "next batch")
+    return (f"data wait: {fraction:.0%} of the loop's time (no --step-ms: the loop does nothing but load, so this "
+            "is near 100%; give your step time to see how much of it loading hides)")
+
+
+def _size_notes(kind: str, transform: str, output: str, uniform) -> list:
+    from .tune import needs_list_collate
+
+    if not needs_list_collate(kind, transform, output, uniform):
+        return []
+    if kind != "folder" and output == "pil":
+        return ["--output pil: batches are lists of PIL images (collate_fn=bench_collate in the snippet)"]
+    what = "the images differ in size" if uniform is False else "the images may differ in size"
+    return [f"{what} and --transform none keeps them whole: batches are (list of images, labels) "
+            "(collate_fn=bench_collate in the snippet); a model needs one size: tune with --transform rrc224 or "
+            "resize224 to measure the loader you will train with"]
 
 
 def _cmd_doctor(args) -> int:

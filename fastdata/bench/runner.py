@@ -185,7 +185,7 @@ def measure(cfg) -> dict:
 
     epoch_s, wait_s, cpu_s, evicted, residency, marks = [], [], [], [], [], []
     ttfb = None
-    decoded = None
+    decoded_total, decoded_samples = 0, 0
     sampler = MemorySampler(interval=0.05).start()
     try:
         for epoch in range(cfg.warmup_epochs + cfg.epochs):
@@ -210,8 +210,9 @@ def measure(cfg) -> dict:
                 seen += 1
                 if ttfb is None:
                     ttfb = time.perf_counter() - t0
-                if decoded is None:
-                    decoded = decoded_nbytes(images) / max(1, len(_labels))
+                # the mean over every batch: one sample of a store of mixed sizes says little
+                decoded_total += decoded_nbytes(images)
+                decoded_samples += len(_labels)
                 cuda.copy(images)
                 if seen == n_batches:  # last batch: mark while the workers are still alive
                     tm = time.perf_counter()
@@ -263,7 +264,7 @@ def measure(cfg) -> dict:
         "cpu_cores_busy": sum(m_cpu) / sum(m_epoch),
         "cpu_util": sum(m_cpu) / sum(m_epoch) / cores,
         "data_wait_fraction": sum(m_wait) / sum(m_epoch),
-        "decoded_bytes_per_sample": decoded,
+        "decoded_bytes_per_sample": decoded_total / decoded_samples if decoded_samples else None,
         "cold_evicted_files": evicted[-1] if evicted else None,
         "cold_residency_after_evict": _mean_or_none(residency),
         "pipeline": target.pipeline,

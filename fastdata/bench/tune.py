@@ -5,19 +5,24 @@ The search (:func:`tune`):
 1. **Probe** once: the memory of the main process and of one worker doing almost
    nothing (interpreter, torch, the dataset's index), and the decoded bytes per
    sample of this target and transform.
-2. **Estimate** before measuring, and print it: ``main + batch x sample +
-   workers x (worker + prefetch_factor x batch x sample)``. Candidates predicted
+2. **Estimate** before measuring, and print it (:func:`estimate_memory`: per
+   worker its baseline plus the batch it decodes, the batches in flight in shared
+   memory, the batch the main process consumes; without workers the decoder's
+   cost lands in the main process). Candidates predicted
    more than ``skip_margin`` over the budget are not run (no point courting the
    OOM killer); every measured one is printed next to its prediction.
 3. **Batch size** (only with ``effective_batch_size`` E): the largest of E, E/2,
-   E/4, ... whose measured run with one worker fits (with no worker only if none
-   does: zero workers stall training whatever the batch); the recipe is then
-   gradient accumulation over ``ceil(E / b)`` steps.
-4. **Workers**: 0, 1, 2, 4, ... up to ``max_workers`` (prefetch 2) while throughput
-   improves by at least ``min_gain`` and the measured peak PSS fits; where a step
-   overshoots, bisect between the last good count and it. With ``step_ms`` the run
-   simulates the training step; once the loop hardly waits for data, more workers
-   would only cost memory, and the search says so and stops.
+   E/4, ... whose measured run with one worker fits (with no worker only where
+   ``num_workers=0`` is allowed); the recipe is then gradient accumulation over
+   ``ceil(E / b)`` steps.
+4. **Workers**: 1, 2, 4, ... up to ``max_workers`` (prefetch 2). Throughput over
+   worker counts is not monotone, so the search goes on past a step that gains
+   nothing and stops after two in a row, at a count over the budget (then bisects
+   below it), or, with ``step_ms``, once the loop hardly waits for data. The pick
+   is the fewest workers within ``min_gain`` of the fastest fitting trial.
+   ``num_workers=0`` (loading in the training process, never overlapping the
+   step) competes only with ``step_ms`` (the measurement then shows the missing
+   overlap) or when ``allow_no_workers`` asks for it.
 5. **Prefetch factor**: 4, then 8, kept only if it fits and gains.
 
 Only configurations whose *measured* peak PSS is within the budget are ever
@@ -36,6 +41,7 @@ from ..errors import FastdataError
 from ..units import format_size
 
 DEFAULT_PREFETCH = 2
+DEFAULT_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -78,17 +84,35 @@ class Probe:
     sample_bytes: float
 
 
-def estimate_memory(s: Settings, probe: Probe) -> int:
+def estimate_memory(s: Settings, probe: Probe, full_queue: bool = False) -> int:
     """Predicted peak PSS of main + workers for ``s``.
 
-    ``main + batch x sample`` (the batch being consumed) plus, per worker, its
-    baseline and the ``prefetch_factor`` batches it keeps in flight.
+    With workers: ``main + workers x (worker + batch) + (in flight + 1) x batch``.
+    Each worker holds the batch it is decoding (the per-sample arrays before they are
+    collated) besides its baseline; collated batches travel in shared memory (counted
+    once, however many processes map them); the main process holds the one being
+    consumed. How many are in flight depends on who waits: a loop that only loads
+    (no training step) takes each batch as soon as it is ready, so about one per
+    worker; a loop slower than loading (``full_queue``, as with a simulated step)
+    lets every worker fill its ``prefetch_factor`` slots.
+
+    Without workers the main process does the decoding: it carries the decoder's
+    buffers and thread pools (about what a worker adds), and while it collates, the
+    per-sample arrays next to the batch: ``main + worker + 2 x batch``.
+
+    Args:
+        s: the settings.
+        probe: the baseline figures.
+        full_queue: the training loop is slower than loading (a ``step_ms`` was given).
+
+    Returns:
+        int: bytes.
     """
     batch = s.batch_size * probe.sample_bytes
-    total = probe.main_bytes + batch
-    if s.workers:
-        total += s.workers * (probe.worker_bytes + s.prefetch_factor * batch)
-    return int(total)
+    if not s.workers:
+        return int(probe.main_bytes + probe.worker_bytes + 2 * batch)
+    in_flight = s.workers * (s.prefetch_factor if full_queue else 1)
+    return int(probe.main_bytes + s.workers * (probe.worker_bytes + batch) + (in_flight + 1) * batch)
 
 
 @dataclass
@@ -149,6 +173,13 @@ class TuneResult:
         }
 
 
+def wait_text(m: Measurement) -> str:
+    """``"  data wait 12%"``: the share of the loop's time spent waiting for the next batch ("" if unknown)."""
+    if m.data_wait_fraction is None:
+        return ""
+    return f"  data wait {m.data_wait_fraction:.0%}"
+
+
 def worker_ladder(max_workers: int) -> list[int]:
     """1, 2, 4, ... below ``max_workers``, then ``max_workers`` itself."""
     out, w = [], 1
@@ -161,7 +192,8 @@ def worker_ladder(max_workers: int) -> list[int]:
 
 
 class _Search:
-    def __init__(self, measure, probe, budget, min_gain, skip_margin, log):
+    def __init__(self, measure, probe, budget, min_gain, skip_margin, log, full_queue=False):
+        self.full_queue = full_queue
         self.measure_fn = measure
         self.probe = probe
         self.budget = budget
@@ -178,7 +210,7 @@ class _Search:
         """Measure ``s`` (once), unless the estimate says it cannot fit (and not ``force``)."""
         if s in self.cache and not (force and self.cache[s].measured is None):
             return self.cache[s]
-        t = Trial(s, estimate_memory(s, self.probe))
+        t = Trial(s, estimate_memory(s, self.probe, self.full_queue))
         if s in self.cache:
             self.trials.remove(self.cache[s])
         self.cache[s] = t
@@ -194,7 +226,7 @@ class _Search:
             t.verdict = "over budget"
         else:
             t.verdict = "fits"
-        figure = (f"{m.images_per_s:8.0f} img/s  peak PSS {format_size(m.peak_pss):>10}" if m.ok
+        figure = (f"{m.images_per_s:8.0f} img/s  peak PSS {format_size(m.peak_pss):>10}{wait_text(m)}" if m.ok
                   else f"FAILED ({m.error})")
         self.log(f"  {s.describe():<52} predicted {format_size(t.predicted_pss):>10}  measured {figure}  "
                  f"-> {t.verdict}")
@@ -209,12 +241,13 @@ def tune(
     probe: Callable[[], Probe] | Probe,
     memory_budget: int,
     *,
-    batch_size: int = 64,
+    batch_size: Optional[int] = None,
     effective_batch_size: Optional[int] = None,
     max_workers: Optional[int] = None,
     prefetch_factors: tuple = (4, 8),
     min_gain: float = 0.05,
     step_ms: float = 0.0,
+    allow_no_workers: bool = False,
     wait_threshold: float = 0.05,
     skip_margin: float = 0.25,
     log: Callable[[str], None] = print,
@@ -225,13 +258,17 @@ def tune(
         measure: runs one :class:`Settings` and returns a :class:`Measurement`.
         probe: the baseline figures, or a function measuring them.
         memory_budget: bytes for the loading process tree (main + workers).
-        batch_size: batch size to tune for (ignored when ``effective_batch_size`` is given).
+        batch_size: batch size to tune for (default 64); when ``effective_batch_size`` is given too,
+            it is not used, and a note and the log say so.
         effective_batch_size: the batch the training recipe wants; a smaller batch plus
             gradient accumulation is recommended when it does not fit.
         max_workers: most workers to try (default: available cores).
         prefetch_factors: prefetch factors tried after the worker count (2 is the start).
         min_gain: relative throughput gain a step must bring to be taken.
-        step_ms: the simulated training step ``measure`` uses (only for the messages).
+        step_ms: the simulated training step ``measure`` uses; with one, ``num_workers=0`` competes
+            on measured throughput (the step is in the measurement, so is the missing overlap).
+        allow_no_workers: also consider ``num_workers=0`` without ``step_ms``; it is recommended
+            only when it is measurably (``min_gain``) faster than every worker count.
         wait_threshold: data-wait fraction under which the loader keeps up with the step.
         skip_margin: candidates predicted more than this fraction over budget are not measured.
         log: where progress lines go.
@@ -245,7 +282,7 @@ def tune(
     """
     if memory_budget <= 0:
         raise ValueError("memory budget must be positive")
-    if batch_size < 1 or (effective_batch_size is not None and effective_batch_size < 1):
+    if (batch_size is not None and batch_size < 1) or (effective_batch_size is not None and effective_batch_size < 1):
         raise ValueError("batch sizes must be >= 1")
     if max_workers is None:
         from .grid import available_cores
@@ -254,84 +291,40 @@ def tune(
     probe = probe() if callable(probe) else probe
     log(f"baseline: main process {format_size(probe.main_bytes)}, each worker {format_size(probe.worker_bytes)}, "
         f"{format_size(probe.sample_bytes)} per decoded sample")
-    search = _Search(measure, probe, memory_budget, min_gain, skip_margin, log)
+    search = _Search(measure, probe, memory_budget, min_gain, skip_margin, log, full_queue=step_ms > 0)
     notes: list[str] = []
 
-    # -- batch size
-    target_batch = effective_batch_size or batch_size
+    allow_zero = allow_no_workers or step_ms > 0 or max_workers == 0
     if effective_batch_size:
-        candidates = []
-        b = effective_batch_size
-        while b >= 1:
-            candidates.append(b)
-            b //= 2
-        if candidates[-1] != 1:
-            candidates.append(1)
-    else:
-        candidates = [batch_size]
-    _print_estimates(candidates[0], max_workers, probe, memory_budget, log)
+        note = (f"batch size: --effective-batch-size {effective_batch_size} sets it: the largest of "
+                f"{effective_batch_size}, {effective_batch_size // 2}, ... that fits, with gradient accumulation "
+                f"making up the rest")
+        if batch_size is not None and batch_size != effective_batch_size:
+            note += f" (--batch-size {batch_size} is not used)"
+        log(note)
+        notes.append(note)
+    batch_size = DEFAULT_BATCH if batch_size is None else batch_size
+    candidates = _batch_candidates(batch_size, effective_batch_size)
+    target_batch = candidates[0]
+    _print_estimates(target_batch, max_workers, probe, memory_budget, log, search.full_queue)
     log("measuring:")
-    # Prefer the largest batch that fits with one worker: with none, loading stalls the
-    # training loop whatever the batch. Only if no batch fits that way, try with none.
-    chosen_batch = None
-    start_workers = min(1, max_workers)
-    for workers in dict.fromkeys((start_workers, 0)):
-        for b in candidates:
-            if search.fits(search.run(Settings(workers, b))):
-                chosen_batch = b
-                break
-        if chosen_batch is not None:
-            break
+    chosen_batch = _choose_batch(search, candidates, max_workers, allow_zero)
     if chosen_batch is None:
-        # the estimate may over-state real use: "nothing fits" is only said after measuring
-        smallest = search.run(Settings(0, candidates[-1]), force=True)
-        if search.fits(smallest):
-            chosen_batch = candidates[-1]
-    if chosen_batch is None:
-        figure = (format_size(smallest.measured.peak_pss) if smallest and smallest.measured and smallest.measured.ok
-                  else f"about {format_size(estimate_memory(Settings(0, candidates[-1]), probe))}")
-        hint = "" if effective_batch_size else " or lower --batch-size (or give --effective-batch-size)"
-        raise FastdataError(f"nothing fits a memory budget of {format_size(memory_budget)}: num_workers=0 with "
-                            f"batch_size={candidates[-1]} already needs {figure}; raise the budget{hint}")
+        raise FastdataError(_nothing_fits(search, candidates[-1], probe, memory_budget, effective_batch_size,
+                                          allow_zero))
     if chosen_batch < target_batch:
         notes.append(f"batch {target_batch} does not fit the budget; batch {chosen_batch} does: accumulate "
                      f"gradients over {math.ceil(target_batch / chosen_batch)} steps")
 
-    # -- workers
-    best = search.run(Settings(0, chosen_batch))
-    if not search.fits(best):
-        best = search.run(Settings(start_workers, chosen_batch))  # fits: chosen above
-    good_w, over_w, stop = best.settings.workers, None, None
-    for w in worker_ladder(max_workers):
-        if w <= good_w:
-            continue
-        t = search.run(Settings(w, chosen_batch))
-        if t.measured is None or not search.fits(t):
-            over_w = w
-            break
-        if not search.better(t, best):
-            stop = f"{w} workers are not {min_gain:.0%} faster than {best.settings.workers}: throughput has levelled off"
-            break
-        best, good_w = t, w
-        if step_ms and t.measured.data_wait_fraction is not None and t.measured.data_wait_fraction < wait_threshold:
-            stop = (f"with {w} workers the loader already keeps up with the {step_ms:g} ms step (waiting "
-                    f"{t.measured.data_wait_fraction:.0%} of the time): more workers would only cost memory")
-            break
-    if over_w is not None:
-        lo, hi = good_w, over_w
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            t = search.run(Settings(mid, chosen_batch))
-            if search.better(t, best):
-                best, lo = t, mid
-            else:
-                hi = mid
-        notes.append(f"{over_w} workers exceed the budget; bisected to {best.settings.workers}")
-    if stop:
-        notes.append(stop)
-    elif over_w is None and best.settings.workers == max_workers and max_workers:
-        notes.append(f"throughput still rose at the most workers tried ({max_workers}); a larger "
-                     "--max-workers may help on a machine with more cores")
+    fitting = _search_workers(search, chosen_batch, max_workers, step_ms, wait_threshold, notes)
+    if allow_zero:
+        zero = search.run(Settings(0, chosen_batch), force=not fitting)
+        if search.fits(zero):
+            fitting.append(zero)
+    elif max_workers:
+        notes.append("num_workers=0 was not tried: with no worker, loading never overlaps the training step; "
+                     "pass --allow-no-workers to include it, or --step-ms to measure the overlap")
+    best = _pick(search, fitting, min_gain)
 
     # -- prefetch factor
     if best.settings.workers:
@@ -341,43 +334,180 @@ def tune(
                 break
             best = t
 
-    result = TuneResult(settings=best.settings, measured=best.measured, predicted_pss=best.predicted_pss,
-                        budget=memory_budget, probe=probe, trials=search.trials, notes=notes,
-                        effective_batch_size=effective_batch_size,
-                        accumulation_steps=math.ceil(target_batch / best.settings.batch_size))
-    return result
+    return TuneResult(settings=best.settings, measured=best.measured, predicted_pss=best.predicted_pss,
+                      budget=memory_budget, probe=probe, trials=search.trials, notes=notes,
+                      effective_batch_size=effective_batch_size,
+                      accumulation_steps=math.ceil(target_batch / best.settings.batch_size))
 
 
-def _print_estimates(batch: int, max_workers: int, probe: Probe, budget: int, log) -> None:
+def _batch_candidates(batch_size: int, effective_batch_size: Optional[int]) -> list[int]:
+    """``[batch_size]``, or E, E/2, E/4, ... 1 for an effective batch size E."""
+    if not effective_batch_size:
+        return [batch_size]
+    out, b = [], effective_batch_size
+    while b >= 1:
+        out.append(b)
+        b //= 2
+    return out
+
+
+def _choose_batch(search: "_Search", candidates: list[int], max_workers: int, allow_zero: bool) -> Optional[int]:
+    """The largest candidate batch whose measured run fits, with one worker (with none only if allowed)."""
+    worker_counts = [min(1, max_workers)] + ([0] if allow_zero and max_workers else [])
+    for workers in worker_counts:
+        for b in candidates:
+            if search.fits(search.run(Settings(workers, b))):
+                return b
+    # the estimate may over-state real use: "nothing fits" is only said after measuring
+    if search.fits(search.run(Settings(worker_counts[-1], candidates[-1]), force=True)):
+        return candidates[-1]
+    return None
+
+
+def _nothing_fits(search: "_Search", batch: int, probe: Probe, budget: int, effective: Optional[int],
+                  allow_zero: bool) -> str:
+    workers = 0 if allow_zero else 1
+    trial = search.cache.get(Settings(workers, batch))
+    figure = (format_size(trial.measured.peak_pss) if trial and trial.measured and trial.measured.ok
+              else f"about {format_size(estimate_memory(Settings(workers, batch), probe, search.full_queue))}")
+    hint = "" if effective else " or lower --batch-size (or give --effective-batch-size)"
+    if not allow_zero:
+        hint += ("; num_workers=0 may fit but never overlaps loading with training: pass --allow-no-workers "
+                 "to consider it")
+    return (f"nothing fits a memory budget of {format_size(budget)}: num_workers={workers} with "
+            f"batch_size={batch} already needs {figure}; raise the budget{hint}")
+
+
+def _search_workers(search: "_Search", batch: int, max_workers: int, step_ms: float, wait_threshold: float,
+                    notes: list) -> list:
+    """Measure 1, 2, 4, ... workers (and bisect below a count that overshoots the budget).
+
+    Throughput over worker counts is not monotone, so one step that does not gain
+    does not end the search: it ends after two steps in a row gain nothing, at a
+    count over the budget, or (with ``step_ms``) once the loop hardly waits for data.
+
+    Returns:
+        list[Trial]: every measured trial that fits the budget.
+    """
+    fitting: list[Trial] = []
+    top = 0.0
+    misses = 0
+    over_w = None
+    for w in worker_ladder(max_workers):
+        t = search.run(Settings(w, batch))
+        if not search.fits(t):
+            over_w = w
+            break
+        fitting.append(t)
+        if t.measured.images_per_s >= top * (1 + search.min_gain):
+            misses = 0
+        else:
+            misses += 1
+        top = max(top, t.measured.images_per_s)
+        wait = t.measured.data_wait_fraction
+        if step_ms and wait is not None and wait < wait_threshold:
+            notes.append(f"with {w} workers the loader already keeps up with the {step_ms:g} ms step (waiting "
+                         f"{wait:.0%} of the time): more workers would only cost memory")
+            return fitting
+        if misses >= 2:
+            notes.append(f"{w} workers are not {search.min_gain:.0%} faster than fewer: throughput has levelled off")
+            return fitting
+    if over_w is None:
+        if fitting and max(fitting, key=_speed).settings.workers == max_workers:
+            notes.append(f"throughput still rose at the most workers tried ({max_workers}); a larger "
+                         "--max-workers may help on a machine with more cores")
+        return fitting
+    # the largest count under the one that overshoots which still fits
+    lo = fitting[-1].settings.workers if fitting else 0
+    hi = over_w
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        t = search.run(Settings(mid, batch))
+        if search.fits(t):
+            fitting.append(t)
+            lo = mid
+        else:
+            hi = mid
+    notes.append(f"{over_w} workers exceed the budget; the most that fit: {lo}")
+    return fitting
+
+
+def _speed(t: Trial) -> float:
+    return t.measured.images_per_s
+
+
+def _pick(search: "_Search", fitting: list, min_gain: float) -> Trial:
+    """The fewest workers within ``min_gain`` of the fastest fitting trial (fewer workers: less memory)."""
+    if not fitting:
+        raise FastdataError("no configuration could be measured within the budget")
+    fastest = max(_speed(t) for t in fitting)
+    close = [t for t in fitting if _speed(t) >= fastest * (1 - min_gain)]
+    return min(close, key=lambda t: (t.settings.workers == 0, t.settings.workers, -_speed(t)))
+
+
+def _print_estimates(batch: int, max_workers: int, probe: Probe, budget: int, log, full_queue: bool) -> None:
     log(f"predicted peak PSS (main + workers) at batch_size={batch}, prefetch_factor={DEFAULT_PREFETCH}; "
         f"budget {format_size(budget)}:")
     for w in [0] + worker_ladder(max_workers):
-        est = estimate_memory(Settings(w, batch), probe)
+        est = estimate_memory(Settings(w, batch), probe, full_queue)
         log(f"  num_workers={w:<3} {format_size(est):>10}  {'fits' if est <= budget else 'over budget'}")
 
 
 # --------------------------------------------------------------------------- output
 
 
+def needs_list_collate(kind: str, transform: str, output: str, uniform_size: Optional[bool]) -> bool:
+    """Whether the recommended loader's batches must be lists rather than one stacked tensor.
+
+    Images of different sizes cannot be stacked: that is the case without a resizing
+    transform unless every image is known to be one size (``uniform_size``; None for
+    unknown, e.g. an image folder), and PIL images from a store never stack.
+    """
+    if kind != "folder" and output == "pil":
+        return True
+    return transform == "none" and not uniform_size
+
+
 def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: str = "none", output: str = "tensor",
-                       pin_memory: bool = False, start_method: Optional[str] = None) -> str:
-    """The recommendation as ready-to-paste Python."""
+                       pin_memory: bool = False, start_method: Optional[str] = None,
+                       uniform_size: Optional[bool] = None) -> str:
+    """The recommendation as ready-to-paste Python that runs as printed.
+
+    Args:
+        result: the tuner's result.
+        target: the image folder or store path.
+        kind: ``"folder"``, ``"lmdb"`` or ``"hdf5"``.
+        transform: ``"none"``, ``"resize224"`` or ``"rrc224"``.
+        output: ``"pil"`` or ``"tensor"`` (stores only; a folder always gives tensors).
+        pin_memory, start_method: DataLoader settings to write out.
+        uniform_size: True when every image has one size (a store's index knows), None when unknown.
+            Otherwise, without a resizing transform, the loader collates each batch into
+            ``(list of images, labels)``: ``default_collate`` cannot stack different sizes.
+
+    Returns:
+        str: Python source.
+    """
     s = result.settings
+    lists = needs_list_collate(kind, transform, output, uniform_size)
     if kind == "folder":
         tf = {"none": "", "resize224": "transforms.Resize(224), transforms.CenterCrop(224), ",
               "rrc224": "transforms.RandomResizedCrop(224), "}[transform]
         lines = ["from torch.utils.data import DataLoader",
-                 "from torchvision import datasets, transforms",
-                 "",
-                 f"dataset = datasets.ImageFolder({target!r}, transform=transforms.Compose([{tf}"
-                 "transforms.PILToTensor()]))"]
+                 "from torchvision import datasets, transforms"]
+        if lists:
+            lines.append("from fastdata.bench.pipelines import bench_collate")
+        lines += ["",
+                  f"dataset = datasets.ImageFolder({target!r}, transform=transforms.Compose([{tf}"
+                  "transforms.PILToTensor()]))"]
     else:
         decode = {"none": "", "resize224": ", decode=fastdata.transforms.CenterCrop(224, resize=224)",
                   "rrc224": ", decode=fastdata.transforms.RandomResizedCrop(224)"}[transform]
         lines = ["import fastdata",
-                 "from torch.utils.data import DataLoader",
-                 "",
-                 f"dataset = fastdata.open_dataset({target!r}, output={output!r}{decode})"]
+                 "from torch.utils.data import DataLoader"]
+        if lists:
+            lines.append("from fastdata.bench.pipelines import bench_collate")
+        lines += ["",
+                  f"dataset = fastdata.open_dataset({target!r}, output={output!r}{decode})"]
     args = [f"batch_size={s.batch_size}", "shuffle=True", f"num_workers={s.workers}"]
     if s.workers:
         args += [f"prefetch_factor={s.prefetch_factor}", "persistent_workers=True"]
@@ -385,7 +515,13 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
             args.append(f"multiprocessing_context={start_method!r}")
     args.append(f"pin_memory={pin_memory}")
     if kind != "folder":
-        args += ["worker_init_fn=fastdata.seed_worker", "collate_fn=fastdata.collate"]
+        args.append("worker_init_fn=fastdata.seed_worker")
+    if lists:
+        why = "PIL images" if kind != "folder" and output == "pil" else "images of different sizes"
+        lines.append(f"# {why} cannot be stacked: each batch is (list of images, labels tensor)")
+        args.append("collate_fn=bench_collate")
+    elif kind != "folder":
+        args.append("collate_fn=fastdata.collate")
     lines.append("loader = DataLoader(")
     lines.append("    dataset,")
     lines += [f"    {a}," for a in args]
@@ -429,39 +565,53 @@ def write_json(result: TuneResult, path: str, extra: Optional[dict] = None) -> s
 # ------------------------------------------------------------------ measuring for real
 
 
-def harness_measure(base, timeout: float = 900.0) -> Callable[[Settings], Measurement]:
+def config_for(base, s: Settings):
+    """The :class:`~fastdata.bench.grid.BenchConfig` that measures ``s``: ``base`` with its DataLoader knobs.
+
+    The same configuration ``fastdata bench`` runs for those knobs, so the two measure alike.
+    """
+    from dataclasses import replace
+
+    return replace(base, workers=s.workers, batch_size=s.batch_size,
+                   prefetch_factor=s.prefetch_factor if s.workers else None,
+                   persistent_workers=bool(s.workers), start_method=base.start_method if s.workers else None)
+
+
+def measurement_from_row(row: dict) -> Measurement:
+    """A :class:`Measurement` from one result row of the bench runner."""
+    if row["status"] != "ok":
+        return Measurement(ok=False, error=row.get("error"))
+    return Measurement(ok=True, images_per_s=row["images_per_s"], peak_pss=row["peak_pss_bytes"],
+                       data_wait_fraction=row.get("data_wait_fraction"))
+
+
+def harness_measure(base, timeout: float = 900.0, run: Optional[Callable] = None) -> Callable[[Settings], Measurement]:
     """A ``measure`` function that runs :class:`Settings` through the harness (fresh process each).
 
     Args:
         base: a :class:`~fastdata.bench.grid.BenchConfig` giving target, transform,
             output, epochs, max_batches, step_ms...; workers/batch/prefetch are replaced.
+        timeout: seconds per run.
+        run: ``run(cfg) -> row`` replacing the fresh process (tests measure in process).
     """
-    from dataclasses import replace
-
     from .harness import run_isolated
 
     def measure(s: Settings) -> Measurement:
-        cfg = replace(base, workers=s.workers, batch_size=s.batch_size,
-                      prefetch_factor=s.prefetch_factor if s.workers else None,
-                      persistent_workers=bool(s.workers), start_method=base.start_method if s.workers else None)
-        row = run_isolated(cfg, timeout)
-        if row["status"] != "ok":
-            return Measurement(ok=False, error=row.get("error"))
-        return Measurement(ok=True, images_per_s=row["images_per_s"], peak_pss=row["peak_pss_bytes"],
-                           data_wait_fraction=row.get("data_wait_fraction"))
+        cfg = config_for(base, s)
+        return measurement_from_row(run(cfg) if run else run_isolated(cfg, timeout))
 
     return measure
 
 
 def harness_probe(base, timeout: float = 900.0) -> Callable[[], Probe]:
-    """A ``probe`` function: one worker, batch 1, prefetch 1, a few batches, no step."""
+    """A ``probe`` function: one worker, batch 1, prefetch 1, 16 batches (the decoded size is their mean), no step."""
     from dataclasses import replace
 
     from .harness import run_isolated
 
     def probe() -> Probe:
         cfg = replace(base, workers=1, batch_size=1, prefetch_factor=1, persistent_workers=True,
-                      start_method=base.start_method or None, epochs=1, warmup_epochs=0, max_batches=4,
+                      start_method=base.start_method or None, epochs=1, warmup_epochs=0, max_batches=16,
                       step_ms=0.0, cold=False)
         row = run_isolated(cfg, timeout)
         if row["status"] != "ok":
