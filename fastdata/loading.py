@@ -21,7 +21,7 @@ A resume point is then just ``(seed, epoch, position)``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -41,16 +41,22 @@ def default_num_workers() -> int:
 
 class _EpochTagged:
     """The loader's index sampler with the first index of each batch (or, without
-    batching, every index) tagged with the epoch ``epoch()`` gives when an iteration starts."""
+    batching, every index) tagged with ``source.epoch`` as it is when an iteration starts.
 
-    def __init__(self, inner, epoch: Callable[[], int], batched: bool):
-        self.inner, self._epoch, self._batched = inner, epoch, batched
+    It must not refer back to the loader: the loader holds its persistent iterator, which
+    holds this object, and such a cycle would leave the workers' shutdown to whenever the
+    garbage collector runs (possibly inside a later forked child) instead of when the
+    loader is dropped.
+    """
+
+    def __init__(self, inner, source, batched: bool):
+        self.inner, self._source, self._batched = inner, source, batched
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __iter__(self) -> Iterator:
-        epoch = self._epoch()
+        epoch = int(self._source.epoch)
         if not self._batched:
             for index in self.inner:
                 yield EpochIndex(index, epoch)
@@ -82,10 +88,6 @@ class Loader(DataLoader):
         self._epoch_sampler = _sampler_with_epoch(self)
         self._next_epoch = 0
 
-    def _current_epoch(self) -> int:
-        source = self._epoch_sampler if self._epoch_sampler is not None else self.dataset
-        return int(source.epoch)  # type: ignore[union-attr]
-
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (the following ones count on from it).
 
@@ -105,7 +107,8 @@ class Loader(DataLoader):
         inner = super()._index_sampler
         if not getattr(self, "_tags_epochs", False):
             return inner
-        return _EpochTagged(inner, self._current_epoch, batched=self._auto_collation)
+        source = self._epoch_sampler if self._epoch_sampler is not None else self.dataset
+        return _EpochTagged(inner, source, batched=self._auto_collation)
 
     def __iter__(self):
         if self._tags_epochs and self._epoch_sampler is None:

@@ -566,3 +566,22 @@ def test_loader_overrides(sharded):
     assert dl.batch_sampler is bs
     labels = [t for _, batch_labels in dl for t in batch_labels.tolist()]
     assert labels == ds.targets.tolist()
+
+
+def test_dropping_the_loader_frees_its_persistent_iterator_at_once(sharded):
+    """No reference cycle between the loader and its iterator (the epoch tagging must not
+    point back at the loader): its workers stop when the loader is dropped, not when the
+    garbage collector happens to run (seconds later, or inside another forked child)."""
+    import weakref
+
+    dl = fastdata.loader(fastdata.open_dataset(sharded["lmdb"], output="tensor"), batch_size=4, num_workers=1)
+    gc.disable()
+    try:
+        it = iter(dl)
+        next(it)
+        del it
+        iterator = weakref.ref(dl._iterator)
+        del dl
+        assert iterator() is None
+    finally:
+        gc.enable()
