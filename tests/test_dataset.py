@@ -523,7 +523,7 @@ def test_distributed_sampler_partitions(sharded, shuffle):
         for rank in range(2):
             sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=shuffle, seed=11)
             sampler.set_epoch(epoch)
-            for images, batch_labels in DataLoader(ds, batch_size=5, sampler=sampler, num_workers=0,
+            for _images, batch_labels in DataLoader(ds, batch_size=5, sampler=sampler, num_workers=0,
                                                    collate_fn=lambda b: (None, [t for _, t in b])):
                 labels += batch_labels
         assert Counter(labels) == Counter(ds.targets.tolist())
