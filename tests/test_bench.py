@@ -72,7 +72,7 @@ def test_grid_defaults_and_errors(data):
         expand_grid([data["lmdb"]], workers="two")
     with pytest.raises(ValueError, match="on/off"):
         expand_grid([data["lmdb"]], persistent_workers="maybe")
-    with pytest.raises(FastdataError, match="no such"):
+    with pytest.raises(FastdataError, match="does not exist"):
         expand_grid([data["lmdb"] + "-missing"])
 
 
