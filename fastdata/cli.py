@@ -58,7 +58,8 @@ def _cmd_info(args) -> int:
     storage = data["storage"]
     mode = storage["mode"] + (f" (max side {storage['max_side']}, quality {storage['quality']})"
                               if storage["mode"] == "reencode" else
-                              f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})" if storage["mode"] == "raw" else "")
+                              f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})"
+                              if storage["mode"] == "raw" else "")
     print(f"store:    {data['path']}")
     print(f"backend:  {data['backend']} (layout version {data['version']})")
     print(f"storage:  {mode}")
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     c.set_defaults(func=_cmd_convert)
 
-    i = sub.add_parser("info", help="describe a store", description="Describe a store: backend, counts, classes, shards.")
+    i = sub.add_parser("info", help="describe a store",
+                       description="Describe a store: backend, counts, classes, shards.")
     i.add_argument("store", metavar="STORE")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=_cmd_info)
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "LMDB and HDF5, verify both and compare loading speed and memory.")
     d.add_argument("--size", choices=["tiny", "small", "full"], default="full",
                    help="dataset and grid size (full: about two minutes on 2 cores)")
-    d.add_argument("--out", default=None, help="folder for the results table, JSON/CSV and plots (default: ./fastdata-demo)")
+    d.add_argument("--out", default=None,
+                   help="folder for the results table, JSON/CSV and plots (default: ./fastdata-demo)")
     d.add_argument("--keep", action="store_true", help="keep the generated dataset and stores")
     d.add_argument("--no-bench", action="store_true", help="skip the loading comparison")
     d.add_argument("--quiet", action="store_true", help="less output")

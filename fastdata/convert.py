@@ -305,7 +305,8 @@ def convert(
         raise SourceError(f"{src}: no class folders found (expected SRC/<class>/<image files>)")
     report = ConvertReport(dst=dst, backend=backend)
     if scan.hidden_classes:
-        report.warnings.append(f"hidden folder(s) taken as classes, as ImageFolder does: {', '.join(scan.hidden_classes)} "
+        report.warnings.append("hidden folder(s) taken as classes, as ImageFolder does: "
+                               f"{', '.join(scan.hidden_classes)} "
                                "(remove them if they are not classes)")
     for path, problem in scan.walk_problems:
         report.warnings.append(f"{path}: {problem}")

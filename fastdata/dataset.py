@@ -33,7 +33,8 @@ import inspect
 import os
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -599,7 +600,7 @@ class StoreDataset(Dataset):
     def _sample_list(self, idx: np.ndarray, epoch: int | None) -> Samples:
         out = Samples()
         load = functools.partial(self._load, epoch)
-        for i, data in zip(idx.tolist(), self._read_batch(idx)):
+        for i, data in zip(idx.tolist(), self._read_batch(idx), strict=False):
             try:
                 if isinstance(data, CorruptRecordError):
                     raise data
@@ -621,12 +622,12 @@ class StoreDataset(Dataset):
                 datas = self._reader(shard).get_many(local)
             except CorruptRecordError:
                 datas = []
-                for p, loc in zip(pos.tolist(), local.tolist()):
+                for p, loc in zip(pos.tolist(), local.tolist(), strict=False):
                     try:
                         datas.append(self._reader(shard).get(loc))
                     except CorruptRecordError as err:
                         datas.append(self._named(err, shard, loc, int(idx[p])))
-            for p, data in zip(pos.tolist(), datas):
+            for p, data in zip(pos.tolist(), datas, strict=False):
                 out[p] = data
         return out
 
@@ -735,9 +736,9 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
     batch.pixels = arr
     batch.inline = inline
     if target_transform is None:
-        batch.extend(zip(images_out, labels.tolist()))
+        batch.extend(zip(images_out, labels.tolist(), strict=False))
     else:
-        batch.extend((img, target_transform(int(t))) for img, t in zip(images_out, labels.tolist()))
+        batch.extend((img, target_transform(int(t))) for img, t in zip(images_out, labels.tolist(), strict=False))
         batch.labels = torch.as_tensor([t for _, t in batch]) if batch else labels
     return batch
 

@@ -100,7 +100,7 @@ def run_demo(size: str = "full", out: str | None = None, keep: bool = False, qui
             stores[backend] = dst
 
         say(f"[4/{steps}] verifying both stores (every record against its checksum, every image decoded)")
-        for backend, dst in stores.items():
+        for dst in stores.values():
             result = fastdata.verify(dst, decode=True)
             say(f"      {result.summary()}")
             if not result.ok:

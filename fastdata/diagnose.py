@@ -48,7 +48,8 @@ import sys
 import types
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -107,7 +108,7 @@ class Hazard:
     attribute: str
     detail: str
     fix: str
-    bytes_at_risk: Optional[int] = None
+    bytes_at_risk: int | None = None
 
 
 @dataclass
@@ -123,16 +124,16 @@ class DiagnosisReport:
     """
 
     dataset_type: str
-    hazards: List[Hazard] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
-    pickled_bytes: Optional[int] = None
+    hazards: list[Hazard] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    pickled_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
         """True when no hazard was found."""
         return not self.hazards
 
-    def of_kind(self, kind: str) -> List[Hazard]:
+    def of_kind(self, kind: str) -> list[Hazard]:
         """The hazards of one kind."""
         return [h for h in self.hazards if h.kind == kind]
 
@@ -156,10 +157,11 @@ class DiagnosisReport:
 def _fmt_bytes(n: float) -> str:
     if abs(n) < 1024:
         return f"{n:.0f} B"
-    for unit in ("KB", "MB", "GB"):
-        n /= 1024
+    unit = "B"
+    for larger in ("KB", "MB", "GB"):
         if abs(n) < 1024:
             break
+        n, unit = n / 1024, larger
     return f"{n:.1f} {unit}"
 
 
@@ -183,7 +185,7 @@ _LEAF_TYPES = (
 )
 
 
-def _attributes(obj: Any) -> Iterator[Tuple[str, Any]]:
+def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:
     try:
         d = object.__getattribute__(obj, "__dict__")
     except Exception:  # no __dict__, or an exotic proxy: nothing to read
@@ -206,7 +208,7 @@ def _attributes(obj: Any) -> Iterator[Tuple[str, Any]]:
                 continue
 
 
-def _children(obj: Any, limit: int) -> Iterator[Tuple[str, Any]]:
+def _children(obj: Any, limit: int) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, dict):
         for k, v in itertools.islice(obj.items(), limit):
             yield f"[{_short_repr(k)}]", v
@@ -260,7 +262,7 @@ def _elem_size(e: Any) -> int:
     return size + sum(sys.getsizeof(m) for m in members)
 
 
-def _container_hazard(path: str, obj: Any, threshold: int) -> Optional[Hazard]:
+def _container_hazard(path: str, obj: Any, threshold: int) -> Hazard | None:
     if isinstance(obj, np.ndarray):
         if obj.dtype != object or obj.size < threshold:
             return None
@@ -305,7 +307,7 @@ def _is_open(probe) -> bool:
     return True
 
 
-def _handle_info(obj: Any) -> Optional[Tuple[str, str]]:
+def _handle_info(obj: Any) -> tuple[str, str] | None:
     """(description, fix) if obj is an open OS-level handle, else None."""
     lmdb = sys.modules.get("lmdb")
     if lmdb is not None:
@@ -360,7 +362,7 @@ def _handle_info(obj: Any) -> Optional[Tuple[str, str]]:
     return None
 
 
-def _rng_info(obj: Any) -> Optional[str]:
+def _rng_info(obj: Any) -> str | None:
     if isinstance(obj, np.random.Generator):
         return "numpy.random.Generator"
     if isinstance(obj, np.random.RandomState):
@@ -394,7 +396,7 @@ class _ByteCounter:
         return n
 
 
-def _pickle_size(obj: Any) -> Tuple[Optional[int], Optional[BaseException]]:
+def _pickle_size(obj: Any) -> tuple[int | None, BaseException | None]:
     sink = _ByteCounter()
     try:
         # Protocol 5 passes numpy buffers out without a tobytes() copy.
@@ -404,7 +406,7 @@ def _pickle_size(obj: Any) -> Tuple[Optional[int], Optional[BaseException]]:
     return sink.n, None
 
 
-def _pickle_state(obj: Any) -> Optional[Iterator[Tuple[str, Any]]]:
+def _pickle_state(obj: Any) -> Iterator[tuple[str, Any]] | None:
     """The parts pickle would serialise, for objects using the default protocol."""
     if isinstance(obj, _CONTAINERS):
         return _children(obj, _PICKLE_SCAN)
@@ -427,15 +429,15 @@ def _pickle_state(obj: Any) -> Optional[Iterator[Tuple[str, Any]]]:
     return _attributes(obj)
 
 
-def _dict_items(dicts) -> Iterator[Tuple[str, Any]]:
+def _dict_items(dicts) -> Iterator[tuple[str, Any]]:
     for d in dicts:
         for k, v in d.items():
             yield str(k), v
 
 
-def _locate_unpicklable(obj: Any, path: str, depth: int) -> List[Tuple[str, Any, BaseException]]:
+def _locate_unpicklable(obj: Any, path: str, depth: int) -> list[tuple[str, Any, BaseException]]:
     """The deepest parts of obj that fail to pickle, as (path, value, error)."""
-    found: List[Tuple[str, Any, BaseException]] = []
+    found: list[tuple[str, Any, BaseException]] = []
     parts = _pickle_state(obj) if depth > 0 else None
     if parts is None:
         return found
@@ -542,12 +544,12 @@ def diagnose(
     """
     klass = type(dataset)
     report = DiagnosisReport(dataset_type=f"{klass.__module__}.{klass.__qualname__}")
-    before: Optional[set] = None
+    before: set | None = None
     if sample_items > 0:
         before = _handle_paths(dataset, max_depth)
         _sample(dataset, sample_items, report)
 
-    found: List[Hazard] = []
+    found: list[Hazard] = []
     walker = _walk(dataset, max_depth)
     try:
         path, obj, owner = next(walker)

@@ -137,7 +137,8 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, run, reco
             os.makedirs(dst, exist_ok=True)
             lock = StoreLock(dst).acquire()
             if lock.stale_pid:
-                report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
+                report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, "
+                                       "which is no longer running")
             if overwrite:
                 clear_store(dst)
             if resume:

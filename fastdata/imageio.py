@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Union
 
 import numpy as np
 import simplejpeg
 from PIL import Image
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 #: the only decoders Pillow may try (the Pillow format names of torchvision's
 #: IMG_EXTENSIONS: .pgm files are Pillow's "PPM"; camera "MPO" files are JPEGs
@@ -80,7 +79,8 @@ def open_image(data: Buffer, allowed: tuple[str, ...] = ALLOWED_FORMATS) -> Imag
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
             raise ImageDecodeError(f"decompression bomb: {err}") from None
         except Exception as err:  # noqa: BLE001 - likewise for decoder errors
-            raise ImageDecodeError(f"truncated or corrupt {im.format} image data ({type(err).__name__}: {err})") from None
+            raise ImageDecodeError(
+                f"truncated or corrupt {im.format} image data ({type(err).__name__}: {err})") from None
     return im
 
 

@@ -113,7 +113,8 @@ def extension_mismatch(path: bytes, fmt: str) -> str:
     expected = EXTENSION_FORMATS.get(ext)
     if expected is None or expected == fmt:
         return ""
-    return f"content is {fmt} but the extension {ext!r} says {expected}; kept and stored as {fmt}, as ImageFolder loads it"
+    return (f"content is {fmt} but the extension {ext!r} says {expected}; "
+            f"kept and stored as {fmt}, as ImageFolder loads it")
 
 
 def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: bytes | None = None) -> Sample:
@@ -189,7 +190,7 @@ def unspill(spilled: tuple) -> list:
 def _ingest_all(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec):
     out: list = []
     read_bytes = 0
-    for path, rel, label in zip(paths, relpaths, labels):
+    for path, rel, label in zip(paths, relpaths, labels, strict=False):
         try:
             data = _read_bytes(path)
             read_bytes += len(data)

@@ -32,7 +32,8 @@ def info(store: str) -> dict:
         "storage": m["storage"],
         "num_samples": m["num_samples"],
         "num_classes": len(m["classes"]),
-        "classes": [{"name": c, "index": i, "count": n} for i, (c, n) in enumerate(zip(m["classes"], m["class_counts"]))],
+        "classes": [{"name": c, "index": i, "count": n}
+                    for i, (c, n) in enumerate(zip(m["classes"], m["class_counts"], strict=True))],
         "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in m["shards"]],
         "total_bytes": sum(s["bytes"] for s in m["shards"]),
         "rejected": len(m["rejected"]),
@@ -182,7 +183,8 @@ def _check_in_child(conn, args) -> None:
 def _check_records_isolated(args: tuple, timeout: float) -> tuple[int, int, list[str]]:
     """Run :func:`_check_records` in a child: a damaged LMDB page can crash the
     C library (LMDB keeps no page checksums), which must become a finding."""
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_check_in_child, args=(child, args), daemon=True)
     proc.start()
@@ -268,7 +270,8 @@ def verify(store: str, *, decode: bool = False, timeout: float = 600.0) -> Verif
             report.fail(p)
         if file_ok and not problems:
             with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
-                seen_classes += np.bincount(reader.read_index().labels, minlength=len(seen_classes))[: len(seen_classes)]
+                labels = reader.read_index().labels
+                seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
     if report.ok and seen_classes.tolist() != m["class_counts"]:
         report.fail(f"per-class counts {seen_classes.tolist()} differ from the manifest's {m['class_counts']}")
     return report

@@ -42,7 +42,7 @@ class StoreLock:
         #: pid written by a previous holder that died without releasing, if any
         self.stale_pid: int | None = None
 
-    def acquire(self) -> "StoreLock":
+    def acquire(self) -> StoreLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -78,7 +78,7 @@ class StoreLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "StoreLock":
+    def __enter__(self) -> StoreLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

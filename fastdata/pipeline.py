@@ -32,7 +32,7 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import lmdb
 import xxhash
@@ -504,7 +504,7 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
         shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
                        "xxh": r.xxh, "image_bytes": r.image_bytes})
         first += r.count
-        class_counts = [x + y for x, y in zip(class_counts, r.class_counts)]
+        class_counts = [x + y for x, y in zip(class_counts, r.class_counts, strict=False)]
         rejected.extend({"path": p, "reason": why} for p, why in r.rejected)
         warnings.extend({"path": p, "warning": why} for p, why in r.warnings)
     tsv = "path\treason\n" + "".join(

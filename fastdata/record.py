@@ -154,7 +154,8 @@ class ShardIndex:
         n = len(self.labels)
         for name in ("checksums", "widths", "heights", "formats", "nbytes"):
             if len(getattr(self, name)) != n:
-                raise CorruptRecordError(f"{where}: index array {name!r} has {len(getattr(self, name))} entries, expected {n}")
+                raise CorruptRecordError(
+                    f"{where}: index array {name!r} has {len(getattr(self, name))} entries, expected {n}")
         off = self.relpath_offsets
         if len(off) != n + 1 or (n and (off[0] != 0 or off[-1] != len(self.relpaths) or np.any(np.diff(off) < 0))):
             raise CorruptRecordError(f"{where}: relpath offsets are inconsistent")

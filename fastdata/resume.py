@@ -209,7 +209,7 @@ def source_differences(listing: tuple, scan: SourceScan) -> list[str]:
         diffs.append(f"{_files(len(resized))} changed size (e.g. {os.fsdecode(resized[0])})")
     old_names = [old_classes[int(old_labels[i])] if old_classes else int(old_labels[i]) for i, _ in common]
     new_names = [scan.classes[int(scan.labels[j])] if old_classes else int(scan.labels[j]) for _, j in common]
-    relabelled = sum(a != b for a, b in zip(old_names, new_names))
+    relabelled = sum(a != b for a, b in zip(old_names, new_names, strict=False))
     if relabelled:
         diffs.append(f"{_files(relabelled)} changed class")
     if not diffs and list(old_paths) != list(scan.relpaths):

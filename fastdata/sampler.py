@@ -104,7 +104,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterator, Mapping, Sized
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -208,7 +208,7 @@ def epoch_order(
     return streams.T.ravel()
 
 
-def _resolve_world(num_replicas: Optional[int], rank: Optional[int]) -> tuple[int, int]:
+def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     initialised = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
         num_replicas = dist.get_world_size() if initialised else 1
@@ -264,13 +264,13 @@ class DistributedShardSampler(Sampler[int]):
     def __init__(
         self,
         dataset: Sized,
-        num_replicas: Optional[int] = None,
-        rank: Optional[int] = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
         block_size: int = 1,
-        window: Optional[int] = None,
+        window: int | None = None,
     ) -> None:
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
         if not _is_int(block_size) or block_size < 1:
@@ -360,7 +360,7 @@ class DistributedShardSampler(Sampler[int]):
             set_dataset_epoch(self.epoch)
 
     # -- resume -----------------------------------------------------------------------------
-    def state_dict(self, consumed: Optional[int] = None) -> dict[str, Any]:
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Return a JSON-serialisable resume point for the current epoch.
 
         Args:

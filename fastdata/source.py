@@ -290,7 +290,7 @@ def _list_labels(list_file: str, rows: list[tuple[str, str, int]]) -> tuple[list
         targets = [int(label) for _, label, _ in rows]
         top = max(targets)
         if top >= MAX_INTEGER_LABEL:
-            lineno = next(n for (_, _, n), t in zip(rows, targets) if t == top)
+            lineno = next(n for (_, _, n), t in zip(rows, targets, strict=False) if t == top)
             raise SourceError(
                 f"{list_file}:{lineno}: integer label {top} is taken as a class index and would make {top + 1} "
                 f"classes (limit {MAX_INTEGER_LABEL}); renumber the labels from 0, or use class names")

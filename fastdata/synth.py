@@ -24,7 +24,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
@@ -35,7 +35,7 @@ cv2 = require("cv2", "synthetic images (fastdata.synth, the demo, the benchmarks
 
 __all__ = ["SynthSummary", "make_image_folder", "make_bad_inputs", "make_odd_images", "synth_jpeg"]
 
-SizeSpec = Union[str, Tuple[int, int]]
+SizeSpec = str | tuple[int, int]
 
 # ImageNet-like geometry: widths 300-500 px, aspect (w/h) 0.75-1.33.
 _IMAGENET_WIDTH = (300, 500)
@@ -70,7 +70,7 @@ class SynthSummary:
 
 
 @functools.lru_cache(maxsize=1)
-def _tiles() -> Tuple[np.ndarray, np.ndarray]:
+def _tiles() -> tuple[np.ndarray, np.ndarray]:
     """Grain and mid-frequency texture tiles, built once per process from a fixed seed.
 
     Drawing fresh per-pixel normals for each image would dominate generation time;
@@ -149,7 +149,7 @@ def _render(rng: np.random.Generator, h: int, w: int, tint: np.ndarray) -> np.nd
     return cv2.convertScaleAbs(img)
 
 
-def _geometry(rng: np.random.Generator, size: SizeSpec) -> Tuple[int, int]:
+def _geometry(rng: np.random.Generator, size: SizeSpec) -> tuple[int, int]:
     if size == "imagenet":
         w = int(rng.integers(_IMAGENET_WIDTH[0], _IMAGENET_WIDTH[1] + 1))
         aspect = float(rng.uniform(*_IMAGENET_ASPECT))
@@ -179,7 +179,7 @@ def synth_jpeg(
     class_index: int,
     image_index: int,
     size: SizeSpec = "imagenet",
-    quality: Union[int, None] = None,
+    quality: int | None = None,
 ) -> bytes:
     """The JPEG bytes of one synthetic image, a pure function of its arguments.
 
@@ -222,12 +222,12 @@ def _check_size(size: SizeSpec) -> SizeSpec:
 
 
 def make_image_folder(
-    root: Union[str, os.PathLike],
+    root: str | os.PathLike,
     num_classes: int = 10,
     per_class: int = 20,
     size: SizeSpec = "imagenet",
     seed: int = 0,
-    quality: Union[int, None] = None,
+    quality: int | None = None,
     workers: int = 1,
 ) -> SynthSummary:
     """Write a synthetic ImageFolder tree ``root/class_XXX/img_XXXXX.jpg``.
@@ -310,7 +310,7 @@ def _bomb_png() -> bytes:
     )
 
 
-def make_bad_inputs(directory: Union[str, os.PathLike]) -> dict:
+def make_bad_inputs(directory: str | os.PathLike) -> dict:
     """Write a catalogue of hostile inputs that a converter must reject without dying.
 
     Args:
@@ -360,7 +360,7 @@ def make_bad_inputs(directory: Union[str, os.PathLike]) -> dict:
     return catalogue
 
 
-def make_odd_images(directory: Union[str, os.PathLike]) -> dict:
+def make_odd_images(directory: str | os.PathLike) -> dict:
     """Write valid but awkward images a converter must accept (and normalise on decode).
 
     Args:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 import simplejpeg
@@ -51,7 +50,7 @@ __all__ = [
     "normalize_on_device",
 ]
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 Box = tuple[int, int, int, int]  # top, left, height, width in source pixels
 
 _DCT_FACTORS = (8, 4, 2)  # libjpeg-turbo scales 1/8, 1/4, 1/2; largest first

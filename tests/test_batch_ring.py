@@ -61,7 +61,7 @@ def test_batches_travel_through_the_ring_and_held_ones_stay_intact(raw_stores, s
     # batches must come by value; none of the held ones may change meanwhile
     images, labels, held = _held_epoch(loader)
     assert torch.equal(images, images_truth) and torch.equal(labels, labels_truth)
-    for k, (img, lab) in enumerate(held):
+    for k, (img, _lab) in enumerate(held):
         assert torch.equal(img, images_truth[2 * k:2 * k + 2]), f"held batch {k} was overwritten"
     first_ring = batch_ring.received["ring"] - before["ring"]
     assert 1 <= first_ring <= 2 * batch_ring.SLOTS, first_ring

@@ -462,7 +462,7 @@ def test_raw_mode_stores_resized_rgb_pixels(tmp_path, backend, name):
     fastdata.convert(str(root), str(dst), raw="16x12", workers=1, progress=False)
     manifest, records = store_records(dst)
     assert manifest["storage"]["mode"] == "raw" and manifest["storage"]["raw_shape"] == [16, 12]
-    for p, r in zip(paths, records):
+    for p, r in zip(paths, records, strict=False):
         assert r["fmt"] == "RAW" and (r["height"], r["width"]) == (16, 12)
         ref = Image.open(p).convert("RGB")
         if ref.size != (12, 16):

@@ -216,7 +216,7 @@ def test_getitems_equals_per_item(sharded, backend, output):
     batch = ds.__getitems__(BATCH)
     assert len(batch) == len(BATCH)
     fresh = fastdata.open_dataset(sharded[backend], output=output)  # per-item on cold handles too
-    for i, got in zip(BATCH, batch):
+    for i, got in zip(BATCH, batch, strict=False):
         assert_same_sample(got, fresh[i])
     assert ds.__getitems__([]) == []
     with pytest.raises(IndexError):
@@ -233,7 +233,7 @@ def test_getitems_raw_store(raw_stores, backend, output):
         assert as_hwc(img).shape == (16, 16, 3)
     batch = ds.__getitems__(BATCH)
     assert len(batch) == len(BATCH)
-    for got, want in zip(batch, singles):
+    for got, want in zip(batch, singles, strict=False):
         assert_same_sample(got, want)
     if output == "pil":
         assert not isinstance(batch, Batch)
@@ -469,7 +469,8 @@ def _serve_garbage_for(ds, victim: int) -> None:
     raw_bytes, read_batch = ds._raw_bytes, ds._read_batch
     garbage = b"\xff\xd8\xff\xe0 not a jpeg at all" * 4
     ds._raw_bytes = lambda i: garbage if i == victim else raw_bytes(i)
-    ds._read_batch = lambda idx: [garbage if int(i) == victim else d for i, d in zip(idx, read_batch(idx))]
+    ds._read_batch = lambda idx: [garbage if int(i) == victim else d
+                                  for i, d in zip(idx, read_batch(idx), strict=True)]
 
 
 class MyCrop(fastdata.transforms.RandomResizedCrop):

@@ -81,7 +81,7 @@ def read_multiset(loader) -> Counter:
     got = Counter()
     for images, labels in loader:
         assert images.dtype == torch.uint8 and images.shape[1] == 3  # NCHW uint8
-        for image, label in zip(images, labels.tolist()):
+        for image, label in zip(images, labels.tolist(), strict=False):
             got[(label, pixel_key(image.permute(1, 2, 0).numpy()))] += 1
     return got
 

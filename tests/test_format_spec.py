@@ -170,7 +170,8 @@ def source(tmp_path_factory) -> Path:
     root = Path(make_tree(tmp_path_factory.mktemp("spec") / "src", {"b_cls": 6, "a_cls": 5}, size=(40, 32), seed=2))
     make_jpeg(root / "a_cls" / "nested" / "deep.JPG", size=(30, 20), seed=50, mode="CMYK")
     make_jpeg(root / "c_cls" / "gray.jpeg", size=(21, 13), seed=51, mode="L")
-    Image.open(make_jpeg(root / "c_cls" / "tmp.jpg", size=(30, 20), seed=52)).convert("P").save(root / "c_cls" / "p.png")
+    palette = Image.open(make_jpeg(root / "c_cls" / "tmp.jpg", size=(30, 20), seed=52)).convert("P")
+    palette.save(root / "c_cls" / "p.png")
     os.unlink(root / "c_cls" / "tmp.jpg")
     with open(os.path.join(os.fsencode(root / "c_cls"), b"non_utf8_\xe9.jpg"), "wb") as fh:
         fh.write(Path(make_jpeg(root / "c_cls" / "tmp2.jpg", size=(20, 20), seed=53)).read_bytes())

@@ -47,7 +47,8 @@ def _png_header_only(width: int, height: int) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+            + chunk(b"IEND", b""))
 
 
 def _image_bytes(fmt: str, size=(16, 12)) -> bytes:
@@ -151,7 +152,7 @@ def test_every_hostile_input_is_rejected_with_a_reason_and_the_conversion_comple
     # the valid inputs, in scan order, byte-exact; non-UTF-8 relpaths kept as their bytes
     manifest, records = store_records(dst)
     assert [os.fsencode(r["relpath"]) for r in records] == valid
-    for rel, record in zip(valid, records):
+    for rel, record in zip(valid, records, strict=False):
         source = outside if rel == b"b/outside_link.jpg" else os.path.join(os.fsencode(src), rel)
         with open(source, "rb") as fh:
             assert record["image"] == fh.read(), rel

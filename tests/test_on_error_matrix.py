@@ -109,10 +109,10 @@ def test_damaged_record_first_and_middle_of_a_batch(damaged_stores, backend, out
     reference = open_ds(store, output, decode, "raise")  # per-sample reads of the readable samples
     reference.set_epoch(0)  # the loader's first iteration is epoch 0
     assert len(batches) == len(SOURCES)
-    for (images, labels), sources in zip(batches, SOURCES):
+    for (images, labels), sources in zip(batches, SOURCES, strict=False):
         assert labels.tolist() == [int(reference.targets[k]) for k in sources]
         assert len(images) == len(sources)
-        for image, k in zip(images, sources):
+        for image, k in zip(images, sources, strict=False):
             np.testing.assert_array_equal(as_hwc(image, output), as_hwc(reference[k][0], output))
     if workers:
         return

@@ -285,7 +285,7 @@ def test_control_the_payload_map_points_at_the_image_bytes(stores, tmp_path):
         store = stores[backend]
         for name, info in store["shards"].items():
             data = open(os.path.join(store["dst"], name), "rb").read()
-            for image, span in zip(info["images"], info["spans"]):
+            for image, span in zip(info["images"], info["spans"], strict=False):
                 assert span is None or data[span[0]:span[1]] == image
 
 

@@ -63,7 +63,7 @@ def _make_source(root, per_class: int) -> tuple[str, list[tuple[str, bytes, int]
             fh.write(data)
     found = scan(src)
     expected = []
-    for path, rel, label in zip(found.paths, found.relpaths, found.labels.tolist()):
+    for path, rel, label in zip(found.paths, found.relpaths, found.labels.tolist(), strict=False):
         rel = os.fsdecode(rel)
         if rel not in BAD_INPUTS:
             with open(path, "rb") as fh:

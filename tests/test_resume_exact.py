@@ -41,7 +41,7 @@ def open_ds(store: str):
 def flat(batches) -> list[tuple[bytes, int]]:
     """Every sample of ``batches`` as (pixel bytes, label), in order."""
     return [(img.contiguous().numpy().tobytes(), int(lab)) for images, labels in batches
-            for img, lab in zip(images, labels)]
+            for img, lab in zip(images, labels, strict=False)]
 
 
 # --------------------------------------------------------------------------- StatefulDataLoader
@@ -95,7 +95,7 @@ def test_control_other_epochs_give_other_crops(store):
     epoch0 = [ds[i][0].clone() for i in range(N)]
     ds.set_epoch(1)
     epoch1 = [ds[i][0] for i in range(N)]
-    differ = sum(not torch.equal(a, b) for a, b in zip(epoch0, epoch1))
+    differ = sum(not torch.equal(a, b) for a, b in zip(epoch0, epoch1, strict=False))
     assert differ >= N - 2  # a crop can repeat by chance (e.g. the whole image), not most
     ds.set_epoch(0)
     assert all(torch.equal(ds[i][0], epoch0[i]) for i in range(N))
@@ -111,7 +111,7 @@ def test_without_any_epoch_crops_stay_random_every_epoch(store):
     dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
                                      collate_fn=fastdata.collate)
     first, second = flat(dl), flat(dl)
-    assert sum(a != b for a, b in zip(first, second)) >= N - 2
+    assert sum(a != b for a, b in zip(first, second, strict=False)) >= N - 2
 
 
 # --------------------------------------------------------------------------- DistributedShardSampler

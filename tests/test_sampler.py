@@ -56,7 +56,7 @@ def load(n: int, replicas: int, state: dict, **kw) -> list[list[int]]:
 
 
 def is_cyclic_run(values: list[int], n: int) -> bool:
-    return all((b - a) % n == 1 for a, b in zip(values, values[1:]))
+    return all((b - a) % n == 1 for a, b in zip(values, values[1:], strict=False))
 
 
 # -- DistributedSampler parity ---------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_ranks_read_whole_blocks(replicas):
             assert is_cyclic_run(chunk, n), chunk
     # Control: per-index shuffling has almost no storage-adjacent neighbours.
     (plain,) = outputs(n, 1)
-    assert sum(b - a == 1 for a, b in zip(plain, plain[1:])) < 0.05 * n
+    assert sum(b - a == 1 for a, b in zip(plain, plain[1:], strict=False)) < 0.05 * n
 
 
 def test_block_offset_varies_between_epochs():
@@ -185,7 +185,7 @@ def test_block_offset_varies_between_epochs():
 def test_window_moves_indices_less_than_window(window):
     n, block = 2000, 16
     for base, mixed in zip(outputs(n, 2, block_size=block, window=1),
-                           outputs(n, 2, block_size=block, window=window)):
+                           outputs(n, 2, block_size=block, window=window), strict=False):
         assert mixed != base and sorted(mixed) == sorted(base)
         where = {index: pos for pos, index in enumerate(base)}
         shifts = [abs(where[index] - pos) for pos, index in enumerate(mixed)]

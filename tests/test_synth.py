@@ -76,7 +76,7 @@ def test_imagenet_like_geometry_sizes_and_texture(tmp_path):
         assert 0.74 <= w / h <= 1.34
         fine, coarse = _texture(_gray(p))
         assert fine > 5 and coarse > 5, (p, fine, coarse)
-    assert len(set(zip(widths, heights))) > len(files) // 2  # sizes vary
+    assert len(set(zip(widths, heights, strict=False))) > len(files) // 2  # sizes vary
 
     # Control: the texture check does fail on the flat colours it is meant to exclude.
     flat = np.full((350, 400, 3), (90, 140, 200), np.uint8)
@@ -124,7 +124,7 @@ def test_deterministic_per_seed_and_independent_of_workers(tmp_path):
     b = [p.read_bytes() for p in _files(tmp_path / "b")]
     c = [p.read_bytes() for p in _files(tmp_path / "c")]
     assert a == b
-    assert all(x != z for x, z in zip(a, c))
+    assert all(x != z for x, z in zip(a, c, strict=False))
     assert len(set(a)) == len(a)  # no duplicate images within a dataset
     assert synth_jpeg(3, 1, 2, size=(40, 56)) == a[5 + 2]
 

@@ -459,7 +459,7 @@ def test_resize_fallback_without_the_aten_out_op_gives_the_same_pixels(images, l
              (images["png"], T.CenterCrop(224, resize=256)), (images["jpeg444"], T.Resize((300, 100)))]
     fast = [t(d, np.random.default_rng(1)) for d, t in cases]
     monkeypatch.setattr(T, "_AA_BILINEAR_OUT", None)
-    for (data, t), expected in zip(cases, fast):
+    for (data, t), expected in zip(cases, fast, strict=False):
         np.testing.assert_array_equal(t(data, np.random.default_rng(1)), expected)
 
 
@@ -506,7 +506,7 @@ def test_fixed_seed_reproduces_random_crops(images, large_jpeg):
         first = [t(data) for _ in range(4)]
         seed_rng(3)
         second = [t(data) for _ in range(4)]
-        for x, y in zip(first, second):
+        for x, y in zip(first, second, strict=False):
             np.testing.assert_array_equal(x, y)
         assert len({x.tobytes() for x in first}) == 4, "crops do not vary"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ class StorageSpec:
                 "raw_shape": list(self.raw_shape) if self.raw_shape else None}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "StorageSpec":
+    def from_json(cls, obj: dict) -> StorageSpec:
         shape = obj.get("raw_shape")
         return cls(obj.get("mode", "original"), obj.get("max_side"), obj.get("quality"),
                    tuple(shape) if shape else None)

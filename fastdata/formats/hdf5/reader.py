@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import h5py
 import numpy as np
@@ -108,7 +108,8 @@ class HDF5ShardReader(ShardReader):
 
     def _check(self, data: bytes, local_index: int) -> bytes:
         if checksum(data) != int(self._checksums[local_index]):
-            raise CorruptRecordError(f"{self.path} record {local_index}: image checksum mismatch (the record is damaged)",
+            raise CorruptRecordError(f"{self.path} record {local_index}: image checksum mismatch "
+                                     "(the record is damaged)",
                                      shard=self.path, index=local_index)
         return data
 

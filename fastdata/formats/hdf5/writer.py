@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import h5py
 import numpy as np

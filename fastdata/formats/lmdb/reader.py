@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import lmdb
 import msgpack
@@ -215,7 +215,7 @@ class LMDBShardReader(ShardReader):
         i = -1
         try:
             with self.env.begin(db=self.records, buffers=True) as txn:
-                for i, want in zip(sorted_idx, expected):
+                for i, want in zip(sorted_idx, expected, strict=False):
                     view = txn.get(spec.encode_key(i))
                     if view is None or len(view) <= nbytes:
                         raise CorruptRecordError(f"{self.path} record {i}: missing or too short for a raw image",
