@@ -401,26 +401,38 @@ def test_pick_is_within_ten_percent_of_the_bench_best(mixed_store):
     """On a real store, the tuner's pick loads at >= 90% of the best that ``fastdata bench`` measures
     over the worker counts within the same budget (same store, transform, batch, run length).
 
-    Noise on a shared 2-core machine is large, so the pick and every bench row are
-    re-measured in interleaved rounds and medians compared: a slow spell hits all alike.
+    With ``allow_no_workers`` every bench row counts; by default ``num_workers=0`` may
+    not be recommended (it never overlaps the training step), so the rows with workers.
+    Noise on a shared 2-core machine is large, so the picks and every bench row are
+    re-measured in interleaved rounds and medians compared (a slow spell hits all
+    alike), with 10% tolerance, or the best row's own spread where that is larger.
     """
     from fastdata.bench.grid import available_cores, expand_grid
     from fastdata.bench.tune import config_for, harness_measure
 
     store, _ = mixed_store
     rows = expand_grid([store], workers=list(range(available_cores() + 1)), batch_size="16",
-                       transform="rrc224", epochs=1, warmup_epochs=1, max_batches=6)
-    base = rows[0]
-    result = tune(harness_measure(base, run=_in_process), Probe(0, 0, 150_528.0), 64 << 30, batch_size=16,
-                  prefetch_factors=(4,), log=quiet)
-    pick = config_for(base, result.settings)
-    speeds: dict = {cfg: [] for cfg in [pick, *rows]}
+                       transform="rrc224", epochs=3, warmup_epochs=1, max_batches=6)
+    base = rows[-1]
+    measure = harness_measure(base, run=_in_process)
+    probe = Probe(0, 0, 150_528.0)
+    default = config_for(base, tune(measure, probe, 64 << 30, batch_size=16, prefetch_factors=(4,),
+                                    log=quiet).settings)
+    anything = config_for(base, tune(measure, probe, 64 << 30, batch_size=16, prefetch_factors=(4,),
+                                     allow_no_workers=True, log=quiet).settings)
+    assert default.workers >= 1
+    speeds: dict = {cfg: [] for cfg in [default, anything, *rows]}
     for _round in range(3):
         for cfg in speeds:
             speeds[cfg].append(_in_process(cfg)["images_per_s"])
     median = {cfg: statistics.median(v) for cfg, v in speeds.items()}
-    best = max(median[cfg] for cfg in rows)
-    assert median[pick] >= 0.9 * best, {c.label(): round(v) for c, v in median.items()}
+    shown = {c.label(): [round(x) for x in v] for c, v in speeds.items()}
+    for pick, allowed in ((anything, rows), (default, [cfg for cfg in rows if cfg.workers])):
+        best = max(allowed, key=median.get)
+        # 10%, or more where the best row's own runs spread more (other load on the machine):
+        # a difference inside the noise is no evidence of a worse pick
+        noise = 1 - min(speeds[best]) / median[best]
+        assert median[pick] >= (1 - max(0.1, noise)) * median[best], (pick.label(), shown)
 
 
 def test_memory_prediction_within_20_percent_of_measured_peak(mixed_store):

@@ -325,6 +325,8 @@ def tune(
         notes.append("num_workers=0 was not tried: with no worker, loading never overlaps the training step; "
                      "pass --allow-no-workers to include it, or --step-ms to measure the overlap")
     best = _pick(search, fitting, min_gain)
+    if not search.fits(best):  # a second run went over the budget
+        best = _pick(search, [t for t in fitting if search.fits(t)], min_gain, confirm_within=None)
 
     # -- prefetch factor
     if best.settings.workers:
@@ -436,13 +438,38 @@ def _speed(t: Trial) -> float:
     return t.measured.images_per_s
 
 
-def _pick(search: "_Search", fitting: list, min_gain: float) -> Trial:
-    """The fewest workers within ``min_gain`` of the fastest fitting trial (fewer workers: less memory)."""
+def _pick(search: "_Search", fitting: list, min_gain: float, confirm_within: Optional[float] = 0.25) -> Trial:
+    """The fewest workers within ``min_gain`` of the fastest fitting trial (fewer workers: less memory).
+
+    One run per candidate is noisy on a busy machine, so when the runner-up is within
+    ``confirm_within`` of the fastest, both are measured once more, alternately, and
+    compared on the mean of their runs.
+    """
     if not fitting:
         raise FastdataError("no configuration could be measured within the budget")
+    ranked = sorted(fitting, key=_speed, reverse=True)
+    if confirm_within is not None and len(ranked) > 1 and _speed(ranked[1]) >= _speed(ranked[0]) * (1 - confirm_within):
+        for t in ranked[:2]:
+            _measure_again(search, t)
     fastest = max(_speed(t) for t in fitting)
     close = [t for t in fitting if _speed(t) >= fastest * (1 - min_gain)]
     return min(close, key=lambda t: (t.settings.workers == 0, t.settings.workers, -_speed(t)))
+
+
+def _measure_again(search: "_Search", t: Trial) -> None:
+    """Fold one more run of ``t`` into its measurement: mean throughput, highest peak."""
+    again = search.measure_fn(t.settings)
+    if not again.ok:
+        return
+    m = t.measured
+    waits = [w for w in (m.data_wait_fraction, again.data_wait_fraction) if w is not None]
+    t.measured = Measurement(ok=True, images_per_s=(m.images_per_s + again.images_per_s) / 2,
+                             peak_pss=max(m.peak_pss, again.peak_pss),
+                             data_wait_fraction=sum(waits) / len(waits) if waits else None)
+    if t.measured.peak_pss > search.budget:
+        t.verdict = "over budget"
+    search.log(f"  {t.settings.describe():<52} measured again: {again.images_per_s:8.0f} img/s  "
+               f"(mean {t.measured.images_per_s:.0f})")
 
 
 def _print_estimates(batch: int, max_workers: int, probe: Probe, budget: int, log, full_queue: bool) -> None:
@@ -572,9 +599,12 @@ def config_for(base, s: Settings):
     """
     from dataclasses import replace
 
+    from .grid import default_start_method
+
+    method = (base.start_method or default_start_method()) if s.workers else None
     return replace(base, workers=s.workers, batch_size=s.batch_size,
                    prefetch_factor=s.prefetch_factor if s.workers else None,
-                   persistent_workers=bool(s.workers), start_method=base.start_method if s.workers else None)
+                   persistent_workers=bool(s.workers), start_method=method)
 
 
 def measurement_from_row(row: dict) -> Measurement:
