@@ -127,7 +127,7 @@ def _rebuild_inline(image_bytes: bytes, shape: tuple, label_bytes: bytes, channe
     return _as_output(images, label_bytes, channels_first)
 
 
-def _rebuild_from_ring(ring: tuple, slot: int, shape: tuple, label_bytes: bytes, channels_first: bool):
+def _rebuild_from_ring(ring: tuple[int, int, int], slot: int, shape: tuple, label_bytes: bytes, channels_first: bool):
     images = batch_ring.ring_array(*ring, slot, int(np.prod(shape))).reshape(shape)
     return _as_output(images, label_bytes, channels_first)
 
@@ -146,6 +146,7 @@ def collate(batch):
     In a DataLoader worker, a batch in which damaged samples were replaced
     (``on_error="skip"``) also carries that count to the main process, where it
     is added to the dataset's ``skipped``."""
+    out: _InlineBatch | tuple
     if isinstance(batch, Batch):
         if getattr(batch, "inline", False):
             out = _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
@@ -635,7 +636,7 @@ class StoreDataset(Dataset):
         if self.transform is not None or self.output == "pil":
             return None
         if self.storage.mode == "raw":
-            return tuple(self.storage.raw_shape)
+            return self.storage.raw_hw()
         if self.decode is None:
             return self.uniform_shape
         size = getattr(self.decode, "output_size", None)
@@ -716,8 +717,9 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
     if in_worker and not inline:
         label_offset = -(-(n * h * w * 3) // 8)
         storage = torch.UntypedStorage._new_shared(8 * (label_offset + n))
-        images = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, 3))
-        labels = torch.empty(0, dtype=torch.int64).set_(storage, label_offset, (n,))
+        # torch's stubs declare set_(storage, offset, size) only with a stride too; contiguous is the default
+        images = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, 3))  # type: ignore[call-overload]
+        labels = torch.empty(0, dtype=torch.int64).set_(storage, label_offset, (n,))  # type: ignore[call-overload]
         labels.numpy()[:] = targets
     else:
         images = torch.empty((n, h, w, 3), dtype=torch.uint8)

@@ -32,6 +32,8 @@ def decode_pil(data: bytes, fmt: str, raw_shape: tuple[int, int] | None = None) 
 def decode_numpy(data: bytes, fmt: str, raw_shape: tuple[int, int] | None = None) -> np.ndarray:
     """HWC uint8 RGB array (writable), pixel-identical to :func:`decode_pil`."""
     if fmt == "RAW":
+        if raw_shape is None:
+            raise ValueError("a RAW record needs raw_shape=(H, W): the store's storage.raw_shape")
         h, w = raw_shape
         return np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3).copy()
     if fast_jpeg_size(data) is not None:

@@ -49,7 +49,7 @@ import types
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -250,6 +250,7 @@ def _walk(root: Any, max_depth: int):
 def _elem_size(e: Any) -> int:
     """getsizeof of an element plus its direct members: what reading it ends up touching."""
     size = sys.getsizeof(e)
+    members: Iterator[Any]
     if isinstance(e, dict):
         members = itertools.chain.from_iterable(itertools.islice(e.items(), _SIZE_SAMPLE))
     elif isinstance(e, (list, tuple, set, frozenset, deque)):
@@ -486,7 +487,7 @@ def _sample(dataset: Any, count: int, report: DiagnosisReport) -> None:
     except TypeError:
         n = None
     if n is not None:
-        spaced = np.linspace(0, max(n - 1, 0), min(count, n)) if n else []
+        spaced: Iterable[float] = np.linspace(0, max(n - 1, 0), min(count, n)) if n else []
         indices = sorted({int(i) for i in spaced})
     else:
         indices = list(range(count))
@@ -592,6 +593,7 @@ def diagnose(
     size, err = _pickle_size(dataset)
     report.pickled_bytes = size
     if err is None:
+        assert size is not None  # _pickle_size returns a size exactly when pickling raised nothing
         report.notes.append(
             f"pickles to {_fmt_bytes(size)}: spawn/forkserver send this to every worker"
         )

@@ -126,15 +126,15 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     fmt, width, height = stored_format(im), im.width, im.height
     warning = extension_mismatch(path, fmt)
     if storage.mode == "raw":
-        h, w = storage.raw_shape
+        h, w = storage.raw_hw()
         rgb = im.convert("RGB")
         if rgb.size != (w, h):
-            rgb = rgb.resize((w, h), Image.BILINEAR)
+            rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)
         data, fmt, width, height = rgb.tobytes(), "RAW", w, h
-    elif storage.mode == "reencode" and max(width, height) > storage.max_side:
-        scale = storage.max_side / max(width, height)
+    elif storage.mode == "reencode" and max(width, height) > (max_side := storage.reencode_max_side()):
+        scale = max_side / max(width, height)
         size = (max(1, round(width * scale)), max(1, round(height * scale)))
-        rgb = im.convert("RGB").resize(size, Image.LANCZOS, reducing_gap=3.0)
+        rgb = im.convert("RGB").resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
         buf = io.BytesIO()
         rgb.save(buf, format="JPEG", quality=storage.quality or DEFAULT_REENCODE_QUALITY)
         data, fmt, (width, height) = buf.getvalue(), "JPEG", size

@@ -124,7 +124,7 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                 fmt = FORMAT_NAMES[int(index.formats[i])]
                 try:
                     if fmt == "RAW":
-                        h, w = storage.raw_shape
+                        h, w = storage.raw_hw()
                         np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
                     else:
                         open_image(data).close()  # the readers' policy: same verdict as ds[i]
@@ -163,7 +163,7 @@ def _storage_mismatch(index, storage: StorageSpec, name: str) -> list[str]:
     a manifest edited to say 'raw' would make readers reinterpret JPEG bytes as pixels."""
     is_raw = index.formats == FORMAT_CODES["RAW"]
     if storage.mode == "raw":
-        h, w = storage.raw_shape
+        h, w = storage.raw_hw()
         if len(index) and (not is_raw.all() or bool((index.nbytes != h * w * 3).any())):
             return [f"{name}: records are not {h}x{w} raw pixels, as the manifest's storage mode says"]
     elif is_raw.any():
@@ -186,7 +186,8 @@ def _check_records_isolated(args: tuple, timeout: float) -> tuple[int, int, list
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_check_in_child, args=(child, args), daemon=True)
+    # typeshed: get_context(str) returns BaseContext, which declares no Process (every concrete context has one)
+    proc = ctx.Process(target=_check_in_child, args=(child, args), daemon=True)  # type: ignore[attr-defined]
     proc.start()
     child.close()
     name = args[-1]

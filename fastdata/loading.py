@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader
@@ -68,6 +69,13 @@ class _EpochTagged:
             yield batch
 
 
+@runtime_checkable
+class _EpochSettable(Protocol):
+    """A dataset whose epoch the loader advances (a fastdata Dataset)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
 def _sampler_with_epoch(loader: DataLoader):
     """The loader's sampler if it has its own epoch (``set_epoch`` and ``epoch``), else None."""
     for candidate in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
@@ -111,8 +119,10 @@ class Loader(DataLoader):
         return _EpochTagged(inner, source, batched=self._auto_collation)
 
     def __iter__(self):
-        if self._tags_epochs and self._epoch_sampler is None:
-            self.dataset.set_epoch(self._next_epoch)
+        dataset = self.dataset
+        # _tags_epochs already says set_epoch is callable; isinstance tells the type checker
+        if self._tags_epochs and self._epoch_sampler is None and isinstance(dataset, _EpochSettable):
+            dataset.set_epoch(self._next_epoch)
             self._next_epoch += 1
         return super().__iter__()
 

@@ -41,7 +41,8 @@ from . import __version__
 from .errors import ConversionError, RejectedInputError, ResumeMismatchError
 from .formats import writer_class
 from .formats.base import Sample, StorageSpec
-from .ingest import EXTENSION_FORMATS, SPILL_PREFIX, SPILL_SUFFIX, ingest_chunk, starts_like_jpeg, unspill
+from .ingest import (EXTENSION_FORMATS, SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, ingest_chunk, starts_like_jpeg,
+                     unspill)
 from .layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
 from .manifest import (
     MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, fsync_dir, write_manifest,
@@ -378,7 +379,7 @@ def run_shards(
             for offset, item in enumerate(results):
                 if isinstance(item, Sample):
                     samples.append(item)
-                    if getattr(item, "warning", ""):
+                    if isinstance(item, IngestedSample) and item.warning:
                         shard.warnings.append([os.fsdecode(scan.relpaths[a + offset]), item.warning])
                     continue
                 rel = os.fsdecode(scan.relpaths[a + offset])
@@ -497,7 +498,7 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
     results = sorted(results, key=lambda r: r.shard_id)
     shards, first = [], 0
     class_counts = [0] * len(scan.classes)
-    rejected = []
+    rejected: list[dict[str, str]] = []
     # scan-level remarks first (empty class folders, folders named like splits, ...), then per-input ones
     warnings = [{"path": p, "warning": why} for p, why in scan.walk_problems]
     for r in results:

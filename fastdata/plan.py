@@ -29,7 +29,7 @@ class ShardPlan:
 def estimated_sizes(scan: SourceScan, storage: StorageSpec) -> np.ndarray:
     """Bytes each input is expected to take in the store (for rotation)."""
     if storage.mode == "raw":
-        h, w = storage.raw_shape
+        h, w = storage.raw_hw()
         return np.full(len(scan), h * w * 3, dtype=np.int64)
     return np.maximum(scan.sizes, 0)
 

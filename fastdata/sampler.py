@@ -158,8 +158,8 @@ def _deal(padded: np.ndarray, replicas: int, block_size: int) -> np.ndarray:
     per_rank = len(padded) // replicas
     rounds = per_rank // block_size
     cut = rounds * replicas * block_size
-    head = padded[:cut].reshape(rounds, replicas, block_size).transpose(1, 0, 2)
-    head = head.reshape(replicas, rounds * block_size)
+    blocks = padded[:cut].reshape(rounds, replicas, block_size).transpose(1, 0, 2)
+    head = blocks.reshape(replicas, rounds * block_size)
     tail = padded[cut:].reshape(replicas, per_rank - rounds * block_size)
     return np.concatenate([head, tail], axis=1)
 

@@ -353,6 +353,8 @@ class RandomResizedCrop(_DirectTransform):
     torchvision's does.
     """
 
+    output_size: tuple[int, int]  # always fixed: every crop is resized to it
+
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0), fast: bool = False):
         self.output_size = _pair(size, "size")
         self.fast = bool(fast)
@@ -434,8 +436,11 @@ class CenterCrop(_DirectTransform):
             full-size image without resizing.
     """
 
+    output_size: tuple[int, int]  # always fixed: the crop size
+
     def __init__(self, size, resize=None):
         self.output_size = _pair(size, "size")
+        self.resize: int | tuple[int, int] | None
         if resize is None or isinstance(resize, (int, np.integer)):
             if resize is not None and (isinstance(resize, bool) or resize <= 0):
                 raise ValueError(f"resize must be a positive int, a pair or None, got {resize!r}")

@@ -39,6 +39,26 @@ class StorageSpec:
     quality: int | None = None
     raw_shape: tuple[int, int] | None = None  # (H, W) for mode 'raw'
 
+    def raw_hw(self) -> tuple[int, int]:
+        """``(H, W)`` of every image of a raw-mode store.
+
+        Raises ValueError when this spec has no ``raw_shape`` (only raw-mode
+        stores have one; their manifest always records it)."""
+        if self.raw_shape is None:
+            raise ValueError(f"storage mode {self.mode!r} has no raw_shape: only raw-mode stores "
+                             "(convert --raw HxW) hold fixed-size pixel arrays")
+        return self.raw_shape
+
+    def reencode_max_side(self) -> int:
+        """Longest side (pixels) above which a reencode-mode store scales images down.
+
+        Raises ValueError when this spec has no ``max_side`` (only reencode-mode
+        stores have one; their manifest always records it)."""
+        if self.max_side is None:
+            raise ValueError(f"storage mode {self.mode!r} has no max_side: only reencode-mode stores "
+                             "(convert --max-side N) scale images down")
+        return self.max_side
+
     def to_json(self) -> dict:
         return {"mode": self.mode, "max_side": self.max_side, "quality": self.quality,
                 "raw_shape": list(self.raw_shape) if self.raw_shape else None}
@@ -92,7 +112,7 @@ class ShardReader(abc.ABC):
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
         """Raw-mode stores: copy pixels of ``local_indices`` into ``out`` [n,H,W,3]."""
-        h, w = self.storage.raw_shape
+        h, w = self.storage.raw_hw()
         for j, i in enumerate(local_indices):
             out[j] = np.frombuffer(self.get(int(i)), dtype=np.uint8).reshape(h, w, 3)
 

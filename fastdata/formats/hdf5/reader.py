@@ -59,7 +59,7 @@ class HDF5ShardReader(ShardReader):
             count = int(f.attrs["count"])
             if self.storage.mode == "raw":
                 data = f[spec.PIXELS]
-                h, w = self.storage.raw_shape
+                h, w = self.storage.raw_hw()
                 if data.shape[1:] != (h, w, 3):
                     raise CorruptRecordError(f"{self.path}: pixels have shape {data.shape}, expected (n, {h}, {w}, 3)",
                                              shard=self.path)
@@ -102,12 +102,20 @@ class HDF5ShardReader(ShardReader):
             self._map.madvise(mmap.MADV_RANDOM)
         self._payload = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=file_offset - start)
 
-    def _ensure_index(self) -> None:
+    def _loaded(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(payload, checksums)``, reading the index on first use.
+
+        Raises ValueError once the reader is closed (close() drops the mapping)."""
+        if self.file is None:
+            raise ValueError(f"{self.path}: the shard reader is closed")
         if self._checksums is None:
             self.read_index()
+        # read_index() either maps the payload and keeps the checksums, or raises
+        assert self._payload is not None and self._checksums is not None
+        return self._payload, self._checksums
 
-    def _check(self, data: bytes, local_index: int) -> bytes:
-        if checksum(data) != int(self._checksums[local_index]):
+    def _check(self, data: bytes, checksums: np.ndarray, local_index: int) -> bytes:
+        if checksum(data) != int(checksums[local_index]):
             raise CorruptRecordError(f"{self.path} record {local_index}: image checksum mismatch "
                                      "(the record is damaged)",
                                      shard=self.path, index=local_index)
@@ -115,43 +123,44 @@ class HDF5ShardReader(ShardReader):
 
     def _span(self, local_index: int) -> tuple[int, int]:
         if self._offsets is None:
-            row = self.storage.raw_shape[0] * self.storage.raw_shape[1] * 3
+            h, w = self.storage.raw_hw()
+            row = h * w * 3
             return local_index * row, (local_index + 1) * row
         return int(self._offsets[local_index]), int(self._offsets[local_index + 1])
 
-    def _read(self, local_index: int) -> bytes:
+    def _read(self, payload: np.ndarray, local_index: int) -> bytes:
         a, b = self._span(local_index)
         try:
-            return self._payload[a:b].tobytes()
+            return payload[a:b].tobytes()
         except (OSError, ValueError) as err:  # e.g. SIGBUS-free I/O errors surface as OSError
             raise CorruptRecordError(f"{self.path} record {local_index}: unreadable ({err})",
                                      shard=self.path, index=local_index) from None
 
     def get(self, local_index: int) -> bytes:
-        self._ensure_index()
-        if not 0 <= local_index < len(self._checksums):
+        payload, checksums = self._loaded()
+        if not 0 <= local_index < len(checksums):
             raise IndexError(local_index)
-        return self._check(self._read(local_index), local_index)
+        return self._check(self._read(payload, local_index), checksums, local_index)
 
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
         """Samples are sliced in offset order so a cold store is read as sequentially as the batch allows."""
-        self._ensure_index()
+        payload, checksums = self._loaded()
         idx = np.asarray(local_indices, dtype=np.int64)
         out: list = [None] * len(idx)
         order = np.argsort(idx, kind="stable").tolist()
-        self._prefetch(int(idx[j]) for j in order)
+        self._prefetch(payload, (int(idx[j]) for j in order))
         for j in order:
             i = int(idx[j])
-            out[j] = self._check(self._read(i), i)
+            out[j] = self._check(self._read(payload, i), checksums, i)
         return out
 
-    def _prefetch(self, local_indices) -> None:
+    def _prefetch(self, payload: np.ndarray, local_indices) -> None:
         """Ask the kernel for every sample of the batch at once (``MADV_WILLNEED``, in
         offset order) before touching any: the map is ``MADV_RANDOM``, so otherwise a
         cold sample larger than a page would be read one page fault at a time."""
         if self._map is None or not hasattr(mmap, "MADV_WILLNEED"):
             return
-        base = self._payload.ctypes.data - _map_address(self._map)
+        base = payload.ctypes.data - _map_address(self._map)
         page = mmap.PAGESIZE
         for i in local_indices:
             a, b = self._span(i)
@@ -163,14 +172,14 @@ class HDF5ShardReader(ShardReader):
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
         """Raw mode: one numpy gather from the mapped pixel array (sorted order), then checksums."""
-        self._ensure_index()
+        payload, checksums = self._loaded()
         idx = np.asarray(local_indices, dtype=np.int64)
-        h, w = self.storage.raw_shape
-        pixels = self._payload.reshape(-1, h, w, 3)
+        h, w = self.storage.raw_hw()
+        pixels = payload.reshape(-1, h, w, 3)
         order = np.argsort(idx, kind="stable")
         out[order] = pixels[idx[order]]
         for j, i in enumerate(idx.tolist()):
-            if checksum(out[j]) != int(self._checksums[i]):
+            if checksum(out[j]) != int(checksums[i]):
                 raise CorruptRecordError(f"{self.path} record {i}: image checksum mismatch (the record is damaged)",
                                          shard=self.path, index=i)
 

@@ -116,7 +116,7 @@ class HDF5ShardWriter(ShardWriter):
 
     def put(self, samples: Sequence[Sample]) -> None:
         if self.storage.mode == "raw":
-            h, w = self.storage.raw_shape
+            h, w = self.storage.raw_hw()
             for s in samples:
                 if len(s.image) != h * w * 3:
                     raise ValueError(f"raw sample {s.relpath!r} has {len(s.image)} bytes, expected {h * w * 3}")
@@ -143,8 +143,9 @@ class HDF5ShardWriter(ShardWriter):
         try:
             align = {"alignment_threshold": PAYLOAD_OFFSET, "alignment_interval": PAYLOAD_OFFSET} if in_place else {}
             with h5py.File(raw, "w", locking=False, **align) as f:
+                shape: tuple[int, ...]
                 if self.storage.mode == "raw":
-                    h, w = self.storage.raw_shape
+                    h, w = self.storage.raw_hw()
                     name, shape = spec.PIXELS, (len(index), h, w, 3)
                 else:
                     name, shape = spec.IMAGES, (total,)
