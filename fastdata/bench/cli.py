@@ -105,12 +105,14 @@ def add_commands(subparsers) -> None:
                    help="also consider num_workers=0 (loading in the training process: it never overlaps the "
                         "training step); recommended only when measurably faster. With --step-ms it is always "
                         "considered, since the simulated step shows the missing overlap")
-    t.add_argument("--max-workers", type=int, default=None, metavar="N", help="most workers to try (default: core count)")
+    t.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help="most workers to try (default: core count)")
     t.add_argument("--min-gain", type=float, default=0.05, metavar="F",
                    help="relative throughput gain that justifies another step (default 0.05)")
     t.add_argument("--epochs", type=int, default=2, metavar="N", help="measured epochs per trial (default 2)")
     t.add_argument("--max-batches", type=int, default=20, metavar="N", help="batches per epoch per trial (default 20)")
-    t.add_argument("--out", default="fastdata-tune", metavar="DIR", help="folder for tune.json (default ./fastdata-tune)")
+    t.add_argument("--out", default="fastdata-tune", metavar="DIR",
+                   help="folder for tune.json (default ./fastdata-tune)")
     _add_loader_options(t, grid=False)
     t.set_defaults(func=_cmd_tune)
 

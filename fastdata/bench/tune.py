@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ..errors import FastdataError
 from ..units import format_size
@@ -71,8 +71,8 @@ class Measurement:
     ok: bool
     images_per_s: float = 0.0
     peak_pss: int = 0
-    data_wait_fraction: Optional[float] = None
-    error: Optional[str] = None
+    data_wait_fraction: float | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Trial:
 
     settings: Settings
     predicted_pss: int
-    measured: Optional[Measurement] = None
+    measured: Measurement | None = None
     verdict: str = ""
 
 
@@ -148,7 +148,7 @@ class TuneResult:
     probe: Probe
     trials: list = field(default_factory=list)
     notes: list = field(default_factory=list)
-    effective_batch_size: Optional[int] = None
+    effective_batch_size: int | None = None
     accumulation_steps: int = 1
 
     def to_json(self) -> dict:
@@ -233,7 +233,7 @@ class _Search:
         return t
 
     def better(self, t: Trial, than: Trial) -> bool:
-        return self.fits(t) and t.measured.images_per_s >= than.measured.images_per_s * (1 + self.min_gain)
+        return self.fits(t) and _speed(t) >= _speed(than) * (1 + self.min_gain)
 
 
 def tune(
@@ -241,9 +241,9 @@ def tune(
     probe: Callable[[], Probe] | Probe,
     memory_budget: int,
     *,
-    batch_size: Optional[int] = None,
-    effective_batch_size: Optional[int] = None,
-    max_workers: Optional[int] = None,
+    batch_size: int | None = None,
+    effective_batch_size: int | None = None,
+    max_workers: int | None = None,
     prefetch_factors: tuple = (4, 8),
     min_gain: float = 0.05,
     step_ms: float = 0.0,
@@ -336,13 +336,13 @@ def tune(
                 break
             best = t
 
-    return TuneResult(settings=best.settings, measured=best.measured, predicted_pss=best.predicted_pss,
+    return TuneResult(settings=best.settings, measured=_measured(best), predicted_pss=best.predicted_pss,
                       budget=memory_budget, probe=probe, trials=search.trials, notes=notes,
                       effective_batch_size=effective_batch_size,
                       accumulation_steps=math.ceil(target_batch / best.settings.batch_size))
 
 
-def _batch_candidates(batch_size: int, effective_batch_size: Optional[int]) -> list[int]:
+def _batch_candidates(batch_size: int, effective_batch_size: int | None) -> list[int]:
     """``[batch_size]``, or E, E/2, E/4, ... 1 for an effective batch size E."""
     if not effective_batch_size:
         return [batch_size]
@@ -353,7 +353,7 @@ def _batch_candidates(batch_size: int, effective_batch_size: Optional[int]) -> l
     return out
 
 
-def _choose_batch(search: "_Search", candidates: list[int], max_workers: int, allow_zero: bool) -> Optional[int]:
+def _choose_batch(search: _Search, candidates: list[int], max_workers: int, allow_zero: bool) -> int | None:
     """The largest candidate batch whose measured run fits, with one worker (with none only if allowed)."""
     worker_counts = [min(1, max_workers)] + ([0] if allow_zero and max_workers else [])
     for workers in worker_counts:
@@ -366,7 +366,7 @@ def _choose_batch(search: "_Search", candidates: list[int], max_workers: int, al
     return None
 
 
-def _nothing_fits(search: "_Search", batch: int, probe: Probe, budget: int, effective: Optional[int],
+def _nothing_fits(search: _Search, batch: int, probe: Probe, budget: int, effective: int | None,
                   allow_zero: bool) -> str:
     workers = 0 if allow_zero else 1
     trial = search.cache.get(Settings(workers, batch))
@@ -380,7 +380,7 @@ def _nothing_fits(search: "_Search", batch: int, probe: Probe, budget: int, effe
             f"batch_size={batch} already needs {figure}; raise the budget{hint}")
 
 
-def _search_workers(search: "_Search", batch: int, max_workers: int, step_ms: float, wait_threshold: float,
+def _search_workers(search: _Search, batch: int, max_workers: int, step_ms: float, wait_threshold: float,
                     notes: list) -> list:
     """Measure 1, 2, 4, ... workers (and bisect below a count that overshoots the budget).
 
@@ -401,12 +401,12 @@ def _search_workers(search: "_Search", batch: int, max_workers: int, step_ms: fl
             over_w = w
             break
         fitting.append(t)
-        if t.measured.images_per_s >= top * (1 + search.min_gain):
+        if _speed(t) >= top * (1 + search.min_gain):
             misses = 0
         else:
             misses += 1
-        top = max(top, t.measured.images_per_s)
-        wait = t.measured.data_wait_fraction
+        top = max(top, _speed(t))
+        wait = _measured(t).data_wait_fraction
         if step_ms and wait is not None and wait < wait_threshold:
             notes.append(f"with {w} workers the loader already keeps up with the {step_ms:g} ms step (waiting "
                          f"{wait:.0%} of the time): more workers would only cost memory")
@@ -434,11 +434,18 @@ def _search_workers(search: "_Search", batch: int, max_workers: int, step_ms: fl
     return fitting
 
 
+def _measured(t: Trial) -> Measurement:
+    """The measurement of a trial that was measured (skipped trials never reach the callers)."""
+    if t.measured is None:
+        raise RuntimeError(f"{t.settings.describe()} was not measured")
+    return t.measured
+
+
 def _speed(t: Trial) -> float:
-    return t.measured.images_per_s
+    return _measured(t).images_per_s
 
 
-def _pick(search: "_Search", fitting: list, min_gain: float, confirm_within: Optional[float] = 0.25) -> Trial:
+def _pick(search: _Search, fitting: list, min_gain: float, confirm_within: float | None = 0.25) -> Trial:
     """The fewest workers within ``min_gain`` of the fastest fitting trial (fewer workers: less memory).
 
     One run per candidate is noisy on a busy machine, so when the runner-up is within
@@ -456,12 +463,12 @@ def _pick(search: "_Search", fitting: list, min_gain: float, confirm_within: Opt
     return min(close, key=lambda t: (t.settings.workers == 0, t.settings.workers, -_speed(t)))
 
 
-def _measure_again(search: "_Search", t: Trial) -> None:
+def _measure_again(search: _Search, t: Trial) -> None:
     """Fold one more run of ``t`` into its measurement: mean throughput, highest peak."""
     again = search.measure_fn(t.settings)
     if not again.ok:
         return
-    m = t.measured
+    m = _measured(t)
     waits = [w for w in (m.data_wait_fraction, again.data_wait_fraction) if w is not None]
     t.measured = Measurement(ok=True, images_per_s=(m.images_per_s + again.images_per_s) / 2,
                              peak_pss=max(m.peak_pss, again.peak_pss),
@@ -483,7 +490,7 @@ def _print_estimates(batch: int, max_workers: int, probe: Probe, budget: int, lo
 # --------------------------------------------------------------------------- output
 
 
-def needs_list_collate(kind: str, transform: str, output: str, uniform_size: Optional[bool]) -> bool:
+def needs_list_collate(kind: str, transform: str, output: str, uniform_size: bool | None) -> bool:
     """Whether the recommended loader's batches must be lists rather than one stacked tensor.
 
     Images of different sizes cannot be stacked: that is the case without a resizing
@@ -496,8 +503,8 @@ def needs_list_collate(kind: str, transform: str, output: str, uniform_size: Opt
 
 
 def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: str = "none", output: str = "tensor",
-                       pin_memory: bool = False, start_method: Optional[str] = None,
-                       uniform_size: Optional[bool] = None) -> str:
+                       pin_memory: bool = False, start_method: str | None = None,
+                       uniform_size: bool | None = None) -> str:
     """The recommendation as ready-to-paste Python that runs as printed.
 
     Args:
@@ -574,7 +581,7 @@ def accumulation_snippet(result: TuneResult) -> str:
     ])
 
 
-def write_json(result: TuneResult, path: str, extra: Optional[dict] = None) -> str:
+def write_json(result: TuneResult, path: str, extra: dict | None = None) -> str:
     """Save the result (plus ``extra``, e.g. the snippet and fingerprint) as JSON. Returns ``path``."""
     import json
 
@@ -615,7 +622,7 @@ def measurement_from_row(row: dict) -> Measurement:
                        data_wait_fraction=row.get("data_wait_fraction"))
 
 
-def harness_measure(base, timeout: float = 900.0, run: Optional[Callable] = None) -> Callable[[Settings], Measurement]:
+def harness_measure(base, timeout: float = 900.0, run: Callable | None = None) -> Callable[[Settings], Measurement]:
     """A ``measure`` function that runs :class:`Settings` through the harness (fresh process each).
 
     Args:
