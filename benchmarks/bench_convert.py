@@ -212,7 +212,7 @@ def median_run(runs: list[dict]) -> dict:
 
 def per_round_median(rounds: dict, kind_a: str, procs_a: str, kind_b: str, procs_b: str) -> float:
     """Median over rounds of (images/s of a) / (images/s of b) within the same round."""
-    pairs = zip(rounds[kind_a][procs_a], rounds[kind_b][procs_b])
+    pairs = zip(rounds[kind_a][procs_a], rounds[kind_b][procs_b], strict=False)
     return statistics.median(rate(a)[0] / rate(b)[0] for a, b in pairs)
 
 

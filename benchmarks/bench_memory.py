@@ -308,9 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             parts = [f"{k}={v:.2f}" for k, v in s.items() if isinstance(v, float)]
             print(f"{s['variant'].split(' ')[0]:>9}: " + ", ".join(parts))
         fd = next((s for s in summaries if s["variant"].startswith("fastdata ")), None)
-        if fd and "pss_growth_2_%d_pct" % args.epochs in fd:
-            growth = fd["pss_growth_2_%d_pct" % args.epochs]
-            anon = fd.get("anon_pss_growth_2_%d_pct" % args.epochs)
+        if fd and f"pss_growth_2_{args.epochs}_pct" in fd:
+            growth = fd[f"pss_growth_2_{args.epochs}_pct"]
+            anon = fd.get(f"anon_pss_growth_2_{args.epochs}_pct")
             print(f"\ntarget: fastdata PSS growth epoch 2 -> {args.epochs} < 1%: {growth:+.2f}% "
                   f"{'OK' if growth < 1.0 else 'MISSED'}"
                   + (f" (anonymous PSS: {anon:+.2f}%)" if anon is not None else ""))

@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 _libc = None
 
@@ -78,7 +78,7 @@ def evict_page_cache(paths: Iterable[str]) -> list[str]:
     return evicted
 
 
-def _file_residency(path: str) -> Optional[tuple[int, int]]:
+def _file_residency(path: str) -> tuple[int, int] | None:
     """(resident pages, total pages) of one file, or None when it cannot be checked."""
     libc = _load_libc()
     try:
@@ -104,7 +104,7 @@ def _file_residency(path: str) -> Optional[tuple[int, int]]:
         os.close(fd)
 
 
-def resident_fraction(paths: Sequence[str], max_files: int = 256) -> Optional[float]:
+def resident_fraction(paths: Sequence[str], max_files: int = 256) -> float | None:
     """Fraction of the pages of ``paths`` that are in the page cache now.
 
     Only a reproducible spread of at most ``max_files`` files is checked (a folder

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ def resize_center_crop(img: Image.Image, size: int = CROP) -> Image.Image:
     short, long = (w, h) if w <= h else (h, w)
     new_short, new_long = size, int(size * long / short)
     new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
-    img = img.resize((new_w, new_h), Image.BILINEAR)
+    img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
     top = int(round((new_h - size) / 2.0))
     left = int(round((new_w - size) / 2.0))
     return img.crop((left, top, left + size, top + size))
@@ -63,7 +64,8 @@ def rrc_params(height: int, width: int, scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0
     log_ratio = torch.log(torch.tensor(ratio))
     for _ in range(10):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
-        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+        # torchvision passes 0-d tensors as the bounds; the same draws as floats
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(float(log_ratio[0]), float(log_ratio[1]))).item()
         w = int(round(math.sqrt(target_area * aspect_ratio)))
         h = int(round(math.sqrt(target_area / aspect_ratio)))
         if 0 < w <= width and 0 < h <= height:
@@ -85,7 +87,7 @@ def rrc_params(height: int, width: int, scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0
 def random_resized_crop(img: Image.Image, size: int = CROP) -> Image.Image:
     """torchvision ``RandomResizedCrop(size)`` on a PIL image (bilinear)."""
     top, left, h, w = rrc_params(img.height, img.width)
-    return img.crop((left, top, left + w, top + h)).resize((size, size), Image.BILINEAR)
+    return img.crop((left, top, left + w, top + h)).resize((size, size), Image.Resampling.BILINEAR)
 
 
 def pil_to_tensor(img: Image.Image) -> torch.Tensor:
@@ -123,7 +125,7 @@ class FolderDataset(torch.utils.data.Dataset):
         self.root = scan.root
         self.classes = scan.classes
         self.class_to_idx = scan.class_to_idx
-        self.samples = [(os.fsdecode(p), int(t)) for p, t in zip(scan.paths, scan.labels)]
+        self.samples = [(os.fsdecode(p), int(t)) for p, t in zip(scan.paths, scan.labels, strict=False)]
         self.targets = [t for _, t in self.samples]
         self.file_sizes = np.asarray(scan.sizes, dtype=np.int64)
         self.transform_name = transform
@@ -135,7 +137,7 @@ class FolderDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         path, target = self.samples[index]
-        img = pil_loader(path)
+        img: Any = pil_loader(path)
         if self._transform is not None:
             img = self._transform(img)
         if self.output == "tensor":

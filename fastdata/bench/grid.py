@@ -14,7 +14,7 @@ import itertools
 import multiprocessing
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..errors import FastdataError
 from ..layout import backend_for_path, check_local_path
@@ -71,7 +71,7 @@ class BenchConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict) -> "BenchConfig":
+    def from_json(cls, obj: dict) -> BenchConfig:
         """Inverse of :meth:`to_json`; unknown keys are an error."""
         names = {f.name for f in fields(cls)}
         unknown = set(obj) - names

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from .envcheck import check_environment
 from .grid import BenchConfig
@@ -180,7 +180,7 @@ class _Progress:
 
 def run_bench(
     configs: Sequence[BenchConfig],
-    out: Optional[str] = None,
+    out: str | None = None,
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
     progress: bool = True,

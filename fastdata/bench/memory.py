@@ -20,7 +20,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import psutil
 
@@ -69,7 +68,7 @@ class MemorySnapshot:
     """
 
     t: float
-    processes: Tuple[ProcessMemory, ...]
+    processes: tuple[ProcessMemory, ...]
     pss_exact: bool = True
 
     @property
@@ -88,12 +87,12 @@ class MemorySnapshot:
         return sum(p.rss for p in self.processes)
 
     @property
-    def workers(self) -> Tuple[ProcessMemory, ...]:
+    def workers(self) -> tuple[ProcessMemory, ...]:
         """The entries whose role is ``"worker"``."""
         return tuple(p for p in self.processes if p.role == "worker")
 
     @property
-    def main(self) -> Optional[ProcessMemory]:
+    def main(self) -> ProcessMemory | None:
         """The root's entry (None only if it could not be read)."""
         for p in self.processes:
             if p.role == "main":
@@ -101,7 +100,7 @@ class MemorySnapshot:
         return None
 
 
-_role_cache: Dict[Tuple[int, float], str] = {}
+_role_cache: dict[tuple[int, float], str] = {}
 _role_lock = threading.Lock()
 
 
@@ -136,7 +135,7 @@ def _child_role(proc: psutil.Process) -> str:
     return role
 
 
-def _read(proc: psutil.Process, role: str) -> Tuple[Optional[ProcessMemory], bool]:
+def _read(proc: psutil.Process, role: str) -> tuple[ProcessMemory | None, bool]:
     try:
         info = proc.memory_full_info()
     except _GONE:  # exited (or became a zombie) between listing and reading
@@ -147,7 +146,7 @@ def _read(proc: psutil.Process, role: str) -> Tuple[Optional[ProcessMemory], boo
     return entry, pss is not None
 
 
-def _proc_children_pids(pid: int) -> Optional[List[int]]:
+def _proc_children_pids(pid: int) -> list[int] | None:
     """Descendant pids from /proc/PID/task/TID/children, or None where unavailable.
 
     psutil's children(recursive=True) reads /proc/*/stat for every process on the
@@ -155,7 +154,7 @@ def _proc_children_pids(pid: int) -> Optional[List[int]]:
     competes for the GIL with the loop it measures; this reads only the tree.
     Like any /proc listing it can miss a process forked during the read.
     """
-    out: List[int] = []
+    out: list[int] = []
     stack = [pid]
     while stack:
         parent = stack.pop()
@@ -182,7 +181,7 @@ def _proc_children_pids(pid: int) -> Optional[List[int]]:
     return out
 
 
-def _descendants(root: psutil.Process) -> List[psutil.Process]:
+def _descendants(root: psutil.Process) -> list[psutil.Process]:
     pids = _proc_children_pids(root.pid) if os.path.isdir("/proc") else None
     if pids is None:
         try:
@@ -200,7 +199,7 @@ def _descendants(root: psutil.Process) -> List[psutil.Process]:
     return procs
 
 
-def process_tree_memory(pid: Optional[int] = None) -> MemorySnapshot:
+def process_tree_memory(pid: int | None = None) -> MemorySnapshot:
     """Measure a process and all its descendants (``children(recursive=True)``).
 
     Descendants that exit while being read are left out; the root must exist.
@@ -254,24 +253,24 @@ class MemorySampler:
             exiting just ends sampling).
     """
 
-    def __init__(self, interval: float = 0.05, pid: Optional[int] = None):
+    def __init__(self, interval: float = 0.05, pid: int | None = None):
         if interval <= 0:
             raise ValueError(f"interval must be > 0, got {interval!r}")
         self.interval = float(interval)
         self.pid = os.getpid() if pid is None else int(pid)
-        self.samples: List[Tuple[float, int, int, int]] = []
-        self.marks: List[Tuple[str, float, MemorySnapshot]] = []
+        self.samples: list[tuple[float, int, int, int]] = []
+        self.marks: list[tuple[str, float, MemorySnapshot]] = []
         self.peak_pss = 0
         self.peak_rss = 0
         self.peak_uss = 0
         self.peak_uss_per_worker = 0
         self.max_workers = 0
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.root_exited = False
-        self._t0: Optional[float] = None
+        self._t0: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     # -- recording
 
@@ -289,7 +288,7 @@ class MemorySampler:
                 top = max(w.uss for w in workers)
                 self.peak_uss_per_worker = max(self.peak_uss_per_worker, top)
 
-    def _sample_once(self) -> Optional[MemorySnapshot]:
+    def _sample_once(self) -> MemorySnapshot | None:
         try:
             snap = process_tree_memory(self.pid)
         except _GONE:
@@ -308,7 +307,7 @@ class MemorySampler:
 
     # -- public
 
-    def start(self) -> "MemorySampler":
+    def start(self) -> MemorySampler:
         """Take a first sample now and start the background thread."""
         if self._thread is not None:
             raise RuntimeError("MemorySampler already started")
@@ -331,7 +330,7 @@ class MemorySampler:
         if self.error is not None:
             raise self.error
 
-    def mark(self, label: str) -> Optional[MemorySnapshot]:
+    def mark(self, label: str) -> MemorySnapshot | None:
         """Record a labelled snapshot now (e.g. at an epoch boundary).
 
         Returns:
@@ -369,7 +368,7 @@ class MemorySampler:
                 ],
             }
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         return self.start()
 
     def __exit__(self, *exc) -> None:

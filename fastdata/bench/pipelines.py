@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -72,19 +73,19 @@ def build_target(cfg: BenchConfig) -> Target:
 
     decode = decode_transform(cfg.transform)
     try:
-        ds = open_dataset(cfg.target, output=cfg.output, decode=decode)
+        store = open_dataset(cfg.target, output=cfg.output, decode=decode)
     except ValueError as err:  # e.g. a raw-pixel store and a decode-time transform
         raise FastdataError(str(err) if cfg.target in str(err) else f"{cfg.target}: {err}") from None
-    nbytes = getattr(ds, "_nbytes", None)
-    if nbytes is None or len(nbytes) != len(ds):
+    nbytes = getattr(store, "_nbytes", None)
+    if nbytes is None or len(nbytes) != len(store):
         from ..inspect import info
 
         meta = info(cfg.target)
-        nbytes = np.full(len(ds), meta["total_bytes"] // max(1, meta["num_samples"]), dtype=np.int64)
+        nbytes = np.full(len(store), meta["total_bytes"] // max(1, meta["num_samples"]), dtype=np.int64)
     how = f"decode={decode!r}" if decode is not None else (
-        "raw pixels" if ds.storage.mode == "raw" else "full decode (simplejpeg/PIL)")
+        "raw pixels" if store.storage.mode == "raw" else "full decode (simplejpeg/PIL)")
     root = cfg.target
-    return Target(ds, f"fastdata {cfg.kind}: {how}", lambda: _store_files(root), np.asarray(nbytes, np.int64))
+    return Target(store, f"fastdata {cfg.kind}: {how}", lambda: _store_files(root), np.asarray(nbytes, np.int64))
 
 
 def bench_collate(batch):

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..extras import require
 
@@ -48,7 +48,7 @@ def series(rows: Sequence[dict]) -> dict:
         base = (r["target"], r["kind"]) + tuple(r.get(a) for a in _BASE_AXES)
         groups.setdefault(base, []).append(r)
     lines = {}
-    for base, members in groups.items():
+    for members in groups.values():
         zero = [r for r in members if not r["workers"]]
         by_worker_key: dict = {}
         for r in members:
@@ -60,7 +60,7 @@ def series(rows: Sequence[dict]) -> dict:
             first = (zero + wrows)[0]
             parts = [_name(first)] + [_axis_text(a, first.get(a)) for a in base_vary]
             if wkey is not None:
-                parts += [_axis_text(a, v) for a, v in zip(_WORKER_AXES, wkey) if a in worker_vary]
+                parts += [_axis_text(a, v) for a, v in zip(_WORKER_AXES, wkey, strict=False) if a in worker_vary]
             lines[" ".join(parts)] = sorted(zero + wrows, key=lambda r: r["workers"])
     return lines
 
@@ -126,9 +126,9 @@ def write_plots(rows: Sequence[dict], out: str) -> dict:
         xs = [r["peak_pss_bytes"] / mib for r in members]
         ys = [r["images_per_s"] for r in members]
         ax.scatter(xs, ys, label=label)
-        for r, x, y in zip(members, xs, ys):
+        for r, x, y in zip(members, xs, ys, strict=False):
             ax.annotate(f"w{r['workers']}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
-        points += list(zip(xs, ys))
+        points += list(zip(xs, ys, strict=False))
     edge = frontier(sorted(set(points)))
     ax.step([p[0] for p in edge], [p[1] for p in edge], where="post", color="black", linewidth=1, alpha=0.6,
             label="frontier")

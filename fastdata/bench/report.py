@@ -16,7 +16,7 @@ import platform
 import sys
 from dataclasses import fields as dc_fields
 from importlib import metadata
-from typing import Sequence
+from collections.abc import Sequence
 
 from .. import __version__
 from ..units import format_size
@@ -82,7 +82,7 @@ def fingerprint() -> dict:
     """Machine and software the figures were measured on."""
     import psutil
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in FINGERPRINT_PACKAGES:
         try:
             versions[pkg] = metadata.version(pkg)
@@ -169,7 +169,7 @@ def format_table(rows: Sequence[dict]) -> str:
         else:
             line += ["-"] * len(figures) + [f"FAILED: {r.get('error') or 'unknown'}"]
         body.append(line)
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=False)]
 
     def render(cells):
         out = []
