@@ -19,7 +19,7 @@ rates are medians over rounds and each ratio is the median of the rounds' own
 ratios (a round's runs are adjacent in time): this shared VM's speed drifts by
 +-20% from minute to minute, and one run each is not a ratio worth quoting.
 
-Targets from the issue: convert >= 0.8x ceiling; >= 1.7x faster with 2 workers
+Targets: convert >= 0.8x ceiling; >= 1.7x faster with 2 workers
 than with 1 on a 2-core machine; peak PSS flat from N to 10N.
 
 The dataset is photo-like JPEGs with an ImageNet-like size distribution

@@ -30,7 +30,7 @@ Variants:
   another process opened, so every read through the inherited environment leaks
   a few hundred bytes in the worker (growth proportional to reads, every epoch).
 
-Target (issue 3): fastdata's total PSS grows less than 1% from epoch 2 to epoch 10.
+Target: fastdata's total PSS grows less than 1% from epoch 2 to epoch 10.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Issue-5 speed targets, measured side by side in one run.
+"""Loading speed against the folder baseline and the decode-only ceiling, measured side by side in one run.
 
 Pipelines, all through a real DataLoader (2 workers, persistent, shuffled):
 
