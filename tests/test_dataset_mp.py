@@ -362,9 +362,9 @@ def test_fd_count_control_detects_a_leak():
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_raw_store_batches_through_workers(src, tmp_path, backend, inline, monkeypatch):
     # small batches cross the worker queue by value, large ones as shared memory
-    import fastdata.dataset
+    import fastdata.batching
 
-    monkeypatch.setattr(fastdata.dataset, "INLINE_BATCH_BYTES", 4 << 20 if inline else 0)
+    monkeypatch.setattr(fastdata.batching, "INLINE_BATCH_BYTES", 4 << 20 if inline else 0)
     store = str(tmp_path / f"raw{BACKENDS[backend]}")
     fastdata.convert(src, store, workers=1, raw="16x16", progress=False)
     ds = fastdata.open_dataset(store, output="tensor")

@@ -1,0 +1,199 @@
+"""Batches on their way from a Dataset's ``__getitems__`` to the training loop.
+
+What crosses a DataLoader worker's queue, and how: :class:`Batch` (a fixed-shape
+batch already stacked in one array), :class:`Samples` (a plain list of samples),
+:func:`build_batch` (allocates a fixed-shape batch where it will travel from),
+:class:`_InlineBatch` (a small batch sent through the worker's ring of
+:mod:`fastdata.batch_ring`, or by value) and :func:`collate`, the ``collate_fn``
+that passes all of these through and carries the count of damaged samples a
+worker replaced back to the main process (:data:`_WORKER_SKIPS`).
+
+The datasets only build these; nothing here knows about stores. The functions
+that unpickle a batch (``_rebuild_inline``, ``_rebuild_from_ring``,
+``_receive_skips``) live here, so workers and the main process resolve them by
+this module's name.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import batch_ring
+
+#: skips counted in DataLoader workers, received with their batches: dataset token -> count
+_WORKER_SKIPS: defaultdict[str, int] = defaultdict(int)
+
+
+class Batch(list):
+    """What ``__getitems__`` returns on the fixed-shape fast path.
+
+    A list of ``(image, label)`` pairs (so ``default_collate`` still works) that
+    also carries the already-stacked ``images`` and ``labels`` tensors; with
+    :func:`collate` (the default of :func:`fastdata.loader`) the DataLoader
+    uses those directly and nothing is copied again.
+    """
+
+    images: Any  # uint8 N,C,H,W tensor (channels_last strides) or N,H,W,C numpy array
+    labels: torch.Tensor
+    pixels: np.ndarray  # the N,H,W,C array the images view
+    inline: bool  # built in a worker, small: crosses the queue as an _InlineBatch (see collate)
+    skips: int = 0  # damaged samples replaced while building this batch (on_error="skip")
+    token: str = ""  # the dataset's skip-counter token (see StoreDataset.skipped)
+
+
+class Samples(list):
+    """What ``__getitems__`` returns otherwise: a plain list of ``(image, target)``
+    pairs that also says how many damaged samples it replaced (``skips``), so that
+    :func:`collate` can carry that count from a worker to the main process."""
+
+    skips: int = 0
+    token: str = ""
+
+
+#: batches up to this size cross the worker queue as an :class:`_InlineBatch`
+INLINE_BATCH_BYTES = 4 << 20
+
+
+class _InlineBatch:
+    """A small fixed-shape batch on its way from a worker to the main process.
+
+    A tensor sent through a DataLoader queue travels as a shared-memory segment
+    whose descriptor the main process fetches with a round trip to a helper
+    thread of the (busy) worker; for small batches (e.g. 256 images of 32x32)
+    that round trip costs more than the data. This object travels through the
+    worker's batch ring (:mod:`fastdata.batch_ring`: only a descriptor is
+    pickled) or, while the ring is not mapped yet or full, by value, and
+    unpickles straight into ``(images, labels)``.
+    """
+
+    __slots__ = ("images", "labels", "channels_first")
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, channels_first: bool):
+        self.images, self.labels, self.channels_first = images, labels, channels_first
+
+    def __reduce__(self):
+        images = np.ascontiguousarray(self.images)
+        labels = self.labels.tobytes()
+        ring = batch_ring.worker_ring(images.nbytes) if torch.utils.data.get_worker_info() is not None else None
+        if ring is not None and ring.attached:
+            slot = ring.put(images)
+            if slot is not None:
+                return _rebuild_from_ring, (ring.descriptor(), slot, images.shape, labels, self.channels_first)
+        announce = ring.descriptor() if ring is not None else None
+        return _rebuild_inline, (images.tobytes(), images.shape, labels, self.channels_first, announce)
+
+
+def _rebuild_inline(image_bytes: bytes, shape: tuple, label_bytes: bytes, channels_first: bool,
+                    ring: tuple | None = None):
+    if ring is not None:
+        batch_ring.attach(*ring)  # from now on that worker sends through its ring
+    batch_ring.received["by_value"] += 1
+    images = np.frombuffer(bytearray(image_bytes), dtype=np.uint8).reshape(shape)
+    return _as_output(images, label_bytes, channels_first)
+
+
+def _rebuild_from_ring(ring: tuple[int, int, int], slot: int, shape: tuple, label_bytes: bytes, channels_first: bool):
+    images = batch_ring.ring_array(*ring, slot, int(np.prod(shape))).reshape(shape)
+    return _as_output(images, label_bytes, channels_first)
+
+
+def _as_output(images: np.ndarray, label_bytes: bytes, channels_first: bool):
+    labels = torch.from_numpy(np.frombuffer(bytearray(label_bytes), dtype=np.int64))
+    if channels_first:
+        return torch.from_numpy(images).permute(0, 3, 1, 2), labels
+    return images, labels
+
+
+def collate(batch):
+    """``collate_fn`` that passes a :class:`Batch` through without copying and
+    defers to ``default_collate`` for anything else.
+
+    In a DataLoader worker, a batch in which damaged samples were replaced
+    (``on_error="skip"``) also carries that count to the main process, where it
+    is added to the dataset's ``skipped``."""
+    out: _InlineBatch | tuple
+    if isinstance(batch, Batch):
+        if getattr(batch, "inline", False):
+            out = _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
+        else:
+            out = batch.images, batch.labels
+    else:
+        out = torch.utils.data.default_collate(batch)
+    skips = getattr(batch, "skips", 0)
+    if skips and torch.utils.data.get_worker_info() is not None:
+        return _CountedSkips(out, batch.token, skips)
+    return out
+
+
+class _CountedSkips:
+    """A collated batch on its way from a worker, plus the skips made building it:
+    unpickled in the main process, it adds them to :data:`_WORKER_SKIPS` and
+    turns back into the batch itself."""
+
+    __slots__ = ("batch", "token", "skips")
+
+    def __init__(self, batch, token: str, skips: int):
+        self.batch, self.token, self.skips = batch, token, skips
+
+    def __reduce__(self):
+        return _receive_skips, (self.batch, self.token, self.skips)
+
+
+def _receive_skips(batch, token: str, skips: int):
+    _WORKER_SKIPS[token] += skips
+    return batch
+
+
+def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.ndarray], np.ndarray | None], *,
+                channels_first: bool, target_transform: Callable | None = None) -> Batch:
+    """Allocate a fixed-shape batch where it will travel from, let ``fill(arr)``
+    write the pixels into ``arr`` (uint8 [n, H, W, 3]), and wrap it as a :class:`Batch`.
+    ``fill`` may return the batch's targets when they differ from ``targets``
+    (damaged samples replaced by others), else None.
+
+    In a DataLoader worker a batch up to :data:`INLINE_BATCH_BYTES` is built in
+    private memory and crosses the queue as an :class:`_InlineBatch` (through the
+    worker's batch ring, or by value); a larger
+    one is built directly in shared memory with the labels in the same segment
+    (each shared storage costs the main process a round trip to fetch its
+    descriptor). In the main process it is plain memory.
+    """
+    h, w = shape
+    n = len(targets)
+    labels = None
+    in_worker = torch.utils.data.get_worker_info() is not None
+    inline = in_worker and n * h * w * 3 <= INLINE_BATCH_BYTES
+    if in_worker and not inline:
+        label_offset = -(-(n * h * w * 3) // 8)
+        storage = torch.UntypedStorage._new_shared(8 * (label_offset + n))
+        # torch's stubs declare set_(storage, offset, size) only with a stride too; contiguous is the default
+        images = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, 3))  # type: ignore[call-overload]
+        labels = torch.empty(0, dtype=torch.int64).set_(storage, label_offset, (n,))  # type: ignore[call-overload]
+        labels.numpy()[:] = targets
+    else:
+        images = torch.empty((n, h, w, 3), dtype=torch.uint8)
+    arr = images.numpy()
+    replaced = fill(arr)
+    if replaced is not None:
+        targets = replaced
+        if labels is not None:
+            labels.numpy()[:] = targets
+    if labels is None:
+        labels = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64))
+    batch = Batch()
+    images_out = images.permute(0, 3, 1, 2) if channels_first else arr
+    batch.images = images_out
+    batch.labels = labels
+    batch.pixels = arr
+    batch.inline = inline
+    if target_transform is None:
+        batch.extend(zip(images_out, labels.tolist(), strict=False))
+    else:
+        batch.extend((img, target_transform(int(t))) for img, t in zip(images_out, labels.tolist(), strict=False))
+        batch.labels = torch.as_tensor([t for _, t in batch]) if batch else labels
+    return batch
