@@ -17,7 +17,7 @@ this module's name.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,8 +110,10 @@ def _as_output(images: np.ndarray, label_bytes: bytes, channels_first: bool):
 
 
 def collate(batch):
-    """``collate_fn`` that passes a :class:`Batch` through without copying and
-    defers to ``default_collate`` for anything else.
+    """``collate_fn`` that passes a :class:`Batch` through without copying, collates
+    samples that are dicts, or tuples holding a dict (``(image, target_dict)``), with
+    :func:`collate_samples`, and defers to ``default_collate`` for anything else
+    (``(image, class)`` pairs).
 
     In a DataLoader worker, a batch in which damaged samples were replaced
     (``on_error="skip"``) also carries that count to the main process, where it
@@ -122,6 +124,8 @@ def collate(batch):
             out = _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
         else:
             out = batch.images, batch.labels
+    elif _holds_dicts(batch):
+        out = collate_samples(batch)
     else:
         out = torch.utils.data.default_collate(batch)
     skips = getattr(batch, "skips", 0)
@@ -197,3 +201,121 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
         batch.extend((img, target_transform(int(t))) for img, t in zip(images_out, labels.tolist(), strict=False))
         batch.labels = torch.as_tensor([t for _, t in batch]) if batch else labels
     return batch
+
+
+# -- samples beyond (image, class) ---------------------------------------------------------------
+def _holds_dicts(batch: Sequence) -> bool:
+    """Whether the batch's samples are dicts, or tuples/lists with a dict in them."""
+    if not len(batch):
+        return False
+    first = batch[0]
+    return isinstance(first, Mapping) or (
+        isinstance(first, (tuple, list)) and any(isinstance(v, Mapping) for v in first))
+
+
+def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
+    """Collate samples that are dicts of fields, or ``(image, target_dict)`` tuples.
+
+    The ``collate_fn`` for general stores (``ds[i]`` a dict of fields) and for
+    detection-style samples (torchvision transforms v2: an image and a dict of
+    boxes, labels, ...). :func:`collate` calls it for such batches.
+
+    Structure:
+
+    * dict samples -> one dict with the same keys (in the first sample's order),
+      each value the collation of that field over the batch (rule below); every
+      sample must have the same keys;
+    * tuple/list samples -> a tuple with one entry per position, each collated by
+      the rule below, except that a position holding dicts stays a *list of dicts*
+      (``(image, target)`` -> ``(stacked or listed images, [target, ...])``, what
+      torchvision's detection models take); every sample must have the same length.
+
+    Values of one field (or position) over the batch become:
+
+    1. a **list** when the field's name is in ``ragged``, whatever the shapes (numpy
+       numeric arrays turned into tensors without copying);
+    2. one **stacked tensor** when all are ``torch.Tensor`` of the same shape and
+       dtype, or all numpy arrays of a numeric/bool dtype with the same shape and
+       dtype (converted like ``default_collate``: ``torch.as_tensor``);
+    3. a **list of tensors** when they are all tensors / numeric numpy arrays but
+       their shapes or dtypes differ (ragged fields such as boxes ``(N, 4)``);
+    4. a **tensor** for numbers: Python ``bool`` -> bool, ``int`` -> int64,
+       ``float`` (or a mix of ints and floats) -> float64, numpy scalars -> their dtype;
+    5. a **list** of the values for anything else: strings, bytes, JSON values
+       (dicts, lists), PIL images, ``None``, or a mix of types.
+
+    Rule 3 depends on the batch: a ragged field whose samples happen to share a
+    length (every image with 2 boxes) is stacked by rule 2. Name such fields in
+    ``ragged`` (``functools.partial(collate_samples, ragged={"boxes", "labels"})``)
+    for a list every time.
+
+    Args:
+        batch (Sequence): the samples of one batch (non-empty).
+        ragged (Collection[str]): dict keys always collated into lists.
+
+    Returns:
+        dict | tuple: the collated batch.
+
+    Raises:
+        ValueError: an empty batch, or samples whose keys or lengths differ (names
+            the first differing sample).
+    """
+    if not len(batch):
+        raise ValueError("collate_samples: the batch is empty")
+    first = batch[0]
+    if isinstance(first, Mapping):
+        keys = list(first)
+        for i, sample in enumerate(batch):
+            if not isinstance(sample, Mapping) or list(sample) != keys:
+                raise ValueError(f"collate_samples: sample {i} of the batch has keys {_keys_of(sample)}, "
+                                 f"sample 0 has {keys}; every sample of a batch needs the same fields")
+        return {key: _collate_values([s[key] for s in batch], key in ragged) for key in keys}
+    if isinstance(first, (tuple, list)):
+        for i, sample in enumerate(batch):
+            if not isinstance(sample, (tuple, list)) or len(sample) != len(first):
+                raise ValueError(f"collate_samples: sample {i} of the batch is not a tuple of {len(first)} "
+                                 "items like sample 0")
+        columns = zip(*batch, strict=True)
+        return tuple(list(col) if isinstance(col[0], Mapping) else _collate_values(list(col), False)
+                     for col in columns)
+    return _collate_values(list(batch), False)
+
+
+def _keys_of(sample: Any) -> Any:
+    return list(sample) if isinstance(sample, Mapping) else type(sample).__name__
+
+
+def _is_numeric_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype.kind in "biuf"
+
+
+def _as_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A tensor viewing ``value``; a read-only or non-native-endian array (decoded
+    straight from a record) is copied first, which torch requires."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if not value.flags.writeable or not value.dtype.isnative:
+        value = value.astype(value.dtype.newbyteorder("="))
+    return torch.from_numpy(value)
+
+
+def _collate_values(values: list, always_list: bool) -> Any:
+    """One field over the batch, by the rule of :func:`collate_samples`."""
+    if all(isinstance(v, torch.Tensor) or _is_numeric_array(v) for v in values):
+        tensors = [_as_tensor(v) for v in values]
+        if not always_list and len({(t.shape, t.dtype) for t in tensors}) == 1:
+            # default_collate stacks straight into shared memory inside a worker (no copy on the queue)
+            return torch.utils.data.default_collate(tensors)
+        return tensors
+    if always_list:
+        return values
+    if all(isinstance(v, bool) for v in values):
+        return torch.tensor(values, dtype=torch.bool)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return torch.tensor(values, dtype=torch.int64)
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return torch.tensor(values, dtype=torch.float64)
+    if all(isinstance(v, np.generic) and v.dtype.kind in "biuf" for v in values) and \
+            len({v.dtype for v in values}) == 1:
+        return torch.as_tensor(np.array(values))
+    return values
