@@ -4,6 +4,7 @@ leak-free in PyTorch DataLoaders.
 Public API::
 
     fastdata.convert(src, dst, **options) -> ConvertReport
+    fastdata.write(samples, dst, schema=None, **options) -> ConvertReport
     fastdata.verify(store, decode=False) -> VerifyReport
     fastdata.info(store) -> dict
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 from . import errors  # noqa: E402
 from .convert import ConvertReport, convert  # noqa: E402
 from .inspect import info, verify  # noqa: E402
+from .writing import write  # noqa: E402
 
 _LAZY = {
     "LMDBImageDataset": "fastdata.dataset",
@@ -39,7 +41,7 @@ _LAZY = {
     "transforms": "fastdata.transforms",
 }
 
-__all__ = ["__version__", "errors", "convert", "ConvertReport", "info", "verify", *_LAZY]
+__all__ = ["__version__", "errors", "convert", "ConvertReport", "write", "info", "verify", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -65,6 +65,12 @@ def _cmd_info(args) -> int:
     print(f"storage:  {mode}")
     print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
     print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
+    if data.get("schema"):
+        from .fields import Schema
+
+        print("schema:")
+        for line in Schema.from_json(data["schema"]).describe_markdown().splitlines():
+            print(f"  {line}")
     print("classes:")
     for c in data["classes"]:
         print(f"  {c['index']:>5}  {c['name']}: {c['count']}")
@@ -109,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "label is an integer, it is the target itself: classes '0'..max label; otherwise labels are "
                    "class names, numbered in sorted order)")
     c.add_argument("dst", metavar="DST", help="destination directory; *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
-    c.add_argument("--format", choices=["lmdb", "hdf5"], help="backend (overrides DST's suffix)")
+    from .formats.registry import format_choices
+
+    c.add_argument("--format", choices=format_choices(), help="backend (overrides DST's suffix)")
     c.add_argument("--workers", type=int, default=None,
                    help="reader/validator processes (default or 0: all cores; more than 4x the cores is allowed "
                         "with a warning)")

@@ -111,16 +111,13 @@ def storage_spec(max_side: int | None = None, quality: int | None = None, raw=No
 
 def choose_backend(dst: str, fmt: str | None) -> str:
     """Backend from ``--format`` or from DST's suffix."""
+    from .formats.registry import get_backend, suffix_hint
+
     if fmt:
-        fmt = fmt.lower()
-        if fmt in ("h5", "hdf5"):
-            return "hdf5"
-        if fmt == "lmdb":
-            return "lmdb"
-        raise ValueError(f"unknown format {fmt!r}: use lmdb or hdf5")
+        return get_backend(fmt).name
     backend = backend_for_path(dst)
     if backend is None:
-        raise ValueError(f"cannot tell the backend from {dst!r}: name it *.lmdb, *.h5 or *.hdf5, or pass --format")
+        raise ValueError(f"cannot tell the backend from {dst!r}: name it {suffix_hint()}, or pass --format")
     return backend
 
 

@@ -72,6 +72,8 @@ class StoreDataset(Dataset):
     or :func:`open_dataset`."""
 
     backend: str = ""
+    #: the schema shard readers are opened with: None for classification (version-1) stores
+    _schema = None
 
     def __init__(
         self,
@@ -233,6 +235,10 @@ class StoreDataset(Dataset):
 
     # -- metadata ---------------------------------------------------------------------------
     def _load_index(self, manifest: dict) -> None:
+        if manifest["version"] != 1:
+            raise FormatError(f"{self.root} is a general store (layout version {manifest['version']}, fields "
+                              f"{', '.join(f['name'] for f in manifest.get('schema', []))}): open it with "
+                              "fastdata.open_dataset(), which returns a SampleDataset")
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "nbytes", "widths", "heights")}
         paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
         rcls = reader_class(self.backend)
@@ -274,7 +280,7 @@ class StoreDataset(Dataset):
         return os.fsdecode(self._relpaths[a:b].tobytes())
 
     def _check_index(self, index) -> int:
-        n = len(self.targets)
+        n = len(self)
         i = int(index)
         if i < 0:
             i += n
@@ -285,7 +291,7 @@ class StoreDataset(Dataset):
     def _check_indices(self, indices: Sequence[int]) -> np.ndarray:
         """Vectorised :meth:`_check_index` for a batch (negative indices wrap)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self.targets)
+        n = len(self)
         idx = np.where(idx < 0, idx + n, idx)
         if idx.size and (idx.min() < 0 or idx.max() >= n):
             bad = int(np.asarray(indices).reshape(-1)[np.flatnonzero((idx < 0) | (idx >= n))[0]])
@@ -309,7 +315,7 @@ class StoreDataset(Dataset):
         reader = self._readers.get(shard)
         if reader is None:
             path = os.path.join(self.root, self._shard_files[shard])
-            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead)
+            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
             self._readers[shard] = reader
         return reader
 
@@ -604,7 +610,17 @@ class HDF5ImageDataset(StoreDataset):
 
 
 def open_dataset(path: str | os.PathLike, **kwargs) -> StoreDataset:
-    """Open a store with the Dataset class its manifest names (same keyword arguments)."""
-    backend = read_manifest(os.fspath(path))["backend"]
-    cls = LMDBImageDataset if backend == "lmdb" else HDF5ImageDataset
+    """Open a store with the Dataset class it needs (same keyword arguments as that class).
+
+    A classification store (layout version 1, what ``fastdata convert`` of an image
+    folder writes) opens as :class:`LMDBImageDataset` / :class:`HDF5ImageDataset`
+    (:class:`StoreDataset` for another registered backend); a general store (version 2,
+    what :func:`fastdata.write` writes) as a :class:`fastdata.samples.SampleDataset`,
+    whose items are dicts of its fields."""
+    manifest = read_manifest(os.fspath(path))
+    if manifest["version"] != 1:
+        from .samples import SampleDataset
+
+        return SampleDataset(path, **kwargs)
+    cls = {"lmdb": LMDBImageDataset, "hdf5": HDF5ImageDataset}.get(manifest["backend"], StoreDataset)
     return cls(path, **kwargs)

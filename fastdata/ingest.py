@@ -20,7 +20,7 @@ from PIL import Image
 
 from .formats.base import Sample, StorageSpec
 from .imageio import ImageDecodeError, open_image, stored_format
-from .record import MAX_RECORD_BYTES, checksum
+from .record import MAX_RECORD_BYTES, EncodedSample, checksum
 
 #: extension -> the Pillow format a file with that name normally holds. The content,
 #: not the name, decides the decoder (as for ImageFolder's loader); a file whose
@@ -55,6 +55,12 @@ def starts_like_jpeg(path: bytes) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def read_bytes(path: bytes) -> bytes:
+    """The bytes of the file at ``path`` under the input rules (regular file, size limit,
+    never blocking on a FIFO); raises :class:`Rejected` with the reason."""
+    return _read_bytes(path)
 
 
 def _read_bytes(path: bytes) -> bytes:
@@ -153,21 +159,34 @@ def ingest_chunk(paths: list[bytes], relpaths: list[bytes], labels: list[int], s
     return results, read_bytes
 
 
+def _payload(item) -> bytes | None:
+    """The bytes of a stored item that travel through the spill file (None for a rejection)."""
+    if isinstance(item, Sample):
+        return item.image
+    if isinstance(item, EncodedSample):
+        return item.record
+    return None
+
+
+def _with_payload(item, data: bytes):
+    return dataclasses.replace(item, image=data) if isinstance(item, Sample) else dataclasses.replace(item, record=data)
+
+
 def spill(results: list, spill_dir: str) -> tuple:
-    """Move a chunk's image bytes into one file in ``spill_dir`` and return
-    ``(path, results without image bytes, image lengths)``.
+    """Move a chunk's image bytes (or general records) into one file in ``spill_dir``
+    and return ``(path, results without those bytes, their lengths)``.
 
     Why: sending megabytes of image bytes back through the process pool's
     64 KiB pipe stalls the worker until the converter's receiving thread wins the
     GIL for every piece; one page-cache file per chunk does not (measured: the
     worker's time per image fell by about a fifth).
     """
-    images = [s.image for s in results if isinstance(s, Sample)]
+    payloads = [p for p in map(_payload, results) if p is not None]
     fd, path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=SPILL_SUFFIX, dir=spill_dir)
     with os.fdopen(fd, "wb") as fh:
-        fh.write(b"".join(images))
-    light = [dataclasses.replace(s, image=b"") if isinstance(s, Sample) else s for s in results]
-    return path, light, [len(b) for b in images]
+        fh.write(b"".join(payloads))
+    light = [item if _payload(item) is None else _with_payload(item, b"") for item in results]
+    return path, light, [len(b) for b in payloads]
 
 
 def unspill(spilled: tuple) -> list:
@@ -178,8 +197,8 @@ def unspill(spilled: tuple) -> list:
     os.unlink(path)
     out, pos, k = [], 0, 0
     for item in light:
-        if isinstance(item, Sample):
-            out.append(dataclasses.replace(item, image=blob[pos:pos + lengths[k]]))
+        if _payload(item) is not None:
+            out.append(_with_payload(item, blob[pos:pos + lengths[k]]))
             pos += lengths[k]
             k += 1
         else:

@@ -15,7 +15,7 @@ from .formats.base import StorageSpec
 from .layout import STAGING_DIR, check_local_path
 from .manifest import MANIFEST_NAME, read_manifest
 from .pipeline import file_checksum
-from .record import FORMAT_CODES, FORMAT_NAMES
+from .record import FIELD_PREFIX, FORMAT_CODES, FORMAT_NAMES, SampleIndex, ShardIndex, decode_record_v2
 
 
 def info(store: str) -> dict:
@@ -39,6 +39,7 @@ def info(store: str) -> dict:
         "rejected": len(m["rejected"]),
         "rejected_items": m["rejected"],
         "options": m["options"],
+        "schema": m.get("schema"),
     }
 
 
@@ -87,10 +88,13 @@ class VerifyReport:
 
 
 def _check_records(backend: str, path: str, storage_json: dict, expected_count: int, num_classes: int,
-                   decode: bool, name: str) -> tuple[int, int, list[str]]:
-    """Read every record of one shard. Returns (checked, decoded, problems)."""
+                   decode: bool, schema_json: list | None, name: str) -> tuple[int, int, list[str]]:
+    """Read every record of one shard. Returns (checked, decoded, problems).
+    ``schema_json`` is None for a version-1 shard, else the general store's schema."""
     from .imageio import open_image  # imports Pillow: only when decoding
 
+    if schema_json is not None:
+        return _check_records_v2(backend, path, storage_json, expected_count, decode, schema_json, name)
     problems: list[str] = []
     storage = StorageSpec.from_json(storage_json)
     checked = decoded = 0
@@ -103,6 +107,7 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
             index = reader.read_index()
         except FastdataError as err:
             return 0, 0, [f"{name}: {err}"]
+        assert isinstance(index, ShardIndex)
         if len(index) != expected_count:
             problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
         if len(index) and int(index.labels.max()) >= num_classes:
@@ -131,6 +136,61 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                     decoded += 1
                 except Exception as err:  # any decoder failure is a finding, not a crash
                     problems.append(f"{name} record {i}: cannot decode {fmt} image ({type(err).__name__}: {err})")
+    return checked, decoded, problems
+
+
+def _check_records_v2(backend: str, path: str, storage_json: dict, expected_count: int, decode: bool,
+                      schema_json: list, name: str) -> tuple[int, int, list[str]]:
+    """A version-2 shard: every record against its checksum, decoded against the schema,
+    its path and size against the index; with ``decode`` every image field fully decoded
+    and its format and size compared with the index."""
+    from .fields import Schema
+    from .imageio import open_image, stored_format
+
+    schema = Schema.from_json(schema_json)
+    problems: list[str] = []
+    checked = decoded = 0
+    try:
+        reader = reader_class(backend)(path, StorageSpec.from_json(storage_json), schema=schema)
+    except FastdataError as err:
+        return 0, 0, [f"{name}: {err}"]
+    with reader:
+        try:
+            index = reader.read_index()
+        except FastdataError as err:
+            return 0, 0, [f"{name}: {err}"]
+        assert isinstance(index, SampleIndex)
+        if len(index) != expected_count:
+            problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
+        for i in range(len(index)):
+            where = f"{name} record {i}"
+            try:
+                data = reader.get(i)
+                record = decode_record_v2(data, schema, where=where)
+            except FastdataError as err:
+                problems.append(f"{where}: {str(err).removeprefix(f'{path} record {i}: ').removeprefix(where + ': ')}")
+                continue
+            checked += 1
+            wrong = [k for k, ok in (("size", len(data) == int(index.nbytes[i])),
+                                     ("path", record["path"] == index.relpath(i))) if not ok]
+            if wrong:
+                problems.append(f"{where}: record disagrees with the shard index ({', '.join(wrong)}): "
+                                "the record or index is damaged")
+                continue
+            if not decode:
+                continue
+            for field in schema.image_fields():
+                meta = {k: int(index.arrays[f"{FIELD_PREFIX}{field}.{k}"][i]) for k in ("format", "width", "height")}
+                try:
+                    with open_image(record[field]) as im:
+                        actual = {"format": FORMAT_CODES.get(stored_format(im), -1), "width": im.width,
+                                  "height": im.height}
+                except Exception as err:  # any decoder failure is a finding, not a crash
+                    problems.append(f"{where}: cannot decode image field {field!r} ({type(err).__name__}: {err})")
+                    continue
+                if actual != meta:
+                    problems.append(f"{where}: image field {field!r} is {actual}, the index says {meta}")
+            decoded += 1
     return checked, decoded, problems
 
 
@@ -263,16 +323,18 @@ def verify(store: str, *, decode: bool = False, timeout: float = 600.0) -> Verif
         elif file_checksum(path) != shard["xxh"]:
             file_ok = False
             report.fail(f"{name}: file checksum mismatch (the shard was modified or damaged)")
-        args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, name)
+        args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, m.get("schema"), name)
         checked, decoded, problems = _check_records(*args) if file_ok else _check_records_isolated(args, timeout)
         report.records_checked += checked
         report.decoded += decoded
         for p in problems:
             report.fail(p)
-        if file_ok and not problems:
+        if file_ok and not problems and m["version"] == 1:
             with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
-                labels = reader.read_index().labels
+                index = reader.read_index()
+                assert isinstance(index, ShardIndex)
+                labels = index.labels
                 seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
-    if report.ok and seen_classes.tolist() != m["class_counts"]:
+    if report.ok and m["version"] == 1 and seen_classes.tolist() != m["class_counts"]:
         report.fail(f"per-class counts {seen_classes.tolist()} differ from the manifest's {m['class_counts']}")
     return report

@@ -23,22 +23,20 @@ LOCK_NAME = ".fastdata.lock"
 TMP_SUFFIX = ".tmp"
 #: atomic_write() names its temporary file "<target>.tmp-<pid>"
 ATOMIC_TMP_MARK = ".tmp-"
-SHARD_SUFFIX = {"lmdb": ".lmdb", "hdf5": ".h5"}
 
 
 def shard_name(backend: str, shard_id: int) -> str:
-    """File name of shard ``shard_id`` for ``backend``."""
-    return f"shard-{shard_id:05d}{SHARD_SUFFIX[backend]}"
+    """File name of shard ``shard_id`` for ``backend`` (its suffix comes from the backend registry)."""
+    from .formats.registry import get_backend  # local import: layout is imported by light modules
+
+    return f"shard-{shard_id:05d}{get_backend(backend).shard_suffix}"
 
 
 def backend_for_path(path: str) -> str | None:
-    """Backend implied by a destination suffix, or None."""
-    low = path.rstrip("/").lower()
-    if low.endswith(".lmdb"):
-        return "lmdb"
-    if low.endswith((".h5", ".hdf5")):
-        return "hdf5"
-    return None
+    """Backend implied by a destination suffix (see :mod:`fastdata.formats.registry`), or None."""
+    from .formats.registry import backend_for_path as lookup
+
+    return lookup(path)
 
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

@@ -20,7 +20,8 @@ MANIFEST_NAME = "manifest.json"
 REJECTED_NAME = "rejected.tsv"
 STORE_FORMAT = "fastdata-store"
 STORE_VERSION = 1
-BACKENDS = ("lmdb", "hdf5")
+#: layout version of general stores (a ``schema`` other than the classification one)
+STORE_VERSION_2 = 2
 MAX_MANIFEST_BYTES = 256 << 20
 
 _REQUIRED = {
@@ -154,10 +155,10 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
     """Check the manifest schema, version, internal consistency and (optionally) checksum."""
     if body.get("format") != STORE_FORMAT:
         raise FormatError(f"{where}: not a fastdata manifest (format={body.get('format')!r})")
-    if body.get("version") != STORE_VERSION:
+    if body.get("version") not in (STORE_VERSION, STORE_VERSION_2) or type(body.get("version")) is not int:
         raise FormatError(
             f"{where}: store layout version {body.get('version')!r} is not supported by this fastdata "
-            f"(expects {STORE_VERSION}); convert the data again or install a matching fastdata"
+            f"(expects {STORE_VERSION} or {STORE_VERSION_2}); convert the data again or install a matching fastdata"
         )
     for key, typ in _REQUIRED.items():
         if type(body.get(key)) is not typ:
@@ -167,6 +168,8 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         rest = {k: v for k, v in body.items() if k != "checksum"}
         if not isinstance(stored, str) or stored != _body_checksum(rest):
             raise FormatError(f"{where}: manifest checksum mismatch: the manifest was edited or damaged")
+    from .formats.registry import BACKENDS  # local import: the registry imports the backends' base
+
     if body["backend"] not in BACKENDS:
         raise FormatError(f"{where}: unknown backend {body['backend']!r}")
     if not all(isinstance(c, str) for c in body["classes"]):
@@ -203,8 +206,27 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         if shard["first_index"] != expected_first or shard["count"] < 0:
             raise FormatError(f"{where}: shard {name}: first_index/count inconsistent")
         expected_first += shard["count"]
-    if expected_first != body["num_samples"] or sum(body["class_counts"]) != body["num_samples"]:
+    general = body["version"] == STORE_VERSION_2
+    if expected_first != body["num_samples"] or (
+            sum(body["class_counts"]) != body["num_samples"] and not (general and not body["classes"])):
         raise FormatError(f"{where}: num_samples does not match the shard and class counts")
+    if general:
+        schema_of(body, where)
+    elif "schema" in body:
+        raise FormatError(f"{where}: a version-1 manifest has no schema (it is always image + label)")
+
+
+def schema_of(body: dict, where: str = "manifest"):
+    """The :class:`~fastdata.fields.Schema` of a (validated) manifest: its ``schema`` for
+    version 2, :data:`~fastdata.fields.CLASSIFICATION` for version 1 (which has none).
+    Raises :class:`FormatError` for a malformed or unknown schema."""
+    from .fields import CLASSIFICATION, Schema
+
+    if body.get("version") != STORE_VERSION_2:
+        return CLASSIFICATION
+    if "schema" not in body:
+        raise FormatError(f"{where}: a version-2 manifest needs a 'schema'")
+    return Schema.from_json(body["schema"], f"{where}: schema")
 
 
 def _validate_storage(storage: dict, where: str) -> None:

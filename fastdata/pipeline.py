@@ -20,6 +20,7 @@ Workflow for one destination (the caller holds the store lock):
 
 from __future__ import annotations
 
+import abc
 import collections
 import concurrent.futures as cf
 import itertools
@@ -32,22 +33,23 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 
-import lmdb
 import xxhash
 
 from . import __version__
 from .errors import ConversionError, RejectedInputError, ResumeMismatchError
 from .formats import writer_class
+from .fields import Schema
 from .formats.base import Sample, StorageSpec
 from .ingest import (EXTENSION_FORMATS, SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, ingest_chunk, starts_like_jpeg,
                      unspill)
 from .layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
 from .manifest import (
-    MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, atomic_write, fsync_dir, write_manifest,
+    MANIFEST_NAME, REJECTED_NAME, STORE_FORMAT, STORE_VERSION, STORE_VERSION_2, atomic_write, fsync_dir, write_manifest,
 )
 from .plan import ShardPlan
+from .record import EncodedSample  # noqa: F401  (named in docstrings; what general sources produce)
 from .source import SourceScan
 from .units import format_size
 
@@ -181,12 +183,12 @@ def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: 
 
 class _ShardInProgress:
     def __init__(self, dst: str, backend: str, plan: ShardPlan, storage: StorageSpec, num_classes: int,
-                 writer_options: dict):
+                 writer_options: dict, schema: Schema | None = None):
         self.plan = plan
         self.name = shard_name(backend, plan.shard_id)
         self.final_path = os.path.join(dst, self.name)
         self.tmp_path = self.final_path + TMP_SUFFIX
-        self.writer = writer_class(backend)(self.tmp_path, storage, **writer_options)
+        self.writer = writer_class(backend)(self.tmp_path, storage, schema=schema, **writer_options)
         self.pending = 0
         self.count = 0
         self.image_bytes = 0
@@ -195,11 +197,15 @@ class _ShardInProgress:
         self.rejected: list[list[str]] = []
         self.warnings: list[list[str]] = []
 
-    def add(self, samples: list[Sample]) -> None:
+    def add(self, samples: list) -> None:
+        """Append :class:`Sample` objects (classification) or :class:`EncodedSample` objects (general)."""
         self.writer.put(samples)
         for s in samples:
-            self.class_counts[s.label] += 1
-            self.image_bytes += len(s.image)
+            if isinstance(s, Sample):
+                self.class_counts[s.label] += 1
+                self.image_bytes += len(s.image)
+            else:
+                self.image_bytes += len(s.record)
         self.count += len(samples)
 
     def finish(self, dst: str) -> ShardResult:
@@ -234,10 +240,82 @@ class _ShardInProgress:
                 os.unlink(path)
 
 
-def _chunks(plans: Iterable[ShardPlan], chunk_size: int):
-    for plan in plans:
-        for a in range(plan.start, plan.stop, chunk_size):
-            yield plan, a, min(a + chunk_size, plan.stop)
+@dataclass(frozen=True)
+class Chunk:
+    """Inputs ``start .. stop-1`` (store order) of shard ``plan``; ``last`` when the shard
+    ends with it; ``args`` what the source's worker function receives for it."""
+
+    plan: ShardPlan
+    start: int
+    stop: int
+    last: bool
+    args: tuple
+
+
+class ChunkSource(abc.ABC):
+    """What feeds the pipeline: chunks of inputs in store order, and the module-level
+    function a worker process turns one chunk into stored items with.
+
+    ``worker(*chunk.args, spill_dir)`` returns ``(items, input_bytes)``, ``items`` one
+    per input: a :class:`Sample` or :class:`EncodedSample` to store, or a rejection
+    reason (``str``); with a ``spill_dir`` the list comes back spilled
+    (:func:`fastdata.ingest.spill`). An error it raises stops the whole run.
+    """
+
+    #: the worker function (module level, so that it pickles by name)
+    worker: Callable
+    #: ``(function, args)`` run once in each worker process before any chunk, or None
+    worker_init: tuple[Callable, tuple] | None = None
+
+    @abc.abstractmethod
+    def chunks(self) -> Iterator[Chunk]:
+        """The chunks of every shard to write, in store order."""
+
+    @abc.abstractmethod
+    def describe(self, start: int, stop: int) -> str:
+        """Which inputs a chunk holds, for messages (e.g. the first and last file)."""
+
+    @abc.abstractmethod
+    def input_name(self, i: int) -> str:
+        """The name input ``i`` is reported under (rejected.tsv, warnings)."""
+
+    def runs_in_main_first(self, chunk: Chunk) -> bool:
+        """Whether the main process may ingest ``chunk`` itself while the pool starts."""
+        return False
+
+
+class FolderSource(ChunkSource):
+    """The inputs of a source scan (ImageFolder tree or list file), read and validated
+    by :func:`fastdata.ingest.ingest_chunk`."""
+
+    worker = staticmethod(ingest_chunk)
+
+    def __init__(self, scan: SourceScan, plans: list[ShardPlan], storage: StorageSpec, chunk_size: int):
+        self.scan, self.plans, self.storage, self.chunk_size = scan, plans, storage, chunk_size
+
+    def chunks(self) -> Iterator[Chunk]:
+        scan = self.scan
+        for plan in self.plans:
+            for a in range(plan.start, plan.stop, self.chunk_size):
+                b = min(a + self.chunk_size, plan.stop)
+                yield Chunk(plan, a, b, b == plan.stop,
+                            (scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(), self.storage))
+
+    def describe(self, start: int, stop: int) -> str:
+        return f"{os.fsdecode(self.scan.paths[start])} .. {os.fsdecode(self.scan.paths[stop - 1])}"
+
+    def input_name(self, i: int) -> str:
+        return os.fsdecode(self.scan.relpaths[i])
+
+    def input_path(self, i: int) -> str:
+        return os.fsdecode(self.scan.paths[i])
+
+    def runs_in_main_first(self, chunk: Chunk) -> bool:
+        # JPEG chunks only: a decoder crash here would take the converter down instead of a
+        # worker, and libjpeg-turbo is the most hardened of the decoders. The content picks the
+        # decoder, so the names are not enough: the first bytes must be a JPEG's too.
+        return all(EXTENSION_FORMATS.get(os.path.splitext(os.fsdecode(p))[1].lower()) == "JPEG"
+                   and starts_like_jpeg(p) for p in self.scan.paths[chunk.start:chunk.stop])
 
 
 def _single_threaded() -> bool:
@@ -300,6 +378,13 @@ def _exit_with_converter(converter_pid: int, interval: float = 0.25) -> None:
     threading.Thread(target=watch, name="fastdata-converter-watch", daemon=True).start()
 
 
+def _init_worker(converter_pid: int, extra: tuple[Callable, tuple] | None) -> None:
+    """Worker initializer: the converter watchdog, then the source's own set-up."""
+    _exit_with_converter(converter_pid)
+    if extra is not None:
+        extra[0](*extra[1])
+
+
 def _start_in_background(executor: cf.ProcessPoolExecutor) -> threading.Thread:
     """Start the pool's first worker from a thread: with forkserver, the first
     ``submit`` blocks until the server has imported fastdata and forked (it forks,
@@ -316,76 +401,100 @@ def _start_in_background(executor: cf.ProcessPoolExecutor) -> threading.Thread:
     return thread
 
 
+class _InProcess:
+    """An executor that runs each task at once in this process (``workers=0``)."""
+
+    def submit(self, fn: Callable, *args) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as err:  # re-raised by result(), as a pool would
+            fut.set_exception(err)
+        return fut
+
+
 def run_shards(
     *,
     dst: str,
     backend: str,
-    scan: SourceScan,
-    plans: list[ShardPlan],
+    scan: SourceScan | None = None,
+    plans: list[ShardPlan] | None = None,
     storage: StorageSpec,
     workers: int,
     strict: bool,
     writer_options: dict,
     on_progress: Callable[[int, int, int], None] | None = None,
     chunk_size: int = 32,
+    source: ChunkSource | None = None,
+    schema: Schema | None = None,
 ) -> PipelineStats:
-    """Convert the shards in ``plans`` (those not already finished) into ``dst``.
+    """Write the shards ``source`` feeds (default: the ``plans`` of ``scan``) into ``dst``.
 
-    ``on_progress(images, rejected, input_bytes)`` is called after each chunk.
-    Raises :class:`ConversionError` on a dead worker or an I/O error, and
-    :class:`RejectedInputError` in strict mode.
+    ``schema`` is None for a classification (version-1) store, else the general
+    store's schema (its writers take :class:`EncodedSample` objects). ``workers=0``
+    runs every chunk in this process (no pool). ``on_progress(images, rejected,
+    input_bytes)`` is called after each chunk. Raises :class:`ConversionError` on a
+    dead worker or an I/O error, :class:`RejectedInputError` in strict mode, and any
+    error a worker raises (e.g. a :class:`~fastdata.fields.SchemaError`) as it is.
     """
     stats = PipelineStats()
-    todo = [p for p in plans if p.stop >= p.start]
-    if not todo:
-        return stats
+    if source is None:
+        assert scan is not None and plans is not None, "run_shards needs a source, or a scan and its plans"
+        todo = [p for p in plans if p.stop >= p.start]
+        if not todo:
+            return stats
+        source = FolderSource(scan, todo, storage, chunk_size)
+        empty_plans = [p for p in todo if p.start == p.stop]
+    else:
+        empty_plans = []
     window = max(2, workers * 4)
     spill_dir = staging_path(dst)
     os.makedirs(spill_dir, exist_ok=True)
-    num_classes = len(scan.classes)
+    num_classes = len(scan.classes) if scan is not None else 0
     open_shards: dict[int, _ShardInProgress] = {}
-    chunks_left = {p.shard_id: len(range(p.start, p.stop, chunk_size)) for p in todo}
+    io_errors: tuple[type[Exception], ...] = (OSError, *writer_class(backend).io_errors)
     ctx = _mp_context()
-    executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
-                                      initializer=_exit_with_converter, initargs=(os.getpid(),))
+    executor: cf.ProcessPoolExecutor | _InProcess
+    if workers == 0:
+        executor, spill_to = _InProcess(), None
+    else:
+        executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                          initargs=(os.getpid(), source.worker_init))
+        spill_to = spill_dir
     inflight: collections.deque = collections.deque()
-    source_chunks = _chunks(todo, chunk_size)
+    source_chunks = source.chunks()
     current_files = ""
     writing = dst  # the file being written when an I/O error strikes
     starting: threading.Thread | None = None
     try:
-        def files_of(a: int, b: int) -> str:
-            return f"{os.fsdecode(scan.paths[a])} .. {os.fsdecode(scan.paths[b - 1])}"
-
         def submit_next() -> bool:
             nxt = next(source_chunks, None)
             if nxt is None:
                 return False
-            plan, a, b = nxt
-            fut = executor.submit(ingest_chunk, scan.paths[a:b], scan.relpaths[a:b],
-                                  scan.labels[a:b].tolist(), storage, spill_dir)
-            inflight.append((plan, a, b, fut))
+            inflight.append((nxt, executor.submit(source.worker, *nxt.args, spill_to)))
             return True
 
-        def consume(plan: ShardPlan, a: int, b: int, results: list, read_bytes: int) -> None:
+        def consume(chunk: Chunk, results: list, read_bytes: int) -> None:
             nonlocal writing
+            plan, a = chunk.plan, chunk.start
             shard = open_shards.get(plan.shard_id)
             if shard is None:
                 writing = os.path.join(dst, shard_name(backend, plan.shard_id)) + TMP_SUFFIX
                 shard = open_shards[plan.shard_id] = _ShardInProgress(
-                    dst, backend, plan, storage, num_classes, writer_options)
+                    dst, backend, plan, storage, num_classes, writer_options, schema)
             writing = shard.tmp_path
             samples = []
             for offset, item in enumerate(results):
-                if isinstance(item, Sample):
+                if not isinstance(item, str):
                     samples.append(item)
                     if isinstance(item, IngestedSample) and item.warning:
-                        shard.warnings.append([os.fsdecode(scan.relpaths[a + offset]), item.warning])
+                        shard.warnings.append([source.input_name(a + offset), item.warning])
                     continue
-                rel = os.fsdecode(scan.relpaths[a + offset])
+                rel = source.input_name(a + offset)
                 if strict:
+                    where = source.input_path(a + offset) if isinstance(source, FolderSource) else rel
                     raise RejectedInputError(
-                        f"{os.fsdecode(scan.paths[a + offset])}: {item} "
+                        f"{where}: {item} "
                         "(--strict stops at the first unusable input; without it such files are skipped and reported)")
                 shard.rejected.append([rel, item])
                 stats.rejected_items.append((rel, item))
@@ -394,8 +503,7 @@ def run_shards(
             stats.images += len(samples)
             stats.rejected += len(results) - len(samples)
             stats.input_bytes += read_bytes
-            chunks_left[plan.shard_id] -= 1
-            if chunks_left[plan.shard_id] == 0:
+            if chunk.last:
                 stats.map_growths += getattr(shard.writer, "map_growths", 0)
                 # pop only after finish succeeds: a failed finish must still be aborted and named
                 stats.results.append(shard.finish(dst))
@@ -404,41 +512,37 @@ def run_shards(
             if on_progress:
                 on_progress(len(samples), len(results) - len(samples), read_bytes)
 
-        for plan in todo:  # shards with no inputs at all (cannot come from the plan, but be safe)
-            if plan.start == plan.stop:
-                open_shards[plan.shard_id] = _ShardInProgress(dst, backend, plan, storage, num_classes, writer_options)
-                stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
+        for plan in empty_plans:  # shards with no inputs at all (cannot come from the plan, but be safe)
+            open_shards[plan.shard_id] = _ShardInProgress(dst, backend, plan, storage, num_classes, writer_options,
+                                                          schema)
+            stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
         # While the pool starts (a fresh forkserver first imports fastdata: ~0.3 s),
-        # the converter converts the first chunks itself instead of waiting; JPEG
-        # chunks only, since a decoder crash here would take the converter down
-        # instead of a worker, and libjpeg-turbo is the most hardened of the decoders.
-        # The content picks the decoder, so the names are not enough: the first bytes
-        # of every file must be a JPEG's too (a PNG named .jpg goes to the pool).
-        starting = _start_in_background(executor) if ctx.get_start_method() != "fork" else None
+        # the converter ingests the first chunks itself instead of waiting, when the
+        # source says that is safe (see FolderSource.runs_in_main_first).
+        if isinstance(executor, cf.ProcessPoolExecutor) and ctx.get_start_method() != "fork":
+            starting = _start_in_background(executor)
         while starting is not None and starting.is_alive():
             nxt = next(source_chunks, None)
             if nxt is None:
                 break
-            plan, a, b = nxt
-            if not all(EXTENSION_FORMATS.get(os.path.splitext(os.fsdecode(p))[1].lower()) == "JPEG"
-                       and starts_like_jpeg(p) for p in scan.paths[a:b]):
+            if not source.runs_in_main_first(nxt):
                 source_chunks = itertools.chain([nxt], source_chunks)  # the pool takes it first
                 break
-            current_files = files_of(a, b)
-            consume(plan, a, b, *ingest_chunk(scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(),
-                                              storage))
+            current_files = source.describe(nxt.start, nxt.stop)
+            consume(nxt, *source.worker(*nxt.args, None))
         if starting is not None:
             starting.join()
             starting = None
         while len(inflight) < window and submit_next():
             pass
         while inflight:
-            plan, a, b, fut = inflight.popleft()
-            current_files = files_of(a, b)
-            spilled, read_bytes = fut.result()
-            results = unspill(spilled)
+            chunk, fut = inflight.popleft()
+            current_files = source.describe(chunk.start, chunk.stop) if chunk.stop > chunk.start else ""
+            results, read_bytes = fut.result()
+            if spill_to is not None:
+                results = unspill(results)
             submit_next()
-            consume(plan, a, b, results, read_bytes)
+            consume(chunk, results, read_bytes)
     except BrokenProcessPool:
         raise ConversionError(
             f"a conversion worker died unexpectedly (killed, or out of memory?) "
@@ -447,7 +551,7 @@ def run_shards(
             "script? Workers start with forkserver and import your main module: put the call under "
             "`if __name__ == \"__main__\":`.)"
         ) from None
-    except (OSError, lmdb.Error) as err:
+    except io_errors as err:
         raise io_error(err, writing) from err
     finally:
         for shard in open_shards.values():
@@ -457,7 +561,8 @@ def run_shards(
             # long (a worker it starts after this is still ended by its watchdog
             # when the converter exits)
             starting.join(timeout=10)
-        _stop_pool(executor)
+        if isinstance(executor, cf.ProcessPoolExecutor):
+            _stop_pool(executor)
     return stats
 
 
@@ -492,15 +597,19 @@ def _stop_pool(executor: cf.ProcessPoolExecutor) -> None:
         manager.join(timeout=10)
 
 
-def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, results: list[ShardResult],
-            options: dict) -> dict:
-    """Write ``rejected.tsv`` and then ``manifest.json`` (last); remove staging."""
+def publish(*, dst: str, backend: str, scan: SourceScan | None, storage: StorageSpec, results: list[ShardResult],
+            options: dict, schema: Schema | None = None) -> dict:
+    """Write ``rejected.tsv`` and then ``manifest.json`` (last); remove staging.
+
+    ``schema`` None publishes a classification store (layout version 1, classes from
+    ``scan``); a schema publishes a general store (version 2, no classes)."""
     results = sorted(results, key=lambda r: r.shard_id)
     shards, first = [], 0
-    class_counts = [0] * len(scan.classes)
+    classes = list(scan.classes) if scan is not None else []
+    class_counts = [0] * len(classes)
     rejected: list[dict[str, str]] = []
     # scan-level remarks first (empty class folders, folders named like splits, ...), then per-input ones
-    warnings = [{"path": p, "warning": why} for p, why in scan.walk_problems]
+    warnings = [{"path": p, "warning": why} for p, why in (scan.walk_problems if scan is not None else [])]
     for r in results:
         shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
                        "xxh": r.xxh, "image_bytes": r.image_bytes})
@@ -512,10 +621,10 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
         f"{_tsv_field(item['path'])}\t{_tsv_field(item['reason'])}\n" for item in rejected)
     body = {
         "format": STORE_FORMAT,
-        "version": STORE_VERSION,
+        "version": STORE_VERSION if schema is None else STORE_VERSION_2,
         "backend": backend,
         "storage": storage.to_json(),
-        "classes": scan.classes,
+        "classes": classes,
         "num_samples": first,
         "class_counts": class_counts,
         "shards": shards,
@@ -523,6 +632,8 @@ def publish(*, dst: str, backend: str, scan: SourceScan, storage: StorageSpec, r
         "warnings": warnings,
         "options": dict(options, fastdata_version=__version__),
     }
+    if schema is not None:
+        body["schema"] = schema.to_json()
     try:
         atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
         manifest = write_manifest(dst, body)

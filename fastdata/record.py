@@ -202,3 +202,202 @@ class IndexBuilder:
             relpaths=np.frombuffer(bytes(self._paths), dtype=np.uint8).copy(),
             relpath_offsets=np.asarray(self._path_offsets, dtype=np.int64),
         )
+
+
+# -- layout version 2: stores of general samples (any schema but the classification one) -------------------------
+
+#: version of general (schema) records and shards
+RECORD_VERSION_2 = 2
+#: index keys of layout version 2 besides the fields' own arrays
+INDEX_V2_COMMON = {"checksums": "<u8", "nbytes": "<i8", "relpaths": "u1", "relpath_offsets": "<i8"}
+#: per image field, what the writer learnt from its validation decode
+IMAGE_META = {"format": "u1", "width": "<i4", "height": "<i4"}
+#: prefix of a field's index arrays: a field may be called "checksums" without clashing with the layout's arrays
+FIELD_PREFIX = "fields/"
+_UNPACK_V2 = dict(raw=False, use_list=False, strict_map_key=True, max_ext_len=0)
+
+
+def index_layout(schema) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every index array of a version-2 shard of ``schema``: key -> (dtype, per-sample shape).
+
+    ``checksums`` (xxh3_64 of each record's bytes), ``nbytes`` (record length) and,
+    per field, ``fields/<name>`` for index-resident fields (ints, floats, small
+    fixed arrays) and ``fields/<image>.format|.width|.height`` for image fields.
+    ``relpaths``/``relpath_offsets`` are variable-length and not listed here.
+    """
+    out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+        "checksums": (np.dtype("<u8"), ()), "nbytes": (np.dtype("<i8"), ())}
+    for name, (dtype, shape) in schema.index_fields().items():
+        out[FIELD_PREFIX + name] = (dtype, shape)
+    for name in schema.image_fields():
+        for meta, dtype in IMAGE_META.items():
+            out[f"{FIELD_PREFIX}{name}.{meta}"] = (np.dtype(dtype), ())
+    return out
+
+
+@dataclass(frozen=True)
+class EncodedSample:
+    """One general sample ready to store: its record bytes and its index entries."""
+
+    record: bytes
+    xxh: int
+    relpath: bytes
+    #: index key (see :func:`index_layout`, without ``checksums``/``nbytes``) -> value
+    index: dict
+
+
+def encode_sample(schema, checked: dict, images: dict[str, tuple[str, int, int]], relpath: bytes) -> EncodedSample:
+    """Pack a checked sample (:meth:`Schema.check`) as a version-2 record.
+
+    ``images`` gives each image field's ``(format, width, height)`` from its
+    validation decode. The record is one msgpack map ``{"v": 2, "path": bin,
+    <record field>: Field.encode(value), ...}`` in schema order.
+    """
+    body: dict = {"v": RECORD_VERSION_2, "path": bytes(relpath)}
+    index: dict = {}
+    for name, field in schema.fields:
+        if field.index_shape is None:
+            body[name] = field.encode(checked[name])
+        else:
+            index[FIELD_PREFIX + name] = checked[name]
+    for name, (fmt, width, height) in images.items():
+        index[f"{FIELD_PREFIX}{name}.format"] = FORMAT_CODES[fmt]
+        index[f"{FIELD_PREFIX}{name}.width"] = width
+        index[f"{FIELD_PREFIX}{name}.height"] = height
+    record = msgpack.packb(body, use_bin_type=True)
+    return EncodedSample(record, checksum(record), bytes(relpath), index)
+
+
+def unpack_record_v2(buf: bytes | memoryview, *, where: str) -> dict:
+    """The raw msgpack map of a version-2 record (keys checked, values not decoded yet)."""
+    if len(buf) > MAX_RECORD_BYTES:
+        raise CorruptRecordError(f"{where}: record of {len(buf)} bytes exceeds the {MAX_RECORD_BYTES} byte limit")
+    try:
+        obj = _unpackb(buf, **_UNPACK_V2)
+    except Exception as err:  # msgpack raises several unrelated types on garbage
+        raise CorruptRecordError(f"{where}: record is not valid msgpack ({type(err).__name__}: {err})") from None
+    if type(obj) is not dict or obj.get("v") != RECORD_VERSION_2 or type(obj.get("path")) is not bytes:
+        raise CorruptRecordError(f"{where}: not a version-2 record (needs 'v': 2 and a binary 'path')")
+    return obj
+
+
+def decode_record_v2(buf: bytes | memoryview, schema, *, where: str) -> dict:
+    """Unpack a version-2 record and decode its record-resident fields (schema order).
+
+    Returns ``{"path": bytes, <field>: value}``. Raises :class:`CorruptRecordError`
+    for bad msgpack, a missing or unexpected key, or a value its field refuses.
+    """
+    from .errors import FormatError
+
+    obj = unpack_record_v2(buf, where=where)
+    names = schema.record_fields()
+    if tuple(obj) != ("v", "path", *names):
+        raise CorruptRecordError(f"{where}: record has the fields {list(obj)[2:]}, the schema says {list(names)}")
+    out = {"path": obj["path"]}
+    for name in names:
+        try:
+            out[name] = schema[name].decode(obj[name], f"{where} field {name!r}")
+        except FormatError as err:
+            raise CorruptRecordError(str(err)) from None
+    return out
+
+
+@dataclass
+class SampleIndex:
+    """The index of a version-2 shard: ``arrays`` keyed as :func:`index_layout` says,
+    plus ``relpaths``/``relpath_offsets``."""
+
+    arrays: dict
+
+    def __len__(self) -> int:
+        return len(self.arrays["checksums"])
+
+    @property
+    def checksums(self) -> np.ndarray:
+        return self.arrays["checksums"]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self.arrays["nbytes"]
+
+    def relpath(self, i: int) -> bytes:
+        off = self.arrays["relpath_offsets"]
+        return self.arrays["relpaths"][off[i]:off[i + 1]].tobytes()
+
+    def validate(self, schema, where: str) -> None:
+        """Raise :class:`CorruptRecordError` when the arrays are inconsistent with each other or the schema."""
+        n = len(self)
+        for key, (_dtype, shape) in index_layout(schema).items():
+            arr = self.arrays.get(key)
+            if arr is None or arr.shape != (n, *shape):
+                raise CorruptRecordError(f"{where}: index array {key!r} is missing or not of shape {(n, *shape)}")
+        off = self.arrays["relpath_offsets"]
+        if len(off) != n + 1 or (n and (off[0] != 0 or off[-1] != len(self.arrays["relpaths"])
+                                        or np.any(np.diff(off) < 0))):
+            raise CorruptRecordError(f"{where}: relpath offsets are inconsistent")
+        if n and self.nbytes.min() < 0:
+            raise CorruptRecordError(f"{where}: negative record size in the index")
+        for name in schema.image_fields():
+            if n and not np.isin(self.arrays[f"{FIELD_PREFIX}{name}.format"], list(FORMAT_NAMES)).all():
+                raise CorruptRecordError(f"{where}: unknown format code in the index of image field {name!r}")
+
+
+def read_index_arrays(schema, get, count: int, where: str) -> SampleIndex:
+    """Build a :class:`SampleIndex` from ``get(key) -> bytes | np.ndarray | None`` (a backend's
+    stored arrays), converting to native byte order; damaged or missing arrays raise."""
+    arrays: dict = {}
+    layout = dict(index_layout(schema))
+    layout["relpaths"] = (np.dtype("u1"), ())
+    layout["relpath_offsets"] = (np.dtype("<i8"), ())
+    for key, (dtype, shape) in layout.items():
+        raw = get(key)
+        if raw is None:
+            raise CorruptRecordError(f"{where}: index array {key!r} is missing")
+        if isinstance(raw, np.ndarray):
+            arr = np.asarray(raw, dtype=dtype)
+        else:
+            if len(raw) % dtype.itemsize:
+                raise CorruptRecordError(f"{where}: index array {key!r} is damaged")
+            arr = np.frombuffer(raw, dtype=dtype)
+        per = int(np.prod(shape, dtype=np.int64))
+        if key not in ("relpaths", "relpath_offsets"):
+            if arr.size != count * per:
+                raise CorruptRecordError(f"{where}: index array {key!r} has {arr.size} values, expected {count * per}")
+            arr = arr.reshape((count, *shape))
+        arrays[key] = arr.astype(dtype.newbyteorder("="))
+    index = SampleIndex(arrays)
+    index.validate(schema, where)
+    return index
+
+
+class SampleIndexBuilder:
+    """Accumulates a :class:`SampleIndex` while a version-2 shard is written."""
+
+    def __init__(self, schema) -> None:
+        self.schema = schema
+        self.layout = index_layout(schema)
+        self._values: dict[str, list] = {key: [] for key in self.layout}
+        self._paths = bytearray()
+        self._path_offsets = [0]
+
+    def add(self, sample: EncodedSample) -> None:
+        self._values["checksums"].append(sample.xxh)
+        self._values["nbytes"].append(len(sample.record))
+        for key, value in sample.index.items():
+            self._values[key].append(value)
+        self._paths += sample.relpath
+        self._path_offsets.append(len(self._paths))
+
+    def __len__(self) -> int:
+        return len(self._values["checksums"])
+
+    def build(self) -> SampleIndex:
+        arrays = {}
+        n = len(self)
+        for key, (dtype, shape) in self.layout.items():
+            values = self._values[key]
+            arr = np.asarray(values, dtype=dtype) if values else np.zeros((0, *shape), dtype=dtype)
+            arrays[key] = arr.reshape((n, *shape))
+        arrays["relpaths"] = np.frombuffer(bytes(self._paths), dtype=np.uint8).copy()
+        arrays["relpath_offsets"] = np.asarray(self._path_offsets, dtype="<i8")
+        return SampleIndex(arrays)

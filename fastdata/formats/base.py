@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import ClassVar
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..record import ShardIndex
+from ..fields import Schema
+from ..record import SampleIndex, ShardIndex
 
 
 @dataclass(frozen=True)
@@ -73,16 +75,23 @@ class StorageSpec:
 class ShardWriter(abc.ABC):
     """Writes one shard file at ``path`` (the pipeline passes a temporary name)."""
 
-    def __init__(self, path: str, storage: StorageSpec, **options):
+    #: the backend library's own I/O error types (the pipeline reports them like OSError)
+    io_errors: ClassVar[tuple[type[Exception], ...]] = ()
+
+    def __init__(self, path: str, storage: StorageSpec, *, schema: Schema | None = None, **options):
+        """``schema``: None for a classification (version-1) shard of :class:`Sample`; a
+        schema for a general (version-2) shard of :class:`~fastdata.record.EncodedSample`."""
         self.path = path
         self.storage = storage
+        self.schema = schema
 
     @abc.abstractmethod
-    def put(self, samples: Sequence[Sample]) -> None:
-        """Append ``samples`` (in store order)."""
+    def put(self, samples: Sequence) -> None:
+        """Append ``samples`` (in store order): :class:`Sample` objects for a version-1
+        shard, :class:`~fastdata.record.EncodedSample` objects for a version-2 one."""
 
     @abc.abstractmethod
-    def close(self) -> ShardIndex:
+    def close(self) -> ShardIndex | SampleIndex:
         """Flush, write the index, sync to disk and close. Returns the index written."""
 
     @abc.abstractmethod
@@ -94,17 +103,21 @@ class ShardReader(abc.ABC):
     """Reads one finished shard file. Opening happens in the constructor, so
     datasets create readers lazily, once per process."""
 
-    def __init__(self, path: str, storage: StorageSpec, **options):
+    def __init__(self, path: str, storage: StorageSpec, *, schema: Schema | None = None, **options):
+        """``schema``: None for a classification (version-1) shard; the store's schema for a
+        general (version-2) one, whose :meth:`get` returns whole record bytes."""
         self.path = path
         self.storage = storage
+        self.schema = schema
 
     @abc.abstractmethod
-    def read_index(self) -> ShardIndex:
-        """The per-sample metadata arrays of this shard, validated."""
+    def read_index(self) -> ShardIndex | SampleIndex:
+        """The per-sample metadata arrays of this shard, validated (a :class:`SampleIndex`
+        for a version-2 shard)."""
 
     @abc.abstractmethod
     def get(self, local_index: int) -> bytes:
-        """Stored image bytes of one sample (checksum verified)."""
+        """Stored image bytes of one sample, or a version-2 shard's record bytes (checksum verified)."""
 
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
         """Stored bytes for several samples, in the order given."""

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 
 from ...errors import CorruptRecordError, FormatError
-from ...record import ShardIndex, checksum
+from ...record import SampleIndex, ShardIndex, checksum, read_index_arrays
 from ..base import ShardReader, StorageSpec
 from . import spec
 
@@ -34,7 +34,7 @@ class HDF5ShardReader(ShardReader):
     __fastdata_fork_safe__ = True
 
     def __init__(self, path: str, storage: StorageSpec, **options):
-        super().__init__(path, storage)
+        super().__init__(path, storage, **options)
         self._map: mmap.mmap | None = None
         self._payload: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
@@ -46,14 +46,17 @@ class HDF5ShardReader(ShardReader):
             raise FormatError(f"{path}: cannot open HDF5 shard ({err}); the file is missing or damaged; "
                               "run 'fastdata verify' on the store") from None
 
-    def read_index(self) -> ShardIndex:
+    def read_index(self) -> ShardIndex | SampleIndex:
         f = self.file
+        expected = spec.VERSION if self.schema is None else spec.VERSION_2
         try:
             if f.attrs.get("layout") != spec.LAYOUT:
                 raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
-            if int(f.attrs.get("version", -1)) != spec.VERSION:
+            if int(f.attrs.get("version", -1)) != expected:
                 raise FormatError(f"{self.path}: HDF5 shard layout version {f.attrs.get('version')!r} "
-                                  f"is not supported (expects {spec.VERSION})")
+                                  f"is not supported (expects {expected})")
+            if self.schema is not None:
+                return self._read_index_v2(f)
             arrays = {name: np.asarray(f[name][()], dtype=np.dtype(dtype).newbyteorder("="))
                       for name, dtype in spec.INDEX_ARRAYS.items()}
             count = int(f.attrs["count"])
@@ -81,6 +84,29 @@ class HDF5ShardReader(ShardReader):
         if offsets is not None and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
                                     or offsets[-1] != nbytes):
             raise CorruptRecordError(f"{self.path}: image offsets are inconsistent", shard=self.path)
+        if nbytes and file_offset is None:
+            raise CorruptRecordError(f"{self.path}: payload dataset is not contiguous", shard=self.path)
+        self._map_payload(file_offset or 0, nbytes)
+        self._offsets = offsets
+        self._checksums = index.checksums
+        return index
+
+    def _read_index_v2(self, f) -> SampleIndex:
+        """Version 2: the index arrays by key, then map ``records`` like version 1's ``images``."""
+        assert self.schema is not None
+        count = int(f.attrs["count"])
+
+        def get(key: str):
+            return f[key][()] if key in f else None
+
+        index = read_index_arrays(self.schema, get, count, self.path)
+        data = f[spec.RECORDS]
+        offsets = np.asarray(f[spec.OFFSETS][()], dtype=np.int64)
+        nbytes = int(np.prod(data.shape))
+        if len(offsets) != count + 1 or (count and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
+                                                    or offsets[-1] != nbytes)):
+            raise CorruptRecordError(f"{self.path}: record offsets are inconsistent", shard=self.path)
+        file_offset = data.id.get_offset()
         if nbytes and file_offset is None:
             raise CorruptRecordError(f"{self.path}: payload dataset is not contiguous", shard=self.path)
         self._map_payload(file_offset or 0, nbytes)
@@ -116,7 +142,8 @@ class HDF5ShardReader(ShardReader):
 
     def _check(self, data: bytes, checksums: np.ndarray, local_index: int) -> bytes:
         if checksum(data) != int(checksums[local_index]):
-            raise CorruptRecordError(f"{self.path} record {local_index}: image checksum mismatch "
+            what = "image" if self.schema is None else "record"
+            raise CorruptRecordError(f"{self.path} record {local_index}: {what} checksum mismatch "
                                      "(the record is damaged)",
                                      shard=self.path, index=local_index)
         return data

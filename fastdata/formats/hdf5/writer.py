@@ -11,9 +11,9 @@ import h5py
 import numpy as np
 
 from ...manifest import fsync_file
-from ...record import IndexBuilder, ShardIndex
+from ...record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex
 from ...writeback import Writeback
-from ..base import Sample, ShardWriter, StorageSpec
+from ..base import ShardWriter, StorageSpec
 from . import spec
 
 
@@ -107,14 +107,23 @@ class HDF5ShardWriter(ShardWriter):
     is copied at close (a 190 MB shard took 0.7 s to copy in through h5py)."""
 
     def __init__(self, path: str, storage: StorageSpec, **options):
-        super().__init__(path, storage)
+        super().__init__(path, storage, **options)
         self.payload = open(path, "wb")
         self.payload.seek(PAYLOAD_OFFSET)
         self.writeback = Writeback(path)
-        self.index = IndexBuilder()
+        self.index: IndexBuilder | SampleIndexBuilder = (
+            IndexBuilder() if self.schema is None else SampleIndexBuilder(self.schema))
         self.offsets = [0]
 
-    def put(self, samples: Sequence[Sample]) -> None:
+    def put(self, samples: Sequence) -> None:
+        if isinstance(self.index, SampleIndexBuilder):  # version 2: the payload is the records
+            data = b"".join(s.record for s in samples)
+            self.payload.write(data)
+            self.writeback.wrote(len(data))
+            for s in samples:
+                self.offsets.append(self.offsets[-1] + len(s.record))
+                self.index.add(s)
+            return
         if self.storage.mode == "raw":
             h, w = self.storage.raw_hw()
             for s in samples:
@@ -128,7 +137,7 @@ class HDF5ShardWriter(ShardWriter):
             self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
                            nbytes=len(s.image), relpath=s.relpath)
 
-    def close(self) -> ShardIndex:
+    def close(self) -> ShardIndex | SampleIndex:
         index = self.index.build()
         self.payload.close()
         self.writeback.close()
@@ -144,7 +153,9 @@ class HDF5ShardWriter(ShardWriter):
             align = {"alignment_threshold": PAYLOAD_OFFSET, "alignment_interval": PAYLOAD_OFFSET} if in_place else {}
             with h5py.File(raw, "w", locking=False, **align) as f:
                 shape: tuple[int, ...]
-                if self.storage.mode == "raw":
+                if isinstance(index, SampleIndex):
+                    name, shape = spec.RECORDS, (total,)
+                elif self.storage.mode == "raw":
                     h, w = self.storage.raw_hw()
                     name, shape = spec.PIXELS, (len(index), h, w, 3)
                 else:
@@ -162,10 +173,14 @@ class HDF5ShardWriter(ShardWriter):
                     data[...] = np.frombuffer(small, dtype=np.uint8).reshape(shape)
                 if self.storage.mode != "raw":
                     f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
-                for key, dtype in spec.INDEX_ARRAYS.items():
-                    f.create_dataset(key, data=np.asarray(getattr(index, key), dtype=dtype))
+                if isinstance(index, SampleIndex):
+                    for key, arr in index.arrays.items():
+                        f.create_dataset(key, data=np.asarray(arr, dtype=arr.dtype.newbyteorder("<")))
+                else:
+                    for key, dtype in spec.INDEX_ARRAYS.items():
+                        f.create_dataset(key, data=np.asarray(getattr(index, key), dtype=dtype))
                 f.attrs["layout"] = spec.LAYOUT
-                f.attrs["version"] = spec.VERSION
+                f.attrs["version"] = spec.VERSION if isinstance(index, ShardIndex) else spec.VERSION_2
                 f.attrs["count"] = len(index)
         finally:
             raw.close()

@@ -12,7 +12,8 @@ import msgpack
 import numpy as np
 
 from ...errors import CorruptRecordError, FormatError
-from ...record import Record, ShardIndex, checksum, decode_record, record_image
+from ...record import (Record, SampleIndex, ShardIndex, checksum, decode_record, index_layout, read_index_arrays,
+                       record_image)
 from ..base import ShardReader, StorageSpec
 from . import spec
 
@@ -107,7 +108,7 @@ class LMDBShardReader(ShardReader):
     __fastdata_fork_safe__ = True
 
     def __init__(self, path: str, storage: StorageSpec, *, readahead: bool = False, **options):
-        super().__init__(path, storage)
+        super().__init__(path, storage, **options)
         self._pid = os.getpid()
         self._checksums: np.ndarray | None = None  # raw mode: loaded at the first batch
         try:
@@ -117,11 +118,16 @@ class LMDBShardReader(ShardReader):
             raise FormatError(f"{path}: cannot open LMDB shard ({err}); the file is missing or damaged; "
                               "run 'fastdata verify' on the store") from None
 
-    def read_index(self) -> ShardIndex:
+    def read_index(self) -> ShardIndex | SampleIndex:
+        expected = spec.VERSION if self.schema is None else spec.VERSION_2
         try:
             with self.env.begin(db=self.index_db) as txn:
                 header_raw = txn.get(spec.HEADER_KEY)
-                raw = {name: txn.get(name.encode()) for name in spec.INDEX_ARRAYS}
+                if self.schema is not None:
+                    stored = {key: txn.get(key.encode()) for key in (*index_layout(self.schema), "relpaths",
+                                                                      "relpath_offsets")}
+                else:
+                    raw = {name: txn.get(name.encode()) for name in spec.INDEX_ARRAYS}
         except lmdb.Error as err:
             raise CorruptRecordError(f"{self.path}: cannot read the shard index ({err})", shard=self.path) from None
         try:
@@ -130,9 +136,19 @@ class LMDBShardReader(ShardReader):
             header = None
         if not isinstance(header, dict) or header.get("layout") != spec.LAYOUT:
             raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
-        if header.get("version") != spec.VERSION:
+        if header.get("version") != expected:
             raise FormatError(f"{self.path}: LMDB shard layout version {header.get('version')!r} "
-                              f"is not supported (expects {spec.VERSION})")
+                              f"is not supported (expects {expected})")
+        if self.schema is not None:
+            count = header.get("count")
+            if type(count) is not int or count < 0:
+                raise CorruptRecordError(f"{self.path}: damaged shard header (count)", shard=self.path)
+            try:
+                index_v2 = read_index_arrays(self.schema, stored.get, count, self.path)
+            except CorruptRecordError as err:
+                raise CorruptRecordError(str(err), shard=self.path) from None
+            self._checksums = index_v2.checksums
+            return index_v2
         arrays = {}
         for name, dtype in spec.INDEX_ARRAYS.items():
             buf = raw[name]
@@ -150,6 +166,14 @@ class LMDBShardReader(ShardReader):
         where = f"{self.path} record {local_index}"
         if buf is None:
             raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
+        if self.schema is not None:  # version 2: the whole record against the index's checksum
+            if self._checksums is None:
+                self.read_index()
+            assert self._checksums is not None
+            if not 0 <= local_index < len(self._checksums) or checksum(buf) != int(self._checksums[local_index]):
+                raise CorruptRecordError(f"{where}: record checksum mismatch (the record is damaged)",
+                                         shard=self.path, index=local_index)
+            return bytes(buf)
         try:
             return record_image(buf, where=where)
         except CorruptRecordError as err:  # decode_record knows no shard/index: attach them

@@ -1,4 +1,4 @@
-"""LMDB shard layout, version 1.
+"""LMDB shard layout, versions 1 (classification) and 2 (general samples).
 
 Each shard is one LMDB environment stored as a single file (``subdir=False``),
 e.g. ``shard-00000.lmdb``. It holds two named databases:
@@ -17,6 +17,21 @@ e.g. ``shard-00000.lmdb``. It holds two named databases:
     little-endian, ``n`` entries), ``b"relpaths"`` (concatenated path bytes)
     and ``b"relpath_offsets"`` int64 (``n + 1`` entries).
 
+Version 2 (a store whose manifest has a ``schema`` other than the
+classification one) keeps the same two databases and keys; only the values differ:
+
+``records``
+    value = one version-2 msgpack record ``{"v": 2, "path": bin, <record field>: value, ...}``
+    (fields in schema order; see ``fastdata/record.py`` and ``docs/FORMAT.md``).
+
+``index``
+    ``b"header"`` with ``"version": 2``; ``b"checksums"`` uint64 (xxh3_64 of each
+    record's bytes), ``b"nbytes"`` int64 (record lengths), ``b"relpaths"`` /
+    ``b"relpath_offsets"`` as in version 1, and per field (``fastdata.record.index_layout``):
+    ``b"fields/<name>"`` for index-resident fields (the field's dtype, little-endian,
+    ``n * prod(shape)`` values, C order) and ``b"fields/<image>.format"`` uint8,
+    ``.width`` int32, ``.height`` int32 for each image field.
+
 The global index of a record is the shard's ``first_index`` (manifest) plus
 its key. Readers open with ``readonly=True, lock=False, readahead=False,
 max_spare_txns=0`` (published stores are immutable; no reader-lock table).
@@ -30,6 +45,8 @@ from ...record import INDEX_DTYPES
 
 LAYOUT = "fastdata-lmdb-shard"
 VERSION = 1
+#: layout version of general (schema) stores
+VERSION_2 = 2
 RECORDS_DB = b"records"
 INDEX_DB = b"index"
 HEADER_KEY = b"header"

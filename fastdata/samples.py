@@ -1,0 +1,206 @@
+"""``SampleDataset``: a general (layout version 2) store as a map-style Dataset.
+
+``ds[i]`` is a dict of the stored fields in schema order: image fields decoded per
+``output`` (``"pil"``, ``"numpy"`` HWC uint8, ``"tensor"`` CHW uint8), ints and
+floats as Python scalars, fixed-shape arrays and ragged arrays as numpy arrays
+(tensors with ``output="tensor"``), strings and JSON values as they were written.
+``transform`` receives that dict.
+
+Everything about handles is shared with the classification datasets
+(:class:`fastdata.dataset.StoreDataset`, the base class): readers open lazily once
+per process, nothing inherited through fork is touched, pickles carry no handle,
+and a damaged record raises :class:`~fastdata.errors.CorruptRecordError` naming
+store, shard and record, or is replaced under ``on_error="skip"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dataset import StoreDataset, _to_pil
+from .decode import decode_numpy, decode_pil
+from .errors import CorruptRecordError, FastdataError
+from .fields import Float, Image, Int, NDArray, Ragged
+from .manifest import schema_of
+from .record import FIELD_PREFIX, FORMAT_NAMES, SampleIndex, decode_record_v2
+from .seeding import epoch_of, sample_rng
+
+
+class SampleList(list):
+    """What ``__getitems__`` returns: the batch's sample dicts, plus how many damaged
+    samples were replaced (``skips``) for :func:`fastdata.collate` to carry."""
+
+    skips: int = 0
+    token: str = ""
+
+
+class SampleDataset(StoreDataset):
+    """A general fastdata store (written by :func:`fastdata.write`); open it with
+    :func:`fastdata.open_dataset`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable | None = None,
+        output: str = "pil",
+        decode: Callable | None = None,
+        *,
+        on_error: str = "raise",
+        readahead: bool = False,
+        seed: int | None = None,
+    ):
+        """Open the store's metadata (see :class:`StoreDataset` for ``on_error``,
+        ``readahead`` and ``seed``).
+
+        Args:
+            path: a store directory written by :func:`fastdata.write`.
+            transform: called with each sample dict (after decoding); its result is returned.
+            output: ``"pil"``, ``"numpy"`` or ``"tensor"`` for image fields (tensor also
+                turns array fields into tensors).
+            decode: a decode-time transform for the image fields (``fastdata.transforms``);
+                refused when the schema holds anything but images and index scalars, since a
+                fused crop would move the image but not, e.g., its boxes.
+        """
+        super().__init__(path, transform=transform, output=output, decode=decode, on_error=on_error,
+                         readahead=readahead, seed=seed)
+
+    # -- metadata ---------------------------------------------------------------------------
+    def _load_index(self, manifest: dict) -> None:
+        self.schema = schema_of(manifest, self.root)
+        self._schema = self.schema
+        others = [name for name, f in self.schema if not isinstance(f, Image | Int | Float)]
+        if self.decode is not None and others:
+            raise ValueError(
+                f"{self.root}: decode= is refused for a store with fields {', '.join(others)}: a fused crop "
+                "would move the image but not its boxes: use transform= with torchvision.transforms.v2")
+        parts: dict[str, list[np.ndarray]] = {}
+        paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
+        for shard in manifest["shards"]:
+            with self._open_reader(shard["name"]) as reader:
+                index = reader.read_index()
+            assert isinstance(index, SampleIndex)
+            if len(index) != shard["count"]:
+                raise CorruptRecordError(f"{self.root}/{shard['name']}: holds {len(index)} records, the manifest "
+                                         f"says {shard['count']}; run 'fastdata verify'", store=self.root,
+                                         shard=shard["name"])
+            for key, arr in index.arrays.items():
+                if key.startswith(FIELD_PREFIX):
+                    parts.setdefault(key, []).append(arr)
+            paths.append(index.arrays["relpaths"])
+            path_offsets.append(index.arrays["relpath_offsets"][1:] + base)
+            base += len(index.arrays["relpaths"])
+        self._count = int(manifest["num_samples"])
+        #: index-resident arrays by key (``fields/<name>``, ``fields/<image>.format``, ...)
+        self.index_arrays = {key: np.concatenate(arrs) for key, arrs in parts.items()}
+        if any(len(arr) != self._count for arr in self.index_arrays.values()):
+            raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",
+                                     store=self.root)
+        self._relpaths = np.concatenate(paths).astype(np.uint8) if paths else np.zeros(0, dtype=np.uint8)
+        self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+        self.targets = np.zeros(0, dtype=np.int64)  # no class labels in a general store
+        self.uniform_shape = None
+
+    def _open_reader(self, name: str):
+        from .formats import reader_class
+
+        return reader_class(self.backend)(os.path.join(self.root, name), self.storage, schema=self.schema)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + "\nFields: " + ", ".join(f"{n} ({f.kind})" for n, f in self.schema)
+
+    # -- reading ----------------------------------------------------------------------------
+    def _decode_image(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None):
+        """One image field decoded per ``output``/``decode``; fastdata's own decoders'
+        failures become :class:`CorruptRecordError` (a user's decode callable's propagate)."""
+        try:
+            if self.decode is None:
+                return decode_pil(data, fmt, None) if self.output == "pil" else decode_numpy(data, fmt, None)
+            if self._decode_takes_rng:
+                rng = None if epoch is None else sample_rng(self.seed, epoch, index)
+                image = self.decode(data, rng)
+            else:
+                image = self.decode(data)
+            return _to_pil(image) if self.output == "pil" else image
+        except FastdataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
+            if not self._decode_is_ours:
+                raise
+            shard, local = self.locate(index)
+            raise CorruptRecordError(
+                f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
+                f"{fmt} image field {name!r} ({type(err).__name__}: {err}); run 'fastdata verify --decode'",
+                store=self.root, shard=self._shard_files[shard], index=index) from err
+
+    def _as_output(self, value: Any):
+        if self.output == "tensor":
+            if isinstance(value, np.ndarray):
+                return torch.from_numpy(np.array(value))  # a writable copy
+        return value
+
+    def _build(self, data: bytes, index: int, epoch: int | None) -> dict:
+        """The sample dict of record ``data`` (sample ``index``), before ``transform``."""
+        shard, local = self.locate(index)
+        where = f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index})"
+        record = decode_record_v2(data, self.schema, where=where)
+        out: dict[str, Any] = {}
+        for name, field in self.schema:
+            if isinstance(field, Image):
+                fmt = FORMAT_NAMES[int(self.index_arrays[f"{FIELD_PREFIX}{name}.format"][index])]
+                image = self._decode_image(record[name], fmt, index, name, epoch)
+                if self.output == "tensor" and isinstance(image, np.ndarray):
+                    image = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+                out[name] = image
+            elif field.index_shape is not None:
+                value = self.index_arrays[FIELD_PREFIX + name][index]
+                out[name] = (field.decode(value, where) if not isinstance(field, NDArray)
+                             else self._as_output(np.array(value)))
+            elif isinstance(field, NDArray | Ragged):
+                out[name] = self._as_output(record[name])
+            else:
+                out[name] = record[name]
+        return out
+
+    def _finish_sample(self, sample: dict):
+        return self.transform(sample) if self.transform is not None else sample
+
+    def _load(self, epoch: int | None, index: int):
+        return self._finish_sample(self._build(self._raw_bytes(index), index, epoch))
+
+    def __getitem__(self, index: int):
+        epoch = epoch_of(index, self.epoch)
+        index = self._check_index(index)
+        try:
+            sample = self._build(self._raw_bytes(index), index, epoch)
+        except CorruptRecordError as err:
+            return self._skip_to_next(index, err, functools.partial(self._load, epoch))[1]
+        return self._finish_sample(sample)
+
+    def __getitems__(self, indices: Sequence[int]):
+        """A batch of sample dicts, storage read shard by shard in key/offset order
+        (as :meth:`StoreDataset.__getitems__`), returned in the order asked."""
+        epoch = epoch_of(indices, self.epoch)
+        idx = self._check_indices(indices)
+        before = self._skips
+        out = SampleList()
+        load = functools.partial(self._load, epoch)
+        for i, data in zip(idx.tolist(), self._read_batch(idx), strict=True):
+            try:
+                if isinstance(data, CorruptRecordError):
+                    raise data
+                sample = self._build(data, i, epoch)
+            except CorruptRecordError as err:
+                out.append(self._skip_to_next(i, err, load)[1])
+                continue
+            out.append(self._finish_sample(sample))
+        out.skips, out.token = self._skips - before, self._token
+        return out
