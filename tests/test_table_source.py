@@ -418,3 +418,16 @@ def test_hostile_nesting_and_declaring_the_path_are_clear_errors(tmp_path):
     for spec in ("path:string", "image:string"):
         with pytest.raises(SchemaError, match="'path' is the image file of each row"):
             scan_table(tmp_path / "rows.jsonl", spec)
+
+
+def test_non_utf8_file_names_survive_and_non_utf8_text_is_a_bad_row(tmp_path):
+    name = b"caf\xe9.jpg"  # Latin-1 bytes: not UTF-8
+    make_jpeg(Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), name))), size=(8, 6), seed=0)
+    (tmp_path / "bad.csv").write_bytes(b"path,caption\n" + name + b",ok\n" + name + b",caf\xe9\n")
+    with pytest.raises(SourceError, match=r"bad\.csv:3: column 'caption': not encodable as UTF-8"):
+        scan_table(tmp_path / "bad.csv")
+    (tmp_path / "rows.csv").write_bytes(b"path,caption\n" + name + b",ok\n")
+    (tmp_path / "rows.jsonl").write_bytes(b'{"path": "' + name + b'", "n": 1}\n')
+    for source in (scan_table(tmp_path / "rows.csv"), scan_table(tmp_path / "rows.jsonl")):
+        assert source.paths[0] == os.path.join(os.fsencode(tmp_path), name) and source.relpaths[0] == name
+        assert source.problems == [] and os.fsencode(source.row(0)["image"]) == source.paths[0]
