@@ -53,6 +53,8 @@ class ConvertReport:
     options: str = ""
     rejected_items: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    #: what ``images`` counts, in the summary ("samples" for fastdata.write)
+    unit: str = "images"
 
     @property
     def images_per_s(self) -> float:
@@ -61,14 +63,14 @@ class ConvertReport:
     def summary(self) -> str:
         """A few human-readable lines."""
         if self.already_complete:
-            return f"{self.dst}: already a complete store ({self.images} images); nothing to do"
+            return f"{self.dst}: already a complete store ({self.images} {self.unit}); nothing to do"
         lines = [
-            f"wrote {self.images} images to {self.dst} ({self.backend}, {self.shards} shard(s)"
+            f"wrote {self.images} {self.unit} to {self.dst} ({self.backend}, {self.shards} shard(s)"
             + (f", {self.resumed_shards} kept from the interrupted run" if self.resumed_shards else "") + ")",
             f"rejected {self.rejected} input(s)" + (f" (listed in {os.path.join(self.dst, 'rejected.tsv')})"
                                                     if self.rejected else ""),
             f"input {format_size(self.input_bytes)}, output {format_size(self.output_bytes)}, "
-            f"{self.elapsed:.1f} s, {self.images_per_s:.0f} images/s",
+            f"{self.elapsed:.1f} s, {self.images_per_s:.0f} {self.unit}/s",
         ] + ([f"options: {self.options}"] if self.options else [])
         for path, reason in self.rejected_items[:5]:
             lines.append(f"  rejected {path}: {reason}")

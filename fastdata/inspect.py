@@ -14,7 +14,7 @@ from .formats import reader_class
 from .formats.base import StorageSpec
 from .layout import STAGING_DIR, check_local_path
 from .manifest import MANIFEST_NAME, read_manifest
-from .pipeline import file_checksum
+from .pipeline import WRITE_SOURCE, file_checksum
 from .record import FIELD_PREFIX, FORMAT_CODES, FORMAT_NAMES, SampleIndex, ShardIndex, decode_record_v2
 
 
@@ -278,6 +278,10 @@ def _is_store_candidate(store: str, report: VerifyReport) -> bool:
         from .resume import recorded_source
 
         source = recorded_source(store) or "SRC"
+        if source == WRITE_SOURCE:
+            report.refuse(UNFINISHED, "unfinished fastdata.write(): finish it by calling it again with resume=True "
+                                      "(map-style samples), or start over with overwrite=True")
+            return False
         report.refuse(UNFINISHED, f"unfinished conversion: finish it with fastdata convert {shlex.quote(source)} "
                                   f"{shlex.quote(store)} --resume")
         return False

@@ -54,6 +54,8 @@ from .source import SourceScan
 from .units import format_size
 
 PLAN_FILE = "plan.json"
+#: the "source" fastdata.write records (in the manifest's options and the staging plan)
+WRITE_SOURCE = "fastdata.write"
 
 
 @dataclass
@@ -109,8 +111,9 @@ def staging_path(dst: str, *parts: str) -> str:
     return os.path.join(dst, STAGING_DIR, *parts)
 
 
-def prepare_staging(dst: str, fingerprint: str, resume: bool) -> None:
-    """Create staging for a new run, or check it matches when resuming."""
+def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None = None) -> None:
+    """Create staging for a new run, or check it matches when resuming. ``source`` (if
+    given) is recorded next to the fingerprint, for messages about an unfinished run."""
     plan_path = staging_path(dst, PLAN_FILE)
     if resume and os.path.exists(plan_path):
         with open(plan_path, "rb") as fh:
@@ -126,7 +129,8 @@ def prepare_staging(dst: str, fingerprint: str, resume: bool) -> None:
         return
     try:
         os.makedirs(staging_path(dst), exist_ok=True)
-        atomic_write(plan_path, json.dumps({"fingerprint": fingerprint}).encode())
+        plan = {"fingerprint": fingerprint, **({"source": source} if source else {})}
+        atomic_write(plan_path, json.dumps(plan).encode())
     except OSError as err:
         raise io_error(err, plan_path) from err
 

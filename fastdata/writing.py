@@ -252,7 +252,8 @@ def write(
     from .layout import STAGING_DIR, check_local_path
     from .lock import StoreLock, raise_if_locked
     from .manifest import MANIFEST_NAME, read_manifest
-    from .pipeline import clear_store, load_finished, prepare_staging, publish, remove_temporaries, run_shards
+    from .pipeline import (WRITE_SOURCE, clear_store, load_finished, prepare_staging, publish, remove_temporaries,
+                           run_shards)
     from .units import parse_size_spec
 
     dst = os.fspath(dst)
@@ -295,7 +296,7 @@ def write(
         probe = [prepare_sample(schema, first[0], 0)] if first else []
     per_shard = max(1, size.bytes // _estimate(probe))
     fingerprint = _fingerprint(backend, size.bytes, count, schema, probe) if map_style else os.urandom(16).hex()
-    report = ConvertReport(dst=dst, backend=backend, options=f"{backend}, shard size {size}")
+    report = ConvertReport(dst=dst, backend=backend, options=f"{backend}, shard size {size}", unit="samples")
     _check_destination(dst, resume, overwrite)
     os.makedirs(dst, exist_ok=True)
     with StoreLock(dst):
@@ -310,7 +311,7 @@ def write(
             remove_temporaries(dst)
             report.already_complete, report.images = True, manifest["num_samples"]
             return report
-        prepare_staging(dst, fingerprint, resume)
+        prepare_staging(dst, fingerprint, resume, WRITE_SOURCE)
         remove_temporaries(dst)
         source: ChunkSource
         finished: dict = {}
@@ -339,7 +340,7 @@ def write(
             missing = sorted({p.shard_id for p in plans} - {r.shard_id for r in results})
             if missing:
                 raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with resume=True")
-        options = {"source": "fastdata.write", "shard_size": size.bytes, "shard_size_unit": size.unit,
+        options = {"source": WRITE_SOURCE, "shard_size": size.bytes, "shard_size_unit": size.unit,
                    "strict": True, "fingerprint": fingerprint, "resumable": map_style}
         manifest = publish(dst=dst, backend=backend, scan=None, storage=StorageSpec(), results=results,
                            options=options, schema=schema)

@@ -123,6 +123,8 @@ def test_a_sample_mismatching_the_schema_names_sample_and_field_and_publishes_no
     assert not (dst / "manifest.json").exists()
     with pytest.raises(IncompleteStoreError):
         read_manifest(str(dst))
+    report = fastdata.verify(str(dst))
+    assert report.status == "unfinished" and "fastdata.write(): finish it" in report.summary()
 
 
 def test_a_missing_key_is_named(tmp_path):
