@@ -4,8 +4,12 @@ Workflow for one destination (the caller holds the store lock):
 
 1. The plan (``plan.py``) splits the scan into shards; ``.fastdata-staging/plan.json``
    records its fingerprint so ``--resume`` can refuse a changed source.
-2. A pool of worker processes reads, validates and encodes chunks of inputs
-   (``ingest.py``). The main process submits chunks in store order with a
+2. A pool of worker processes reads, validates and encodes chunks of inputs.
+   What the inputs are is a :class:`ChunkSource`: :class:`FolderSource` for an
+   image folder or list file (``ingest.py``), the sources of ``writing.py`` for
+   ``fastdata.write`` (map-style datasets read by index range in the workers,
+   iterables chunked by the caller); everything below is shared by all of them.
+   ``workers=0`` runs the chunks in this process. The main process submits chunks in store order with a
    bounded window (memory stays flat whatever the dataset size) and consumes
    results in the same order, so the store order is the scan order for any
    worker count. A worker that dies breaks the pool: we raise, never hang.

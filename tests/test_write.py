@@ -242,3 +242,15 @@ def test_sigkill_then_resume_equals_a_clean_run(tmp_path):
     assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
     assert fastdata.verify(str(dst)).ok
 
+
+
+def test_cli_info_prints_the_schema_and_verify_decodes_a_general_store(tmp_path, capsys):
+    from fastdata.cli import main
+
+    dst = tmp_path / "s.h5"
+    fastdata.write([sample(i) for i in range(4)], dst, SCHEMA, workers=0, progress=False)
+    assert main(["info", str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert "layout version 2" in out and SCHEMA.describe_markdown().splitlines()[-1] in out
+    assert main(["verify", str(dst), "--decode"]) == 0
+    assert "4 records verified, 4 decoded" in capsys.readouterr().out
