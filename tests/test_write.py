@@ -254,3 +254,13 @@ def test_cli_info_prints_the_schema_and_verify_decodes_a_general_store(tmp_path,
     assert "layout version 2" in out and SCHEMA.describe_markdown().splitlines()[-1] in out
     assert main(["verify", str(dst), "--decode"]) == 0
     assert "4 records verified, 4 decoded" in capsys.readouterr().out
+
+
+def test_classification_dataset_classes_refuse_a_general_store(tmp_path):
+    dst = tmp_path / "s.lmdb"
+    fastdata.write([sample(i) for i in range(2)], dst, SCHEMA, workers=0, progress=False)
+    with pytest.raises(fastdata.errors.FormatError, match="open it with fastdata.open_dataset"):
+        fastdata.LMDBImageDataset(dst)
+    ds = fastdata.open_dataset(dst, output="numpy")
+    shard, local = ds.locate(1)
+    assert ds._reader(shard).get_many([local]) == [ds._reader(shard).get(local)]  # fresh reader, batch path first

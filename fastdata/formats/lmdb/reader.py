@@ -167,9 +167,7 @@ class LMDBShardReader(ShardReader):
         if buf is None:
             raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
         if self.schema is not None:  # version 2: the whole record against the index's checksum
-            if self._checksums is None:
-                self.read_index()
-            assert self._checksums is not None
+            assert self._checksums is not None, "get()/get_many() load the checksums first"
             if not 0 <= local_index < len(self._checksums) or checksum(buf) != int(self._checksums[local_index]):
                 raise CorruptRecordError(f"{where}: record checksum mismatch (the record is damaged)",
                                          shard=self.path, index=local_index)
@@ -179,7 +177,14 @@ class LMDBShardReader(ShardReader):
         except CorruptRecordError as err:  # decode_record knows no shard/index: attach them
             raise CorruptRecordError(str(err), shard=self.path, index=local_index) from None
 
+    def _load_checksums(self) -> None:
+        """Version 2: the index's record checksums, read before a records transaction opens
+        (never a second transaction nested inside one)."""
+        if self.schema is not None and self._checksums is None:
+            self.read_index()
+
     def get(self, local_index: int) -> bytes:
+        self._load_checksums()
         try:
             with self.env.begin(db=self.records, buffers=True) as txn:
                 return self._decode(txn.get(spec.encode_key(local_index)), local_index)
@@ -204,6 +209,7 @@ class LMDBShardReader(ShardReader):
 
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
         """One read transaction for the whole batch; keys visited in sorted order."""
+        self._load_checksums()
         order = np.argsort(np.asarray(local_indices), kind="stable")
         out: list = [None] * len(local_indices)
         i = -1
