@@ -44,6 +44,7 @@ def _run_convert(convert, args):
         args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
         max_side=args.max_side, quality=args.quality, raw=args.raw, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
+        **_list_options(args),
     )
 
 
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    _add_list_arguments(c)
     c.set_defaults(func=_cmd_convert)
 
     i = sub.add_parser("info", help="describe a store",
@@ -172,6 +174,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_optional_commands(sub)
     return p
+
+
+_LIST_HELP = """\
+lists with more fields than path,label (a general store, layout version 2):
+  SRC may be a JSONL file (.jsonl/.ndjson), one object per line, or a CSV/TSV whose
+  header names more columns than path,label. 'path' (relative to the list's folder)
+  becomes the image field 'image'; every other key or column becomes a field. JSONL
+  values: true/false -> bool, integers -> int64, numbers -> float64, strings ->
+  string, lists of numbers (or of equal-length lists) -> ragged arrays (N, ...),
+  objects and anything else -> json. A key 'label' or 'labels' is a class field:
+  class names (sorted, as ImageFolder) or integers (the index itself); a list of
+  names per row is multi-label, and in a CSV cell labels are separated by '|'
+  (cat|dog). Undeclared CSV columns are int, float or string.
+  e.g.  {"path": "a.jpg", "boxes": [[1, 2, 30, 40]], "caption": "a cat", "label": ["cat", "dog"]}
+
+--schema declares fields instead of inferring them (the others are still inferred):
+"""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps descriptions as usual but keeps multi-line text (the list rules) as written."""
+
+    def _fill_text(self, text, width, indent):
+        return text if "\n" in text else super()._fill_text(text, width, indent)
+
+
+def _add_list_arguments(c) -> None:
+    """``convert``'s options for lists with more fields than path,label."""
+    from .sources.table import SPEC_GRAMMAR
+
+    c.formatter_class = _HelpFormatter
+    c.epilog = _LIST_HELP + "\n".join("  " + line for line in SPEC_GRAMMAR.splitlines())
+    c.add_argument("--schema", metavar="SPEC_OR_JSON_FILE",
+                   help="declare fields of a JSONL/CSV/TSV list: an inline spec or a .json file (grammar and "
+                        "example below)")
+
+
+def _list_options(args) -> dict:
+    """The list options given, as keywords of :func:`fastdata.convert.convert`."""
+    schema = getattr(args, "schema", None)
+    return {"schema": schema} if schema is not None else {}
 
 
 def _add_optional_commands(sub) -> None:

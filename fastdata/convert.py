@@ -254,11 +254,15 @@ def convert(
     progress: bool | None = None,
     lmdb_map_size: int | str | None = None,
     chunk_size: int = 32,
+    schema=None,
 ) -> ConvertReport:
     """Convert an ImageFolder tree or a CSV/TSV list file into a fastdata store.
 
     Args:
-        src: image folder (class subfolders) or a ``.csv``/``.tsv`` list of ``path,label``.
+        src: image folder (class subfolders) or a ``.csv``/``.tsv`` list of ``path,label``
+            (a classification store, layout version 1); or a JSONL list, or a CSV/TSV list
+            whose header names more columns than ``path,label`` (a general store, layout
+            version 2, written by :func:`convert_table`).
         dst: destination directory; its suffix picks the backend unless ``format`` is given.
         format: ``"lmdb"`` or ``"hdf5"``.
         workers: reader/validator processes (default or 0: all cores; negative is an error; more than
@@ -275,6 +279,9 @@ def convert(
         progress: show a progress bar (default: when stderr is a terminal).
         lmdb_map_size: initial LMDB map size (it grows automatically).
         chunk_size: inputs per worker task.
+        schema: declared fields of a list file (``--schema``: an inline spec, a JSON file, or a
+            loaded JSON value; see :func:`fastdata.sources.table.parse_schema`); makes ``src``
+            a general list (:func:`convert_table`).
 
     Returns:
         A :class:`ConvertReport`.
@@ -285,6 +292,13 @@ def convert(
     src, dst = os.fspath(src), os.fspath(dst)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are exclusive")
+    if _is_general_list(src, schema):
+        if any(v is not None for v in (max_side, quality, raw)):
+            raise ValueError(f"{src}: --max-side/--quality/--raw apply to image folders and path,label lists; a "
+                             "list with more fields keeps each image's bytes as they are (leave them out)")
+        return convert_table(src, dst, schema=schema, format=format, workers=workers, shard_size=shard_size,
+                             strict=strict, resume=resume, overwrite=overwrite, progress=progress,
+                             lmdb_map_size=lmdb_map_size, chunk_size=chunk_size)
     check_local_path(src, "source")
     check_local_path(dst, "destination", must_exist=False)
     if current_group() is None:  # (ranks: rank 0 checks, so that all ranks stop together)
@@ -426,3 +440,296 @@ class _progress_bar:
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.close()
+
+
+# --------------------------------------------------------------------------- list files with more than a label
+
+
+def _is_general_list(src: str, schema) -> bool:
+    """Whether ``src`` becomes a general (layout version 2) store: a ``--schema`` was
+    given, or ``src`` is a JSONL file or a CSV/TSV whose header names more than
+    ``path,label`` (:func:`fastdata.sources.table.is_table_list`)."""
+    from .sources.table import is_table_list
+
+    if schema is not None:
+        return True
+    return os.path.isfile(src) and is_table_list(src, None)
+
+
+#: the list source of this worker process (set by the pool initializer)
+_TABLE = None
+
+
+def _set_table(table) -> None:
+    """Worker initializer: keep the list source for :func:`encode_table_chunk`."""
+    global _TABLE
+    _TABLE = table
+
+
+def _table_row(table, i: int) -> dict | str:
+    """Row ``i`` of the list with its image read (bytes), or why the image is unusable."""
+    from .ingest import Rejected, read_bytes
+
+    row = table.row(i)
+    try:
+        row["image"] = read_bytes(table.path(i))
+    except Rejected as why:
+        return str(why)
+    return row
+
+
+def _encode_table_row(schema, row: dict, i: int, relpath: bytes):
+    """Row ``i`` (its first image already read) validated and encoded as a version-2
+    record keeping ``relpath``: every image fully decoded under the image policy (which
+    gives its stored format and size), the other values checked against the schema."""
+    from .errors import RejectedInputError
+    from .imageio import ImageDecodeError, open_image, stored_format
+    from .ingest import Rejected, read_bytes
+    from .record import encode_sample
+
+    images: dict[str, tuple[str, int, int]] = {}
+    for name in schema.image_fields():
+        data = row[name]
+        if isinstance(data, str):  # a second image column: its absolute path
+            try:
+                data = row[name] = read_bytes(os.fsencode(data))
+            except Rejected as why:
+                raise RejectedInputError(f"field {name!r}: {data}: {why}") from None
+        try:
+            im = open_image(data)
+        except ImageDecodeError as err:
+            raise RejectedInputError(f"field {name!r}: not a usable image ({err})") from None
+        images[name] = (stored_format(im), im.width, im.height)
+        im.close()
+    return encode_sample(schema, schema.check(row, f"sample {i}"), images, relpath)
+
+
+def encode_table_chunk(schema, start: int, stop: int, spill_dir: str | None):
+    """Worker entry point: rows ``start .. stop-1`` of the list source given to this
+    worker, each an :class:`~fastdata.record.EncodedSample` keeping the path as written
+    in the list, or the reason (``str``, naming the list line) it is rejected."""
+    from .errors import RejectedInputError
+    from .ingest import spill
+
+    table = _TABLE
+    assert table is not None, "encode_table_chunk runs in workers started with _set_table"
+    results: list = []
+    nbytes = 0
+    for i in range(start, stop):
+        line = f"{os.path.basename(table.list_file)}:{int(table.lines[i])}"
+        row = _table_row(table, i)
+        if isinstance(row, str):
+            results.append(f"{row} ({line})")
+            continue
+        nbytes += len(row["image"])
+        try:
+            results.append(_encode_table_row(schema, row, i, table.relpaths[i]))
+        except RejectedInputError as err:  # an image that does not decode, or a second image file unreadable
+            results.append(f"{err} ({line})")
+    return (spill(results, spill_dir) if spill_dir is not None else results), nbytes
+
+
+def _table_chunk_source(table, plans: list[ShardPlan], chunk_size: int):
+    """The pipeline's :class:`~fastdata.pipeline.ChunkSource` for a list: index ranges
+    the workers read themselves from the list source they received once."""
+    from .pipeline import Chunk, ChunkSource
+
+    class TableChunks(ChunkSource):
+        worker = staticmethod(encode_table_chunk)
+        worker_init = (_set_table, (table,))
+
+        def chunks(self):
+            for plan in plans:
+                for a in range(plan.start, plan.stop, chunk_size):
+                    b = min(a + chunk_size, plan.stop)
+                    yield Chunk(plan, a, b, b == plan.stop, (table.schema, a, b))
+
+        def describe(self, start: int, stop: int) -> str:
+            return f"{table.list_file} lines {int(table.lines[start])} .. {int(table.lines[stop - 1])}"
+
+        def input_name(self, i: int) -> str:
+            return os.fsdecode(table.relpaths[i])
+
+    return TableChunks()
+
+
+def _table_fingerprint(table, backend: str, shard_bytes: int) -> str:
+    """A hash of what decides a list store's content (the list file's bytes, its schema
+    and class tables, the image sizes, backend and shard size), for ``--resume``."""
+    import json
+
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    h.update(json.dumps([backend, shard_bytes, table.schema.to_json(), table.class_tables]).encode())
+    with open(table.list_file, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    h.update(table.sizes.astype("<i8").tobytes())
+    return h.hexdigest()
+
+
+def _record_table_run(dst: str, run: RunOptions, src: str, fingerprint: str) -> None:
+    """What a later ``--resume`` reuses (the options) and compares against (the fingerprint)."""
+    import json
+
+    from .manifest import atomic_write
+    from .pipeline import PLAN_FILE, io_error
+
+    path = os.path.join(dst, STAGING_DIR, PLAN_FILE)
+    body = {"source": os.path.abspath(src), "fingerprint": fingerprint, "options": run.to_json()}
+    try:
+        atomic_write(path, json.dumps(body).encode())
+    except OSError as err:
+        raise io_error(err, path) from err
+
+
+def _check_table_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str) -> None:
+    """Refuse a resume of a list conversion whose options or list differ, naming the options."""
+    if recorded is None or recorded.fingerprint == fingerprint:
+        return
+    diffs = option_differences(recorded.options, run)
+    if not diffs:
+        diffs = [f"the list {src} or its image files changed"]
+    what = "; ".join(diffs)
+    if recorded.complete:
+        raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
+                                  "use --overwrite to replace it")
+    raise ResumeMismatchError(f"cannot resume {dst}: {what}. Leave out differing options (--resume reuses the "
+                              f"recorded ones: {recorded.options.describe()}), or start over with --overwrite")
+
+
+def _class_counts(dst: str, backend: str, table, results: list, target: str | None) -> None:
+    """Fill each shard result's ``class_counts`` from the class indices its shard holds
+    (rejected rows are not in it), for the manifest's ``class_counts``."""
+    import numpy as np
+
+    from .formats import reader_class
+    from .record import FIELD_PREFIX
+
+    for r in results:
+        if target is None:
+            r.class_counts = []
+            continue
+        with reader_class(backend)(os.path.join(dst, r.name), StorageSpec(), schema=table.schema) as reader:
+            labels = np.asarray(reader.read_index().arrays[FIELD_PREFIX + target], dtype=np.int64)
+        r.class_counts = np.bincount(labels, minlength=len(table.class_tables[target])).tolist()
+
+
+def convert_table(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    schema=None,
+    format: str | None = None,
+    workers: int | None = None,
+    shard_size: int | str | None = None,
+    strict: bool | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    lmdb_map_size: int | str | None = None,
+    chunk_size: int = 32,
+) -> ConvertReport:
+    """Convert a JSONL or CSV/TSV list with any fields into a general (layout version 2) store.
+
+    The list is parsed by :func:`fastdata.sources.table.scan_table` (fields typed by
+    inference or by ``schema``); workers read and fully decode each row's image and
+    encode the row (:func:`fastdata.writing.prepare_sample`), through the same writer
+    pipeline, lock, resume and atomic publish as :func:`convert`. Records keep the
+    image path as written in the list. Unreadable images are rejected and reported
+    (``strict`` stops at the first). The manifest holds every class field's table under
+    ``class_tables`` and the single-label one's under ``classes``, with ``class_counts``.
+
+    Args: as :func:`convert`; ``schema`` as :func:`fastdata.sources.table.parse_schema`.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        SourceError: the list is missing or has bad rows (all named with line numbers).
+        SchemaError: the schema spec is malformed.
+        FastdataError subclasses for the destination, resume and I/O, as :func:`convert`.
+    """
+    from .manifest import CLASS_TABLES_KEY, target_field
+    from .sources.table import scan_table
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite are exclusive")
+    check_local_path(src, "source")
+    check_local_path(dst, "destination", must_exist=False)
+    if os.path.isdir(src):
+        raise ValueError(f"{src} is a folder: --schema applies to a JSONL/CSV/TSV list file (path plus fields)")
+    if current_group() is not None:
+        raise ValueError("a list with more fields than path,label converts on one machine: run it without torchrun")
+    raise_if_locked(dst)
+    recorded = read_recorded_run(os.path.abspath(dst)) if resume else None
+    run = resolve_options(dst, recorded.options if recorded else None, format=format, shard_size=shard_size,
+                          max_side=None, quality=None, raw=None, strict=strict)
+    backend, shard_bytes = run.backend, run.shard_size.bytes
+    workers, workers_warning = resolve_workers(workers)
+    writer_options = {"initial_map_size": parse_size(lmdb_map_size)} if lmdb_map_size else {}
+    started = time.perf_counter()
+    dst = os.path.abspath(dst)
+    prestart_pool()
+    table = scan_table(src, schema)
+    target = target_field(table.schema, table.class_tables)
+    report = ConvertReport(dst=dst, backend=backend)
+    report.warnings.extend([workers_warning] if workers_warning else [])
+    report.options = run.describe() + (" (recorded by the interrupted run)" if recorded and not recorded.complete
+                                       else "")
+    # planned from the image file sizes plus a little for the other fields (exact sizes are known only once encoded)
+    sizes = table.sizes.clip(min=0) + 64
+    plans = plan_shards(sizes, shard_bytes)
+    check_shard_count(plans, int(sizes.sum()), run.shard_size)
+    _check_destination(dst, resume, overwrite)
+    os.makedirs(dst, exist_ok=True)
+    with StoreLock(dst) as lock:
+        if lock.stale_pid:
+            report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
+        if overwrite:
+            clear_store(dst)
+        fingerprint = _table_fingerprint(table, backend, shard_bytes)
+        if resume:
+            _check_table_resume(dst, src, recorded, run, fingerprint)
+        if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
+            shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
+            remove_temporaries(dst)
+            report.already_complete = True
+            report.images = read_manifest(dst)["num_samples"]
+            report.elapsed = time.perf_counter() - started
+            return report
+        prepare_staging(dst, fingerprint, resume)
+        if recorded is None or recorded.fingerprint != fingerprint:
+            _record_table_run(dst, run, src, fingerprint)
+        remove_temporaries(dst)
+        finished = load_finished(dst, backend, plans) if resume else {}
+        todo = [p for p in plans if p.shard_id not in finished]
+        with _progress_bar(sum(p.stop - p.start for p in todo), progress) as bar:
+            stats = run_shards(dst=dst, backend=backend, storage=StorageSpec(), workers=workers, strict=run.strict,
+                               writer_options=writer_options, on_progress=bar.update_counts, chunk_size=chunk_size,
+                               source=_table_chunk_source(table, todo, chunk_size), schema=table.schema)
+        results = list(finished.values()) + stats.results
+        missing = sorted({p.shard_id for p in plans} - {r.shard_id for r in results})
+        if missing:
+            raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with --resume")
+        _class_counts(dst, backend, table, results, target)
+        classes = table.class_tables[target] if target is not None else []
+        options = {"source": os.path.abspath(src), "shard_size": shard_bytes,
+                   "shard_size_unit": run.shard_size.unit, "strict": run.strict, "fingerprint": fingerprint}
+        manifest = publish(dst=dst, backend=backend, scan=_ClassesOnly(classes),  # type: ignore[arg-type]
+                           storage=StorageSpec(),
+                           results=results, options=options, schema=table.schema,
+                           extra={CLASS_TABLES_KEY: table.class_tables})
+    _fill_report(report, manifest, stats, finished, started)
+    return report
+
+
+@dataclass
+class _ClassesOnly:
+    """What :func:`~fastdata.pipeline.publish` reads of a scan: the classes (the rejected
+    images are reported per shard, so no scan-level remarks)."""
+
+    classes: list
+    walk_problems: list = field(default_factory=list)

@@ -212,7 +212,7 @@ class StoreDataset(Dataset):
         source = self._source
         if not source:
             return None
-        if source.lower().endswith((".csv", ".tsv")):  # a list: its paths are relative to its folder
+        if source.lower().endswith((".csv", ".tsv", ".jsonl", ".ndjson")):  # a list: paths relative to its folder
             return os.path.dirname(source)
         return source
 

@@ -211,9 +211,41 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
             sum(body["class_counts"]) != body["num_samples"] and not (general and not body["classes"])):
         raise FormatError(f"{where}: num_samples does not match the shard and class counts")
     if general:
-        schema_of(body, where)
+        schema = schema_of(body, where)
+        _validate_class_tables(body, schema, where)
     elif "schema" in body:
         raise FormatError(f"{where}: a version-1 manifest has no schema (it is always image + label)")
+
+
+#: manifest key of a general store's class tables: ``{field name: [class names]}``
+CLASS_TABLES_KEY = "class_tables"
+
+
+def _validate_class_tables(body: dict, schema, where: str) -> None:
+    """``class_tables`` (optional, version 2): each key a field of the schema, each
+    value a list of class names; ``classes`` is the table of :func:`target_field`."""
+    tables = body.get(CLASS_TABLES_KEY)
+    if tables is None:
+        return
+    names = {name for name, _ in schema}
+    if not isinstance(tables, dict) or not all(
+            k in names and isinstance(v, list) and all(isinstance(c, str) for c in v) for k, v in tables.items()):
+        raise FormatError(f"{where}: {CLASS_TABLES_KEY} must map fields of the schema to lists of class names")
+    target = target_field(schema, tables)
+    if body["classes"] != (tables[target] if target is not None else []):
+        raise FormatError(f"{where}: classes must be the class table of the single-label class field")
+
+
+def target_field(schema, class_tables: dict) -> str | None:
+    """The field whose class indices are a general store's ``targets`` (and whose table
+    is its ``classes``): ``label`` when it is a single-label class field (an int),
+    else the only single-label class field, else None (e.g. multi-label only)."""
+    from .fields import Int
+
+    single = [name for name, f in schema if name in class_tables and isinstance(f, Int)]
+    if "label" in single:
+        return "label"
+    return single[0] if len(single) == 1 else None
 
 
 def schema_of(body: dict, where: str = "manifest"):

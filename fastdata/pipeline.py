@@ -606,11 +606,12 @@ def _stop_pool(executor: cf.ProcessPoolExecutor) -> None:
 
 
 def publish(*, dst: str, backend: str, scan: SourceScan | None, storage: StorageSpec, results: list[ShardResult],
-            options: dict, schema: Schema | None = None) -> dict:
+            options: dict, schema: Schema | None = None, extra: dict | None = None) -> dict:
     """Write ``rejected.tsv`` and then ``manifest.json`` (last); remove staging.
 
     ``schema`` None publishes a classification store (layout version 1, classes from
-    ``scan``); a schema publishes a general store (version 2, no classes)."""
+    ``scan``); a schema publishes a general store (version 2, classes from ``scan``
+    when it has any). ``extra`` adds top-level manifest keys (e.g. ``class_tables``)."""
     results = sorted(results, key=lambda r: r.shard_id)
     shards, first = [], 0
     classes = list(scan.classes) if scan is not None else []
@@ -642,6 +643,7 @@ def publish(*, dst: str, backend: str, scan: SourceScan | None, storage: Storage
     }
     if schema is not None:
         body["schema"] = schema.to_json()
+    body.update(extra or {})
     try:
         atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
         manifest = write_manifest(dst, body)

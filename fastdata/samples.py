@@ -103,8 +103,21 @@ class SampleDataset(StoreDataset):
                                      store=self.root)
         self._relpaths = np.concatenate(paths).astype(np.uint8) if paths else np.zeros(0, dtype=np.uint8)
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
-        self.targets = np.zeros(0, dtype=np.int64)  # no class labels in a general store
+        self._load_class_tables(manifest)
         self.uniform_shape = None
+
+    def _load_class_tables(self, manifest: dict) -> None:
+        """``class_tables`` (every class field's names, e.g. from a JSONL list), and
+        ``targets``: the single-label class field's indices (int64, one per sample, as
+        ImageFolder's), so samplers and class counts work; empty when there is none."""
+        from .manifest import CLASS_TABLES_KEY, target_field
+
+        #: field name -> class names, for each class field (``classes`` is the targets' table)
+        self.class_tables: dict[str, list[str]] = {k: list(v) for k, v in manifest.get(CLASS_TABLES_KEY, {}).items()}
+        target = target_field(self.schema, self.class_tables)
+        self.target_field = target
+        self.targets = (self.index_arrays[FIELD_PREFIX + target].astype(np.int64) if target is not None
+                        else np.zeros(0, dtype=np.int64))
 
     def _open_reader(self, name: str):
         from .formats import reader_class

@@ -129,7 +129,7 @@ kind    := image | string | json | class | multilabel
 dtype   := bool | int8 | int16 | int32 | int64 | uint8 | uint16 | uint32 | uint64 | float16 | float32 | float64
 default := text up to the next top-level comma, written as a CSV cell of that kind
            (numbers as text, arrays and json as JSON, multilabel as a|b; empty: no label)
-example: boxes:ragged[float32,4],score:float32=0,caption:string,label:multilabel="""
+example: boxes:ragged[float32,4],score:float32=0,caption:string,label:multilabel"""
 
 
 def _kind_from_text(text: str, where: str) -> Field | str:
