@@ -5,6 +5,7 @@ Public API::
 
     fastdata.convert(src, dst, **options) -> ConvertReport
     fastdata.write(samples, dst, schema=None, **options) -> ConvertReport
+    fastdata.convert_coco(annotations_json, image_dir, dst, **options) -> ConvertReport
     fastdata.verify(store, decode=False) -> VerifyReport
     fastdata.info(store) -> dict
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
@@ -27,6 +28,7 @@ from . import errors  # noqa: E402
 from .convert import ConvertReport, convert  # noqa: E402
 from .inspect import info, verify  # noqa: E402
 from .writing import write  # noqa: E402
+from .coco_convert import convert_coco  # noqa: E402
 
 _LAZY = {
     "LMDBImageDataset": "fastdata.dataset",
@@ -34,6 +36,8 @@ _LAZY = {
     "open_dataset": "fastdata.dataset",
     "collate": "fastdata.dataset",
     "collate_samples": "fastdata.batching",
+    "collate_detection": "fastdata.batching",
+    "CocoStoreDataset": "fastdata.coco_dataset",
     "seed_worker": "fastdata.seeding",
     "loader": "fastdata.loading",
     "DistributedShardSampler": "fastdata.sampler",
@@ -41,7 +45,7 @@ _LAZY = {
     "transforms": "fastdata.transforms",
 }
 
-__all__ = ["__version__", "errors", "convert", "ConvertReport", "write", "info", "verify", *_LAZY]
+__all__ = ["__version__", "errors", "convert", "ConvertReport", "write", "convert_coco", "info", "verify", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -112,7 +112,9 @@ def _as_output(images: np.ndarray, label_bytes: bytes, channels_first: bool):
 def collate(batch):
     """``collate_fn`` that passes a :class:`Batch` through without copying, collates
     samples that are dicts, or tuples holding a dict (``(image, target_dict)``), with
-    :func:`collate_samples`, and defers to ``default_collate`` for anything else
+    :func:`collate_samples`, collates detection batches (a COCO store's, or
+    ``(image, [annotation dict, ...])`` samples) with :func:`collate_detection` into
+    ``(list of images, list of targets)``, and defers to ``default_collate`` for anything else
     (``(image, class)`` pairs).
 
     In a DataLoader worker, a batch in which damaged samples were replaced
@@ -124,6 +126,8 @@ def collate(batch):
             out = _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
         else:
             out = batch.images, batch.labels
+    elif getattr(batch, "detection", False) or _holds_annotation_lists(batch):
+        out = collate_detection(batch)
     elif _holds_dicts(batch):
         out = collate_samples(batch)
     else:
@@ -279,6 +283,29 @@ def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
         return tuple(list(col) if isinstance(col[0], Mapping) else _collate_values(list(col), False)
                      for col in columns)
     return _collate_values(list(batch), False)
+
+
+def _holds_annotation_lists(batch: Sequence) -> bool:
+    """Whether every sample is ``(image, [annotation dict, ...])`` (``CocoDetection``'s samples)."""
+    return bool(len(batch)) and all(
+        isinstance(s, tuple | list) and len(s) == 2 and isinstance(s[1], list)
+        and all(isinstance(a, Mapping) for a in s[1]) for s in batch)
+
+
+def collate_detection(batch: Sequence) -> Any:
+    """``(images, targets)`` as two lists, like torchvision's detection references
+    (``tuple(zip(*batch))``): images keep their own sizes, targets (annotation lists or
+    target dicts) stay as they are. Samples that are not 2-tuples go to :func:`collate_samples`.
+
+    Args:
+        batch (Sequence): ``(image, target)`` samples (e.g. a COCO store's batch).
+
+    Returns:
+        tuple[list, list] | Any: the images and the targets.
+    """
+    if len(batch) and all(isinstance(s, tuple | list) and len(s) == 2 for s in batch):
+        return [s[0] for s in batch], [s[1] for s in batch]
+    return collate_samples(batch)
 
 
 def _keys_of(sample: Any) -> Any:

@@ -27,7 +27,7 @@ def _cmd_convert(args) -> int:
 
     created = init_from_env()  # under torchrun: join the job's process group (gloo)
     try:
-        report = _run_convert(convert, args)
+        report = _run_coco(args) if getattr(args, "coco", None) else _run_convert(convert, args)
         group = current_group()
         rank = group.rank if group else 0
     finally:
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(--shard-size, --format, --max-side/--quality/--raw, --strict) take the values "
                             "the interrupted run recorded, and one given that differs is refused, naming it")
     again.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    _add_coco_argument(c)
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     _add_list_arguments(c)
@@ -215,6 +216,32 @@ def _list_options(args) -> dict:
     """The list options given, as keywords of :func:`fastdata.convert.convert`."""
     schema = getattr(args, "schema", None)
     return {"schema": schema} if schema is not None else {}
+
+
+def _add_coco_argument(c) -> None:
+    """``convert --coco ANNOTATIONS.json IMAGE_DIR DST``."""
+    c.add_argument("--coco", metavar="ANNOTATIONS.json",
+                   help="convert a COCO detection set: SRC is then the image folder the file's file_name entries "
+                        "are relative to; one sample per listed image in CocoDetection's order (sorted ids), "
+                        "fields image, image_id, width, height and annotations (the image's annotation dicts "
+                        "exactly as in the file); open it with fastdata.open_dataset. Missing or unusable images "
+                        "are skipped and reported, problems of the file (annotations of unknown images, repeated "
+                        "ids) are warnings; --strict stops at any of them")
+
+
+def _run_coco(args):
+    """``convert --coco``: the COCO options checked, then :func:`fastdata.convert_coco`."""
+    from .coco_convert import convert_coco
+
+    unused = [flag for flag, value in (("--max-side", args.max_side), ("--quality", args.quality),
+                                       ("--raw", args.raw), ("--lmdb-map-size", args.lmdb_map_size),
+                                       ("--schema", getattr(args, "schema", None))) if value is not None]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} do(es) not apply to --coco: COCO images are stored as they are, "
+                         "with the fields the annotation file gives")
+    return convert_coco(args.coco, args.src, args.dst, format=args.format, workers=args.workers,
+                        shard_size=args.shard_size, strict=args.strict, resume=args.resume, overwrite=args.overwrite,
+                        progress=False if args.quiet else None)
 
 
 def _add_optional_commands(sub) -> None:

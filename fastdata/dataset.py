@@ -616,10 +616,17 @@ def open_dataset(path: str | os.PathLike, **kwargs) -> StoreDataset:
     folder writes) opens as :class:`LMDBImageDataset` / :class:`HDF5ImageDataset`
     (:class:`StoreDataset` for another registered backend); a general store (version 2,
     what :func:`fastdata.write` writes) as a :class:`fastdata.samples.SampleDataset`,
-    whose items are dicts of its fields."""
+    whose items are dicts of its fields; a store converted from COCO (``fastdata convert
+    --coco``) as a :class:`fastdata.coco_dataset.CocoStoreDataset`, whose items are
+    ``CocoDetection``'s ``(image, annotations)`` (``target_format="v2"``: torchvision's
+    transforms-v2 targets)."""
     manifest = read_manifest(os.fspath(path))
     if manifest["version"] != 1:
+        from .coco_dataset import CocoStoreDataset, is_coco_manifest
         from .samples import SampleDataset
+
+        if is_coco_manifest(manifest):
+            return CocoStoreDataset(path, **kwargs)
 
         return SampleDataset(path, **kwargs)
     cls = {"lmdb": LMDBImageDataset, "hdf5": HDF5ImageDataset}.get(manifest["backend"], StoreDataset)

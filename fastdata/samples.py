@@ -38,6 +38,8 @@ class SampleList(list):
 
     skips: int = 0
     token: str = ""
+    #: ``(image, target)`` detection samples: :func:`fastdata.collate` returns lists of both
+    detection: bool = False
 
 
 class SampleDataset(StoreDataset):

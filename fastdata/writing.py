@@ -107,7 +107,8 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
         try:
             im = open_image(data)
         except ImageDecodeError as err:
-            raise RejectedInputError(f"{field_where}: not a usable image ({err})") from None
+            named = f"{field_where}: {os.fsdecode(path)}" if path else field_where
+            raise RejectedInputError(f"{named}: not a usable image ({err})") from None
         images[name] = (stored_format(im), im.width, im.height)
         im.close()
         values[name] = data
@@ -115,16 +116,27 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
     return encode_sample(schema, checked, images, relpath or str(index).encode())
 
 
-def encode_chunk(schema: Schema, start: int, stop: int, items: list | None, spill_dir: str | None):
+def prepare_or_reject(schema: Schema, sample: Any, index: int, strict: bool) -> EncodedSample | str:
+    """:func:`prepare_sample`, or with ``strict=False`` the reason (``str``) why an image
+    value is unusable (unreadable file, not an image): the pipeline skips and reports it."""
+    try:
+        return prepare_sample(schema, sample, index)
+    except RejectedInputError as err:
+        if strict:
+            raise
+        return str(err)
+
+
+def encode_chunk(schema: Schema, start: int, stop: int, items: list | None, strict: bool, spill_dir: str | None):
     """Worker entry point: samples ``start .. stop-1`` (``items``, or from the map-style
-    dataset given to this worker) as :class:`EncodedSample` objects; see
-    :class:`~fastdata.pipeline.ChunkSource` for the return value."""
+    dataset given to this worker) as :class:`EncodedSample` objects (or rejection reasons
+    when not ``strict``); see :class:`~fastdata.pipeline.ChunkSource` for the return value."""
     from .ingest import spill
 
     if items is None:
         items = [_SAMPLES[i] for i in range(start, stop)]
-    results = [prepare_sample(schema, item, start + k) for k, item in enumerate(items)]
-    nbytes = sum(len(r.record) for r in results)
+    results = [prepare_or_reject(schema, item, start + k, strict) for k, item in enumerate(items)]
+    nbytes = sum(len(r.record) for r in results if not isinstance(r, str))
     return (spill(results, spill_dir) if spill_dir is not None else results), nbytes
 
 
@@ -141,17 +153,22 @@ class _SampleSource(ChunkSource):
 class MapSource(_SampleSource):
     """A map-style dataset, split into index ranges (``plans``) the workers read themselves."""
 
-    def __init__(self, samples: Any, schema: Schema, plans: list[ShardPlan], chunk_size: int):
-        self.schema, self.plans, self.chunk_size = schema, plans, chunk_size
+    def __init__(self, samples: Any, schema: Schema, plans: list[ShardPlan], chunk_size: int, strict: bool = True):
+        self.schema, self.plans, self.chunk_size, self.strict = schema, plans, chunk_size, strict
         self.worker_init = (_set_samples, (samples,))
+        # a dataset may name its inputs (e.g. a COCO image's file name) for rejected.tsv
+        self._names = getattr(samples, "input_name", None)
+
+    def input_name(self, i: int) -> str:
+        return str(self._names(i)) if callable(self._names) else super().input_name(i)
 
     def chunks(self) -> Iterator[Chunk]:
         for plan in self.plans:
             if plan.start == plan.stop:
-                yield Chunk(plan, plan.start, plan.stop, True, (self.schema, plan.start, plan.stop, None))
+                yield Chunk(plan, plan.start, plan.stop, True, (self.schema, plan.start, plan.stop, None, self.strict))
             for a in range(plan.start, plan.stop, self.chunk_size):
                 b = min(a + self.chunk_size, plan.stop)
-                yield Chunk(plan, a, b, b == plan.stop, (self.schema, a, b, None))
+                yield Chunk(plan, a, b, b == plan.stop, (self.schema, a, b, None, self.strict))
 
 
 class IterSource(_SampleSource):
@@ -164,7 +181,7 @@ class IterSource(_SampleSource):
         end = object()
         nxt = next(self.iterator, end)
         if nxt is end:
-            yield Chunk(ShardPlan(0, 0, 0), 0, 0, True, (self.schema, 0, 0, []))
+            yield Chunk(ShardPlan(0, 0, 0), 0, 0, True, (self.schema, 0, 0, [], True))
             return
         pos, shard = 0, 0
         while nxt is not end:
@@ -177,7 +194,7 @@ class IterSource(_SampleSource):
                     pos += 1
                     nxt = next(self.iterator, end)
                 last = nxt is end or pos - first >= self.per_shard
-                yield Chunk(ShardPlan(shard, first, pos), a, pos, last, (self.schema, a, pos, items))
+                yield Chunk(ShardPlan(shard, first, pos), a, pos, last, (self.schema, a, pos, items, True))
             shard += 1
 
 
@@ -193,13 +210,18 @@ def _estimate(encoded: list[EncodedSample]) -> int:
     return max(1, int(np.mean([len(e.record) + len(e.relpath) + 16 + 8 * len(e.index) for e in encoded])))
 
 
-def _fingerprint(backend: str, shard_bytes: int, count: int, schema: Schema, encoded: list[EncodedSample]) -> str:
+def _fingerprint(backend: str, shard_bytes: int, count: int, schema: Schema, encoded: list[EncodedSample],
+                 metadata: Mapping[str, Any] | None = None) -> str:
     """What identifies a map-style write for ``resume``: backend, shard size, length,
     schema, and the encoded records of a few samples spread over the dataset (first,
     quartiles, last). A resume whose dataset differs in any of these is refused; a
     change elsewhere in a large dataset is not detected (the price of not reading it twice)."""
     h = xxhash.xxh3_128()
     h.update(repr((backend, shard_bytes, count, schema.to_json())).encode())
+    if metadata is not None:
+        from .manifest import canonical_json
+
+        h.update(canonical_json(dict(metadata)))
     for e in encoded:
         h.update(e.record)
         h.update(repr(sorted((k, np.asarray(v).tolist()) for k, v in e.index.items())).encode())
@@ -218,6 +240,8 @@ def write(
     overwrite: bool = False,
     progress: bool | None = None,
     chunk_size: int = 32,
+    strict: bool = True,
+    metadata: Mapping[str, Any] | None = None,
 ):
     """Write ``samples`` (dicts of field name -> value) into a general fastdata store.
 
@@ -238,6 +262,12 @@ def write(
         overwrite: replace an existing store at ``dst``.
         progress: show a progress bar (default: when stderr is a terminal).
         chunk_size: samples per worker task.
+        strict: True (default): an unusable image value (unreadable file, not an image) stops
+            the write; False: that sample is skipped and reported (``report.rejected_items``,
+            the manifest's ``rejected`` list and ``rejected.tsv``, named ``sample <index>``).
+            Map-style inputs only; an iterable is always strict.
+        metadata: a JSON object stored in the manifest under ``"metadata"`` (e.g. class
+            names, a COCO file's categories); part of what ``resume`` compares.
 
     Returns:
         A :class:`~fastdata.convert.ConvertReport` (``images`` counts samples).
@@ -291,11 +321,13 @@ def write(
     schema = Schema.of(schema)
     if map_style:
         picks = sorted({0, count // 4, count // 2, 3 * count // 4, count - 1}) if count else []
-        probe = [prepare_sample(schema, samples[i], i) for i in picks]  # type: ignore[index]
+        prepared = [prepare_or_reject(schema, samples[i], i, strict) for i in picks]  # type: ignore[index]
+        probe = [p for p in prepared if not isinstance(p, str)]
     else:
         probe = [prepare_sample(schema, first[0], 0)] if first else []
     per_shard = max(1, size.bytes // _estimate(probe))
-    fingerprint = _fingerprint(backend, size.bytes, count, schema, probe) if map_style else os.urandom(16).hex()
+    fingerprint = (_fingerprint(backend, size.bytes, count, schema, probe, metadata) if map_style
+                   else os.urandom(16).hex())
     report = ConvertReport(dst=dst, backend=backend, options=f"{backend}, shard size {size}", unit="samples")
     _check_destination(dst, resume, overwrite)
     os.makedirs(dst, exist_ok=True)
@@ -320,7 +352,7 @@ def write(
             plans = plans or [ShardPlan(0, 0, 0)]
             finished = load_finished(dst, backend, plans) if resume else {}
             todo = [p for p in plans if p.shard_id not in finished]
-            source = MapSource(samples, schema, todo, chunk_size)
+            source = MapSource(samples, schema, todo, chunk_size, strict)
             total = sum(p.stop - p.start for p in todo)
             if workers == 0:
                 _set_samples(samples)
@@ -330,7 +362,7 @@ def write(
             total = None
         try:
             with _progress_bar(total or 0, progress, desc="write") as bar:
-                stats = run_shards(dst=dst, backend=backend, storage=StorageSpec(), workers=workers, strict=True,
+                stats = run_shards(dst=dst, backend=backend, storage=StorageSpec(), workers=workers, strict=strict,
                                    writer_options={}, on_progress=bar.update_counts, chunk_size=chunk_size,
                                    source=source, schema=schema)
         finally:
@@ -343,8 +375,11 @@ def write(
         options = {"source": WRITE_SOURCE, "shard_size": size.bytes, "shard_size_unit": size.unit,
                    "strict": True, "fingerprint": fingerprint, "resumable": map_style}
         manifest = publish(dst=dst, backend=backend, scan=None, storage=StorageSpec(), results=results,
-                           options=options, schema=schema)
+                           options=options, schema=schema,
+                           extra={"metadata": dict(metadata)} if metadata is not None else None)
     report.images = manifest["num_samples"]
+    report.rejected = len(manifest["rejected"])
+    report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
     report.output_bytes = sum(s["bytes"] for s in manifest["shards"])
     report.input_bytes = stats.input_bytes + sum(r.input_bytes for r in finished.values())
     report.shards = len(manifest["shards"])
