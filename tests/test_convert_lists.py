@@ -255,3 +255,18 @@ def test_help_documents_lists_and_schema():
     for words in ("--schema", "boxes:ragged[float32,4],score:float32=0,caption:string,label:multilabel",
                   "(cat|dog)", "ragged arrays", "json", "multi-label", ".jsonl"):
         assert words in text, words
+
+
+def test_manifest_class_tables_are_validated(tmp_path):
+    from fastdata.errors import FormatError
+    from fastdata.manifest import validate_manifest
+
+    lst = write_list(tmp_path, jsonl_rows(3))
+    dst = fastdata.convert(lst, tmp_path / "out.lmdb", workers=1, progress=False).dst
+    body = read_manifest(dst)
+    validate_manifest(body, where="m", check_sum=False)
+    for bad in ({"nosuch": ["a"]}, {"label": [1, 2]}, ["label"]):
+        with pytest.raises(FormatError, match="class_tables"):
+            validate_manifest(dict(body, class_tables=bad), where="m", check_sum=False)
+    with pytest.raises(FormatError, match="classes"):  # classes must be the single-label field's table
+        validate_manifest(dict(body, classes=["x", "y", "z"]), where="m", check_sum=False)
