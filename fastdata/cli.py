@@ -232,7 +232,12 @@ def _add_coco_argument(c) -> None:
 def _run_coco(args):
     """``convert --coco``: the COCO options checked, then :func:`fastdata.convert_coco`."""
     from .coco_convert import convert_coco
+    from .distributed import current_group
 
+    group = current_group()
+    if group is not None and group.world_size > 1:
+        raise ValueError(f"convert --coco runs in one process (its workers use the cores): run it without torchrun, "
+                         f"not on {group.world_size} ranks")
     unused = [flag for flag, value in (("--max-side", args.max_side), ("--quality", args.quality),
                                        ("--raw", args.raw), ("--lmdb-map-size", args.lmdb_map_size),
                                        ("--schema", getattr(args, "schema", None))) if value is not None]

@@ -195,3 +195,33 @@ def test_sigkill_then_resume_equals_a_clean_conversion(tmp_path, monkeypatch):
     shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
     assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
     assert fastdata.verify(str(dst)).ok
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_fork_and_spawn(store, context):
+    ds = fastdata.open_dataset(store, output="numpy")
+    ds[0]  # handles opened in the parent must not be used by the children
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=fastdata.collate,
+                                         multiprocessing_context=context)
+    got = [(im, t) for images, targets in loader for im, t in zip(images, targets, strict=True)]
+    assert len(got) == len(ds)
+    assert all(np.array_equal(im, ds[i][0]) and repr(t) == repr(ds[i][1]) for i, (im, t) in enumerate(got))
+
+
+def test_write_skips_unusable_images_when_not_strict_and_keeps_metadata(tmp_path, coco_set):
+    """The two writer options the COCO conversion relies on, through fastdata.write itself."""
+    jpeg = Path(coco_set.image_dir).glob("*.jpg").__next__().read_bytes()
+    samples = [{"image": jpeg, "n": 0}, {"image": b"garbage", "n": 1}, {"image": str(tmp_path / "none.jpg"), "n": 2},
+               {"image": jpeg, "n": 3}]
+    with pytest.raises(RejectedInputError, match="sample 1 field 'image': not a usable image"):
+        fastdata.write(samples, tmp_path / "strict.h5", workers=0, progress=False)
+    meta = {"classes": ["a", "b"], "nested": {"x": 1.5}}
+    report = fastdata.write(samples, tmp_path / "s.h5", workers=0, progress=False, strict=False, metadata=meta)
+    assert report.images == 2 and [name for name, _ in report.rejected_items] == ["sample 1", "sample 2"]
+    assert "none.jpg" in report.rejected_items[1][1]
+    assert [s["n"] for s in fastdata.open_dataset(tmp_path / "s.h5")] == [0, 3]
+    assert read_manifest(str(tmp_path / "s.h5"))["metadata"] == meta
+    # resume compares the metadata too: other metadata is another write
+    with pytest.raises(fastdata.errors.ResumeMismatchError):
+        fastdata.write(samples, tmp_path / "s.h5", workers=0, progress=False, strict=False, metadata={"x": 1},
+                       resume=True)
