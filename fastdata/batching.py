@@ -129,7 +129,7 @@ def collate(batch):
     elif getattr(batch, "detection", False) or _holds_annotation_lists(batch):
         out = collate_detection(batch)
     elif _holds_dicts(batch):
-        out = collate_samples(batch)
+        out = collate_samples(batch, ragged=getattr(batch, "ragged", ()))
     else:
         out = torch.utils.data.default_collate(batch)
     skips = getattr(batch, "skips", 0)

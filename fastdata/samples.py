@@ -40,6 +40,9 @@ class SampleList(list):
     token: str = ""
     #: ``(image, target)`` detection samples: :func:`fastdata.collate` returns lists of both
     detection: bool = False
+    #: the schema's ragged fields: always collated as lists (their lengths only
+    #: happen to agree in some batches; a batch's type must not depend on that)
+    ragged: tuple[str, ...] = ()
 
 
 class SampleDataset(StoreDataset):
@@ -76,6 +79,7 @@ class SampleDataset(StoreDataset):
     def _load_index(self, manifest: dict) -> None:
         self.schema = schema_of(manifest, self.root)
         self._schema = self.schema
+        self._ragged_fields = tuple(name for name, f in self.schema if isinstance(f, Ragged))
         others = [name for name, f in self.schema if not isinstance(f, Image | Int | Float)]
         if self.decode is not None and others:
             raise ValueError(
@@ -218,4 +222,5 @@ class SampleDataset(StoreDataset):
                 continue
             out.append(self._finish_sample(sample))
         out.skips, out.token = self._skips - before, self._token
+        out.ragged = self._ragged_fields
         return out

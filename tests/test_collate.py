@@ -154,3 +154,23 @@ def test_dict_batches_cross_worker_processes_with_their_skip_count():
     assert [[len(x) for x in b["boxes"]] for b in batches] == [[0, 1, 2], [0, 1, 2]]
     assert batches[1]["caption"] == ["sample 3", "sample 4", "sample 5"]
     assert _WORKER_SKIPS[token] == 2  # one per batch, carried back to the main process
+
+
+def test_a_general_store_batches_its_ragged_fields_as_lists_even_when_lengths_agree(tmp_path):
+    """The loader's batches have one type per field: a ragged field is a list in every
+    batch, also in one whose samples happen to have equal lengths (control: without the
+    store's ragged names the same batch is stacked)."""
+    from fastdata.fields import Image as ImageField
+    from fastdata.fields import Ragged
+
+    from write_helpers import jpeg
+
+    samples = [{"image": jpeg(i), "boxes": np.full((2, 4), i, np.float32)} for i in range(4)]
+    store = str(tmp_path / "s.lmdb")
+    fastdata.write(samples, store, {"image": ImageField(), "boxes": Ragged("float32", (4,))}, workers=0)
+    ds = fastdata.open_dataset(store, output="tensor")
+    batch = ds.__getitems__([0, 1, 2])
+    out = fastdata.collate(batch)
+    assert isinstance(out["boxes"], list) and [b.shape for b in out["boxes"]] == [(2, 4)] * 3
+    assert torch.equal(out["boxes"][2], torch.full((2, 4), 2.0))
+    assert torch.is_tensor(fastdata.collate_samples(list(batch))["boxes"])  # control: stacked without the names
