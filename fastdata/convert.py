@@ -7,6 +7,8 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .distributed import current_group
@@ -339,13 +341,7 @@ def convert(
             group, scan=scan, dst=dst, src=src, run=run, recorded=recorded, plans=plans,
             workers=workers, resume=resume, overwrite=overwrite, progress=progress,
             writer_options=writer_options, chunk_size=chunk_size, report=report)
-    _check_destination(dst, resume, overwrite)
-    os.makedirs(dst, exist_ok=True)
-    with StoreLock(dst) as lock:
-        if lock.stale_pid:
-            report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
-        if overwrite:
-            clear_store(dst)
+    with _locked_destination(dst, report, resume=resume, overwrite=overwrite):
         fingerprint = plan_fingerprint(scan, backend, storage, shard_bytes)
         if resume:
             check_resume(dst, src, recorded, run, fingerprint, scan)
@@ -354,29 +350,19 @@ def convert(
             if manifest["options"].get("fingerprint") != fingerprint:
                 raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options; "
                                           "use --overwrite to replace it")
-            # a run killed right after publishing may have left staging behind: finish its cleanup
-            shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
-            remove_temporaries(dst)
-            report.already_complete = True
-            report.images = manifest["num_samples"]
-            report.elapsed = time.perf_counter() - started
-            return report
+            return _report_already_complete(report, dst, manifest, started)
         prepare_staging(dst, fingerprint, resume)
         if recorded is None or recorded.fingerprint != fingerprint:
             record_run(dst, run, src, fingerprint, scan)  # what a later --resume reuses and compares against
         remove_temporaries(dst)
-        finished = load_finished(dst, backend, plans) if resume else {}
-        todo = [p for p in plans if p.shard_id not in finished]
-        total = sum(p.stop - p.start for p in todo)
-        with _progress_bar(total, progress) as bar:
+        finished, todo = _shards_to_do(dst, backend, plans, resume)
+        with _progress_bar(sum(p.stop - p.start for p in todo), progress) as bar:
             stats = run_shards(
                 dst=dst, backend=backend, scan=scan, plans=todo, storage=storage, workers=workers,
                 strict=strict, writer_options=writer_options, on_progress=bar.update_counts, chunk_size=chunk_size,
             )
         results = list(finished.values()) + stats.results
-        missing = sorted({p.shard_id for p in plans} - {r.shard_id for r in results})
-        if missing:
-            raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with --resume")
+        _check_all_finished(dst, plans, results, rerun="--resume")
         options = {
             "source": os.path.abspath(src),
             "shard_size": shard_bytes,
@@ -389,7 +375,64 @@ def convert(
     return report
 
 
+@contextmanager
+def _locked_destination(dst: str, report: ConvertReport, *, resume: bool, overwrite: bool) -> Iterator[StoreLock]:
+    """Hold ``dst``'s lock for a conversion or write into it, the steps every writer takes first.
+
+    Args:
+        dst (str): absolute destination directory; refused (:func:`_check_destination`) when it is not a
+            store, or holds one and neither ``resume`` nor ``overwrite`` is given; created if missing.
+        report (ConvertReport): gets a warning when the lock is taken over from a converter that died.
+        resume (bool): an existing (unfinished or complete) store there is to be finished.
+        overwrite (bool): an existing store there is emptied once the lock is held.
+
+    Yields:
+        StoreLock: the held lock, released when the block ends.
+    """
+    _check_destination(dst, resume, overwrite)
+    os.makedirs(dst, exist_ok=True)
+    with StoreLock(dst) as lock:
+        if lock.stale_pid:
+            report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
+        if overwrite:
+            clear_store(dst)
+        yield lock
+
+
+def _report_already_complete(report: ConvertReport, dst: str, manifest: dict, started: float) -> ConvertReport:
+    """Finish a resume that finds ``dst`` already published (its ``manifest``): nothing is written.
+
+    A run killed right after publishing may have left its staging folder and temporary files
+    behind; they are removed. Returns ``report`` (``already_complete``, ``images``, ``elapsed``
+    since ``started``, a ``time.perf_counter()`` value) filled.
+    """
+    shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
+    remove_temporaries(dst)
+    report.already_complete = True
+    report.images = manifest["num_samples"]
+    report.elapsed = time.perf_counter() - started
+    return report
+
+
+def _shards_to_do(dst: str, backend: str, plans: list[ShardPlan], resume: bool) -> tuple[dict, list[ShardPlan]]:
+    """Split ``plans`` into the shards an interrupted run already finished (``{shard_id: ShardResult}``,
+    verified; empty unless ``resume``) and the plans still to write."""
+    finished = load_finished(dst, backend, plans) if resume else {}
+    return finished, [p for p in plans if p.shard_id not in finished]
+
+
+def _check_all_finished(dst: str, plans: list[ShardPlan], results: list, rerun: str) -> None:
+    """Raise :class:`FastdataError` naming the planned shards that have no result (nothing is
+    published then); ``rerun`` is how the caller resumes (``"--resume"``, ``"resume=True"``)."""
+    missing = sorted({p.shard_id for p in plans} - {r.shard_id for r in results})
+    if missing:
+        raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with {rerun}")
+
+
 def _fill_report(report: ConvertReport, manifest: dict, stats: PipelineStats, finished: dict, started: float) -> None:
+    """Fill ``report`` from the published ``manifest``, this run's pipeline ``stats`` and the shards
+    ``finished`` by an interrupted run (``{shard_id: ShardResult}``); ``started``: ``time.perf_counter()``
+    at the start."""
     report.images = manifest["num_samples"]
     report.rejected = len(manifest["rejected"])
     report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
@@ -683,37 +726,23 @@ def convert_table(
     sizes = table.sizes.clip(min=0) + 64
     plans = plan_shards(sizes, shard_bytes)
     check_shard_count(plans, int(sizes.sum()), run.shard_size)
-    _check_destination(dst, resume, overwrite)
-    os.makedirs(dst, exist_ok=True)
-    with StoreLock(dst) as lock:
-        if lock.stale_pid:
-            report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
-        if overwrite:
-            clear_store(dst)
+    with _locked_destination(dst, report, resume=resume, overwrite=overwrite):
         fingerprint = _table_fingerprint(table, backend, shard_bytes)
         if resume:
             _check_table_resume(dst, src, recorded, run, fingerprint)
         if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-            shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
-            remove_temporaries(dst)
-            report.already_complete = True
-            report.images = read_manifest(dst)["num_samples"]
-            report.elapsed = time.perf_counter() - started
-            return report
+            return _report_already_complete(report, dst, read_manifest(dst), started)
         prepare_staging(dst, fingerprint, resume)
         if recorded is None or recorded.fingerprint != fingerprint:
             _record_table_run(dst, run, src, fingerprint)
         remove_temporaries(dst)
-        finished = load_finished(dst, backend, plans) if resume else {}
-        todo = [p for p in plans if p.shard_id not in finished]
+        finished, todo = _shards_to_do(dst, backend, plans, resume)
         with _progress_bar(sum(p.stop - p.start for p in todo), progress) as bar:
             stats = run_shards(dst=dst, backend=backend, storage=StorageSpec(), workers=workers, strict=run.strict,
                                writer_options=writer_options, on_progress=bar.update_counts, chunk_size=chunk_size,
                                source=_table_chunk_source(table, todo, chunk_size), schema=table.schema)
         results = list(finished.values()) + stats.results
-        missing = sorted({p.shard_id for p in plans} - {r.shard_id for r in results})
-        if missing:
-            raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with --resume")
+        _check_all_finished(dst, plans, results, rerun="--resume")
         _class_counts(dst, backend, table, results, target)
         classes = table.class_tables[target] if target is not None else []
         options = {"source": os.path.abspath(src), "shard_size": shard_bytes,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import FastdataError, RejectedInputError, ResumeMismatchError
+from .errors import RejectedInputError, ResumeMismatchError
 from .fields import Schema, SchemaError
 from .formats.base import StorageSpec
 from .imageio import ImageDecodeError, open_image, stored_format
@@ -277,13 +276,12 @@ def write(
         RejectedInputError: an image value is unreadable or not a usable image.
         FastdataError subclasses for the destination (exists, locked, I/O).
     """
-    from .convert import (ConvertReport, _check_destination, _progress_bar, check_shard_size, choose_backend,
-                          DEFAULT_SHARD_SIZE)
-    from .layout import STAGING_DIR, check_local_path
-    from .lock import StoreLock, raise_if_locked
+    from .convert import (DEFAULT_SHARD_SIZE, ConvertReport, _check_all_finished, _fill_report, _locked_destination,
+                          _progress_bar, _report_already_complete, _shards_to_do, check_shard_size, choose_backend)
+    from .layout import check_local_path
+    from .lock import raise_if_locked
     from .manifest import MANIFEST_NAME, read_manifest
-    from .pipeline import (WRITE_SOURCE, clear_store, load_finished, prepare_staging, publish, remove_temporaries,
-                           run_shards)
+    from .pipeline import WRITE_SOURCE, prepare_staging, publish, remove_temporaries, run_shards
     from .units import parse_size_spec
 
     dst = os.fspath(dst)
@@ -329,20 +327,13 @@ def write(
     fingerprint = (_fingerprint(backend, size.bytes, count, schema, probe, metadata) if map_style
                    else os.urandom(16).hex())
     report = ConvertReport(dst=dst, backend=backend, options=f"{backend}, shard size {size}", unit="samples")
-    _check_destination(dst, resume, overwrite)
-    os.makedirs(dst, exist_ok=True)
-    with StoreLock(dst):
-        if overwrite:
-            clear_store(dst)
+    with _locked_destination(dst, report, resume=resume, overwrite=overwrite):
         if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
             manifest = read_manifest(dst)
             if manifest["options"].get("fingerprint") != fingerprint:
                 raise ResumeMismatchError(f"{dst} is a complete store written from other samples or options; "
                                           "use overwrite=True to replace it")
-            shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
-            remove_temporaries(dst)
-            report.already_complete, report.images = True, manifest["num_samples"]
-            return report
+            return _report_already_complete(report, dst, manifest, started)
         prepare_staging(dst, fingerprint, resume, WRITE_SOURCE)
         remove_temporaries(dst)
         source: ChunkSource
@@ -350,8 +341,7 @@ def write(
         if map_style:
             plans = [ShardPlan(k, a, min(a + per_shard, count)) for k, a in enumerate(range(0, count, per_shard))]
             plans = plans or [ShardPlan(0, 0, 0)]
-            finished = load_finished(dst, backend, plans) if resume else {}
-            todo = [p for p in plans if p.shard_id not in finished]
+            finished, todo = _shards_to_do(dst, backend, plans, resume)
             source = MapSource(samples, schema, todo, chunk_size, strict)
             total = sum(p.stop - p.start for p in todo)
             if workers == 0:
@@ -369,22 +359,13 @@ def write(
             _set_samples(None)
         results = list(finished.values()) + stats.results
         if map_style:
-            missing = sorted({p.shard_id for p in plans} - {r.shard_id for r in results})
-            if missing:
-                raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with resume=True")
+            _check_all_finished(dst, plans, results, rerun="resume=True")
         options = {"source": WRITE_SOURCE, "shard_size": size.bytes, "shard_size_unit": size.unit,
                    "strict": True, "fingerprint": fingerprint, "resumable": map_style}
         manifest = publish(dst=dst, backend=backend, scan=None, storage=StorageSpec(), results=results,
                            options=options, schema=schema,
                            extra={"metadata": dict(metadata)} if metadata is not None else None)
-    report.images = manifest["num_samples"]
-    report.rejected = len(manifest["rejected"])
-    report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
-    report.output_bytes = sum(s["bytes"] for s in manifest["shards"])
-    report.input_bytes = stats.input_bytes + sum(r.input_bytes for r in finished.values())
-    report.shards = len(manifest["shards"])
-    report.resumed_shards = len(finished)
-    report.elapsed = time.perf_counter() - started
+    _fill_report(report, manifest, stats, finished, started)
     return report
 
 
