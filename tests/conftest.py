@@ -17,13 +17,21 @@ size=(64, 48), ext=".jpg", seed=0) -> str``
     a ready tree: 3 classes x 8 images, some in nested subfolders, one ``.JPG``.
 ``store_records(dst) -> (manifest, records)``
     read a published store back through fastdata's shard readers.
+``reaped(proc)``
+    a ``with`` block after which the subprocess ``proc`` is gone (killed if still running).
+``sigkill_once_a_shard_is_staged(proc, dst, what)``
+    SIGKILL a converter/writer subprocess once it has finished a shard, for the resume tests.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
@@ -146,3 +154,35 @@ def store_records(dst) -> tuple[dict, list[dict]]:
                     "local": i,
                 })
     return manifest, records
+
+
+@contextmanager
+def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Run the block, then make sure the subprocess ``proc`` is gone: if the block left it
+    running (a failed check, an exception), it is killed and waited for, so no test leaves a
+    converter behind. Yields ``proc``."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def sigkill_once_a_shard_is_staged(proc: subprocess.Popen, dst: str | os.PathLike, what: str) -> None:
+    """SIGKILL ``proc``, which is writing the store ``dst``, as soon as it has finished a shard
+    (the shard's sidecar is in the staging folder), and wait for it: an interrupted run that
+    ``--resume`` / ``resume=True`` has something to keep from.
+
+    Fails the test when ``proc`` ends first (``what``, e.g. ``"writer"``, names it).
+    """
+    from fastdata.layout import STAGING_DIR
+
+    staging = Path(dst) / STAGING_DIR
+    with reaped(proc):
+        while not (staging.exists() and any(staging.glob("shard-*.json"))):
+            if proc.poll() is not None:
+                pytest.fail(f"the {what} finished before it could be killed: {proc.communicate()}")
+            time.sleep(0.002)  # polling for the sidecar, not waiting for an outcome
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +26,10 @@ from fastdata.cli import main
 from fastdata.coco_dataset import CocoStoreDataset
 from fastdata.errors import RejectedInputError
 from fastdata.extras import MissingExtraError
-from fastdata.layout import STAGING_DIR
 from fastdata.manifest import read_manifest
 from fastdata.synth_coco import make_coco
+
+from conftest import sigkill_once_a_shard_is_staged
 
 
 def _reference(ann_file: str | Path) -> tuple[list[int], dict[int, dict], dict[int, list[dict]]]:
@@ -173,18 +172,7 @@ def test_sigkill_then_resume_equals_a_clean_conversion(tmp_path, monkeypatch):
     argv = [sys.executable, "-m", "fastdata", "convert", "--coco", summary.ann_file, summary.image_dir, str(dst),
             "--workers", "1", "--shard-size", "60000", "--quiet"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    staging = dst / STAGING_DIR
-    try:
-        while not (staging.exists() and list(staging.glob("shard-*.json"))):
-            if proc.poll() is not None:
-                pytest.fail(f"the conversion finished before it could be killed: {proc.communicate()}")
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    sigkill_once_a_shard_is_staged(proc, dst, "conversion")
     assert not (dst / "manifest.json").exists()
     monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
     report = fastdata.convert_coco(summary.ann_file, summary.image_dir, dst, workers=2, shard_size=60000,
@@ -192,6 +180,7 @@ def test_sigkill_then_resume_equals_a_clean_conversion(tmp_path, monkeypatch):
     clean = tmp_path / "clean.lmdb"
     fastdata.convert_coco(summary.ann_file, summary.image_dir, clean, workers=2, shard_size=60000, progress=False)
     assert report.resumed_shards >= 1
+    assert f"took over the lock of converter pid {proc.pid}" in " ".join(report.warnings)
     shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
     assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
     assert fastdata.verify(str(dst)).ok

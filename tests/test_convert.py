@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 import fastdata
-from conftest import make_jpeg, make_tree, store_records
+from conftest import make_jpeg, make_tree, reaped, store_records
 from fastdata.cli import main
 from fastdata.convert import choose_backend, storage_spec
 from fastdata.errors import (
@@ -282,24 +282,22 @@ def test_sigkill_then_resume_keeps_finished_shards_and_equals_clean_run(tmp_path
     proc = subprocess.Popen(_cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     helpers: list = []
     try:
-        while True:
-            sidecars = [p for p in staging.glob("shard-*.json")] if staging.exists() else []
-            if sidecars and list(dst.glob("shard-*.lmdb.tmp")):
-                proc.send_signal(signal.SIGSTOP)  # freeze it right here, then look and kill
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"the converter finished (exit {proc.returncode}) before it could be killed mid-run; "
-                            f"use a larger dataset for this machine: {proc.communicate()}")
-            time.sleep(0.005)
-        helpers = psutil.Process(proc.pid).children(recursive=True)
-        finished = {p.name[:-len(".json")] for p in staging.glob("shard-*.json")}
-        half_written = [p.name for p in dst.glob("shard-*.lmdb.tmp")]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        with reaped(proc):
+            while True:
+                sidecars = [p for p in staging.glob("shard-*.json")] if staging.exists() else []
+                if sidecars and list(dst.glob("shard-*.lmdb.tmp")):
+                    proc.send_signal(signal.SIGSTOP)  # freeze it right here, then look and kill
+                    break
+                if proc.poll() is not None:
+                    pytest.fail(f"the converter finished (exit {proc.returncode}) before it could be killed "
+                                f"mid-run; use a larger dataset for this machine: {proc.communicate()}")
+                time.sleep(0.005)
+            helpers = psutil.Process(proc.pid).children(recursive=True)
+            finished = {p.name[:-len(".json")] for p in staging.glob("shard-*.json")}
+            half_written = [p.name for p in dst.glob("shard-*.lmdb.tmp")]
+            proc.send_signal(signal.SIGKILL)
             proc.wait(10)
+    finally:
         # the killed converter's pool workers, forkserver and resource tracker must
         # notice and exit on their own; anything left is killed here and fails below
         _, orphans = psutil.wait_procs(helpers, timeout=10)

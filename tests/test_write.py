@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ from fastdata.record import decode_record_v2
 from fastdata.samples import SampleDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import sigkill_once_a_shard_is_staged  # noqa: E402
 from write_helpers import SCHEMA, SampleList, jpeg, keep, sample  # noqa: E402
 
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
@@ -217,22 +216,13 @@ def test_sigkill_then_resume_equals_a_clean_run(tmp_path):
     """)
     env = dict(os.environ, FASTDATA_MIN_SHARD_SIZE="1")
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    staging = dst / STAGING_DIR
-    try:
-        while not (staging.exists() and list(staging.glob("shard-*.json"))):
-            if proc.poll() is not None:
-                pytest.fail(f"the writer finished before it could be killed: {proc.communicate()}")
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    sigkill_once_a_shard_is_staged(proc, dst, "writer")
     assert not (dst / "manifest.json").exists()
-    kept = {p.name[:-len(".json")] for p in staging.glob("shard-*.json")}
+    kept = {p.name[:-len(".json")] for p in (dst / STAGING_DIR).glob("shard-*.json")}
     report = fastdata.write(SampleList(120), dst, SCHEMA, workers=2, shard_size=6000, resume=True, progress=False)
     assert report.resumed_shards == len(kept) >= 1
+    # the dead writer's lock is taken over and said so, as convert does
+    assert report.warnings == [f"took over the lock of converter pid {proc.pid}, which is no longer running"]
     clean = tmp_path / "clean.lmdb"
     fastdata.write(SampleList(120), clean, SCHEMA, workers=0, shard_size=6000, progress=False)
     comparable = lambda store: [{k: (v.tobytes(), v.shape) if isinstance(v, np.ndarray) else v  # noqa: E731
