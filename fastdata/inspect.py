@@ -11,7 +11,7 @@ import numpy as np
 
 from .errors import FastdataError, FormatError
 from .formats import reader_class
-from .formats.base import StorageSpec
+from .formats.base import ShardReader, StorageSpec
 from .layout import STAGING_DIR, check_local_path
 from .manifest import MANIFEST_NAME, read_manifest
 from .pipeline import WRITE_SOURCE, file_checksum
@@ -87,6 +87,35 @@ class VerifyReport:
                          ([f"  ... {len(self.problems) - 50} more"] if len(self.problems) > 50 else []))
 
 
+def _open_indexed(backend: str, path: str, storage: StorageSpec, schema, expected_count: int,
+                  name: str) -> tuple[ShardReader, ShardIndex | SampleIndex, list[str]] | str:
+    """Open shard ``path`` (named ``name`` in problems) and read its index, the first steps of
+    every shard check.
+
+    Args:
+        schema (Schema | None): the general store's schema; None for a version-1 shard.
+        expected_count (int): the record count the manifest gives the shard.
+
+    Returns:
+        ``(reader, index, problems)``, ``problems`` holding the count mismatch if any (the
+        caller closes ``reader``); or the problem, as a string, that stopped opening the shard
+        or reading its index (nothing is left open then).
+    """
+    try:
+        reader = reader_class(backend)(path, storage, schema=schema)
+    except FastdataError as err:
+        return f"{name}: {err}"
+    try:
+        index = reader.read_index()
+    except FastdataError as err:
+        reader.close()
+        return f"{name}: {err}"
+    problems = []
+    if len(index) != expected_count:
+        problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
+    return reader, index, problems
+
+
 def _check_records(backend: str, path: str, storage_json: dict, expected_count: int, num_classes: int,
                    decode: bool, schema_json: list | None, name: str) -> tuple[int, int, list[str]]:
     """Read every record of one shard. Returns (checked, decoded, problems).
@@ -95,21 +124,14 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
 
     if schema_json is not None:
         return _check_records_v2(backend, path, storage_json, expected_count, decode, schema_json, name)
-    problems: list[str] = []
     storage = StorageSpec.from_json(storage_json)
     checked = decoded = 0
-    try:
-        reader = reader_class(backend)(path, storage)
-    except FastdataError as err:
-        return 0, 0, [f"{name}: {err}"]
+    opened = _open_indexed(backend, path, storage, None, expected_count, name)
+    if isinstance(opened, str):
+        return 0, 0, [opened]
+    reader, index, problems = opened
     with reader:
-        try:
-            index = reader.read_index()
-        except FastdataError as err:
-            return 0, 0, [f"{name}: {err}"]
         assert isinstance(index, ShardIndex)
-        if len(index) != expected_count:
-            problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
         if len(index) and int(index.labels.max()) >= num_classes:
             problems.append(f"{name}: a label is outside the {num_classes} classes")
         problems.extend(_storage_mismatch(index, storage, name))
@@ -148,20 +170,13 @@ def _check_records_v2(backend: str, path: str, storage_json: dict, expected_coun
     from .imageio import open_image, stored_format
 
     schema = Schema.from_json(schema_json)
-    problems: list[str] = []
     checked = decoded = 0
-    try:
-        reader = reader_class(backend)(path, StorageSpec.from_json(storage_json), schema=schema)
-    except FastdataError as err:
-        return 0, 0, [f"{name}: {err}"]
+    opened = _open_indexed(backend, path, StorageSpec.from_json(storage_json), schema, expected_count, name)
+    if isinstance(opened, str):
+        return 0, 0, [opened]
+    reader, index, problems = opened
     with reader:
-        try:
-            index = reader.read_index()
-        except FastdataError as err:
-            return 0, 0, [f"{name}: {err}"]
         assert isinstance(index, SampleIndex)
-        if len(index) != expected_count:
-            problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
         for i in range(len(index)):
             where = f"{name} record {i}"
             try:
