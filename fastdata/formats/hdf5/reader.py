@@ -84,11 +84,7 @@ class HDF5ShardReader(ShardReader):
         if offsets is not None and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
                                     or offsets[-1] != nbytes):
             raise CorruptRecordError(f"{self.path}: image offsets are inconsistent", shard=self.path)
-        if nbytes and file_offset is None:
-            raise CorruptRecordError(f"{self.path}: payload dataset is not contiguous", shard=self.path)
-        self._map_payload(file_offset or 0, nbytes)
-        self._offsets = offsets
-        self._checksums = index.checksums
+        self._adopt_payload(index, offsets, file_offset, nbytes)
         return index
 
     def _read_index_v2(self, f) -> SampleIndex:
@@ -107,12 +103,19 @@ class HDF5ShardReader(ShardReader):
                                                     or offsets[-1] != nbytes)):
             raise CorruptRecordError(f"{self.path}: record offsets are inconsistent", shard=self.path)
         file_offset = data.id.get_offset()
+        self._adopt_payload(index, offsets, file_offset, nbytes)
+        return index
+
+    def _adopt_payload(self, index: ShardIndex | SampleIndex, offsets: np.ndarray | None, file_offset: int | None,
+                       nbytes: int) -> None:
+        """Map the checked index's payload dataset (``nbytes`` at ``file_offset``, None when HDF5 did not
+        store it in one piece) and keep the record ``offsets`` (None: fixed-size raw pixels) and the
+        checksums :meth:`get` reads by."""
         if nbytes and file_offset is None:
             raise CorruptRecordError(f"{self.path}: payload dataset is not contiguous", shard=self.path)
         self._map_payload(file_offset or 0, nbytes)
         self._offsets = offsets
         self._checksums = index.checksums
-        return index
 
     def _map_payload(self, file_offset: int, nbytes: int) -> None:
         if nbytes == 0:
