@@ -18,6 +18,7 @@ reader can learn labels and sizes without touching the records (see
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -75,13 +76,23 @@ def encode_record(image: bytes, *, label: int, width: int, height: int, fmt: str
     )
 
 
-def _unpack_record(buf: bytes | memoryview, where: str, verify: bool) -> dict:
+def _unpack_bounded(buf: bytes | memoryview, where: str, limits: dict) -> Any:
+    """msgpack-decode one stored record under ``limits`` (``msgpack.unpackb`` keyword arguments).
+
+    Raises:
+        CorruptRecordError: the record is larger than :data:`MAX_RECORD_BYTES` or is not
+            valid msgpack (named by ``where``).
+    """
     if len(buf) > MAX_RECORD_BYTES:
         raise CorruptRecordError(f"{where}: record of {len(buf)} bytes exceeds the {MAX_RECORD_BYTES} byte limit")
     try:
-        obj = _unpackb(buf, **_UNPACK_LIMITS)
+        return _unpackb(buf, **limits)
     except Exception as err:  # msgpack raises several unrelated types on garbage
         raise CorruptRecordError(f"{where}: record is not valid msgpack ({type(err).__name__}: {err})") from None
+
+
+def _unpack_record(buf: bytes | memoryview, where: str, verify: bool) -> dict:
+    obj = _unpack_bounded(buf, where, _UNPACK_LIMITS)
     if type(obj) is not dict or tuple(obj) != _FIELDS:
         raise CorruptRecordError(f"{where}: record does not have the fields {_FIELDS}")
     if obj["v"] != RECORD_VERSION:
@@ -270,12 +281,7 @@ def encode_sample(schema, checked: dict, images: dict[str, tuple[str, int, int]]
 
 def unpack_record_v2(buf: bytes | memoryview, *, where: str) -> dict:
     """The raw msgpack map of a version-2 record (keys checked, values not decoded yet)."""
-    if len(buf) > MAX_RECORD_BYTES:
-        raise CorruptRecordError(f"{where}: record of {len(buf)} bytes exceeds the {MAX_RECORD_BYTES} byte limit")
-    try:
-        obj = _unpackb(buf, **_UNPACK_V2)
-    except Exception as err:  # msgpack raises several unrelated types on garbage
-        raise CorruptRecordError(f"{where}: record is not valid msgpack ({type(err).__name__}: {err})") from None
+    obj = _unpack_bounded(buf, where, _UNPACK_V2)
     if type(obj) is not dict or obj.get("v") != RECORD_VERSION_2 or type(obj.get("path")) is not bytes:
         raise CorruptRecordError(f"{where}: not a version-2 record (needs 'v': 2 and a binary 'path')")
     return obj
