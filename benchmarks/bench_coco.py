@@ -10,6 +10,15 @@ a few images without annotations) and return the same samples:
   ``fastdata.open_dataset`` (``ds[i]`` equals ``CocoDetection[i]``: the same PIL pixels and
   annotation dicts).
 
+With ``--output tensor`` both give the image as a ``uint8 (3, H, W)`` tensor instead of a PIL
+image (``CocoDetection(..., transform=PILToTensor())`` vs ``open_dataset(store, output="tensor")``):
+the same pixels, sent from the workers through shared memory instead of pickled.
+
+With ``--cold`` every file of both sides is evicted from the page cache before each epoch
+(``posix_fadvise(DONTNEED)``, :mod:`fastdata.bench.cache`; workers then are not persistent,
+so that no process keeps the store mapped), and the fraction still cached right after
+eviction is printed: storage, not only decoding, is then part of what is measured.
+
 With ``--target-format v2`` both give torchvision's transforms-v2 samples instead
 (``wrap_dataset_for_transforms_v2(CocoDetection(...))`` vs ``target_format="v2"``).
 
@@ -19,7 +28,7 @@ images and targets, as torchvision's detection references do). After a warm-up e
 each, epochs alternate between the two for ``--rounds`` rounds; rates are medians over
 rounds and the speed-up is the median of the rounds' own ratios (a round's two epochs are
 adjacent in time, so a slow minute of this shared VM hits both). Files and store are read
-from the page cache (warmed first): storage speed is not what is measured.
+from the page cache (warmed first) unless ``--cold``.
 
 Target: fastdata >= 1.8x CocoDetection with 2 workers.
 
@@ -29,6 +38,8 @@ Usage::
 
     python benchmarks/bench_coco.py                        # 2000 images, 2 workers, 5 rounds
     python benchmarks/bench_coco.py --quick                # smoke test
+    python benchmarks/bench_coco.py --cold                 # page cache dropped before every epoch
+    python benchmarks/bench_coco.py --output tensor        # uint8 CHW tensors instead of PIL images
     python benchmarks/bench_coco.py --n 1000 --data /tmp/bench-coco   # keep/reuse the set and the store
 """
 
@@ -86,16 +97,24 @@ def warm(paths: list[Path]) -> int:
     return total
 
 
-def datasets(coco_root: Path, store: Path, target_format: str) -> dict[str, Any]:
+def datasets(coco_root: Path, store: Path, target_format: str, output: str) -> dict[str, Any]:
     """The two datasets, giving equal samples."""
     import fastdata
     from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
+    from torchvision.transforms import PILToTensor
 
-    tv = CocoDetection(str(coco_root / "images"), str(coco_root / "annotations.json"))
+    tv = CocoDetection(str(coco_root / "images"), str(coco_root / "annotations.json"),
+                       transform=PILToTensor() if output == "tensor" else None)
     if target_format == "v2":
         tv = wrap_dataset_for_transforms_v2(tv)
-    fd = fastdata.open_dataset(store, target_format=target_format)
+    fd = fastdata.open_dataset(store, target_format=target_format, output=output)
     return {"torchvision": tv, "fastdata": fd}
+
+
+def files_of(coco_root: Path, store: Path) -> dict[str, list[str]]:
+    """The files each side reads during an epoch."""
+    return {"torchvision": sorted(str(f) for f in (coco_root / "images").iterdir()),
+            "fastdata": sorted(str(f) for f in store.rglob("*") if f.is_file())}
 
 
 def epoch(loader: Any) -> tuple[int, float]:
@@ -115,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--target-format", choices=["coco", "v2"], default="coco",
                    help="coco: (PIL image, annotation dicts); v2: torchvision's transforms-v2 samples")
+    p.add_argument("--output", choices=["pil", "tensor"], default="pil",
+                   help="the image as a PIL image (CocoDetection's) or a uint8 CHW tensor (default pil)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved epoch pairs (default 5)")
+    p.add_argument("--cold", action="store_true", help="evict both sides' files from the page cache before "
+                                                       "every epoch (workers not persistent)")
     p.add_argument("--data", default=None, help="folder for the COCO set and the store (kept and reused); "
                                                 "default: a temporary folder, deleted at the end")
     p.add_argument("--json", default=None, help="also write the raw results here")
@@ -125,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import fastdata
+    from fastdata.bench.cache import evict_page_cache, resident_fraction
 
     base = Path(args.data) if args.data else Path(tempfile.mkdtemp(prefix="fastdata-bench-coco-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -134,18 +158,23 @@ def main(argv: list[str] | None = None) -> int:
         folder_bytes, store_bytes = warm([coco_root]), warm([store])
         print(f"COCO set ready: {n} images, folder {folder_bytes / 1e6:.0f} MB, store {store_bytes / 1e6:.0f} MB "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        sets = datasets(coco_root, store, args.target_format)
+        sets = datasets(coco_root, store, args.target_format, args.output)
         loaders = {name: torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=True,
                                                      num_workers=args.workers, collate_fn=as_lists,
-                                                     persistent_workers=args.workers > 0,
+                                                     persistent_workers=args.workers > 0 and not args.cold,
                                                      worker_init_fn=fastdata.seed_worker)
                    for name, ds in sets.items()}
         for loader in loaders.values():
             epoch(loader)  # warm-up: worker start, handles opened, annotation index loaded
         rates: dict[str, list[float]] = {name: [] for name in loaders}
+        cached: dict[str, list[float]] = {name: [] for name in loaders}
+        files = files_of(coco_root, store)
         for r in range(rounds):
             line = []
             for name, loader in loaders.items():
+                if args.cold:
+                    evict_page_cache(files[name])
+                    cached[name].append(resident_fraction(files[name]) or 0.0)
                 count, secs = epoch(loader)
                 assert count == n, f"{name} read {count} samples, expected {n}"
                 rates[name].append(count / secs)
@@ -154,18 +183,22 @@ def main(argv: list[str] | None = None) -> int:
                   f" ({rates['fastdata'][-1] / rates['torchvision'][-1]:.2f}x)", flush=True)
         speedup = statistics.median(f / t for f, t in zip(rates["fastdata"], rates["torchvision"], strict=True))
         print()
+        cache = "warm page cache" if not args.cold else (
+            "cold page cache (still cached after eviction: " +
+            ", ".join(f"{k} {100 * max(v):.0f}%" for k, v in cached.items()) + ")")
         print(f"machine: {os.cpu_count()} logical cores; {n} images (~400x350, 1-20 objects), "
-              f"{args.workers} DataLoader workers, batch {args.batch_size}, target format {args.target_format}; "
-              f"medians of {rounds} rounds")
+              f"{args.workers} DataLoader workers, batch {args.batch_size}, target format {args.target_format}, "
+              f"images as {args.output}, "
+              f"{cache}; medians of {rounds} rounds")
         for name in loaders:
             print(f"{name:>12}: {statistics.median(rates[name]):.0f} img/s")
         mark = "ok" if speedup >= TARGET_SPEEDUP else "BELOW TARGET"
         print(f"fastdata / CocoDetection: {speedup:.2f}x (median of per-round ratios; "
               f"target >= {TARGET_SPEEDUP}x: {mark})")
         if args.json:
-            Path(args.json).write_text(json.dumps({"rates": rates, "speedup": speedup, "images": n,
-                                                   "workers": args.workers,
-                                                   "target_format": args.target_format}, indent=2))
+            raw = {"rates": rates, "speedup": speedup, "images": n, "workers": args.workers, "cold": args.cold,
+                   "target_format": args.target_format, "output": args.output}
+            Path(args.json).write_text(json.dumps(raw, indent=2))
     finally:
         if not args.data:
             shutil.rmtree(base, ignore_errors=True)
