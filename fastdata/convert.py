@@ -346,11 +346,9 @@ def convert(
         if resume:
             check_resume(dst, src, recorded, run, fingerprint, scan)
         if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-            manifest = read_manifest(dst)
-            if manifest["options"].get("fingerprint") != fingerprint:
-                raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options; "
-                                          "use --overwrite to replace it")
-            return _report_already_complete(report, dst, manifest, started)
+            return _resume_published(report, dst, started, fingerprint=fingerprint,
+                                     mismatch=f"{dst} is a complete store made from different inputs or options; "
+                                              "use --overwrite to replace it")
         prepare_staging(dst, fingerprint, resume)
         if recorded is None or recorded.fingerprint != fingerprint:
             record_run(dst, run, src, fingerprint, scan)  # what a later --resume reuses and compares against
@@ -399,13 +397,24 @@ def _locked_destination(dst: str, report: ConvertReport, *, resume: bool, overwr
         yield lock
 
 
-def _report_already_complete(report: ConvertReport, dst: str, manifest: dict, started: float) -> ConvertReport:
-    """Finish a resume that finds ``dst`` already published (its ``manifest``): nothing is written.
+def _resume_published(report: ConvertReport, dst: str, started: float, *, fingerprint: str | None = None,
+                      mismatch: str = "") -> ConvertReport:
+    """Finish a resume that finds ``dst`` already published: nothing is written.
+
+    Args:
+        report (ConvertReport): filled (``already_complete``, ``images``, ``elapsed``) and returned.
+        dst (str): the store.
+        started (float): ``time.perf_counter()`` when the run started.
+        fingerprint (str | None): what this run would write; a published store with another one
+            is refused with :class:`ResumeMismatchError` saying ``mismatch``. None: not compared.
+        mismatch (str): the refusal's message (names ``dst`` and what to do).
 
     A run killed right after publishing may have left its staging folder and temporary files
-    behind; they are removed. Returns ``report`` (``already_complete``, ``images``, ``elapsed``
-    since ``started``, a ``time.perf_counter()`` value) filled.
+    behind; they are removed.
     """
+    manifest = read_manifest(dst)
+    if fingerprint is not None and manifest["options"].get("fingerprint") != fingerprint:
+        raise ResumeMismatchError(mismatch)
     shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
     remove_temporaries(dst)
     report.already_complete = True
@@ -731,7 +740,7 @@ def convert_table(
         if resume:
             _check_table_resume(dst, src, recorded, run, fingerprint)
         if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-            return _report_already_complete(report, dst, read_manifest(dst), started)
+            return _resume_published(report, dst, started)  # the recorded run was compared above
         prepare_staging(dst, fingerprint, resume)
         if recorded is None or recorded.fingerprint != fingerprint:
             _record_table_run(dst, run, src, fingerprint)

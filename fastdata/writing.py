@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import RejectedInputError, ResumeMismatchError
+from .errors import RejectedInputError
 from .fields import Schema, SchemaError
 from .formats.base import StorageSpec
 from .imageio import ImageDecodeError, open_image, stored_format
@@ -277,10 +277,10 @@ def write(
         FastdataError subclasses for the destination (exists, locked, I/O).
     """
     from .convert import (DEFAULT_SHARD_SIZE, ConvertReport, _check_all_finished, _fill_report, _locked_destination,
-                          _progress_bar, _report_already_complete, _shards_to_do, check_shard_size, choose_backend)
+                          _progress_bar, _resume_published, _shards_to_do, check_shard_size, choose_backend)
     from .layout import check_local_path
     from .lock import raise_if_locked
-    from .manifest import MANIFEST_NAME, read_manifest
+    from .manifest import MANIFEST_NAME
     from .pipeline import WRITE_SOURCE, prepare_staging, publish, remove_temporaries, run_shards
     from .units import parse_size_spec
 
@@ -329,11 +329,9 @@ def write(
     report = ConvertReport(dst=dst, backend=backend, options=f"{backend}, shard size {size}", unit="samples")
     with _locked_destination(dst, report, resume=resume, overwrite=overwrite):
         if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-            manifest = read_manifest(dst)
-            if manifest["options"].get("fingerprint") != fingerprint:
-                raise ResumeMismatchError(f"{dst} is a complete store written from other samples or options; "
-                                          "use overwrite=True to replace it")
-            return _report_already_complete(report, dst, manifest, started)
+            return _resume_published(report, dst, started, fingerprint=fingerprint,
+                                     mismatch=f"{dst} is a complete store written from other samples or options; "
+                                              "use overwrite=True to replace it")
         prepare_staging(dst, fingerprint, resume, WRITE_SOURCE)
         remove_temporaries(dst)
         source: ChunkSource
