@@ -39,6 +39,7 @@ import torch
 
 import fastdata
 from fastdata.synth_coco import make_coco
+from fastdata.targets import AddEmptyBoxes
 
 #: COCO's category ids run 1..90 (the synthetic set uses a spread of them); 0 is the background
 NUM_CLASSES = 91
@@ -50,30 +51,12 @@ def convert(ann_file: str, image_dir: str, store: Path, workers: int) -> None:
     print(f"converted {report.images} images into {store} in {report.elapsed:.1f} s")
 
 
-class EmptyTargets:
-    """Gives an image without annotations empty ``boxes`` and ``labels``.
-
-    torchvision's v2 wrapper of ``CocoDetection`` (and so ``target_format="v2"``) leaves both
-    keys out of such an image's target; ``SanitizeBoundingBoxes`` and the detection model
-    need them. A class, not a lambda, so that DataLoader workers receive it under any start method.
-    """
-
-    def __call__(self, image: Any, target: dict) -> tuple[Any, dict]:
-        if "boxes" not in target:
-            from torchvision import tv_tensors
-
-            target = dict(target, boxes=tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY",
-                                                                  canvas_size=(image.height, image.width)),
-                          labels=torch.zeros(0, dtype=torch.int64))
-        return image, target
-
-
 def train_transforms(size: int) -> Any:
     """Augmentations that transform the image and its boxes together."""
     from torchvision.transforms import v2
 
     return v2.Compose([
-        EmptyTargets(),
+        AddEmptyBoxes(),
         v2.ToImage(),
         v2.RandomHorizontalFlip(p=0.5),
         v2.RandomResizedCrop(size, scale=(0.5, 1.0), antialias=True),

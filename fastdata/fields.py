@@ -479,7 +479,8 @@ def field_from_json(obj: Any, where: str) -> Field:
 def infer_field(value: Any, where: str) -> Field:
     """The kind a value most likely needs (declare a schema when this guesses wrong).
 
-    bytes, PIL images and ``os.PathLike`` paths are images; Python/numpy integers
+    bytes, PIL images, ``os.PathLike`` paths and ``str`` paths of existing files with an
+    image extension (``.jpg``, ``.png``, ...) are images; Python/numpy integers
     and bools ``int``; floats ``float``; ``str`` ``string``; arrays, tensors and
     lists of numbers ``ragged`` along their first axis (declare ``NDArray`` for a
     fixed shape); anything else msgpack-native ``json``.
@@ -495,7 +496,10 @@ def infer_field(value: Any, where: str) -> Field:
     if isinstance(value, float | np.floating):
         return Float(allow_nan=isinstance(value, float) and math.isnan(value))
     if isinstance(value, str):
-        return String()
+        from .source import has_image_extension
+
+        # a path to an image file is the common way to give an image; text never names one
+        return Image() if has_image_extension(value) and os.path.isfile(value) else String()
     array = _as_array(value)
     if array is None and isinstance(value, list | tuple) and value and all(
             isinstance(v, int | float | np.number) and not isinstance(v, bool) or isinstance(v, list | tuple)

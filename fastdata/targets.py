@@ -182,6 +182,27 @@ def coco_to_v2(image: Any, annotations: Sequence[Mapping[str, Any]], image_id: A
     return image, target
 
 
+class AddEmptyBoxes:
+    """A v2 transform step that gives an image without annotations empty ``boxes``
+    and ``labels``.
+
+    torchvision's v2 wrapper of ``CocoDetection`` (and so ``target_format="v2"``)
+    leaves both keys out of such an image's target; ``v2.SanitizeBoundingBoxes``
+    and torchvision's detection models need them. Put it first in the pipeline. A
+    class, not a lambda, so DataLoader workers receive it under any start method.
+    """
+
+    def __call__(self, image: Any, target: dict) -> tuple[Any, dict]:
+        if "boxes" in target:
+            return image, target
+        tv_tensors = _tv_tensors()
+        empty = tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=canvas_size(image))
+        return image, dict(target, boxes=empty, labels=torch.zeros(0, dtype=torch.int64))
+
+    def __repr__(self) -> str:
+        return "AddEmptyBoxes()"
+
+
 def _columns(annotations: Sequence[Mapping[str, Any]]) -> dict[str, list]:
     """torchvision's ``list_of_dicts_to_dict_of_lists``: key -> values of the annotations that have it."""
     columns: dict[str, list] = {}

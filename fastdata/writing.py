@@ -25,7 +25,7 @@ import io
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -38,6 +38,14 @@ from .ingest import Rejected, read_bytes
 from .pipeline import Chunk, ChunkSource
 from .plan import ShardPlan
 from .record import EncodedSample, encode_sample
+
+class MapStyle(Protocol):
+    """A map-style dataset (``__len__`` and ``__getitem__``, like a torch ``Dataset``)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]: ...
+
 
 #: samples whose encodings the resume fingerprint hashes (spread over the dataset)
 FINGERPRINT_SAMPLES = 5
@@ -228,7 +236,7 @@ def _fingerprint(backend: str, shard_bytes: int, count: int, schema: Schema, enc
 
 
 def write(
-    samples: Iterable[Mapping[str, Any]],
+    samples: Iterable[Mapping[str, Any]] | MapStyle,
     dst: str | os.PathLike,
     schema: Schema | Mapping[str, Any] | None = None,
     *,

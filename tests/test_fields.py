@@ -117,6 +117,7 @@ def test_inference_picks_the_kind_a_value_needs():
     assert infer_field(3, "s") == Int() and infer_field(np.int32(3), "s") == Int()
     assert infer_field(2.5, "s") == Float()
     assert infer_field("cat", "s") == String()
+    assert infer_field("missing.jpg", "s") == String()  # a path to nothing is text
     assert infer_field(np.zeros((3, 4), np.float32), "s") == Ragged("float32", (4,))
     assert infer_field([1, 2, 3], "s") == Ragged("int64")
     assert infer_field([[1.0, 2.0], [3.0, 4.0]], "s") == Ragged("float64", (2,))
@@ -157,3 +158,10 @@ def test_field_names_are_checked():
         Schema.of({"has space": Int()})
     with pytest.raises(SchemaError, match="identifier"):
         Schema.of({"path": Int()})
+
+
+def test_a_str_path_to_an_image_file_is_inferred_as_an_image(tmp_path):
+    path = tmp_path / "a.JPG"
+    path.write_bytes(b"\xff\xd8")
+    assert infer_field(str(path), "s") == Image()
+    assert infer_field(str(tmp_path / "notes.txt"), "s") == String()

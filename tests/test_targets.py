@@ -165,6 +165,7 @@ def _assert_same(ours, theirs, where: str) -> None:
         assert ours == theirs, where
 
 
+@pytest.mark.torchvision
 @pytest.mark.parametrize("target_keys", [None, "all", ("boxes", "masks"), ("labels", "area", "iscrowd")],
                          ids=["default", "all", "boxes-masks", "labels-area-iscrowd"])
 def test_matches_torchvisions_v2_wrapper(coco_set, target_keys):
@@ -186,6 +187,7 @@ def test_matches_torchvisions_v2_wrapper(coco_set, target_keys):
     assert wrapped[3][1] == {"image_id": 40}  # the image without annotations
 
 
+@pytest.mark.torchvision
 def test_v2_transforms_move_boxes_with_the_image(coco_set):
     pytest.importorskip("torchvision", reason="the parity check needs torchvision (not importable here)")
     from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
@@ -202,3 +204,27 @@ def test_v2_transforms_move_boxes_with_the_image(coco_set):
     _assert_same(ours[1]["boxes"], theirs[1]["boxes"], "transformed boxes")
     assert ours[1]["boxes"].canvas_size == (24, 32)
     assert ours[1]["boxes"][0].tolist() != coco_to_v2(image, annotations, 30)[1]["boxes"][0].tolist()
+
+
+@pytest.mark.torchvision
+def test_add_empty_boxes_lets_sanitize_and_models_take_unannotated_images(coco_set):
+    """torchvision's wrapper gives an unannotated image only its id, on which
+    SanitizeBoundingBoxes raises; AddEmptyBoxes supplies empty boxes and labels
+    (control: the same pipeline without it raises)."""
+    pytest.importorskip("torchvision", reason="the parity check needs torchvision (not importable here)")
+    from torchvision.datasets import CocoDetection
+    from torchvision.transforms import v2
+
+    from fastdata.targets import AddEmptyBoxes
+
+    root, ann_file = coco_set
+    plain = CocoDetection(root, ann_file)
+    image, annotations = plain[3]
+    sample = coco_to_v2(image, annotations, plain.ids[3])
+    with pytest.raises(ValueError):
+        v2.Compose([v2.ToImage(), v2.SanitizeBoundingBoxes()])(*sample)
+    out_image, target = v2.Compose([AddEmptyBoxes(), v2.ToImage(), v2.SanitizeBoundingBoxes()])(*sample)
+    assert target["boxes"].shape == (0, 4) and target["boxes"].canvas_size == (image.height, image.width)
+    assert target["labels"].dtype == torch.int64 and target["image_id"] == 40
+    annotated = coco_to_v2(*plain[0], plain.ids[0])
+    assert AddEmptyBoxes()(*annotated)[1] is annotated[1]  # an annotated target is left as it is
