@@ -668,7 +668,15 @@ def store_entries(dst: str) -> list[str]:
 
 
 def clear_store(dst: str) -> None:
-    """Delete a previous store's files (``--overwrite``); refuses on foreign files."""
+    """Delete a previous store's files (``--overwrite``); refuses on foreign files.
+
+    The manifest goes first, durably (directory synced), so a run killed part-way
+    through leaves an unfinished conversion, never a published store whose shards
+    are gone."""
+    manifest = os.path.join(dst, MANIFEST_NAME)
+    if os.path.lexists(manifest):
+        os.unlink(manifest)
+        fsync_dir(dst)
     for name in store_entries(dst):
         path = os.path.join(dst, name)
         if os.path.isdir(path) and not os.path.islink(path):

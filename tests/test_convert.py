@@ -497,3 +497,36 @@ def test_hidden_class_and_empty_source_are_reported(tmp_path, capsys):
     empty.mkdir()
     with pytest.raises(SourceError, match="no class folders"):
         fastdata.convert(str(empty), str(tmp_path / "e.lmdb"))
+
+
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+def test_overwrite_killed_while_clearing_never_leaves_a_published_store_without_its_shards(
+        tmp_path, monkeypatch, suffix):
+    """--overwrite removes the old manifest first: a run that dies while deleting the old
+    shards leaves an unfinished conversion, not a published store missing shards (seen
+    as a verify failure in the crash loop). The crash is simulated by failing the
+    deletion of the second shard; every listing order is tried by reversing it too."""
+    import fastdata.pipeline as pipeline
+
+    src = make_tree(tmp_path / "src", classes={"a": 6, "b": 6}, size=(32, 24))
+    for order in (list, lambda names: list(reversed(names))):
+        dst = str(tmp_path / f"order{len(list(tmp_path.iterdir()))}{suffix}")
+        fastdata.convert(src, dst, shard_size=3000, workers=1, progress=False)
+        shards = [n for n in os.listdir(dst) if n.startswith("shard-")]
+        assert len(shards) >= 3
+        real_entries, real_unlink, deleted = pipeline.store_entries, os.unlink, []
+
+        def dying_unlink(path, *args, **kwargs):
+            if os.path.basename(path).startswith("shard-"):
+                deleted.append(path)
+                if len(deleted) == 2:
+                    raise OSError("simulated crash while clearing")
+            return real_unlink(path, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(pipeline, "store_entries", lambda d, _order=order: _order(real_entries(d)))
+            m.setattr(pipeline.os, "unlink", dying_unlink)
+            with pytest.raises(OSError, match="simulated crash"):
+                pipeline.clear_store(dst)
+        assert not os.path.exists(os.path.join(dst, "manifest.json")), "a store missing shards is still published"
+        assert fastdata.verify(dst).status in ("not_a_store", "unfinished")  # not published, not "damaged"
