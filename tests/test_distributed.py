@@ -62,7 +62,9 @@ def tree(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+# The distributed driver is backend-agnostic (ranks only choose which shards to write):
+# LMDB runs by default, HDF5 nightly.
+@pytest.mark.parametrize("suffix", [".lmdb", pytest.param(".h5", marks=pytest.mark.slow)])
 def test_two_ranks_equal_single_process(tree, tmp_path, suffix):
     single(tree, tmp_path / f"one{suffix}", "--shard-size", "40KB")
     torchrun("convert", str(tree), str(tmp_path / f"two{suffix}"), "--shard-size", "40KB", "--workers", "1",
@@ -101,7 +103,7 @@ def test_failing_rank_fails_the_job_and_is_named(tree, tmp_path):
 
 def test_resume_across_ranks_after_kill(tmp_path):
     src = tmp_path / "src"
-    make_tree(src, {"a": 60, "b": 60}, size=(160, 120))
+    make_tree(src, {"a": 40, "b": 40}, size=(160, 120))
     dst = tmp_path / "out.lmdb"
     single(src, tmp_path / "ref.lmdb", "--shard-size", "30KB")
     proc = torchrun("convert", str(src), str(dst), "--shard-size", "30KB", "--workers", "1", "--quiet", wait=False)
