@@ -516,7 +516,7 @@ def test_overwrite_killed_while_clearing_never_leaves_a_published_store_without_
         assert len(shards) >= 3
         real_entries, real_unlink, deleted = pipeline.store_entries, os.unlink, []
 
-        def dying_unlink(path, *args, **kwargs):
+        def dying_unlink(path, *args, deleted=deleted, real_unlink=real_unlink, **kwargs):
             if os.path.basename(path).startswith("shard-"):
                 deleted.append(path)
                 if len(deleted) == 2:
@@ -524,7 +524,7 @@ def test_overwrite_killed_while_clearing_never_leaves_a_published_store_without_
             return real_unlink(path, *args, **kwargs)
 
         with monkeypatch.context() as m:
-            m.setattr(pipeline, "store_entries", lambda d, _order=order: _order(real_entries(d)))
+            m.setattr(pipeline, "store_entries", lambda d, _order=order, _entries=real_entries: _order(_entries(d)))
             m.setattr(pipeline.os, "unlink", dying_unlink)
             with pytest.raises(OSError, match="simulated crash"):
                 pipeline.clear_store(dst)
