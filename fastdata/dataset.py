@@ -1,6 +1,6 @@
 """Map-style Datasets over fastdata stores, correct under any DataLoader setting.
 
-Rules this module follows (GUIDE section 3):
+Rules this module follows (how LMDB, HDF5 and the DataLoader behave under fork/spawn):
 
 * The constructor reads the manifest and each shard's small index into numpy
   arrays, then closes everything it opened: no OS handle survives ``__init__``.

@@ -102,7 +102,8 @@ _ENVS = _EnvCache()
 
 class LMDBShardReader(ShardReader):
     """Opens the environment read-only without a lock table and without spare
-    transactions (nothing survives a fork: see GUIDE section 3)."""
+    transactions: a parent holding a read transaction when workers fork makes them fail
+    later with MDB_BAD_RSLOT (py-lmdb#346), so nothing survives a fork."""
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True
