@@ -433,14 +433,28 @@ def _check_json(value: Any, where: str, depth: int = 0) -> Any:
                       "(None, bool, int, float, str, bytes, list, dict with str keys)")
 
 
+_CONTAINERS = (list, tuple, dict)
+
+
 def _thaw(obj: Any, where: str, depth: int = 0) -> Any:
-    """Records are unpacked with ``use_list=False``: turn tuples back into lists."""
+    """A stored json value as the writer gave it: lists (tuples, from an unpacker run
+    with ``use_list=False``, become lists), nested at most :data:`MAX_JSON_DEPTH` deep.
+
+    Lists and dicts are fixed in place (records are unpacked with ``use_list=True``, so
+    usually nothing is rebuilt: only the depth is checked)."""
     if depth > MAX_JSON_DEPTH:
         raise FormatError(f"{where}: json value nested deeper than {MAX_JSON_DEPTH} levels")
-    if type(obj) is tuple:
+    kind = type(obj)
+    if kind is tuple:
         return [_thaw(v, where, depth + 1) for v in obj]
-    if type(obj) is dict:
-        return {k: _thaw(v, where, depth + 1) for k, v in obj.items()}
+    if kind is list:
+        for i, v in enumerate(obj):
+            if type(v) in _CONTAINERS:
+                obj[i] = _thaw(v, where, depth + 1)
+    elif kind is dict:
+        for k, v in obj.items():
+            if type(v) in _CONTAINERS:
+                obj[k] = _thaw(v, where, depth + 1)
     return obj
 
 

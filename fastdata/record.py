@@ -225,7 +225,8 @@ INDEX_V2_COMMON = {"checksums": "<u8", "nbytes": "<i8", "relpaths": "u1", "relpa
 IMAGE_META = {"format": "u1", "width": "<i4", "height": "<i4"}
 #: prefix of a field's index arrays: a field may be called "checksums" without clashing with the layout's arrays
 FIELD_PREFIX = "fields/"
-_UNPACK_V2 = dict(raw=False, use_list=False, strict_map_key=True, max_ext_len=0)
+#: use_list=True: json fields come back as the lists they were written as, without a rebuild
+_UNPACK_V2 = dict(raw=False, use_list=True, strict_map_key=True, max_ext_len=0)
 
 
 def index_layout(schema) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
