@@ -102,8 +102,10 @@ class-sorted store; large blocks cost no mixing when the store's order is alread
 
 from __future__ import annotations
 
+import hashlib
 import numbers
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Iterator, Mapping, Sequence, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -118,6 +120,8 @@ STATE_VERSION = 1
 
 # Settings that fix the global order; a state dict only applies to a sampler with equal values.
 _ORDER_KEYS = ("seed", "shuffle", "drop_last", "dataset_len", "block_size", "window")
+# Present only in shard-window mode, so states of the other modes keep their exact keys.
+_SHARD_KEYS = ("shard_window", "shard_layout")
 
 
 def _is_int(value: Any) -> bool:
@@ -174,6 +178,152 @@ def _window_shuffle(streams: np.ndarray, window: int, gen: torch.Generator) -> n
     return np.take_along_axis(streams, np.argsort(keys, axis=1, kind="stable"), axis=1)
 
 
+@dataclass(frozen=True)
+class _Window:
+    """One window of a rank's stream in shard-window mode.
+
+    ``pieces`` are ``(shard, first, end)`` global index ranges, one per shard, in the rank's shard
+    order; ``extra`` are padding indices repeated from this window (at most one per rank except
+    when the dataset has fewer samples than ranks)."""
+
+    pieces: tuple[tuple[int, int, int], ...]
+    extra: tuple[int, ...] = ()
+
+    @property
+    def shards(self) -> list[int]:
+        return [shard for shard, _, _ in self.pieces]
+
+    @property
+    def size(self) -> int:
+        return sum(end - first for _, first, end in self.pieces) + len(self.extra)
+
+    def indices(self) -> np.ndarray:
+        """The window's indices in storage order (padding last)."""
+        parts = [np.arange(first, end, dtype=np.int64) for _, first, end in self.pieces]
+        return np.concatenate([*parts, np.asarray(self.extra, dtype=np.int64)])
+
+
+def _shard_order(sizes: np.ndarray, shuffle: bool, gen: torch.Generator) -> np.ndarray:
+    """Shards in this epoch's reading order, empty shards left out (nothing to read there)."""
+    order = np.arange(len(sizes), dtype=np.int64)
+    if shuffle and len(sizes) > 1:
+        order = torch.randperm(len(sizes), generator=gen).numpy().astype(np.int64, copy=False)
+    return order[sizes[order] > 0]
+
+
+def _pieces(a: int, b: int, order: np.ndarray, ends: np.ndarray, sizes: np.ndarray,
+            starts: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(shard, first, end)`` ranges covering positions ``[a, b)`` of the shard-ordered sequence
+    (the shards of ``order`` laid end to end, each in storage order; ``ends`` its cumulative
+    sizes)."""
+    pieces = []
+    j = int(np.searchsorted(ends, a, side="right"))
+    while a < b and j < len(order):
+        shard = int(order[j])
+        seq_start = int(ends[j]) - int(sizes[shard])
+        lo, hi = max(a, seq_start) - seq_start, min(b, int(ends[j])) - seq_start
+        pieces.append((shard, int(starts[shard]) + lo, int(starts[shard]) + hi))
+        a, j = seq_start + hi, j + 1
+    return pieces
+
+
+def _shard_layout(sizes: np.ndarray, *, epoch: int, seed: int, shuffle: bool, drop_last: bool,
+                  shard_window: int, replicas: int) -> list[list[_Window]]:
+    """Every rank's windows for one epoch (see "Shard windows" in the module docstring)."""
+    n = int(sizes.sum())
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    gen = torch.Generator()
+    gen.manual_seed(seed + epoch)
+    order = _shard_order(sizes, shuffle, gen)
+    ends = np.cumsum(sizes[order])
+    per_rank = _num_samples(n, replicas, drop_last)
+    q, rem = divmod(n, replicas)
+    longer = 0 if drop_last else rem  # the first `longer` ranks take q + 1 positions, the rest q
+    layout = []
+    for rank in range(replicas):
+        a, b = rank * q + min(rank, longer), (rank + 1) * q + min(rank + 1, longer)
+        if a == b and per_rank:
+            # Fewer samples than ranks: this rank's one sample repeats an index, as
+            # DistributedSampler's padding does (position rank of the cyclic sequence).
+            a, b = rank % n, rank % n + 1
+        pieces = _pieces(a, b, order, ends, sizes, starts)
+        windows = [_Window(tuple(pieces[i:i + shard_window]))
+                   for i in range(0, len(pieces), shard_window)]
+        pad = per_rank - sum(w.size for w in windows)
+        if pad:
+            # Pad from the rank's own last window so padding needs no other shard on disk.
+            extra = np.resize(windows[-1].indices(), pad)
+            windows[-1] = _Window(windows[-1].pieces, tuple(int(i) for i in extra))
+        layout.append(windows)
+    return layout
+
+
+def _window_rng(seed: int, epoch: int, replicas: int, rank: int, window: int) -> np.random.Generator:
+    # One independent stream per window: a rank shuffles its own windows without drawing the
+    # other ranks' shuffles first (O(samples per rank), not O(dataset), per epoch).
+    return np.random.default_rng([(seed + epoch) % 2**64, replicas, rank, window])
+
+
+def _rank_stream(windows: list[_Window], *, epoch: int, seed: int, shuffle: bool, replicas: int,
+                 rank: int) -> np.ndarray:
+    """One rank's indices for the epoch: its windows in order, each shuffled within itself."""
+    parts = []
+    for w, window in enumerate(windows):
+        indices = window.indices()
+        if shuffle:
+            indices = _window_rng(seed, epoch, replicas, rank, w).permutation(indices)
+        parts.append(indices)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def shard_sizes_from_starts(starts: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    """Records per shard from each shard's first global index (a StoreDataset's ``shard_starts``).
+
+    Args:
+        starts: first index of each shard, non-decreasing, starting at 0.
+        n: dataset length; the last shard ends there.
+
+    Returns:
+        ``np.ndarray`` of int64 sizes summing to ``n``.
+
+    Raises:
+        ValueError: starts that do not tile ``[0, n)``.
+    """
+    arr = np.asarray(starts)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"shard starts must be a 1-D sequence of ints, got {starts!r}")
+    arr = arr.astype(np.int64)
+    if arr.size == 0:
+        if n:
+            raise ValueError(f"no shard starts for a dataset of {n} samples")
+        return arr
+    sizes = np.diff(np.append(arr, n))
+    if arr[0] != 0 or (sizes < 0).any():
+        raise ValueError(
+            f"shard starts must begin at 0 and not decrease up to the dataset length {n}, got "
+            f"{arr.tolist()[:8]}{'...' if arr.size > 8 else ''}"
+        )
+    return sizes
+
+
+def _check_shard_sizes(shard_sizes: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    values = list(shard_sizes)
+    if not all(_is_int(v) or isinstance(v, np.integer) for v in values) or any(v < 0 for v in values):
+        raise ValueError(f"shard_sizes must be ints >= 0, got {values[:8]}")
+    sizes = np.asarray(values, dtype=np.int64)
+    if int(sizes.sum()) != n:
+        raise ValueError(
+            f"shard_sizes sum to {int(sizes.sum())} but the dataset has {n} samples; give the "
+            "number of records of every shard in storage order"
+        )
+    return sizes
+
+
+def _layout_digest(sizes: np.ndarray) -> str:
+    """Short fingerprint of the shard sizes: a state only resumes on the same shard layout."""
+    return f"{len(sizes)}:{hashlib.sha256(sizes.astype('<i8').tobytes()).hexdigest()[:16]}"
+
+
 def epoch_order(
     n: int,
     *,
@@ -184,6 +334,8 @@ def epoch_order(
     block_size: int,
     window: int,
     replicas: int,
+    shard_sizes: Sequence[int] | np.ndarray | None = None,
+    shard_window: int | None = None,
 ) -> np.ndarray:
     """Return the global order ``Q`` of one epoch (see the module docstring).
 
@@ -192,11 +344,20 @@ def epoch_order(
         epoch, seed: the generator is seeded with ``seed + epoch``.
         shuffle, drop_last, block_size, window: as in :class:`DistributedShardSampler`.
         replicas: number of ranks the epoch started on (``R0``).
+        shard_sizes, shard_window: shard-window mode when ``shard_window`` is set (records per
+            shard in storage order, and shards per window); ``block_size`` must then be 1.
 
     Returns:
         ``np.ndarray`` of int64, length ``num_samples * replicas``; rank ``r`` of ``replicas``
         reads ``Q[r::replicas]``.
     """
+    if shard_window is not None:
+        sizes = _check_shard_sizes(shard_sizes if shard_sizes is not None else [n], n)
+        layout = _shard_layout(sizes, epoch=epoch, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                               shard_window=shard_window, replicas=replicas)
+        return np.stack([_rank_stream(windows, epoch=epoch, seed=seed, shuffle=shuffle,
+                                      replicas=replicas, rank=rank)
+                         for rank, windows in enumerate(layout)]).T.ravel()
     gen = torch.Generator()
     gen.manual_seed(seed + epoch)
     padded = _pad_or_drop(_base_order(n, shuffle, block_size, gen), replicas, drop_last)
@@ -206,6 +367,35 @@ def epoch_order(
     if shuffle:
         streams = _window_shuffle(streams, window, gen)
     return streams.T.ravel()
+
+
+def _shard_mode(dataset: Sized, n: int, shard_window: int | None,
+                shard_sizes: Sequence[int] | None,
+                block_size: int) -> tuple[int | None, np.ndarray | None]:
+    """Validated ``(shard_window, records per shard)``; ``(None, None)`` when the mode is off."""
+    if shard_window is None:
+        if shard_sizes is not None:
+            raise ValueError("shard_sizes is used only with shard_window= (shards per window)")
+        return None, None
+    if not _is_int(shard_window) or shard_window < 1:
+        raise ValueError(f"shard_window must be None or an int >= 1, got {shard_window!r}")
+    if block_size > 1:
+        raise ValueError(
+            "shard_window and block_size > 1 are two ways to read sequentially; use one: "
+            "block_size for runs of consecutive records over a store on local disk, "
+            "shard_window to read a few whole shards at a time (a store larger than the local "
+            "cache)"
+        )
+    if shard_sizes is not None:
+        return int(shard_window), _check_shard_sizes(shard_sizes, n)
+    starts = getattr(dataset, "shard_starts", None)
+    if starts is None:
+        raise ValueError(
+            f"shard_window needs the shard boundaries, and {type(dataset).__name__} has no "
+            "shard_starts: pass a fastdata store dataset, or shard_sizes=[records of each "
+            "shard, in storage order]"
+        )
+    return int(shard_window), shard_sizes_from_starts(starts, n)
 
 
 def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -271,6 +461,9 @@ class DistributedShardSampler(Sampler[int]):
         drop_last: bool = False,
         block_size: int = 1,
         window: int | None = None,
+        *,
+        shard_window: int | None = None,
+        shard_sizes: Sequence[int] | None = None,
     ) -> None:
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
         if not _is_int(block_size) or block_size < 1:
@@ -291,6 +484,9 @@ class DistributedShardSampler(Sampler[int]):
         self.window = int(window)
         self.epoch = 0
         self._n = len(dataset)
+        self.shard_window, self.shard_sizes = _shard_mode(dataset, self._n, shard_window,
+                                                          shard_sizes, self.block_size)
+        self._layout_cache: tuple[tuple[int, int], list[list[_Window]]] | None = None
         self.num_samples = _num_samples(self._n, self.num_replicas, self.drop_last)
         self.total_size = self.num_samples * self.num_replicas
         # (R0, start) of the next __iter__, and (R0, consumed) of the latest one: see docstring.
@@ -299,6 +495,11 @@ class DistributedShardSampler(Sampler[int]):
 
     # -- order ------------------------------------------------------------------------------
     def _order(self, replicas: int) -> np.ndarray:
+        if self.shard_window is not None:
+            layout = self._layout(self.epoch, replicas)
+            streams = [self._stream(windows, self.epoch, replicas, rank)
+                       for rank, windows in enumerate(layout)]
+            return np.stack(streams).T.ravel()
         return epoch_order(
             self._n,
             epoch=self.epoch,
@@ -309,6 +510,68 @@ class DistributedShardSampler(Sampler[int]):
             window=self.window,
             replicas=replicas,
         )
+
+    def _layout(self, epoch: int, replicas: int) -> list[list[_Window]]:
+        """Every rank's windows (cached: a prefetcher asks for them while the epoch is read)."""
+        if self._layout_cache is None or self._layout_cache[0] != (epoch, replicas):
+            assert self.shard_sizes is not None and self.shard_window is not None
+            layout = _shard_layout(self.shard_sizes, epoch=epoch, seed=self.seed,
+                                   shuffle=self.shuffle, drop_last=self.drop_last,
+                                   shard_window=self.shard_window, replicas=replicas)
+            self._layout_cache = ((epoch, replicas), layout)
+        return self._layout_cache[1]
+
+    def _stream(self, windows: list[_Window], epoch: int, replicas: int, rank: int) -> np.ndarray:
+        return _rank_stream(windows, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                            replicas=replicas, rank=rank)
+
+    def _own_windows(self, epoch: int | None) -> list[_Window]:
+        if self.shard_window is None:
+            raise ValueError("windows exist only in shard-window mode: pass shard_window=")
+        epoch = self.epoch if epoch is None else epoch
+        if not _is_int(epoch):
+            raise ValueError(f"epoch must be an int, got {epoch!r}")
+        return self._layout(int(epoch), self.num_replicas)[self.rank]
+
+    def window_shards(self, epoch: int | None = None) -> list[list[int]]:
+        """This rank's windows for an epoch, in reading order, each the list of its shard numbers.
+
+        A prefetcher downloads window ``w + 1``'s shards while window ``w`` is read (see
+        :meth:`window_index`). Empty shards are never listed; a shard split between two ranks
+        (see "Shard windows" in the module docstring) is listed by both.
+
+        Args:
+            epoch (int | None): epoch number; ``None``: the current epoch (:meth:`set_epoch`).
+
+        Returns:
+            list[list[int]]: at most ``shard_window`` shard numbers per window.
+
+        Raises:
+            ValueError: the sampler is not in shard-window mode.
+        """
+        return [window.shards for window in self._own_windows(epoch)]
+
+    def window_index(self, position: int, epoch: int | None = None) -> int:
+        """Index into :meth:`window_shards` of the window that position ``position`` of this
+        rank's stream (its ``position``-th index of the epoch, counted from 0 at the epoch start,
+        also after a resume) reads from.
+
+        Args:
+            position (int): ``0 <= position < num_samples``. After resuming from a state with
+                ``consumed`` samples, the next index is position ``consumed // num_replicas``.
+            epoch (int | None): epoch number; ``None``: the current epoch.
+
+        Returns:
+            int: the window index.
+
+        Raises:
+            ValueError: not in shard-window mode, or position out of range.
+        """
+        windows = self._own_windows(epoch)
+        if not _is_int(position) or not 0 <= position < self.num_samples:
+            raise ValueError(f"position must be an int in [0, {self.num_samples}), got {position!r}")
+        ends = np.cumsum([window.size for window in windows])
+        return int(np.searchsorted(ends, position, side="right"))
 
     def _order_len(self, replicas: int) -> int:
         return _num_samples(self._n, replicas, self.drop_last) * replicas
@@ -321,6 +584,14 @@ class DistributedShardSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         replicas, start = self._resume
+        if self.shard_window is not None and replicas == self.num_replicas and start % replicas == 0:
+            # Same world, whole lockstep steps consumed: continue this rank's own stream (its
+            # share of the global order) without computing the other ranks' shuffles.
+            stream = self._stream(self._layout(self.epoch, replicas)[self.rank], self.epoch,
+                                  replicas, self.rank)
+            self._position = (replicas, start)
+            return self._track(stream[start // replicas:].tolist(), replicas, start,
+                               self._order_len(replicas))
         order = self._order(replicas)
         remainder = order[start:]
         mine = _pad_or_drop(remainder, self.num_replicas, self.drop_last)[
@@ -386,7 +657,7 @@ class DistributedShardSampler(Sampler[int]):
                 f"consumed={consumed} exceeds this epoch's {end} samples; count only samples "
                 "of the current epoch, summed over ranks"
             )
-        return {
+        state: dict[str, Any] = {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "seed": self.seed,
@@ -399,6 +670,10 @@ class DistributedShardSampler(Sampler[int]):
             "num_replicas": self.num_replicas,
             "consumed": min(int(consumed), end),
         }
+        if self.shard_window is not None and self.shard_sizes is not None:
+            state["shard_window"] = self.shard_window
+            state["shard_layout"] = _layout_digest(self.shard_sizes)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` output; the next ``iter()`` yields this rank's share of
@@ -424,16 +699,26 @@ class DistributedShardSampler(Sampler[int]):
                 raise ValueError(f"sampler state key {key!r} must be an int, got "
                                  f"{state.get(key)!r}")
         mine = self.state_dict()
-        for key in _ORDER_KEYS:
-            if state.get(key) != mine[key]:
+        for key in _ORDER_KEYS + _SHARD_KEYS:
+            if state.get(key) != mine.get(key):
                 raise ValueError(
                     f"sampler state has {key}={state.get(key)!r} but this sampler has "
-                    f"{key}={mine[key]!r}; the saved epoch order cannot be reproduced"
+                    f"{key}={mine.get(key)!r}; the saved epoch order cannot be reproduced"
                 )
         replicas, consumed = int(state["order_replicas"]), int(state["consumed"])
         if replicas < 1 or not 0 <= consumed <= self._order_len(replicas):
             raise ValueError(
                 f"sampler state order_replicas={replicas}, consumed={consumed} is out of range"
+            )
+        if (self.shard_window is not None and replicas != self.num_replicas
+                and 0 < consumed < self._order_len(replicas)):
+            raise ValueError(
+                f"this sampler state was saved mid-epoch by {replicas} ranks in shard-window "
+                f"mode; the rest of that epoch lies in each rank's own windows of shards and "
+                f"cannot be split over {self.num_replicas} ranks without every rank reading "
+                f"every other rank's window. Resume with num_replicas={replicas}, or start "
+                f"epoch {int(state['epoch']) + 1} on {self.num_replicas} ranks (set_epoch) "
+                "without loading this state"
             )
         if consumed == 0:
             # Nothing consumed yet: start the epoch afresh, laid out for this world size.
