@@ -31,6 +31,7 @@ import numpy as np
 
 from .errors import FormatError
 from .record import FIELD_PREFIX
+from .remote.store import StoreLocation
 from .samples import SampleDataset, SampleList
 
 __all__ = ["CocoStoreDataset", "CocoIds", "TARGET_FORMATS", "is_coco_manifest"]
@@ -115,7 +116,7 @@ class CocoStoreDataset(SampleDataset):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | StoreLocation,
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         transforms: Callable | None = None,
@@ -126,6 +127,7 @@ class CocoStoreDataset(SampleDataset):
         on_error: str = "raise",
         readahead: bool = False,
         seed: int | None = None,
+        **store_options: Any,
     ):
         """Open the store's metadata.
 
@@ -141,6 +143,8 @@ class CocoStoreDataset(SampleDataset):
             output: ``"pil"`` (default, as ``CocoDetection``), ``"numpy"`` (HWC uint8) or
                 ``"tensor"`` (CHW uint8).
             on_error, readahead, seed: as :class:`fastdata.dataset.StoreDataset`.
+            store_options: ``storage_options``, ``cache_dir``, ``cache_limit``, ``max_open_shards``
+                of a remote store, as :class:`fastdata.dataset.StoreDataset`.
 
         Raises:
             ValueError: ``transforms`` together with ``transform``/``target_transform``, an
@@ -160,7 +164,7 @@ class CocoStoreDataset(SampleDataset):
 
             self.target_keys = coco_target_keys(target_keys)
             _tv_tensors()  # say now, not at the first sample, that torchvision is missing
-        super().__init__(path, output=output, on_error=on_error, readahead=readahead, seed=seed)
+        super().__init__(path, output=output, on_error=on_error, readahead=readahead, seed=seed, **store_options)
         self.target_format = target_format
         self.transform = transform
         self.target_transform = target_transform

@@ -33,7 +33,7 @@ import inspect
 import os
 import warnings
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -48,9 +48,8 @@ from .decode import decode_numpy, decode_numpy_into, decode_pil
 from .errors import CorruptRecordError, FastdataError, FormatError
 from .formats import reader_class
 from .formats.base import StorageSpec
-from .layout import check_local_path
-from .manifest import read_manifest
 from .record import FORMAT_NAMES
+from .remote.store import StoreLocation, locate_store
 from .seeding import epoch_of, sample_rng
 
 OUTPUTS = ("pil", "numpy", "tensor")
@@ -77,7 +76,7 @@ class StoreDataset(Dataset):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | StoreLocation,
         transform: Callable | None = None,
         target_transform: Callable | None = None,
         output: str = "pil",
@@ -86,11 +85,18 @@ class StoreDataset(Dataset):
         on_error: str = "raise",
         readahead: bool = False,
         seed: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | None = None,
+        cache_limit: int | str | None = None,
+        max_open_shards: int | None = None,
     ):
         """Open the store's metadata.
 
         Args:
-            path: a store directory written by ``fastdata convert``.
+            path: a store directory written by ``fastdata convert``, or its URL
+                (``s3://bucket/train.lmdb``, ``gs://``, ``az://``, ``https://``): a remote
+                store's shards are downloaded whole on first use into a shared local
+                cache, checked against the manifest's checksums (see :mod:`fastdata.remote`).
             transform: applied to the image after decoding (torchvision-style).
             target_transform: applied to the integer label.
             output: ``"pil"`` (RGB PIL image), ``"numpy"`` (HWC uint8) or
@@ -106,14 +112,25 @@ class StoreDataset(Dataset):
             seed: seed of the per-sample random streams of ``decode`` transforms
                 (see :meth:`set_epoch`); ``None`` = ``torch.initial_seed()`` of the
                 process creating the dataset (``fastdata.loader(seed=...)`` overrides it).
+            storage_options: fsspec options of a remote store (endpoint, credentials...);
+                the standard environment variables (``AWS_ENDPOINT_URL``...) work too.
+            cache_dir: cache directory of a remote store's shards (default
+                ``$FASTDATA_CACHE_DIR`` or ``~/.cache/fastdata``), shared by every process.
+            cache_limit: most bytes that cache holds (an int or ``"50GiB"``); None = no limit.
+            max_open_shards: shards each process keeps open (and pinned in the cache) at once;
+                the least recently used one is closed beyond it. None = all for a local
+                store, 4 for a remote one.
         """
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
-        check_local_path(path, "store")  # before abspath, which would turn "s3://b/x" into "<cwd>/s3:/b/x"
-        self.root = os.path.abspath(os.fspath(path))
-        manifest = read_manifest(self.root)
+        store = path if isinstance(path, StoreLocation) else locate_store(
+            path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+        self._store = store
+        #: the store's directory, or its URL
+        self.root = store.root
+        manifest = store.manifest
         if self.backend and manifest["backend"] != self.backend:
             raise FormatError(f"{self.root} is a {manifest['backend']} store; open it with open_dataset() "
                               f"or the matching class")
@@ -142,6 +159,9 @@ class StoreDataset(Dataset):
         self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
         self._load_index(manifest)
         self._source = (manifest.get("options") or {}).get("source")
+        store.slim()
+        self.max_open_shards = max_open_shards or (4 if store.remote else None)
+        self._pins: dict[int, Any] = {}
         self._samples: list[tuple[str, int]] | None = None
         self._skips = 0
         # names this dataset's skip count in the main process (shared with its worker copies)
@@ -241,10 +261,8 @@ class StoreDataset(Dataset):
                               "fastdata.open_dataset(), which returns a SampleDataset")
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "nbytes", "widths", "heights")}
         paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
-        rcls = reader_class(self.backend)
-        for shard in manifest["shards"]:
-            with rcls(os.path.join(self.root, shard["name"]), self.storage) as reader:
-                index = reader.read_index()
+        indexes = self._store.shard_indexes(reader_class(self.backend), self.storage, None)
+        for shard, index in zip(manifest["shards"], indexes, strict=True):
             if len(index) != shard["count"]:
                 raise CorruptRecordError(f"{self.root}/{shard['name']}: holds {len(index)} records, the manifest "
                                          f"says {shard['count']}; run 'fastdata verify'", store=self.root,
@@ -308,23 +326,49 @@ class StoreDataset(Dataset):
         pid = os.getpid()
         if self._pid != pid:
             if self._readers:
-                # Inherited through fork: never use, close or even free them here.
-                _INHERITED_HANDLES.append(self._readers)
+                # Inherited through fork: never use, close or even free them here (nor the
+                # cache pins: a pin released only by its owner keeps the shard until both exit).
+                _INHERITED_HANDLES.append((self._readers, self._pins))
             self._readers = {}
+            self._pins = {}
             self._pid = pid
-        reader = self._readers.get(shard)
+        reader = self._readers.pop(shard, None)
         if reader is None:
-            path = os.path.join(self.root, self._shard_files[shard])
-            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
-            self._readers[shard] = reader
+            if self.max_open_shards and len(self._readers) >= self.max_open_shards:
+                self._close_shard(next(iter(self._readers)))  # the least recently used
+            path, pin = self._store.open_shard(shard)
+            try:
+                reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
+            except BaseException:
+                pin.release()
+                raise
+            self._pins[shard] = pin
+        self._readers[shard] = reader  # (re)inserted last: dict order is the LRU order
         return reader
+
+    def _close_shard(self, shard: int) -> None:
+        reader = self._readers.pop(shard)
+        try:
+            reader.close()
+        finally:
+            pin = self._pins.pop(shard, None)
+            if pin is not None:
+                pin.release()
+
+    def prefetch_shards(self, shards: Sequence[int]) -> None:
+        """Start downloading ``shards`` (shard numbers) of a remote store in the background, so
+        they are cached when read; nothing for a local store. Samplers that know their next
+        shards call this (e.g. :class:`~fastdata.sampler.DistributedShardSampler` with a
+        ``shard_window``)."""
+        self._store.prefetch(shards)
 
     def close(self) -> None:
         """Close this process's handles (they reopen lazily on next access)."""
         if self._pid == os.getpid():
-            for reader in self._readers.values():
-                reader.close()
+            for shard in list(self._readers):
+                self._close_shard(shard)
         self._readers = {}
+        self._pins = {}
         self._pid = None
 
     def __enter__(self):
@@ -342,6 +386,7 @@ class StoreDataset(Dataset):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_readers"] = {}
+        state["_pins"] = {}
         state["_pid"] = None
         state["_samples"] = None  # rebuilt on demand; workers should not carry a list per sample
         return state
@@ -609,7 +654,7 @@ class HDF5ImageDataset(StoreDataset):
     backend = "hdf5"
 
 
-def open_dataset(path: str | os.PathLike, **kwargs) -> StoreDataset:
+def open_dataset(path: str | os.PathLike | StoreLocation, **kwargs) -> StoreDataset:
     """Open a store with the Dataset class it needs (same keyword arguments as that class).
 
     A classification store (layout version 1, what ``fastdata convert`` of an image
@@ -620,14 +665,17 @@ def open_dataset(path: str | os.PathLike, **kwargs) -> StoreDataset:
     --coco``) as a :class:`fastdata.coco_dataset.CocoStoreDataset`, whose items are
     ``CocoDetection``'s ``(image, annotations)`` (``target_format="v2"``: torchvision's
     transforms-v2 targets)."""
-    manifest = read_manifest(os.fspath(path))
+    store = path if isinstance(path, StoreLocation) else locate_store(
+        path, storage_options=kwargs.pop("storage_options", None), cache_dir=kwargs.pop("cache_dir", None),
+        cache_limit=kwargs.pop("cache_limit", None))
+    manifest = store.manifest
     if manifest["version"] != 1:
         from .coco_dataset import CocoStoreDataset, is_coco_manifest
         from .samples import SampleDataset
 
         if is_coco_manifest(manifest):
-            return CocoStoreDataset(path, **kwargs)
+            return CocoStoreDataset(store, **kwargs)
 
-        return SampleDataset(path, **kwargs)
+        return SampleDataset(store, **kwargs)
     cls = {"lmdb": LMDBImageDataset, "hdf5": HDF5ImageDataset}.get(manifest["backend"], StoreDataset)
-    return cls(path, **kwargs)
+    return cls(store, **kwargs)

@@ -62,4 +62,14 @@ class PathNotFoundError(FastdataError):
 
 
 class RemotePathError(FastdataError):
-    """A remote URL (``s3://``, ``gs://``, ``https://``...) was given; only local paths are supported."""
+    """A remote URL was given where only a local path works (a source folder, a list file)."""
+
+
+class RemoteStoreError(FastdataError):
+    """A remote store could not be reached, read or written (after retries), or it changed
+    underneath a reader; the message names the URL and what to check."""
+
+
+class CacheFullError(FastdataError):
+    """The local cache of remote shards cannot make room (its limit is below the shards in
+    use at once, or its disk is full); the message names the cache directory."""

@@ -43,7 +43,7 @@ import xxhash
 
 from . import __version__
 from .errors import ConversionError, RejectedInputError, ResumeMismatchError
-from .formats import writer_class
+from .formats import reader_class, writer_class
 from .fields import Schema
 from .formats.base import Sample, StorageSpec
 from .ingest import (EXTENSION_FORMATS, SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, ingest_chunk, starts_like_jpeg,
@@ -55,6 +55,9 @@ from .manifest import (
 from .plan import ShardPlan
 from .record import EncodedSample  # noqa: F401  (named in docstrings; what general sources produce)
 from .source import SourceScan
+from .store_index import MANIFEST_KEY as STORE_INDEX_KEY
+from .store_index import STORE_INDEX_NAME, build_store_index, encode_shard_index, sidecar_path
+from .store_index import manifest_entry as store_index_entry
 from .units import format_size
 
 PLAN_FILE = "plan.json"
@@ -217,12 +220,15 @@ class _ShardInProgress:
         self.count += len(samples)
 
     def finish(self, dst: str) -> ShardResult:
-        """Sync, close and rename the shard, then write its sidecar (the proof it is complete)."""
-        self.writer.close()
+        """Sync, close and rename the shard, then write its sidecars: its index (for the
+        store index file) and its result (the proof it is complete, written last)."""
+        index = self.writer.close()
         os.replace(self.tmp_path, self.final_path)
         sidecar = staging_path(dst, self.name + ".json")
+        index_sidecar = sidecar_path(staging_path(dst), self.name)
         try:
             fsync_dir(dst)
+            atomic_write(index_sidecar, encode_shard_index(index))
             result = ShardResult(
                 shard_id=self.plan.shard_id, name=self.name, count=self.count,
                 bytes=os.path.getsize(self.final_path), xxh=file_checksum(self.final_path),
@@ -233,7 +239,7 @@ class _ShardInProgress:
         except BaseException:
             # After a failed fsync the kernel may already have dropped the dirty pages
             # ("fsyncgate"): never trust this shard; resume rewrites it from the source.
-            for path in (sidecar, self.final_path):
+            for path in (sidecar, index_sidecar, self.final_path):
                 try:
                     os.unlink(path)
                 except OSError:
@@ -645,12 +651,26 @@ def publish(*, dst: str, backend: str, scan: SourceScan | None, storage: Storage
         body["schema"] = schema.to_json()
     body.update(extra or {})
     try:
+        index_file = build_store_index((r.name, _shard_index_bytes(dst, backend, r.name, schema)) for r in results)
+        atomic_write(os.path.join(dst, STORE_INDEX_NAME), index_file)
+        body[STORE_INDEX_KEY] = store_index_entry(index_file)
         atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
         manifest = write_manifest(dst, body)
     except OSError as err:
         raise io_error(err, os.path.join(dst, MANIFEST_NAME)) from err
     shutil.rmtree(staging_path(dst), ignore_errors=True)
     return manifest
+
+
+def _shard_index_bytes(dst: str, backend: str, name: str, schema: Schema | None) -> bytes:
+    """A finished shard's index for the store index file: its staging sidecar, or (a shard
+    finished by an older fastdata, which wrote none) read back from the shard itself."""
+    try:
+        with open(sidecar_path(staging_path(dst), name), "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        with reader_class(backend)(os.path.join(dst, name), StorageSpec(), schema=schema) as reader:
+            return encode_shard_index(reader.read_index())
 
 
 def _tsv_field(text: str) -> str:
@@ -661,7 +681,7 @@ def store_entries(dst: str) -> list[str]:
     """Names in ``dst`` that a conversion may create (and ``--overwrite`` may delete)."""
     names = []
     for name in os.listdir(dst):
-        if (name in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR) or name.startswith("shard-")
+        if (name in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, STAGING_DIR) or name.startswith("shard-")
                 or ATOMIC_TMP_MARK in name):
             names.append(name)
     return names

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .dataset import StoreDataset, _to_pil
+from .remote.store import StoreLocation
 from .decode import decode_numpy, decode_pil
 from .errors import CorruptRecordError, FastdataError
 from .fields import Float, Image, Int, NDArray, Ragged
@@ -51,7 +52,7 @@ class SampleDataset(StoreDataset):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | StoreLocation,
         transform: Callable | None = None,
         output: str = "pil",
         decode: Callable | None = None,
@@ -59,6 +60,7 @@ class SampleDataset(StoreDataset):
         on_error: str = "raise",
         readahead: bool = False,
         seed: int | None = None,
+        **store_options: Any,
     ):
         """Open the store's metadata (see :class:`StoreDataset` for ``on_error``,
         ``readahead`` and ``seed``).
@@ -71,9 +73,11 @@ class SampleDataset(StoreDataset):
             decode: a decode-time transform for the image fields (``fastdata.transforms``);
                 refused when the schema holds anything but images and index scalars, since a
                 fused crop would move the image but not, e.g., its boxes.
+            store_options: ``storage_options``, ``cache_dir``, ``cache_limit``, ``max_open_shards``
+                of a remote store (a URL ``path``), as :class:`StoreDataset`.
         """
         super().__init__(path, transform=transform, output=output, decode=decode, on_error=on_error,
-                         readahead=readahead, seed=seed)
+                         readahead=readahead, seed=seed, **store_options)
 
     # -- metadata ---------------------------------------------------------------------------
     def _load_index(self, manifest: dict) -> None:
@@ -87,9 +91,10 @@ class SampleDataset(StoreDataset):
                 "would move the image but not its boxes: use transform= with torchvision.transforms.v2")
         parts: dict[str, list[np.ndarray]] = {}
         paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
-        for shard in manifest["shards"]:
-            with self._open_reader(shard["name"]) as reader:
-                index = reader.read_index()
+        from .formats import reader_class
+
+        indexes = self._store.shard_indexes(reader_class(self.backend), self.storage, self.schema)
+        for shard, index in zip(manifest["shards"], indexes, strict=True):
             assert isinstance(index, SampleIndex)
             if len(index) != shard["count"]:
                 raise CorruptRecordError(f"{self.root}/{shard['name']}: holds {len(index)} records, the manifest "
@@ -124,11 +129,6 @@ class SampleDataset(StoreDataset):
         self.target_field = target
         self.targets = (self.index_arrays[FIELD_PREFIX + target].astype(np.int64) if target is not None
                         else np.zeros(0, dtype=np.int64))
-
-    def _open_reader(self, name: str):
-        from .formats import reader_class
-
-        return reader_class(self.backend)(os.path.join(self.root, name), self.storage, schema=self.schema)
 
     def __len__(self) -> int:
         return self._count

