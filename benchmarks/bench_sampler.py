@@ -12,10 +12,16 @@ rank's index stream over several epochs, cuts it into batches and reports:
   (i.i.d. ~ batch size);
 * ``regions``: the same, merging holes of up to ``gap`` (16) records, i.e. separate storage
   regions a DataLoader worker reads per batch (holes are read by a neighbouring batch anyway);
-* ``adjacent``: fraction of consecutive reads that are storage neighbours (index + 1).
+* ``adjacent``: fraction of consecutive reads that are storage neighbours (index + 1);
+* ``shards``: mean distinct shards per batch, the dataset cut into shards of ``--shard-size``
+  records (what a rank needs on local disk to read one batch; in shard-window mode the rank
+  needs only its current window, ``shard_window`` shards, however many batches it reads).
+
+Shard-window rows (``shard_window=W``) shuffle the shard order and then per index within
+windows of W shards (the mode for stores larger than a local cache of remote shards).
 
 Usage: ``python benchmarks/bench_sampler.py [--classes 1000 --per-class 50 --batch 256
---replicas 1 --epochs 4]``. A read-speed part (real stores) can be added on top.
+--replicas 1 --epochs 4 --shard-size 1000]``. A read-speed part (real stores) can be added on top.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class _Sized:
 
 
 def stream_metrics(stream: np.ndarray, labels: np.ndarray, classes: int, batch: int,
-                   gap: int = 16) -> dict:
+                   gap: int = 16, shard_size: int = 1000) -> dict:
     """Quality/locality figures of one rank's index stream (see module docstring)."""
     n_batches = len(stream) // batch
     batches = stream[: n_batches * batch].reshape(n_batches, batch)
@@ -60,15 +66,16 @@ def stream_metrics(stream: np.ndarray, labels: np.ndarray, classes: int, batch: 
         "runs": float(runs.mean()),
         "regions": float(regions.mean()),
         "adjacent": float((np.diff(stream) == 1).mean()),
+        "shards": float(np.mean([len(np.unique(b // shard_size)) for b in batches])),
     }
 
 
-def run_sampler(sampler, epochs: int, labels, classes: int, batch: int) -> dict:
+def run_sampler(sampler, epochs: int, labels, classes: int, batch: int, shard_size: int) -> dict:
     rows = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         rows.append(stream_metrics(np.fromiter(iter(sampler), dtype=np.int64), labels, classes,
-                                   batch))
+                                   batch, shard_size=shard_size))
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
@@ -79,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--shard-size", type=int, default=1000,
+                        help="records per shard (shard-window rows and the shards column)")
     parser.add_argument("--store", help="also measure cold-cache read speed of this store by sampler")
     args = parser.parse_args(argv)
 
@@ -93,19 +102,25 @@ def main(argv=None) -> int:
             configs.append((f"block_size={block}, window={window}",
                             DistributedShardSampler(data, **world, block_size=block,
                                                     window=window)))
+    sizes = [args.shard_size] * (n // args.shard_size) + ([n % args.shard_size] if n % args.shard_size else [])
+    for shard_window in (1, 2, 4, 8):
+        configs.append((f"shard_window={shard_window}",
+                        DistributedShardSampler(data, **world, shard_window=shard_window,
+                                                shard_sizes=sizes)))
     iid_labels = args.classes * (1 - (1 - 1 / args.classes) ** args.batch)
     print(f"n={n} ({args.classes} classes x {args.per_class}, label-sorted), batch={args.batch}, "
-          f"replicas={args.replicas} (rank 0 shown), epochs 0-{args.epochs - 1}; "
+          f"replicas={args.replicas} (rank 0 shown), epochs 0-{args.epochs - 1}, "
+          f"shards of {args.shard_size}; "
           f"i.i.d. distinct labels/batch ~ {iid_labels:.1f}")
     header = (f"{'sampler':34s} {'labels':>7s} {'tv':>6s} {'same_nb':>8s} {'runs':>7s} "
-              f"{'regions':>7s} {'adjacent':>8s}")
+              f"{'regions':>7s} {'adjacent':>8s} {'shards':>6s}")
     print(header)
     print("-" * len(header))
     t0 = time.perf_counter()
     for name, sampler in configs:
-        m = run_sampler(sampler, args.epochs, labels, args.classes, args.batch)
+        m = run_sampler(sampler, args.epochs, labels, args.classes, args.batch, args.shard_size)
         print(f"{name:34s} {m['labels']:7.1f} {m['tv']:6.3f} {m['same_nb']:8.3f} "
-              f"{m['runs']:7.1f} {m['regions']:7.1f} {m['adjacent']:8.3f}")
+              f"{m['runs']:7.1f} {m['regions']:7.1f} {m['adjacent']:8.3f} {m['shards']:6.1f}")
     print(f"({time.perf_counter() - t0:.1f} s)")
     if args.store:
         read_speed(args.store, args.batch, args.epochs)
