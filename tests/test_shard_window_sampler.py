@@ -413,3 +413,20 @@ def test_mode_off_is_bit_for_bit_unchanged():
     # a store dataset (it has shard_starts) stays in the per-index mode unless asked
     plain = DistributedShardSampler(Sharded([3, 4]), num_replicas=1, rank=0, seed=5)
     assert list(plain) == torch.randperm(7, generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def test_set_epoch_reaches_the_dataset_in_shard_mode():
+    class Recorder(Sharded):
+        def __init__(self, sizes):
+            super().__init__(sizes)
+            self.epochs: list[int] = []
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epochs.append(epoch)
+
+    ds = Recorder([3, 4, 5])
+    s = DistributedShardSampler(ds, num_replicas=1, rank=0, shard_window=1)
+    s.set_epoch(3)
+    other = DistributedShardSampler(Recorder([3, 4, 5]), num_replicas=1, rank=0, shard_window=1)
+    other.load_state_dict(s.state_dict(5))
+    assert ds.epochs == [3] and other.dataset.epochs == [3] and len(other) == 7
