@@ -44,8 +44,20 @@ def _run_convert(convert, args):
         args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
         max_side=args.max_side, quality=args.quality, raw=args.raw, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
-        **_list_options(args),
+        **_list_options(args), **_upload_options(args),
     )
+
+
+def _upload_options(args) -> dict:
+    """``convert``'s options for a URL destination, as keyword arguments (only those given)."""
+    from .remote.location import parse_storage_options
+
+    out: dict = {}
+    if args.storage_option:
+        out["storage_options"] = parse_storage_options(args.storage_option)
+    if args.staging_dir:
+        out["staging_dir"] = args.staging_dir
+    return out
 
 
 def _cmd_info(args) -> int:
@@ -111,11 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="convert an image folder or list file into a store",
                        description="Convert an ImageFolder tree (SRC/<class>/<images>) or a CSV/TSV list "
-                                   "(path,label) into an LMDB or HDF5 store at DST (a directory).")
+                                   "(path,label) into an LMDB or HDF5 store at DST (a directory, or a URL: "
+                                   "s3://bucket/train.lmdb, gs://, az://; shards are written in a local staging "
+                                   "folder, each uploaded and checked as it finishes, the manifest last).")
     c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows (when every "
                    "label is an integer, it is the target itself: classes '0'..max label; otherwise labels are "
                    "class names, numbered in sorted order)")
-    c.add_argument("dst", metavar="DST", help="destination directory; *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
+    c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
+                   "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     from .formats.registry import format_choices
 
     c.add_argument("--format", choices=format_choices(), help="backend (overrides DST's suffix)")
@@ -141,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coco_argument(c)
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    c.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec option for a URL DST (repeatable), e.g. endpoint_url=http://host:9000; credentials "
+                        "otherwise come from the usual AWS_* / cloud SDK environment")
+    c.add_argument("--staging-dir", metavar="DIR",
+                   help="local folder a URL DST's shards are written in before upload (at most 3 shards at a "
+                        "time; default: under $FASTDATA_CACHE_DIR, else ~/.cache/fastdata)")
     _add_list_arguments(c)
     c.set_defaults(func=_cmd_convert)
 
@@ -246,7 +267,7 @@ def _run_coco(args):
                          "with the fields the annotation file gives")
     return convert_coco(args.coco, args.src, args.dst, format=args.format, workers=args.workers,
                         shard_size=args.shard_size, strict=args.strict, resume=args.resume, overwrite=args.overwrite,
-                        progress=False if args.quiet else None)
+                        progress=False if args.quiet else None, **_upload_options(args))
 
 
 def _add_optional_commands(sub) -> None:

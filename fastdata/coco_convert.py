@@ -117,13 +117,16 @@ def convert_coco(
     overwrite: bool = False,
     progress: bool | None = None,
     chunk_size: int = 32,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
 ) -> ConvertReport:
     """Convert a COCO instances annotation file and its image folder into a store.
 
     Args:
         ann_file (str | os.PathLike): the COCO annotation JSON (``instances_*.json``).
         image_dir (str | os.PathLike): the folder the images' ``file_name`` is relative to.
-        dst (str | os.PathLike): destination directory; its suffix picks the backend unless ``format`` is given.
+        dst (str | os.PathLike): destination directory, or a URL (``s3://bucket/coco.lmdb``, uploaded as
+            :func:`fastdata.write` does); its suffix picks the backend unless ``format`` is given.
         format (str | None): ``"lmdb"`` or ``"hdf5"``.
         workers (int | None): reader/validator processes (None or 0: all cores, as ``convert``).
         shard_size (int | str | None): target bytes per shard (e.g. ``"512MiB"``; default 1GiB).
@@ -134,6 +137,8 @@ def convert_coco(
         overwrite (bool): replace an existing store at ``dst``.
         progress (bool | None): show a progress bar (default: when stderr is a terminal).
         chunk_size (int): images per worker task.
+        storage_options (dict | None): fsspec options for a URL ``dst``.
+        staging_dir (str | os.PathLike | None): local directory shards of a URL ``dst`` are written in first.
 
     Returns:
         ConvertReport: counts, rejected images (``rejected_items``) and the annotation file's
@@ -144,8 +149,11 @@ def convert_coco(
         RejectedInputError: ``strict`` and a problem was found (names the first ones).
         FastdataError subclasses for the destination (exists, locked, I/O).
     """
+    from .remote.publish import refuse_remote_source
     from .writing import write
 
+    refuse_remote_source(ann_file, "annotation file")
+    refuse_remote_source(image_dir, "image folder")
     strict = bool(strict)
     processes, workers_warning = resolve_workers(workers)
     index = load_coco(ann_file, image_dir)
@@ -155,7 +163,7 @@ def convert_coco(
     warnings = [(where, why) for where, why in index.problems if where not in missing]
     report = write(CocoSamples(index), dst, COCO_SCHEMA, format=format, workers=processes, shard_size=shard_size,
                    resume=resume, overwrite=overwrite, progress=progress, chunk_size=chunk_size, strict=strict,
-                   metadata=coco_metadata(index, warnings))
+                   metadata=coco_metadata(index, warnings), storage_options=storage_options, staging_dir=staging_dir)
     report.unit = "images"
     report.options = f"COCO {index.ann_file}, images in {index.image_dir}; {report.options}"
     report.warnings.extend(f"{where}: {why}" for where, why in warnings)

@@ -257,6 +257,8 @@ def convert(
     lmdb_map_size: int | str | None = None,
     chunk_size: int = 32,
     schema=None,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
 ) -> ConvertReport:
     """Convert an ImageFolder tree or a CSV/TSV list file into a fastdata store.
 
@@ -265,7 +267,9 @@ def convert(
             (a classification store, layout version 1); or a JSONL list, or a CSV/TSV list
             whose header names more columns than ``path,label`` (a general store, layout
             version 2, written by :func:`convert_table`).
-        dst: destination directory; its suffix picks the backend unless ``format`` is given.
+        dst: destination directory, or a URL (``s3://bucket/train.lmdb``, ``gs://``, ``az://``: shards
+            are staged locally and uploaded as each finishes, manifest last; see
+            :mod:`fastdata.remote.publish`); its suffix picks the backend unless ``format`` is given.
         format: ``"lmdb"`` or ``"hdf5"``.
         workers: reader/validator processes (default or 0: all cores; negative is an error; more than
             4x the cores is allowed with a warning).
@@ -284,6 +288,9 @@ def convert(
         schema: declared fields of a list file (``--schema``: an inline spec, a JSON file, or a
             loaded JSON value; see :func:`fastdata.sources.table.parse_schema`); makes ``src``
             a general list (:func:`convert_table`).
+        storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
+        staging_dir: local directory shards of a URL ``dst`` are written in before upload
+            (default: under the cache directory).
 
     Returns:
         A :class:`ConvertReport`.
@@ -294,6 +301,12 @@ def convert(
     src, dst = os.fspath(src), os.fspath(dst)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are exclusive")
+    remote = _remote_destination(src, dst, storage_options, staging_dir, resume=resume, overwrite=overwrite)
+    if remote is not None:
+        return remote(lambda local: convert(
+            src, local, format=format, workers=workers, shard_size=shard_size,
+            max_side=max_side, quality=quality, raw=raw, strict=strict, resume=resume, progress=progress,
+            lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, schema=schema))
     if _is_general_list(src, schema):
         if any(v is not None for v in (max_side, quality, raw)):
             raise ValueError(f"{src}: --max-side/--quality/--raw apply to image folders and path,label lists; a "
@@ -371,6 +384,23 @@ def convert(
         manifest = publish(dst=dst, backend=backend, scan=scan, storage=storage, results=results, options=options)
     _fill_report(report, manifest, stats, finished, started)
     return report
+
+
+def _remote_destination(src: str, dst: str, storage_options: dict | None, staging_dir, *, resume: bool,
+                        overwrite: bool):
+    """For a URL ``dst``: a function that runs ``run(local_dir)`` (the local conversion) as an upload to
+    ``dst`` (:func:`fastdata.remote.publish.write_to_url`); None for a local ``dst``. A URL ``src``
+    is refused (inputs are local), and so are ``storage_options``/``staging_dir`` with a local ``dst``."""
+    from .remote.publish import refuse_remote_source, write_to_url
+    from .remote.store import is_remote
+
+    refuse_remote_source(src)
+    if not is_remote(dst):
+        if storage_options or staging_dir is not None:
+            raise ValueError(f"{dst}: storage_options and staging_dir apply to a URL destination only "
+                             "(s3://, gs://, az://), not to a local path")
+        return None
+    return lambda run: write_to_url(dst, storage_options, staging_dir, resume=resume, overwrite=overwrite, run=run)
 
 
 @contextmanager
@@ -656,15 +686,18 @@ def _class_counts(dst: str, backend: str, table, results: list, target: str | No
     (rejected rows are not in it), for the manifest's ``class_counts``."""
     import numpy as np
 
-    from .formats import reader_class
-    from .record import FIELD_PREFIX
+    from .pipeline import shard_index_bytes
+    from .record import FIELD_PREFIX, SampleIndex
+    from .store_index import decode_shard_index
 
     for r in results:
         if target is None:
             r.class_counts = []
             continue
-        with reader_class(backend)(os.path.join(dst, r.name), StorageSpec(), schema=table.schema) as reader:
-            labels = np.asarray(reader.read_index().arrays[FIELD_PREFIX + target], dtype=np.int64)
+        # from the index sidecar, not the shard: a shard uploaded to a URL destination is no longer here
+        index = decode_shard_index(shard_index_bytes(dst, backend, r.name, table.schema), table.schema, r.name)
+        assert isinstance(index, SampleIndex), "a general store's shards hold a SampleIndex"
+        labels = np.asarray(index.arrays[FIELD_PREFIX + target], dtype=np.int64)
         r.class_counts = np.bincount(labels, minlength=len(table.class_tables[target])).tolist()
 
 
@@ -682,6 +715,8 @@ def convert_table(
     progress: bool | None = None,
     lmdb_map_size: int | str | None = None,
     chunk_size: int = 32,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
 ) -> ConvertReport:
     """Convert a JSONL or CSV/TSV list with any fields into a general (layout version 2) store.
 
@@ -709,6 +744,12 @@ def convert_table(
     src, dst = os.fspath(src), os.fspath(dst)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are exclusive")
+    remote = _remote_destination(src, dst, storage_options, staging_dir, resume=resume, overwrite=overwrite)
+    if remote is not None:
+        return remote(lambda local: convert_table(
+            src, local, schema=schema, format=format, workers=workers,
+            shard_size=shard_size, strict=strict, resume=resume, progress=progress, lmdb_map_size=lmdb_map_size,
+            chunk_size=chunk_size))
     check_local_path(src, "source")
     check_local_path(dst, "destination", must_exist=False)
     if os.path.isdir(src):

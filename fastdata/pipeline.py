@@ -27,6 +27,8 @@ from __future__ import annotations
 import abc
 import collections
 import concurrent.futures as cf
+import contextlib
+import contextvars
 import itertools
 import json
 import multiprocessing
@@ -38,6 +40,7 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import xxhash
 
@@ -101,6 +104,44 @@ class PipelineStats:
     written_shards: int = 0
     rejected_items: list = field(default_factory=list)
     results: list = field(default_factory=list)
+
+
+class ShardSink(Protocol):
+    """Where finished shards go besides the local destination directory (e.g. a remote store:
+    :class:`fastdata.remote.publish.RemoteDestination`). Installed with :func:`shard_sink`, it
+    is called by :func:`run_shards`, :func:`load_finished` and :func:`publish`."""
+
+    def start(self, dst: str) -> None:
+        """The pipeline is about to write shards into ``dst`` (its staging plan is written)."""
+
+    def shard_finished(self, dst: str, result: ShardResult) -> None:
+        """Shard ``result.name`` and its sidecars are complete in ``dst`` (may block to bound
+        how many finished shards wait)."""
+
+    def drain(self) -> None:
+        """Wait until every finished shard is handled; raise the first failure."""
+
+    def abort(self) -> None:
+        """The run failed: stop handling shards (never raises)."""
+
+    def load_finished(self, dst: str, backend: str, plans: list[ShardPlan]) -> dict[int, ShardResult]:
+        """The shards of ``plans`` already finished where the sink keeps them (sidecars into ``dst``'s staging)."""
+
+    def publish(self, dst: str) -> None:
+        """``dst`` now holds the store index, rejected.tsv and manifest.json: make them visible."""
+
+
+_SINK: contextvars.ContextVar[ShardSink | None] = contextvars.ContextVar("fastdata_shard_sink", default=None)
+
+
+@contextlib.contextmanager
+def shard_sink(sink: ShardSink) -> Iterator[ShardSink]:
+    """Send the finished shards of the pipeline runs in this block to ``sink`` as well."""
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
 
 
 def file_checksum(path: str) -> str:
@@ -171,7 +212,11 @@ def remove_temporaries(dst: str) -> None:
 
 def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True) -> dict[int, ShardResult]:
     """Shards whose sidecar exists and whose file still matches it (size, and the
-    whole-file checksum unless ``verify_files`` is False: for shards this run just wrote)."""
+    whole-file checksum unless ``verify_files`` is False: for shards this run just wrote).
+    With a :func:`shard_sink` installed, the sink decides (e.g. the remote objects)."""
+    sink = _SINK.get()
+    if sink is not None:
+        return sink.load_finished(dst, backend, plans)
     done: dict[int, ShardResult] = {}
     for plan in plans:
         name = shard_name(backend, plan.shard_id)
@@ -476,6 +521,9 @@ def run_shards(
                                           initargs=(os.getpid(), source.worker_init))
         spill_to = spill_dir
     inflight: collections.deque = collections.deque()
+    sink = _SINK.get()
+    if sink is not None:
+        sink.start(dst)
     source_chunks = source.chunks()
     current_files = ""
     writing = dst  # the file being written when an I/O error strikes
@@ -523,6 +571,8 @@ def run_shards(
                 stats.results.append(shard.finish(dst))
                 del open_shards[plan.shard_id]
                 stats.written_shards += 1
+                if sink is not None:
+                    sink.shard_finished(dst, stats.results[-1])
             if on_progress:
                 on_progress(len(samples), len(results) - len(samples), read_bytes)
 
@@ -530,6 +580,8 @@ def run_shards(
             open_shards[plan.shard_id] = _ShardInProgress(dst, backend, plan, storage, num_classes, writer_options,
                                                           schema)
             stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
+            if sink is not None:
+                sink.shard_finished(dst, stats.results[-1])
         # While the pool starts (a fresh forkserver first imports fastdata: ~0.3 s),
         # the converter ingests the first chunks itself instead of waiting, when the
         # source says that is safe (see FolderSource.runs_in_main_first).
@@ -557,6 +609,9 @@ def run_shards(
                 results = unspill(results)
             submit_next()
             consume(chunk, results, read_bytes)
+        if sink is not None:
+            sink.drain()
+            sink = None  # drained: nothing to abort
     except BrokenProcessPool:
         raise ConversionError(
             f"a conversion worker died unexpectedly (killed, or out of memory?) "
@@ -568,6 +623,8 @@ def run_shards(
     except io_errors as err:
         raise io_error(err, writing) from err
     finally:
+        if sink is not None:
+            sink.abort()
         for shard in open_shards.values():
             shard.abort()
         if starting is not None:
@@ -651,18 +708,21 @@ def publish(*, dst: str, backend: str, scan: SourceScan | None, storage: Storage
         body["schema"] = schema.to_json()
     body.update(extra or {})
     try:
-        index_file = build_store_index((r.name, _shard_index_bytes(dst, backend, r.name, schema)) for r in results)
+        index_file = build_store_index((r.name, shard_index_bytes(dst, backend, r.name, schema)) for r in results)
         atomic_write(os.path.join(dst, STORE_INDEX_NAME), index_file)
         body[STORE_INDEX_KEY] = store_index_entry(index_file)
         atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
         manifest = write_manifest(dst, body)
     except OSError as err:
         raise io_error(err, os.path.join(dst, MANIFEST_NAME)) from err
+    sink = _SINK.get()
+    if sink is not None:
+        sink.publish(dst)
     shutil.rmtree(staging_path(dst), ignore_errors=True)
     return manifest
 
 
-def _shard_index_bytes(dst: str, backend: str, name: str, schema: Schema | None) -> bytes:
+def shard_index_bytes(dst: str, backend: str, name: str, schema: Schema | None) -> bytes:
     """A finished shard's index for the store index file: its staging sidecar, or (a shard
     finished by an older fastdata, which wrote none) read back from the shard itself."""
     try:

@@ -78,6 +78,15 @@ def _decode_entry(entry: object, schema, where: str) -> ShardIndex | SampleIndex
     return index
 
 
+def decode_shard_index(raw: bytes, schema, where: str) -> ShardIndex | SampleIndex:
+    """One shard's index from :func:`encode_shard_index` bytes (e.g. a staging sidecar)."""
+    try:
+        entry = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_BYTES, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as err:
+        raise CorruptRecordError(f"{where}: index sidecar is not readable ({err})") from None
+    return _decode_entry(entry, schema, where)
+
+
 def build_store_index(entries: Iterable[tuple[str, bytes]]) -> bytes:
     """The store index file's bytes from ``(shard name, encode_shard_index bytes)`` pairs, in store order."""
     shards = []

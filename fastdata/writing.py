@@ -249,6 +249,8 @@ def write(
     chunk_size: int = 32,
     strict: bool = True,
     metadata: Mapping[str, Any] | None = None,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
 ):
     """Write ``samples`` (dicts of field name -> value) into a general fastdata store.
 
@@ -256,7 +258,9 @@ def write(
         samples: a map-style dataset (``__len__`` + ``__getitem__``: a list, a torch
             ``Dataset``) or any iterable of dicts. Image values may be encoded bytes, a
             path (read in a worker), a PIL image or an HWC uint8 array (both stored as PNG).
-        dst: destination directory; its suffix picks the backend unless ``format`` is given.
+        dst: destination directory, or a URL (``s3://bucket/x.lmdb``: shards are staged locally
+            and uploaded as each finishes, manifest last; see :mod:`fastdata.remote.publish`);
+            its suffix picks the backend unless ``format`` is given.
         schema: a :class:`~fastdata.fields.Schema` or ``{name: Field}``; inferred from the
             first sample when None (:meth:`Schema.infer`).
         format: a backend name (``"lmdb"``, ``"hdf5"``).
@@ -275,6 +279,9 @@ def write(
             Map-style inputs only; an iterable is always strict.
         metadata: a JSON object stored in the manifest under ``"metadata"`` (e.g. class
             names, a COCO file's categories); part of what ``resume`` compares.
+        storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
+        staging_dir: local directory shards of a URL ``dst`` are written in before upload
+            (default: under the cache directory).
 
     Returns:
         A :class:`~fastdata.convert.ConvertReport` (``images`` counts samples).
@@ -285,7 +292,8 @@ def write(
         FastdataError subclasses for the destination (exists, locked, I/O).
     """
     from .convert import (DEFAULT_SHARD_SIZE, ConvertReport, _check_all_finished, _fill_report, _locked_destination,
-                          _progress_bar, _resume_published, _shards_to_do, check_shard_size, choose_backend)
+                          _progress_bar, _remote_destination, _resume_published, _shards_to_do, check_shard_size,
+                          choose_backend)
     from .layout import check_local_path
     from .lock import raise_if_locked
     from .manifest import MANIFEST_NAME
@@ -295,6 +303,12 @@ def write(
     dst = os.fspath(dst)
     if resume and overwrite:
         raise ValueError("resume and overwrite are exclusive")
+    remote = _remote_destination("", dst, storage_options, staging_dir, resume=resume, overwrite=overwrite)
+    if remote is not None:
+        return remote(lambda local: write(
+            samples, local, schema, format=format, workers=workers,
+            shard_size=shard_size, resume=resume, progress=progress, chunk_size=chunk_size, strict=strict,
+            metadata=metadata))
     check_local_path(dst, "destination", must_exist=False)
     raise_if_locked(dst)
     backend = choose_backend(dst, format)
