@@ -336,7 +336,7 @@ class StoreDataset(Dataset):
         if reader is None:
             if self.max_open_shards and len(self._readers) >= self.max_open_shards:
                 self._close_shard(next(iter(self._readers)))  # the least recently used
-            path, pin = self._store.open_shard(shard)
+            path, pin = self._store.open_shard(shard, release_idle=self._close_all_shards)
             try:
                 reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
             except BaseException:
@@ -355,12 +355,18 @@ class StoreDataset(Dataset):
             if pin is not None:
                 pin.release()
 
-    def prefetch_shards(self, shards: Sequence[int]) -> None:
+    def _close_all_shards(self) -> None:
+        """Close this process's readers (and release their cache pins): called when a remote
+        shard finds no room in the cache, so idle pins of this process never block it."""
+        for shard in list(self._readers):
+            self._close_shard(shard)
+
+    def prefetch_shards(self, shards: Sequence[int], keep: Sequence[int] = ()) -> None:
         """Start downloading ``shards`` (shard numbers) of a remote store in the background, so
         they are cached when read; nothing for a local store. Samplers that know their next
         shards call this (e.g. :class:`~fastdata.sampler.DistributedShardSampler` with a
-        ``shard_window``)."""
-        self._store.prefetch(shards)
+        ``shard_window``). Making room for them never evicts ``shards`` or ``keep``."""
+        self._store.prefetch(shards, keep)
 
     def close(self) -> None:
         """Close this process's handles (they reopen lazily on next access)."""

@@ -662,8 +662,8 @@ class DistributedShardSampler(Sampler[int]):
             stream = self._stream(self._layout(self.epoch, replicas)[self.rank], self.epoch,
                                   replicas, self.rank)
             self._position = (replicas, start)
-            return self._track(stream[start // replicas:].tolist(), replicas, start,
-                               self._order_len(replicas))
+            return self._prefetching(self._track(stream[start // replicas:].tolist(), replicas, start,
+                                                 self._order_len(replicas)), start // replicas)
         order = self._order(replicas)
         remainder = order[start:]
         mine = _pad_or_drop(remainder, self.num_replicas, self.drop_last)[
@@ -671,6 +671,27 @@ class DistributedShardSampler(Sampler[int]):
         ]
         self._position = (replicas, start)
         return self._track(mine.tolist(), replicas, start, len(order))
+
+    def _prefetching(self, stream: Iterator[int], position: int) -> Iterator[int]:
+        """``stream`` (this rank's indices from ``position`` on), telling a dataset that can
+        prefetch (a remote store: ``prefetch_shards``) the next window's shards each time the
+        stream enters a window, so they download while this one is read."""
+        prefetch = getattr(self.dataset, "prefetch_shards", None)
+        if prefetch is None or self.num_samples == 0:
+            yield from stream
+            return
+        own = self._own_windows(None)
+        windows = [window.shards for window in own]
+        ends = np.cumsum([window.size for window in own])
+        current = -1
+        for index in stream:
+            w = int(np.searchsorted(ends, position, side="right"))
+            if w != current:
+                current = w
+                ahead = windows[w + 1] if w + 1 < len(windows) else []
+                prefetch(windows[w] + ahead, keep=windows[w] + ahead)
+            position += 1
+            yield index
 
     def _track(self, mine: list[int], replicas: int, start: int, end: int) -> Iterator[int]:
         for k, index in enumerate(mine, 1):

@@ -37,3 +37,38 @@ def test_remote_store_reads_like_the_local_one(s3, small_tree, tmp_path, fmt):
         ref_img, ref_label = ref[i]
         assert label == ref_label
         np.testing.assert_array_equal(img, ref_img)
+
+
+def _cached_shards(cache_dir: str) -> set[str]:
+    return {name for d, _, files in os.walk(cache_dir) if d.endswith("shards") for name in files
+            if ".part-" not in name}
+
+
+def test_shard_window_sampler_prefetches_the_next_window(s3, small_tree, tmp_path):
+    """Iterating the sampler alone (no sample read) downloads the current and next windows'
+    shards in the background, and nothing else; a sampler without windows prefetches nothing."""
+    import time
+
+    from fastdata.sampler import DistributedShardSampler
+
+    server, bucket = s3
+    local = str(tmp_path / "train.lmdb")
+    fastdata.convert(small_tree, local, shard_size="4kB", progress=False)
+    url = f"{bucket}/train.lmdb"
+    upload_store(local, url)
+    cache_dir = str(tmp_path / "cache")
+    ds = fastdata.open_dataset(url, cache_dir=cache_dir)
+    names = [s for s in ds._shard_files]
+    assert len(names) >= 6
+    plain = DistributedShardSampler(ds, num_replicas=1, rank=0)
+    next(iter(plain))
+    time.sleep(0.5)
+    assert _cached_shards(cache_dir) == set(), "a sampler without shard windows prefetched"
+    sampler = DistributedShardSampler(ds, num_replicas=1, rank=0, shard_window=2, seed=3)
+    windows = sampler.window_shards()
+    next(iter(sampler))
+    expected = {names[k] for k in windows[0] + windows[1]}
+    deadline = time.monotonic() + 30
+    while _cached_shards(cache_dir) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _cached_shards(cache_dir) == expected

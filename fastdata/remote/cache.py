@@ -35,7 +35,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -183,8 +183,9 @@ class ShardCache:
         return d
 
     # -- the one public operation readers need ------------------------------------------
-    def acquire(self, key: str, name: str, *, size: int, xxh: str,
-                download: Callable[[str], str], wait: bool = True) -> Pin | None:
+    def acquire(self, key: str, name: str, *, size: int, xxh: str, download: Callable[[str], str],
+                wait: bool = True, keep: Collection[str] = (), on_wait: Callable[[], None] | None = None,
+                ) -> Pin | None:
         """Pin shard ``name`` of store ``key``, downloading it first if it is not cached.
 
         ``download(part_path)`` writes the shard into ``part_path`` and returns the xxh3-64
@@ -192,7 +193,10 @@ class ShardCache:
         only when that digest and the file size match ``size``/``xxh`` (the manifest's).
 
         ``wait=False`` (prefetch) returns None instead of waiting for room or for another
-        process's download. Raises :class:`CacheFullError`, :class:`CorruptRecordError`
+        process's download. ``keep``: shard names of store ``key`` that making room must not
+        evict (a prefetch keeps the windows about to be read). ``on_wait`` is called once
+        before waiting for room, so the caller can release pins it holds but no longer needs.
+        Raises :class:`CacheFullError`, :class:`CorruptRecordError`
         (the remote bytes never matched the manifest) and :class:`RemoteStoreError`.
         """
         final, lock_path, pin_path = self._paths(key, name)
@@ -214,7 +218,7 @@ class ShardCache:
                 return pin
             self._remove_parts(final)
             part = f"{final}{PART_MARK}{os.getpid()}"
-            if not self._reserve(part, size, wait):
+            if not self._reserve(part, size, wait, (key, frozenset(keep)), on_wait):
                 return None
             try:
                 self._download_checked(part, final, size, xxh, download)
@@ -280,16 +284,21 @@ class ShardCache:
                 _unlink(os.path.join(d, entry))
 
     # -- room ---------------------------------------------------------------------------
-    def _reserve(self, part: str, size: int, wait: bool) -> bool:
+    def _reserve(self, part: str, size: int, wait: bool, keep: tuple[str, frozenset[str]] = ("", frozenset()),
+                 on_wait: Callable[[], None] | None = None) -> bool:
         """Make room for ``size`` bytes and preallocate ``part`` (so every process counts it)."""
         deadline = time.monotonic() + self.wait_s
         while True:
             with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK), fcntl.LOCK_EX):
-                if self.limit is None or self._make_room(size):
+                if self.limit is None or self._make_room(size, keep):
                     self._preallocate(part, size)
                     return True
             if not wait:
                 return False
+            if on_wait is not None:
+                on_wait()
+                on_wait = None
+                continue
             if time.monotonic() > deadline:
                 raise CacheFullError(
                     f"{self.root}: cannot make room for a {format_size(size)} shard under cache_limit "
@@ -309,12 +318,14 @@ class ShardCache:
             _unlink(part)
             raise self._os_error(err, part) from None
 
-    def _make_room(self, size: int) -> bool:
+    def _make_room(self, size: int, keep: tuple[str, frozenset[str]] = ("", frozenset())) -> bool:
         assert self.limit is not None
         used = self.used_bytes()
         if used + size <= self.limit:
             return True
         for shard in sorted(self.shards(), key=lambda s: s.last_use):
+            if shard.key == keep[0] and shard.name in keep[1]:
+                continue
             if self._evict(shard):
                 used -= shard.size
                 if used + size <= self.limit:
@@ -335,7 +346,9 @@ class ShardCache:
     # -- inventory ----------------------------------------------------------------------
     def store_keys(self) -> list[str]:
         try:
-            return sorted(e for e in os.listdir(self.root) if os.path.isdir(os.path.join(self.root, e)))
+            # dot-folders are not stores (``verify`` downloads into one while it checks a shard)
+            return sorted(e for e in os.listdir(self.root)
+                          if not e.startswith(".") and os.path.isdir(os.path.join(self.root, e)))
         except FileNotFoundError:
             return []
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ..errors import FormatError, IncompleteStoreError, RemoteStoreError
@@ -51,11 +51,11 @@ class StoreLocation:
                 out.append(reader.read_index())
         return out
 
-    def open_shard(self, shard: int) -> tuple[str, Any]:
+    def open_shard(self, shard: int, release_idle: Callable[[], None] | None = None) -> tuple[str, Any]:
         """(local path of shard ``shard``, a pin to release when the reader closes)."""
         return os.path.join(self.root, self.manifest["shards"][shard]["name"]), _NoPin()
 
-    def prefetch(self, shards: Sequence[int]) -> None:
+    def prefetch(self, shards: Sequence[int], keep: Collection[int] = ()) -> None:
         """Start fetching ``shards`` in the background (nothing to do for a local store)."""
 
     def slim(self) -> StoreLocation:
@@ -125,20 +125,25 @@ class RemoteStore(StoreLocation):
             return parsed
         return parse_store_index(data, self.manifest, schema, local)
 
-    def open_shard(self, shard: int) -> tuple[str, Pin]:
-        pin = self._acquire(shard, wait=True)
+    def open_shard(self, shard: int, release_idle: Callable[[], None] | None = None) -> tuple[str, Pin]:
+        """(local path, pin) of ``shard``, downloaded first when not cached; ``release_idle`` is
+        called before waiting for room (to close this process's readers of other shards)."""
+        pin = self._acquire(shard, wait=True, on_wait=release_idle)
         assert pin is not None
         return pin.path, pin
 
-    def _acquire(self, shard: int, wait: bool) -> Pin | None:
+    def _acquire(self, shard: int, wait: bool, keep: Collection[int] = (),
+                 on_wait: Callable[[], None] | None = None) -> Pin | None:
         entry = self.manifest["shards"][shard]
         name = entry["name"]
         return self.cache.acquire(self.key, name, size=entry["bytes"], xxh=entry["xxh"], wait=wait,
+                                  keep=[self.manifest["shards"][k]["name"] for k in keep], on_wait=on_wait,
                                   download=lambda part: self.location.download(name, part, entry["bytes"]))
 
-    def prefetch(self, shards: Sequence[int]) -> None:
+    def prefetch(self, shards: Sequence[int], keep: Collection[int] = ()) -> None:
         """Download ``shards`` in background threads of this process (two at a time), within
-        the cache limit: a shard that finds no room, or that another process is already
+        the cache limit, never evicting ``shards`` or ``keep`` (the windows about to be read)
+        to make room: a shard that finds no room, or that another process is already
         downloading, is left for the reader to fetch on demand."""
         with self._lock:
             if self._pool is None or self._pool_pid != os.getpid():
@@ -148,11 +153,11 @@ class RemoteStore(StoreLocation):
             for shard in shards:
                 if shard not in self._queued:
                     self._queued.add(shard)
-                    self._pool.submit(self._prefetch_one, shard)
+                    self._pool.submit(self._prefetch_one, shard, frozenset(keep) | frozenset(shards))
 
-    def _prefetch_one(self, shard: int) -> None:
+    def _prefetch_one(self, shard: int, keep: frozenset[int]) -> None:
         try:
-            pin = self._acquire(shard, wait=False)
+            pin = self._acquire(shard, wait=False, keep=keep)
             if pin is not None:
                 pin.release()
         except Exception:  # noqa: BLE001 - the reader fetches it on demand and reports the error there
