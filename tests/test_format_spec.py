@@ -184,6 +184,30 @@ def source(tmp_path_factory) -> Path:
     return root
 
 
+def check_store_index_by_spec(dst: Path, m: dict, records: list) -> None:
+    """index.fdi as section 3a describes it: size and digest in the manifest, the manifest's
+    shards in order, and arrays equal to what the records say (labels, sizes, checksums)."""
+    import msgpack
+    import xxhash
+
+    data = (dst / "index.fdi").read_bytes()
+    assert m["store_index"] == {"name": "index.fdi", "bytes": len(data), "xxh": xxhash.xxh3_64_hexdigest(data)}
+    body = msgpack.unpackb(data, raw=False)
+    assert (body["format"], body["version"]) == ("fastdata-store-index", 1)
+    assert [(e["name"], e["count"]) for e in body["shards"]] == [(s["name"], s["count"]) for s in m["shards"]]
+
+    def column(key):
+        parts = []
+        for e in body["shards"]:
+            dtype, shape, raw = e["arrays"][key]
+            parts.append(np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape))
+        return np.concatenate(parts)
+    assert column("labels").tolist() == [r["label"] for r in records]
+    assert column("nbytes").tolist() == [len(r["img"]) for r in records]
+    assert column("widths").tolist() == [r["w"] for r in records]
+    assert column("checksums").tolist() == [xxhash.xxh3_64_intdigest(r["img"]) for r in records]
+
+
 def _expected_samples(root: Path):
     classes, samples = ref_image_folder(str(root))
     return classes, [(os.fsencode(os.path.relpath(p, root)), c) for p, c in samples]
@@ -197,7 +221,9 @@ def test_original_mode_store_read_by_the_spec(source, tmp_path, suffix):
     assert m["backend"] == {".lmdb": "lmdb", ".h5": "hdf5"}[suffix]
     assert [s["name"] for s in m["shards"]] == [f"shard-{i:05d}{suffix}" for i in range(len(m["shards"]))]
     assert len(m["shards"]) > 2
-    assert sorted(os.listdir(dst)) == sorted(["manifest.json", "rejected.tsv"] + [s["name"] for s in m["shards"]])
+    assert sorted(os.listdir(dst)) == sorted(["manifest.json", "rejected.tsv", "index.fdi"]
+                                             + [s["name"] for s in m["shards"]])
+    check_store_index_by_spec(dst, m, records)
 
     classes, samples = _expected_samples(source)
     rejected_paths = {b"b_cls/empty\twith tab.jpg", b"b_cls/back\\slash.jpg", b"b_cls/bad_\xff.jpg"}

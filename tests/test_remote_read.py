@@ -72,3 +72,33 @@ def test_shard_window_sampler_prefetches_the_next_window(s3, small_tree, tmp_pat
     while _cached_shards(cache_dir) != expected and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _cached_shards(cache_dir) == expected
+
+
+def test_a_general_store_reads_remotely_like_the_local_one(s3, tmp_path):
+    server, bucket = s3
+    rng = np.random.default_rng(0)
+    samples = [{"id": i, "boxes": rng.random((i % 4, 4), dtype=np.float32), "caption": f"sample {i}"}
+               for i in range(40)]
+    local = str(tmp_path / "gen.lmdb")
+    fastdata.write(samples, local, shard_size="1kB", progress=False)
+    url = f"{bucket}/gen.lmdb"
+    upload_store(local, url)
+    ref, ds = fastdata.open_dataset(local), fastdata.open_dataset(url)
+    assert type(ds) is type(ref) and len(ds) == len(ref) == 40 and len(ref.shard_starts) > 1
+    for i in range(len(ref)):
+        got, want = ds[i], ref[i]
+        assert got.keys() == want.keys() and got["caption"] == want["caption"] and got["id"] == want["id"]
+        np.testing.assert_array_equal(got["boxes"], want["boxes"])
+
+
+def test_a_store_without_an_index_file_is_refused_remotely_with_the_reason(s3):
+    """Stores published before index.fdi existed (the committed version-1 store) read locally;
+    remotely they would need every shard downloaded first: a clear error instead."""
+    server, bucket = s3
+    old = os.path.join(os.path.dirname(__file__), "data", "v1-lmdb")
+    assert "index.fdi" not in os.listdir(old)
+    url = f"{bucket}/v1.lmdb"
+    upload_store(old, url)
+    assert len(fastdata.open_dataset(old)) > 0
+    with pytest.raises(fastdata.errors.FormatError, match="older fastdata"):
+        fastdata.open_dataset(url)
