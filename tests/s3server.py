@@ -70,7 +70,9 @@ class S3Server:
             [binary, "server", f"-dir={os.path.join(self.root, 'data')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
              f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.s3_port}", "-volume.max=0",
-             "-master.volumeSizeLimitMB=64"],
+             "-master.volumeSizeLimitMB=64",
+             # its Iceberg and Lance catalogs listen on fixed ports: off, so several servers can run at once
+             "-s3.port.iceberg=0", "-s3.port.lance=0"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
