@@ -20,7 +20,11 @@ because the plan does not depend on who converts which shard. ``--resume``
 works across ranks: each rank keeps its finished shards, and options not given
 again take the values the interrupted run recorded (rank 0 compares them). DST must be on a
 filesystem all ranks share (NFS is fine for writing shard files; do not *read*
-LMDB over NFS in training: copy shards to node-local disk).
+LMDB over NFS in training: copy shards to node-local disk), or a URL
+(``s3://bucket/train.lmdb``): then each rank writes its shards in its own local
+staging folder and uploads them itself (:mod:`fastdata.remote.publish`); rank 0
+checks and clears the URL, and publishes after collecting every rank's shard
+sidecars from the remote staging.
 """
 
 from __future__ import annotations
@@ -187,7 +191,7 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, run, reco
             raise ConversionError("distributed conversion failed: " + "; ".join(
                 f"rank {r} failed: {s}" for r, s in failed) + " (finished shards are kept: rerun with --resume)")
 
-        published = None
+        published: tuple[str, dict | None] = ("", None)
         if rank == 0:
             try:
                 results = load_finished(dst, backend, plans, verify_files=False)
@@ -196,15 +200,18 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, run, reco
                     raise ConversionError(f"{dst}: shard(s) {missing} have no completion record; rerun with --resume")
                 options = {"source": os.path.abspath(src), "shard_size": shard_bytes,
                            "shard_size_unit": run.shard_size.unit, "strict": strict, "fingerprint": fingerprint}
-                publish(dst=dst, backend=backend, scan=scan, storage=storage, results=list(results.values()),
-                        options=options)
-                published = "ok"
+                manifest = publish(dst=dst, backend=backend, scan=scan, storage=storage,
+                                   results=list(results.values()), options=options)
+                published = ("ok", manifest)
             except (FastdataError, OSError) as err:
-                published = _error_text(err)
+                published = (_error_text(err), None)
+        # rank 0 sends the manifest: the other ranks' DST may be their own staging folder (a URL destination)
         published = group.all_gather(published)[0]
-        if published != "ok":
-            raise ConversionError(f"rank 0 could not publish the store: {published}")
-        manifest = read_manifest(dst)
+        if published[0] != "ok":
+            raise ConversionError(f"rank 0 could not publish the store: {published[0]}")
+        shared = published[1]
+        assert shared is not None, "rank 0 sends the manifest with its ok"
+        manifest = shared
         stats.input_bytes = sum(b for _, b, _ in outcomes)
         _fill_report(report, manifest, stats, {}, started)
         report.resumed_shards = sum(k for _, _, k in outcomes)

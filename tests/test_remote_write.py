@@ -78,7 +78,7 @@ def test_convert_to_s3_reads_like_the_local_conversion(s3, small_tree, tmp_path,
     assert sorted(n for n in names if n.startswith("shard-")) == [s["name"] for s in man["shards"]]
     assert names[-1] == "manifest.json"
     assert not [n for n in objects(url) if n.startswith(STAGING_DIR)]
-    assert not os.path.exists(local_staging_dir(url, None, None))
+    assert not os.path.exists(os.path.dirname(local_staging_dir(url, None, None)))  # uploads/<key>/ removed too
 
 
 def test_local_staging_holds_at_most_the_bound_of_shards(s3, small_tree, tmp_path, count_uploads, monkeypatch):
@@ -273,3 +273,25 @@ def test_resume_with_other_options_is_refused(s3, small_tree, monkeypatch):
         fastdata.convert(small_tree, url, shard_size="40kB", progress=False, workers=1, resume=True)
     report = fastdata.convert(small_tree, url, progress=False, workers=1, resume=True)
     assert report.resumed_shards == 1 and len(fastdata.open_dataset(url)) == 24
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_upload_their_shards_and_rank0_publishes(s3, jpeg_tree, tmp_path, monkeypatch):
+    from test_distributed import torchrun
+
+    _, bucket = s3
+    src = jpeg_tree(tmp_path / "src", classes={"a": 14, "b": 12, "c": 10}, size=(96, 72))
+    url = f"{bucket}/ranks.lmdb"
+    monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
+    torchrun("convert", str(src), url, "--shard-size", "40KB", "--workers", "1", "--quiet",
+             "--staging-dir", str(tmp_path / "staging"))
+    clean = str(tmp_path / "one.lmdb")
+    fastdata.convert(src, clean, shard_size="40KB", progress=False, workers=1)
+    ref = json.loads(Path(clean, "manifest.json").read_text())
+    assert len(ref["shards"]) >= 4, "the test needs several shards so both ranks write some"
+    assert [(s["name"], s["xxh"]) for s in remote_manifest(url)["shards"]] == \
+        [(s["name"], s["xxh"]) for s in ref["shards"]]
+    same_samples(url, clean)
+    assert not [n for n in objects(url) if n.startswith(STAGING_DIR)]
+    # each rank staged its own shards locally (and removed them once uploaded)
+    assert sorted(os.listdir(tmp_path / "staging")) == []

@@ -383,5 +383,19 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
     if getattr(report, "already_complete", False) and not rank:
         sink.remove_staging()  # a run killed after publishing may have left them
     report.dst = location.url
-    shutil.rmtree(local, ignore_errors=True)
+    _remove_local(local, staging_dir)
     return report
+
+
+def _remove_local(local: str, staging_dir: str | os.PathLike | None) -> None:
+    """Delete a finished run's local staging folder and the now empty folders made above it
+    (``uploads/<key>/``, ``rank-<r>/``), never a ``staging_dir`` the caller gave."""
+    shutil.rmtree(local, ignore_errors=True)
+    keep = os.path.abspath(staging_dir if staging_dir is not None else os.path.join(default_cache_dir(), "uploads"))
+    parent = os.path.dirname(local)
+    while parent != keep and parent.startswith(keep + os.sep):
+        try:
+            os.rmdir(parent)
+        except OSError:  # not empty: another rank's or run's folder is still there
+            return
+        parent = os.path.dirname(parent)
