@@ -408,10 +408,25 @@ class Ragged(Field):
                 "(C order)")
 
 
+def _check_text(text: str, where: str) -> None:
+    """Refuse a str that is not valid Unicode (a lone surrogate such as ``"\\udc80"``, which
+    JSON escapes allow): msgpack stores strings as UTF-8, which cannot hold it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise SchemaError(f"{where}: string {text[max(0, err.start - 20):err.end + 20]!r} is not valid "
+                              f"Unicode ({err.reason} at position {err.start}); fix the text in the "
+                              "input (e.g. the annotation file)") from None
+
+
 def _check_json(value: Any, where: str, depth: int = 0) -> Any:
     if depth > MAX_JSON_DEPTH:
         raise SchemaError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
-    if value is None or isinstance(value, bool | str | bytes):
+    if isinstance(value, str):
+        _check_text(value, where)
+        return value
+    if value is None or isinstance(value, bool | bytes):
         return value
     if isinstance(value, int | np.integer):
         value = int(value)
@@ -427,6 +442,7 @@ def _check_json(value: Any, where: str, depth: int = 0) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise SchemaError(f"{where}: mapping key {k!r} is not a str")
+            _check_text(k, f"{where} (a key)")
             out[k] = _check_json(v, f"{where}.{k}", depth + 1)
         return out
     raise SchemaError(f"{where}: {type(value).__name__} is not msgpack-native "

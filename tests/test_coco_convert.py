@@ -214,3 +214,17 @@ def test_write_skips_unusable_images_when_not_strict_and_keeps_metadata(tmp_path
     with pytest.raises(fastdata.errors.ResumeMismatchError):
         fastdata.write(samples, tmp_path / "s.h5", workers=0, progress=False, strict=False, metadata={"x": 1},
                        resume=True)
+
+
+def test_a_lone_surrogate_in_the_annotations_is_one_clear_error_and_nothing_is_published(tmp_path, capsys):
+    """JSON escapes allow "\\udc80", which no UTF-8 record can hold: the CLI names the sample,
+    the field path and the text instead of a UnicodeEncodeError traceback."""
+    info = make_coco(tmp_path / "coco", n_images=4, seed=1)
+    ann = json.loads(Path(info.ann_file).read_text())
+    ann["annotations"][0]["note"] = "bad \udc80 text"
+    Path(info.ann_file).write_text(json.dumps(ann))  # ensure_ascii: stored as the \udc80 escape
+    dst = tmp_path / "o.lmdb"
+    assert main(["convert", "--coco", info.ann_file, info.image_dir, str(dst)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'annotations'.note" in err[0] and "not valid Unicode" in err[0], err
+    assert not (dst / "manifest.json").exists()
