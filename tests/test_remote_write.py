@@ -269,7 +269,7 @@ def test_resume_with_other_options_is_refused(s3, small_tree, monkeypatch):
     with pytest.raises(RemoteStoreError, match="simulated"):
         fastdata.convert(small_tree, url, shard_size="20kB", progress=False, workers=1)
     monkeypatch.setattr(publish_mod, "_put", real)
-    with pytest.raises(ResumeMismatchError, match="shard size"):
+    with pytest.raises(ResumeMismatchError, match=f"cannot resume {url}: shard size"):
         fastdata.convert(small_tree, url, shard_size="40kB", progress=False, workers=1, resume=True)
     report = fastdata.convert(small_tree, url, progress=False, workers=1, resume=True)
     assert report.resumed_shards == 1 and len(fastdata.open_dataset(url)) == 24
@@ -295,3 +295,28 @@ def test_two_ranks_upload_their_shards_and_rank0_publishes(s3, jpeg_tree, tmp_pa
     assert not [n for n in objects(url) if n.startswith(STAGING_DIR)]
     # each rank staged its own shards locally (and removed them once uploaded)
     assert sorted(os.listdir(tmp_path / "staging")) == []
+
+
+def test_jsonl_list_and_coco_convert_to_s3_like_locally(s3, tmp_path, monkeypatch):
+    from fastdata.cli import main
+    from fastdata.synth_coco import make_coco
+
+    from test_convert_lists import jsonl_rows, write_list
+
+    _, bucket = s3
+    lst = write_list(tmp_path, jsonl_rows(12))
+    local, url = str(tmp_path / "rows.lmdb"), f"{bucket}/rows.lmdb"
+    fastdata.convert(lst, local, shard_size="2kB", progress=False, workers=1)
+    fastdata.convert(lst, url, shard_size="2kB", progress=False, workers=1)
+    man, ref = remote_manifest(url), json.loads(Path(local, "manifest.json").read_text())
+    assert len(man["shards"]) > 1
+    for key in ("shards", "class_counts", "classes", "class_tables"):
+        assert man[key] == ref[key], key
+    coco = make_coco(tmp_path / "coco", 10, seed=3, max_boxes=3)
+    coco_local, coco_url = str(tmp_path / "coco.h5"), f"{bucket}/coco.h5"
+    fastdata.convert_coco(coco.ann_file, coco.image_dir, coco_local, workers=1, progress=False)
+    assert main(["convert", "--coco", coco.ann_file, coco.image_dir, coco_url, "--workers", "1", "--quiet"]) == 0
+    assert [(s["name"], s["xxh"]) for s in remote_manifest(coco_url)["shards"]] == \
+        [(s["name"], s["xxh"]) for s in json.loads(Path(coco_local, "manifest.json").read_text())["shards"]]
+    ds, ref_ds = fastdata.open_dataset(coco_url), fastdata.open_dataset(coco_local)
+    assert len(ds) == len(ref_ds) == 10

@@ -42,12 +42,13 @@ import concurrent.futures as cf
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import RemotePathError, RemoteStoreError, StoreExistsError
+from ..errors import FastdataError, RemotePathError, RemoteStoreError, StoreExistsError
 from ..layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, remote_scheme, shard_name
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, atomic_write
 from ..store_index import SIDECAR_SUFFIX, STORE_INDEX_NAME
@@ -378,13 +379,24 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
     objects = check_destination(location, resume=resume, overwrite=overwrite, clear=not rank)
     prepare_local(location, local, objects, resume=resume)
     sink = RemoteDestination(location, publisher=not rank)
-    with shard_sink(sink):
-        report = run(local)
+    try:
+        with shard_sink(sink):
+            report = run(local)
+    except FastdataError as err:
+        _name_the_url(err, local, location.url)
+        raise
     if getattr(report, "already_complete", False) and not rank:
         sink.remove_staging()  # a run killed after publishing may have left them
     report.dst = location.url
     _remove_local(local, staging_dir)
     return report
+
+
+def _name_the_url(err: Exception, local: str, url: str) -> None:
+    """Say ``url`` where the message of ``err`` names the local staging folder as the store
+    (e.g. "cannot resume <store>: ..."); paths of files inside it stay local (e.g. a full disk)."""
+    if err.args and isinstance(err.args[0], str):
+        err.args = (re.sub(re.escape(local) + r"(?![\w/.-])", url, err.args[0]), *err.args[1:])
 
 
 def _remove_local(local: str, staging_dir: str | os.PathLike | None) -> None:
