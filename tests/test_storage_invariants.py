@@ -63,3 +63,20 @@ def test_hdf5_reader_used_after_close_says_it_is_closed(small_tree, tmp_path, st
     if storage == "raw":
         with pytest.raises(ValueError, match="the shard reader is closed"):
             reader.get_raw_batch(np.array([0]), np.empty((1, 8, 8, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+def test_a_closed_shard_reader_says_so_on_every_read(small_tree, tmp_path, suffix):
+    """Every read method of a closed reader raises ValueError naming the shard, not an
+    AttributeError from deep inside the backend."""
+    dst = tmp_path / f"o{suffix}"
+    convert(small_tree, str(dst), progress=False)
+    m = read_manifest(str(dst))
+    path = str(dst / m["shards"][0]["name"])
+    reader = reader_class(m["backend"])(path, StorageSpec())
+    assert len(reader.get(0)) > 0
+    reader.close()
+    for read in (lambda: reader.get(0), reader.read_index, lambda: reader.get_many([0, 1])):
+        with pytest.raises(ValueError, match="reader is closed") as info:
+            read()
+        assert path in str(info.value)

@@ -48,6 +48,8 @@ class HDF5ShardReader(ShardReader):
 
     def read_index(self) -> ShardIndex | SampleIndex:
         f = self.file
+        if f is None:
+            raise ValueError(f"{self.path}: the shard reader is closed")
         expected = spec.VERSION if self.schema is None else spec.VERSION_2
         try:
             if f.attrs.get("layout") != spec.LAYOUT:

@@ -122,7 +122,7 @@ class LMDBShardReader(ShardReader):
     def read_index(self) -> ShardIndex | SampleIndex:
         expected = spec.VERSION if self.schema is None else spec.VERSION_2
         try:
-            with self.env.begin(db=self.index_db) as txn:
+            with self._open_env().begin(db=self.index_db) as txn:
                 header_raw = txn.get(spec.HEADER_KEY)
                 if self.schema is not None:
                     stored = {key: txn.get(key.encode()) for key in (*index_layout(self.schema), "relpaths",
@@ -187,7 +187,7 @@ class LMDBShardReader(ShardReader):
     def get(self, local_index: int) -> bytes:
         self._load_checksums()
         try:
-            with self.env.begin(db=self.records, buffers=True) as txn:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
                 return self._decode(txn.get(spec.encode_key(local_index)), local_index)
         except lmdb.Error as err:  # a damaged page (LMDB keeps no page checksums)
             raise self._damaged(err, local_index) from None
@@ -200,7 +200,7 @@ class LMDBShardReader(ShardReader):
         """The whole validated record (image and its own metadata), for ``verify``."""
         where = f"{self.path} record {local_index}"
         try:
-            with self.env.begin(db=self.records, buffers=True) as txn:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
                 buf = txn.get(spec.encode_key(local_index))
                 if buf is None:
                     raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
@@ -215,7 +215,7 @@ class LMDBShardReader(ShardReader):
         out: list = [None] * len(local_indices)
         i = -1
         try:
-            with self.env.begin(db=self.records, buffers=True) as txn:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
                 views = []
                 for j in order:
                     i = int(local_indices[j])
@@ -245,7 +245,7 @@ class LMDBShardReader(ShardReader):
         pieces = []
         i = -1
         try:
-            with self.env.begin(db=self.records, buffers=True) as txn:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
                 for i, want in zip(sorted_idx, expected, strict=False):
                     view = txn.get(spec.encode_key(i))
                     if view is None or len(view) <= nbytes:
@@ -260,6 +260,12 @@ class LMDBShardReader(ShardReader):
         except lmdb.Error as err:
             raise self._damaged(err, i) from None
         out[order] = np.frombuffer(block, dtype=np.uint8).reshape(out.shape)
+
+    def _open_env(self):
+        """The environment, or ValueError once the reader is closed."""
+        if self.env is None:
+            raise ValueError(f"{self.path}: the shard reader is closed")
+        return self.env
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None
