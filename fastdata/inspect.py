@@ -2,31 +2,49 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import shlex
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .errors import FastdataError, FormatError
+from .errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
 from .formats import reader_class
 from .formats.base import ShardReader, StorageSpec
 from .layout import STAGING_DIR, check_local_path
 from .manifest import MANIFEST_NAME, read_manifest
 from .pipeline import WRITE_SOURCE, file_checksum
 from .record import FIELD_PREFIX, FORMAT_CODES, FORMAT_NAMES, SampleIndex, ShardIndex, decode_record_v2
+from .remote.store import RemoteStore, is_remote, locate_store
 
 
-def info(store: str) -> dict:
-    """Describe a published store (from its manifest; no shard is opened).
+def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None) -> dict:
+    """Describe a published store (from its manifest; no shard is opened or downloaded).
 
-    Returns a JSON-serialisable dict: backend, version, storage mode, counts,
-    classes with per-class counts, shards with sizes, rejected inputs.
+    Args:
+        store (str): a store directory, or a URL (``s3://``, ``gs://``, ``az://``, ``https://``).
+        storage_options (Mapping | None): fsspec options for a URL (endpoint, credentials...).
+        cache_dir (str | None): the shard cache a URL's manifest is kept in (default: the user's).
+
+    Returns:
+        dict: JSON-serialisable: backend, version, storage mode, counts, classes with
+        per-class counts, shards with sizes, rejected inputs.
     """
-    m = read_manifest(store)
+    if is_remote(store):
+        m = locate_store(store, storage_options=storage_options, cache_dir=cache_dir).manifest
+        where = store.rstrip("/")
+    else:
+        if storage_options:
+            raise RemoteStoreError(f"{store}: storage_options apply to remote URLs only, not to a local path")
+        m = read_manifest(store)
+        where = os.path.abspath(store)
     return {
-        "path": os.path.abspath(store),
+        "path": where,
         "backend": m["backend"],
         "version": m["version"],
         "storage": m["storage"],
@@ -304,19 +322,38 @@ def _is_store_candidate(store: str, report: VerifyReport) -> bool:
     return False
 
 
-def verify(store: str, *, decode: bool = False, timeout: float = 600.0) -> VerifyReport:
+def verify(store: str, *, decode: bool = False, timeout: float = 600.0,
+           storage_options: Mapping[str, Any] | None = None, scratch_dir: str | None = None) -> VerifyReport:
     """Check a store: manifest, shard files (size and whole-file checksum), every
     record against its checksum, counts against the manifest; with ``decode``
     also fully decode every image.
+
+    A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is checked the same way: its
+    manifest, its store index file, then each shard streamed from the server into one
+    temporary file under ``scratch_dir`` (default: the shard cache directory), its
+    checksum computed while it arrives, its records checked, the file deleted. The
+    shard cache is neither used nor evicted, so a store larger than the cache can be
+    verified, and what is checked is the server's copy, not a cached one.
 
     Never raises for damage: every finding lands in ``report.problems``. A folder
     that is not a store, or holds an unfinished conversion, is reported with
     ``status`` ``"not_a_store"``/``"unfinished"``, not as damage.
 
+    Args:
+        store (str): a store directory or URL.
+        decode (bool): also fully decode every image.
+        timeout (float): seconds a damaged shard's isolated check may take.
+        storage_options (Mapping | None): fsspec options for a URL (endpoint, credentials...).
+        scratch_dir (str | None): where a URL's shard is downloaded while it is checked.
+
     Raises:
         PathNotFoundError: ``store`` does not exist.
-        RemotePathError: ``store`` is a URL.
+        RemoteStoreError: the server cannot be reached (after retries), or refuses access.
     """
+    if is_remote(store):
+        return _verify_remote(store, decode, timeout, storage_options, scratch_dir)
+    if storage_options:
+        raise RemoteStoreError(f"{store}: storage_options apply to remote URLs only, not to a local path")
     report = VerifyReport(store=os.path.abspath(store))
     check_local_path(store, "store")
     if not _is_store_candidate(store, report):
@@ -330,30 +367,134 @@ def verify(store: str, *, decode: bool = False, timeout: float = 600.0) -> Verif
     for shard in m["shards"]:
         name = shard["name"]
         path = os.path.join(store, name)
-        report.shards_checked += 1
         try:
             size = os.path.getsize(path)
         except OSError as err:
+            report.shards_checked += 1
             report.fail(f"{name}: shard file missing or unreadable ({err.strerror})")
             continue
-        file_ok = size == shard["bytes"]
-        if not file_ok:
-            report.fail(f"{name}: file is {size} bytes, the manifest says {shard['bytes']} (truncated or replaced)")
-        elif file_checksum(path) != shard["xxh"]:
-            file_ok = False
-            report.fail(f"{name}: file checksum mismatch (the shard was modified or damaged)")
-        args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, m.get("schema"), name)
-        checked, decoded, problems = _check_records(*args) if file_ok else _check_records_isolated(args, timeout)
-        report.records_checked += checked
-        report.decoded += decoded
-        for p in problems:
-            report.fail(p)
-        if file_ok and not problems and m["version"] == 1:
-            with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
-                index = reader.read_index()
-                assert isinstance(index, ShardIndex)
-                labels = index.labels
-                seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
+        checksum = functools.partial(file_checksum, path)  # computed only when the size is right
+        _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes)
+    _check_class_counts(report, m, seen_classes)
+    return report
+
+
+def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: int, checksum: Callable[[], str],
+                 decode: bool, timeout: float, seen_classes: np.ndarray) -> None:
+    """Check one shard file at ``path`` (``size`` bytes; ``checksum()`` its xxh3-64) against
+    manifest ``m``'s entry ``shard``, then its records; findings go to ``report``. A file that
+    is not what the manifest says has its records checked in a child process (it may crash
+    the reader); a version-1 shard adds its labels to ``seen_classes``."""
+    name = shard["name"]
+    report.shards_checked += 1
+    file_ok = size == shard["bytes"]
+    if not file_ok:
+        report.fail(f"{name}: file is {size} bytes, the manifest says {shard['bytes']} (truncated or replaced)")
+    elif checksum() != shard["xxh"]:
+        file_ok = False
+        report.fail(f"{name}: file checksum mismatch (the shard was modified or damaged)")
+    args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, m.get("schema"), name)
+    checked, decoded, problems = _check_records(*args) if file_ok else _check_records_isolated(args, timeout)
+    report.records_checked += checked
+    report.decoded += decoded
+    for p in problems:
+        report.fail(p)
+    if file_ok and not problems and m["version"] == 1:
+        with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
+            index = reader.read_index()
+            assert isinstance(index, ShardIndex)
+            labels = index.labels
+            seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
+
+
+def _check_class_counts(report: VerifyReport, m: dict, seen_classes: np.ndarray) -> None:
     if report.ok and m["version"] == 1 and seen_classes.tolist() != m["class_counts"]:
         report.fail(f"per-class counts {seen_classes.tolist()} differ from the manifest's {m['class_counts']}")
+
+
+def _verify_remote(url: str, decode: bool, timeout: float, storage_options: Mapping[str, Any] | None,
+                   scratch_dir: str | None) -> VerifyReport:
+    """:func:`verify` of a store at a URL (see there)."""
+    report = VerifyReport(store=url.rstrip("/"))
+    store = _open_remote_for_verify(url, storage_options, report)
+    if store is None:
+        return report
+    m = store.manifest
+    _check_remote_index(store, m, report)
+    seen_classes = np.zeros(len(m["classes"]), dtype=np.int64)
+    scratch = _scratch_root(scratch_dir)
+    with tempfile.TemporaryDirectory(prefix=".verify-", dir=scratch) as tmp:
+        for shard in m["shards"]:
+            name = shard["name"]
+            size = store.location.size(name)
+            if size is None:
+                report.shards_checked += 1
+                report.fail(f"{name}: shard object missing on the server ({store.location.child(name)})")
+                continue
+            path = os.path.join(tmp, name)
+            try:
+                digest = store.location.download(name, path, size)
+            except FileNotFoundError:  # deleted since it was looked up
+                report.shards_checked += 1
+                report.fail(f"{name}: shard object missing on the server ({store.location.child(name)})")
+                continue
+            try:
+                checksum = functools.partial(str, digest)  # computed while it downloaded
+                _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes)
+            finally:
+                os.unlink(path)
+    _check_class_counts(report, m, seen_classes)
     return report
+
+
+def _open_remote_for_verify(url: str, storage_options: Mapping[str, Any] | None,
+                            report: VerifyReport) -> RemoteStore | None:
+    """The remote store, or None with why in ``report`` (not a store, unfinished, damaged manifest)."""
+    try:
+        store = locate_store(url, storage_options=storage_options)
+    except IncompleteStoreError as err:
+        report.refuse(UNFINISHED, str(err).removeprefix(f"{report.store}: "))
+        return None
+    except FormatError as err:
+        from .remote.location import RemoteLocation
+
+        if RemoteLocation(url, storage_options or {}).size(MANIFEST_NAME) is None:
+            report.refuse(NOT_A_STORE, f"not a fastdata store: no {MANIFEST_NAME} at this URL")
+        else:
+            report.fail(str(err))
+        return None
+    assert isinstance(store, RemoteStore)
+    return store
+
+
+def _check_remote_index(store: RemoteStore, m: dict, report: VerifyReport) -> None:
+    """The store index file (what readers use instead of opening every shard) against the manifest."""
+    from .store_index import MANIFEST_KEY, STORE_INDEX_NAME, parse_store_index
+
+    if MANIFEST_KEY not in m:
+        return  # an older store: readers cannot open it remotely, but its shards can still be verified
+    schema = None
+    if m.get("schema"):
+        from .fields import Schema
+
+        schema = Schema.from_json(m["schema"])
+    try:  # the server's copy, not the cache's: that is what a fresh reader would get
+        data = store.location.read_bytes(STORE_INDEX_NAME)
+        parse_store_index(data, m, schema, store.location.child(STORE_INDEX_NAME))
+    except FileNotFoundError:
+        report.fail(f"{STORE_INDEX_NAME}: missing on the server ({store.location.child(STORE_INDEX_NAME)})")
+    except FormatError as err:
+        report.fail(f"{STORE_INDEX_NAME}: {err}")
+
+
+def _scratch_root(scratch_dir: str | None) -> str:
+    """The folder a shard being verified is downloaded into (created if needed)."""
+    from .remote.cache import default_cache_dir
+
+    root = os.path.abspath(scratch_dir or default_cache_dir())
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as err:
+        raise RemoteStoreError(f"cannot create {root} to download shards into while verifying ({err.strerror}); "
+                               "choose another folder with --cache-dir") from None
+    return root
