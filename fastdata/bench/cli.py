@@ -63,7 +63,9 @@ def add_commands(subparsers) -> None:
         description=_wrap("Measure images/s, MB/s and memory of image folders and fastdata stores under a grid of "
                     "DataLoader settings."),
         epilog=_GRID_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("targets", nargs="+", metavar="TARGET", help="image folder, LMDB store or HDF5 store")
+    b.add_argument("targets", nargs="+", metavar="TARGET",
+                   help="image folder, LMDB store or HDF5 store (a directory, or a store's URL: s3://, gs://, "
+                        "az://, https://, read through the shard cache)")
     b.add_argument("--workers", default="default", metavar="N,..",
                    help="num_workers values (default: 0,1,.. up to the core count)")
     b.add_argument("--batch-size", default="64", metavar="B,..", help="batch sizes (default 64)")
@@ -81,6 +83,7 @@ def add_commands(subparsers) -> None:
     b.add_argument("--out", default="fastdata-bench", metavar="DIR",
                    help="folder for results.json, results.csv, table.txt and plots (default ./fastdata-bench)")
     b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    _add_remote_options(b)
     b.set_defaults(func=_cmd_bench)
 
     t = subparsers.add_parser(
@@ -93,7 +96,9 @@ def add_commands(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  fastdata tune train.lmdb --memory-budget 16GiB --batch-size 256 --step-ms 120\n"
                "  fastdata tune train.lmdb --memory-budget 4GiB --effective-batch-size 1024")
-    t.add_argument("target", metavar="TARGET", help="image folder, LMDB store or HDF5 store")
+    t.add_argument("target", metavar="TARGET",
+                   help="image folder, LMDB store or HDF5 store (a directory, or a store's URL: s3://, gs://, "
+                        "az://, https://, read through the shard cache)")
     t.add_argument("--memory-budget", required=True, metavar="SIZE",
                    help="most memory the loading processes may use, e.g. 8GiB, 500MB")
     t.add_argument("--batch-size", type=int, default=None, metavar="N", help="batch size (default 64)")
@@ -114,6 +119,7 @@ def add_commands(subparsers) -> None:
     t.add_argument("--out", default="fastdata-tune", metavar="DIR",
                    help="folder for tune.json (default ./fastdata-tune)")
     _add_loader_options(t, grid=False)
+    _add_remote_options(t)
     t.set_defaults(func=_cmd_tune)
 
     d = subparsers.add_parser(
@@ -133,6 +139,19 @@ def add_commands(subparsers) -> None:
     d.add_argument("--threshold", type=int, default=1000, metavar="N",
                    help="report Python containers with at least N elements (default 1000)")
     d.set_defaults(func=_cmd_doctor)
+
+
+def _add_remote_options(p: argparse.ArgumentParser) -> None:
+    from ..cli import _add_remote_options as add
+
+    add(p, "shard cache directory for a URL target (default: $FASTDATA_CACHE_DIR, else ~/.cache/fastdata); "
+           "a warm cache measures warm epochs: empty it first (fastdata cache clear URL) for a cold first read")
+
+
+def _store_options(args) -> dict:
+    from ..cli import _remote_options
+
+    return _remote_options(args)
 
 
 def _pin(value):
@@ -155,14 +174,15 @@ def _cmd_bench(args) -> int:
         persistent_workers=args.persistent_workers, pin_memory=_pin(args.pin_memory),
         start_method=args.start_method, output=args.output, transform=args.transform, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, max_batches=args.max_batches, cold=args.cold, step_ms=args.step_ms,
-        seed=args.seed)
+        seed=args.seed, store_options=_store_options(args))
     if not args.no_plots:  # say so now, not after the whole run
         from .plots import check_plotting
 
         check_plotting()
     if not args.quiet:
         print(f"measuring {len(configs)} configuration(s), each in a fresh process", file=sys.stderr)
-    result = run_bench(configs, args.out, timeout=args.timeout, progress=not args.quiet, plots=not args.no_plots)
+    result = run_bench(configs, args.out, timeout=args.timeout, progress=not args.quiet, plots=not args.no_plots,
+                       store_options=_store_options(args) or None)
     print(result.table)
     if not args.quiet:
         print("wrote " + ", ".join(sorted(os.path.basename(p) for p in result.files.values())) + f" to {args.out}")
@@ -186,8 +206,11 @@ def _cmd_tune(args) -> int:
     if start not in ("fork", "spawn", "forkserver"):
         raise ValueError("--start-method must be fork, spawn or forkserver")
     pin = parse_bool(_pin(args.pin_memory))
-    kind = target_kind(args.target)  # before abspath, which would hide a URL ("s3://b/x" -> "<cwd>/s3:/b/x")
-    target = os.path.abspath(args.target)
+    from ..remote.store import is_remote
+
+    remote = _store_options(args)
+    kind = target_kind(args.target, remote)
+    target = args.target if is_remote(args.target) else os.path.abspath(args.target)
     base = BenchConfig(target=target, kind=kind, batch_size=args.batch_size, output=args.output,
                        transform=args.transform, pin_memory=pin, start_method=start, epochs=args.epochs,
                        warmup_epochs=1, max_batches=args.max_batches, step_ms=args.step_ms)
@@ -200,13 +223,15 @@ def _cmd_tune(args) -> int:
     most = replace(base, workers=args.max_workers or available_cores(), prefetch_factor=8)
     for warning in environment_warnings([most]):
         print(f"warning: {warning}", file=sys.stderr)
-    uniform = _uniform_size(target, kind, args.transform)
-    result = tune(harness_measure(base, args.timeout), harness_probe(base, args.timeout), budget,
+    uniform = _uniform_size(target, kind, args.transform, remote)
+    result = tune(harness_measure(base, args.timeout, store_options=remote or None),
+                  harness_probe(base, args.timeout, remote or None), budget,
                   batch_size=args.batch_size, effective_batch_size=args.effective_batch_size,
                   max_workers=args.max_workers, min_gain=args.min_gain, step_ms=args.step_ms,
                   allow_no_workers=args.allow_no_workers, log=log)
     snippet = dataloader_snippet(result, target, kind, args.transform, args.output, pin,
-                                 None if args.start_method == "default" else start, uniform_size=uniform)
+                                 None if args.start_method == "default" else start, uniform_size=uniform,
+                                 store_options=remote)
     loop = accumulation_snippet(result)
     m = result.measured
     print(f"\nrecommended: {result.settings.describe()}: {m.images_per_s:.0f} images/s, peak PSS "
@@ -226,13 +251,14 @@ def _cmd_tune(args) -> int:
     return EXIT_OK
 
 
-def _uniform_size(target: str, kind: str, transform: str):
-    """True/False: every image of a store has one size (its index knows); None for a folder or a resizing transform."""
+def _uniform_size(target: str, kind: str, transform: str, store_options: dict | None = None):
+    """True/False: every image of a store has one size (its index knows); None for a folder or a resizing transform.
+    ``store_options``: a URL target's ``storage_options``/``cache_dir``/``cache_limit`` (no shard is downloaded)."""
     if kind == "folder" or transform != "none":
         return None
     from ..dataset import open_dataset
 
-    ds = open_dataset(target)
+    ds = open_dataset(target, **(store_options or {}))
     try:
         return ds.storage.mode == "raw" or ds.uniform_shape is not None
     finally:

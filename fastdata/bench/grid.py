@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from ..errors import FastdataError
 from ..layout import backend_for_path, check_local_path
 from ..manifest import read_manifest
+from ..remote.store import is_remote
 
 KINDS = ("folder", "lmdb", "hdf5")
 OUTPUTS = ("pil", "tensor")
@@ -31,7 +32,7 @@ class BenchConfig:
     """One benchmark configuration (one row of the results).
 
     Attributes:
-        target: absolute path of an image folder or a fastdata store.
+        target: absolute path of an image folder or a fastdata store, or a store's URL.
         kind: ``"folder"``, ``"lmdb"`` or ``"hdf5"``.
         workers: DataLoader ``num_workers``.
         batch_size: DataLoader ``batch_size``.
@@ -104,12 +105,24 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def target_kind(path: str) -> str:
-    """``"lmdb"``/``"hdf5"`` for a published fastdata store, ``"folder"`` for a directory of class folders.
+def target_kind(path: str, store_options: dict | None = None) -> str:
+    """``"lmdb"``/``"hdf5"`` for a published fastdata store (a directory or a URL), ``"folder"`` for a
+    directory of class folders.
+
+    Args:
+        path: the target.
+        store_options: for a URL, :func:`fastdata.open_dataset`'s ``storage_options``/``cache_dir``.
 
     Raises:
-        FastdataError: the path does not exist, is a remote URL, or is not a directory.
+        FastdataError: the path does not exist or is not a directory; a URL is not a store or
+            cannot be reached.
     """
+    from ..remote.store import locate_store
+
+    if is_remote(path):
+        opts = store_options or {}
+        return locate_store(path, storage_options=opts.get("storage_options"),
+                            cache_dir=opts.get("cache_dir")).manifest["backend"]
     check_local_path(path, "target")
     if not os.path.isdir(path):
         raise FastdataError(f"{path}: not a directory (a target is an image folder or a fastdata store)")
@@ -119,6 +132,11 @@ def target_kind(path: str) -> str:
         # read_manifest names what is wrong (unfinished conversion, missing manifest)
         return read_manifest(path)["backend"]
     return "folder"
+
+
+def _absolute(target: str) -> str:
+    """A local target as an absolute path; a URL as it is (abspath would make "s3://b/x" "<cwd>/s3:/b/x")."""
+    return target if is_remote(target) else os.path.abspath(target)
 
 
 def split_list(text: str | Sequence, cast=str, name: str = "value") -> list:
@@ -202,11 +220,14 @@ def expand_grid(
     cold: bool = False,
     step_ms: float = 0.0,
     seed: int = 0,
+    store_options: dict | None = None,
 ) -> list[BenchConfig]:
     """Every combination of the axes, one :class:`BenchConfig` each.
 
     Each axis takes a comma list (``"0,1,2"``) or a sequence. ``workers="default"``
-    means 0..cores, ``start_method="default"`` the platform default.
+    means 0..cores, ``start_method="default"`` the platform default. A target may be a
+    store's URL (``store_options``: its ``storage_options``/``cache_dir``); ``cold`` then
+    applies to local targets only.
 
     Returns:
         list[BenchConfig]: targets outermost, then workers, batch size, prefetch factor,
@@ -235,7 +256,10 @@ def expand_grid(
         split_list(output, _choice(OUTPUTS, "output"), "output"),
         split_list(transform, _choice(TRANSFORMS, "transform"), "transform"),
     ]
-    resolved = [(os.path.abspath(t), target_kind(t)) for t in targets]
+    resolved = [(_absolute(t), target_kind(t, store_options)) for t in targets]
+    if cold and any(is_remote(path) for path, _ in resolved):
+        raise ValueError("--cold evicts local files from the page cache and does not apply to a URL target; "
+                         "to measure a cold remote read, empty its shard cache first (fastdata cache clear URL)")
     if not resolved:
         raise ValueError("give at least one target")
     out: list[BenchConfig] = []

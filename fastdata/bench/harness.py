@@ -31,8 +31,15 @@ DEFAULT_TIMEOUT_S = 900.0
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _child_env() -> dict:
+#: the remote-store options (storage_options, cache_dir, cache_limit) of a URL target, as JSON, for
+#: the runner process: kept out of the configuration so credentials never reach results.json
+STORE_OPTIONS_ENV = "FASTDATA_BENCH_STORE_OPTIONS"
+
+
+def _child_env(store_options: dict | None = None) -> dict:
     env = dict(os.environ)
+    if store_options:
+        env[STORE_OPTIONS_ENV] = json.dumps(store_options)
     # the runner must import this fastdata, whatever the caller's working directory
     env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -58,12 +65,14 @@ def _stderr_tail(stderr: str, lines: int = 3) -> str:
     return " | ".join(tail)[-300:]
 
 
-def run_isolated(cfg: BenchConfig, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+def run_isolated(cfg: BenchConfig, timeout: float = DEFAULT_TIMEOUT_S, store_options: dict | None = None) -> dict:
     """Measure ``cfg`` in a fresh process.
 
     Args:
         cfg: the configuration.
         timeout: seconds before the process tree is killed and the row marked failed.
+        store_options: for a URL target, :func:`fastdata.open_dataset`'s ``storage_options``,
+            ``cache_dir`` and ``cache_limit`` (only those given).
 
     Returns:
         dict: the row (every ``report.FIELDS`` key): ``status`` is ``"ok"`` or
@@ -71,7 +80,7 @@ def run_isolated(cfg: BenchConfig, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
     """
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "fastdata.bench.runner"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(store_options),
                             start_new_session=True)
     try:
         out, err = proc.communicate(json.dumps(cfg.to_json()), timeout=timeout)
@@ -186,7 +195,8 @@ def run_bench(
     progress: bool = True,
     plots: bool = True,
     stream=None,
-    run: Callable[[BenchConfig, float], dict] = run_isolated,
+    run: Callable[..., dict] = run_isolated,
+    store_options: dict | None = None,
 ) -> BenchResult:
     """Measure every configuration (each in a fresh process) and write the report.
 
@@ -199,6 +209,8 @@ def run_bench(
         plots: write the PNG plots (needs matplotlib).
         stream: where progress and warnings go (default stderr).
         run: the per-configuration runner (tests may inject one).
+        store_options: for URL targets, ``storage_options``/``cache_dir``/``cache_limit``
+            (passed to :func:`run_isolated`).
 
     Returns:
         BenchResult
@@ -213,7 +225,7 @@ def run_bench(
     try:
         for cfg in configs:
             bar.start(cfg)
-            row = run(cfg, timeout)
+            row = run(cfg, timeout, store_options) if store_options else run(cfg, timeout)
             rows.append(row)
             bar.finish(cfg, row)
     finally:

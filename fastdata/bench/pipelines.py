@@ -58,6 +58,16 @@ def _store_files(root: str) -> list:
     return [os.path.join(root, s["name"]) for s in read_manifest(root)["shards"]]
 
 
+def store_options_from_env() -> dict:
+    """The remote-store options the harness passed for a URL target (see ``harness.STORE_OPTIONS_ENV``)."""
+    import json
+
+    from .harness import STORE_OPTIONS_ENV
+
+    text = os.environ.get(STORE_OPTIONS_ENV)
+    return json.loads(text) if text else {}
+
+
 def build_target(cfg: BenchConfig) -> Target:
     """The Dataset and its description for ``cfg``.
 
@@ -71,16 +81,19 @@ def build_target(cfg: BenchConfig) -> Target:
 
     from ..dataset import open_dataset
 
+    from ..remote.store import is_remote
+
     decode = decode_transform(cfg.transform)
+    remote = store_options_from_env() if is_remote(cfg.target) else {}
     try:
-        store = open_dataset(cfg.target, output=cfg.output, decode=decode)
+        store = open_dataset(cfg.target, output=cfg.output, decode=decode, **remote)
     except ValueError as err:  # e.g. a raw-pixel store and a decode-time transform
         raise FastdataError(str(err) if cfg.target in str(err) else f"{cfg.target}: {err}") from None
     nbytes = getattr(store, "_nbytes", None)
     if nbytes is None or len(nbytes) != len(store):
         from ..inspect import info
 
-        meta = info(cfg.target)
+        meta = info(cfg.target, storage_options=remote.get("storage_options"), cache_dir=remote.get("cache_dir"))
         nbytes = np.full(len(store), meta["total_bytes"] // max(1, meta["num_samples"]), dtype=np.int64)
     how = f"decode={decode!r}" if decode is not None else (
         "raw pixels" if store.storage.mode == "raw" else "full decode (simplejpeg/PIL)")

@@ -505,7 +505,7 @@ def needs_list_collate(kind: str, transform: str, output: str, uniform_size: boo
 
 def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: str = "none", output: str = "tensor",
                        pin_memory: bool = False, start_method: str | None = None,
-                       uniform_size: bool | None = None) -> str:
+                       uniform_size: bool | None = None, store_options: dict | None = None) -> str:
     """The recommendation as ready-to-paste Python that runs as printed.
 
     Args:
@@ -515,6 +515,8 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
         transform: ``"none"``, ``"resize224"`` or ``"rrc224"``.
         output: ``"pil"`` or ``"tensor"`` (stores only; a folder always gives tensors).
         pin_memory, start_method: DataLoader settings to write out.
+        store_options: a URL store's ``cache_dir``/``cache_limit`` (written out) and
+            ``storage_options`` (only named: they may hold credentials).
         uniform_size: True when every image has one size (a store's index knows), None when unknown.
             Otherwise, without a resizing transform, the loader collates each batch into
             ``(list of images, labels)``: ``default_collate`` cannot stack different sizes.
@@ -541,8 +543,12 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
                  "from torch.utils.data import DataLoader"]
         if lists:
             lines.append("from fastdata.bench.pipelines import bench_collate")
+        remote = "".join(f", {k}={v!r}" for k, v in (store_options or {}).items() if k != "storage_options")
+        if (store_options or {}).get("storage_options"):
+            lines.append("storage_options = {...}  # the --storage-option values you passed")
+            remote += ", storage_options=storage_options"
         lines += ["",
-                  f"dataset = fastdata.open_dataset({target!r}, output={output!r}{decode})"]
+                  f"dataset = fastdata.open_dataset({target!r}, output={output!r}{decode}{remote})"]
     args = [f"batch_size={s.batch_size}", "shuffle=True", f"num_workers={s.workers}"]
     if s.workers:
         args += [f"prefetch_factor={s.prefetch_factor}", "persistent_workers=True"]
@@ -623,7 +629,8 @@ def measurement_from_row(row: dict) -> Measurement:
                        data_wait_fraction=row.get("data_wait_fraction"))
 
 
-def harness_measure(base, timeout: float = 900.0, run: Callable | None = None) -> Callable[[Settings], Measurement]:
+def harness_measure(base, timeout: float = 900.0, run: Callable | None = None,
+                    store_options: dict | None = None) -> Callable[[Settings], Measurement]:
     """A ``measure`` function that runs :class:`Settings` through the harness (fresh process each).
 
     Args:
@@ -631,18 +638,20 @@ def harness_measure(base, timeout: float = 900.0, run: Callable | None = None) -
             output, epochs, max_batches, step_ms...; workers/batch/prefetch are replaced.
         timeout: seconds per run.
         run: ``run(cfg) -> row`` replacing the fresh process (tests measure in process).
+        store_options: for a URL target, ``storage_options``/``cache_dir``/``cache_limit``.
     """
     from .harness import run_isolated
 
     def measure(s: Settings) -> Measurement:
         cfg = config_for(base, s)
-        return measurement_from_row(run(cfg) if run else run_isolated(cfg, timeout))
+        return measurement_from_row(run(cfg) if run else run_isolated(cfg, timeout, store_options))
 
     return measure
 
 
-def harness_probe(base, timeout: float = 900.0) -> Callable[[], Probe]:
-    """A ``probe`` function: one worker, batch 1, prefetch 1, 16 batches (the decoded size is their mean), no step."""
+def harness_probe(base, timeout: float = 900.0, store_options: dict | None = None) -> Callable[[], Probe]:
+    """A ``probe`` function: one worker, batch 1, prefetch 1, 16 batches (the decoded size is their mean), no step.
+    ``store_options``: as for :func:`harness_measure`."""
     from dataclasses import replace
 
     from .harness import run_isolated
@@ -651,7 +660,7 @@ def harness_probe(base, timeout: float = 900.0) -> Callable[[], Probe]:
         cfg = replace(base, workers=1, batch_size=1, prefetch_factor=1, persistent_workers=True,
                       start_method=base.start_method or None, epochs=1, warmup_epochs=0, max_batches=16,
                       step_ms=0.0, cold=False)
-        row = run_isolated(cfg, timeout)
+        row = run_isolated(cfg, timeout, store_options)
         if row["status"] != "ok":
             raise FastdataError(f"cannot measure {base.target}: {row.get('error')}")
         sample = row.get("decoded_bytes_per_sample") or 0.0
