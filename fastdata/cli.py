@@ -64,7 +64,7 @@ def _cmd_info(args) -> int:
     from .inspect import info
     from .units import format_size
 
-    data = info(args.store)
+    data = info(args.store, **_remote_options(args, limit=False))
     if args.json:
         print(json.dumps(data, indent=2))
         return EXIT_OK
@@ -96,13 +96,95 @@ def _cmd_info(args) -> int:
 def _cmd_verify(args) -> int:
     from .inspect import verify
 
-    report = verify(args.store, decode=args.decode)
+    remote = _remote_options(args, limit=False)
+    report = verify(args.store, decode=args.decode, storage_options=remote.get("storage_options"),
+                    scratch_dir=remote.get("cache_dir"))
     if args.json:
         print(json.dumps(report.__dict__, indent=2))
     else:
         print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
     return {"ok": EXIT_OK, "not_a_store": EXIT_NOT_A_STORE, "unfinished": EXIT_UNFINISHED}.get(
         report.status, EXIT_FAILED_CHECK)
+
+
+def _add_remote_options(p: argparse.ArgumentParser, cache_dir_help: str, limit: bool = True) -> None:
+    """``--storage-option``, ``--cache-dir`` (and ``--cache-limit``) for commands that read URLs."""
+    p.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_option",
+                   help="fsspec option for a URL store, repeatable (e.g. endpoint_url=http://host:9000, anon=true; "
+                        "a value that parses as JSON takes that type); credentials and endpoints also come from "
+                        "the usual variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help=cache_dir_help)
+    if limit:
+        p.add_argument("--cache-limit", default=None, metavar="SIZE",
+                       help="most bytes of shards the cache keeps, e.g. 50GiB (default: $FASTDATA_CACHE_LIMIT, "
+                            "else no limit)")
+
+
+def _remote_options(args, limit: bool = True) -> dict:
+    """The remote-store options given on the command line, as keyword arguments (only those given)."""
+    from .remote.location import parse_storage_options
+
+    out: dict = {}
+    if args.storage_option:
+        out["storage_options"] = parse_storage_options(args.storage_option)
+    if args.cache_dir:
+        out["cache_dir"] = args.cache_dir
+    if limit and getattr(args, "cache_limit", None):
+        out["cache_limit"] = args.cache_limit
+    return out
+
+
+_CACHE_DIR_HELP = "shard cache directory (default: $FASTDATA_CACHE_DIR, else ~/.cache/fastdata)"
+
+
+def _cmd_cache_list(args) -> int:
+    from .remote.inventory import cache_report
+
+    report = cache_report(args.cache_dir, check=args.check, storage_options=_remote_options(args).get(
+        "storage_options"))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.table())
+    return EXIT_OK
+
+
+def _cmd_cache_clear(args) -> int:
+    from .remote.inventory import clear_cache
+
+    removed, kept = clear_cache(args.url, args.cache_dir)
+    what = f" of {args.url}" if args.url else ""
+    print(f"{removed} shard(s){what} removed, {kept} kept (in use by a live process)")
+    return EXIT_OK
+
+
+def _add_cache_command(sub) -> None:
+    """``fastdata cache list|clear``: the local shard cache of remote stores."""
+    c = sub.add_parser("cache", help="show or clear the local cache of remote stores' shards",
+                       description="The shard cache that reading a remote store (s3://, gs://, az://, https://) "
+                                   "fills: one folder per store version (URL + manifest checksum), shared by every "
+                                   "process on the machine.")
+    csub = c.add_subparsers(dest="cache_command", metavar="ACTION")
+    csub.required = True
+    ls = csub.add_parser("list", help="what is cached, per store version",
+                         description="Per cached store version: URL, shards cached / shards in the store, bytes, "
+                                     "last use, and whether it is the store's current version (only with --check, "
+                                     "which asks the server; otherwise '?'). Then a total, with the limit when "
+                                     "FASTDATA_CACHE_LIMIT is set.")
+    ls.add_argument("--cache-dir", default=None, metavar="DIR", help=_CACHE_DIR_HELP)
+    ls.add_argument("--check", action="store_true",
+                    help="read each store's manifest from its server to say whether the cached version is current")
+    ls.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_option",
+                    help="fsspec option for --check, repeatable (as for info)")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=_cmd_cache_list)
+    cl = csub.add_parser("clear", help="remove cached shards (never those a live process has open)",
+                         description="Remove the cached shards of the store at URL (every cached version of it), "
+                                     "or of every store. Shards a live process has open are kept and counted; "
+                                     "they can be removed once that process ends.")
+    cl.add_argument("url", nargs="?", default=None, metavar="URL", help="the store's URL (default: every store)")
+    cl.add_argument("--cache-dir", default=None, metavar="DIR", help=_CACHE_DIR_HELP)
+    cl.set_defaults(func=_cmd_cache_clear)
 
 
 def _cmd_demo(args) -> int:
@@ -166,20 +248,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_convert)
 
     i = sub.add_parser("info", help="describe a store",
-                       description="Describe a store: backend, counts, classes, shards.")
+                       description="Describe a store: backend, counts, classes, shards. STORE is a directory or "
+                                   "a URL (s3://, gs://, az://, https://); a URL's manifest is read, no shard is "
+                                   "downloaded.")
     i.add_argument("store", metavar="STORE")
     i.add_argument("--json", action="store_true", help="print JSON")
+    _add_remote_options(i, "where a URL's manifest is kept (the shard cache; default: $FASTDATA_CACHE_DIR, else "
+                           "~/.cache/fastdata)", limit=False)
     i.set_defaults(func=_cmd_info)
 
     v = sub.add_parser("verify", help="check every record of a store",
                        description="Check every shard and record against its checksum and the manifest counts. "
                                    "Exit 0 when sound, 1 when damaged (each problem names shard and record), "
-                                   "2 on an error (the path does not exist, a remote URL, bad usage), "
+                                   "2 on an error (the path does not exist, the server cannot be reached, bad "
+                                   "usage), "
                                    "3 when the path is not a fastdata store (no manifest.json), "
-                                   "4 when it holds an unfinished conversion (finish it with convert --resume).")
+                                   "4 when it holds an unfinished conversion (finish it with convert --resume). "
+                                   "STORE may be a URL (s3://, gs://, az://, https://): its manifest and store "
+                                   "index are checked, then each shard is streamed from the server into one "
+                                   "temporary file, checksummed as it arrives, its records checked, and deleted. "
+                                   "The shard cache is not used: a store larger than the cache can be verified "
+                                   "without evicting shards other jobs use, and the server's copy is what is "
+                                   "checked, not a cached one.")
     v.add_argument("store", metavar="STORE")
     v.add_argument("--decode", action="store_true", help="also fully decode every image")
     v.add_argument("--json", action="store_true", help="print JSON")
+    _add_remote_options(v, "folder a URL's shard is downloaded into while it is checked (one shard at a time; "
+                           "default: the shard cache directory)", limit=False)
     v.set_defaults(func=_cmd_verify)
 
     d = sub.add_parser("demo", help="synthesize a dataset, convert, verify and compare (no data needed)",
@@ -194,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true", help="less output")
     d.set_defaults(func=_cmd_demo)
 
+    _add_cache_command(sub)
     _add_optional_commands(sub)
     return p
 

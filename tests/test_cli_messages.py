@@ -15,7 +15,7 @@ import fastdata
 from fastdata.bench.grid import target_kind
 from fastdata.cli import EXIT_NOT_A_STORE, EXIT_UNFINISHED, main
 from fastdata.dataset import HDF5ImageDataset, LMDBImageDataset
-from fastdata.errors import FastdataError, PathNotFoundError, RemotePathError
+from fastdata.errors import FastdataError, PathNotFoundError
 from fastdata.inspect import verify
 from fastdata.units import Size, describe_size, parse_size, parse_size_spec
 
@@ -115,19 +115,45 @@ def test_workers_far_above_the_core_count_is_warned_about(src, tmp_path, capsys,
 
 # --- missing paths and remote URLs ---
 
-@pytest.mark.parametrize("url", ["s3://bucket/train", "gs://bucket/train.lmdb", "https://host/train.lmdb",
-                                 "http://host/x", "az://container/x"])
-def test_remote_urls_are_refused_everywhere(src, tmp_path, capsys, url):
-    scheme = url.split("://")[0]
-    for argv in (["convert", url, str(tmp_path / "o.lmdb")], ["convert", src, url], ["info", url], ["verify", url],
-                 ["bench", url, "--no-plots", "--out", str(tmp_path / "b")],
-                 ["tune", url, "--memory-budget", "1GiB", "--out", str(tmp_path / "t")]):
-        assert main(argv) == 2, argv
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/train", "gs://bucket/train.lmdb", "https://127.0.0.1:{port}/t.lmdb",
+                                 "az://container/x"])
+def test_remote_urls_are_taken_as_stores_everywhere(src, tmp_path, capsys, monkeypatch, url):
+    """Every read command takes a URL as a store: an unreachable one (or one whose filesystem
+    is not installed) is one line naming it, never a folder named 's3:' made on the way; a
+    URL as convert's SOURCE is refused."""
+    url = url.format(port=_closed_port())
+    for key, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}"), ("AWS_ACCESS_KEY_ID", "k"),
+                       ("AWS_SECRET_ACCESS_KEY", "s"), ("AWS_REGION", "us-east-1"), ("FASTDATA_REMOTE_RETRIES", "0"),
+                       ("FASTDATA_CACHE_DIR", str(tmp_path / "cache"))):
+        monkeypatch.setenv(key, value)
+    quick = {"config_kwargs": {"retries": {"max_attempts": 1}}} if url.startswith("s3:") else {}
+    flags = ["--storage-option", f"config_kwargs={json.dumps(quick['config_kwargs'])}"] if quick else []
+    assert main(["convert", url, str(tmp_path / "o.lmdb")]) == 2
+    assert url in one_line_error(capsys)
+    for argv in (["info", url, *flags], ["verify", url, *flags],
+                 ["bench", url, "--no-plots", "--out", str(tmp_path / "b"), *flags],
+                 ["tune", url, "--memory-budget", "1GiB", "--out", str(tmp_path / "t"), *flags]):
+        code = main(argv)
+        if url.startswith("https:") and argv[0] == "verify":  # fsspec's HTTP filesystem: refused = not found
+            assert code == EXIT_NOT_A_STORE, argv
+            assert "not a fastdata store" in capsys.readouterr().err
+            continue
+        assert code == 2, argv
         err = one_line_error(capsys)
-        assert f"remote stores ({scheme}://) are not supported yet" in err, argv
-    for open_store in (fastdata.open_dataset, LMDBImageDataset, HDF5ImageDataset, target_kind, fastdata.verify):
-        with pytest.raises(RemotePathError, match="not supported yet"):
-            open_store(url)
+        assert url in err and "not supported" not in err, argv
+    for open_store in (fastdata.open_dataset, LMDBImageDataset, HDF5ImageDataset):
+        with pytest.raises(FastdataError, match=url.replace(".", r"\.")):
+            open_store(url, storage_options=quick)
+    with pytest.raises(FastdataError, match=url.replace(".", r"\.")):
+        target_kind(url, {"storage_options": quick})
     made = [d for _, dirs, _ in os.walk(tmp_path) for d in dirs] + os.listdir(".")
     assert not [d for d in made if d.endswith(":")], "a URL was taken for a local path (a folder named 's3:')"
 
