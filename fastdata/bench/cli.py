@@ -78,7 +78,8 @@ def add_commands(subparsers) -> None:
                    help="batches per epoch, over a fixed random subset (default 50; 0 = the whole dataset)")
     b.add_argument("--cold", action="store_true",
                    help="evict every file the target reads from the page cache before each epoch "
-                        "(posix_fadvise DONTNEED; no root needed)")
+                        "(posix_fadvise DONTNEED; no root needed); local targets only: for a URL, empty its "
+                        "shard cache first (fastdata cache clear URL)")
     b.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sample subset and shuffling")
     b.add_argument("--out", default="fastdata-bench", metavar="DIR",
                    help="folder for results.json, results.csv, table.txt and plots (default ./fastdata-bench)")
