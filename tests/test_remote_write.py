@@ -196,6 +196,7 @@ def test_existing_store_and_overwrite(s3, small_tree, jpeg_tree, tmp_path, monke
     assert removed[0] == ["manifest.json"]  # unpublished first
     ds = fastdata.open_dataset(url)
     assert len(ds) == 3 and ds.classes == ["a", "b"]
+    assert fastdata.convert(other, url, progress=False, workers=1, resume=True).already_complete
     assert sorted(n for n in objects(url) if n.startswith("shard-")) == ["shard-00000.lmdb"]  # old shards gone
 
 
@@ -216,7 +217,7 @@ def test_foreign_objects_https_and_remote_source_are_refused(s3, small_tree, tmp
     assert "Traceback" not in cli.stderr
 
 
-def test_killed_upload_resumes_without_reuploading(s3, jpeg_tree, tmp_path):
+def test_killed_upload_resumes_without_reuploading(s3, jpeg_tree, tmp_path, count_uploads, monkeypatch):
     server, bucket = s3
     src = jpeg_tree(tmp_path / "src", classes={"a": 20, "b": 20}, size=(64, 48))
     url = f"{bucket}/killed.lmdb"
@@ -239,15 +240,14 @@ def test_killed_upload_resumes_without_reuploading(s3, jpeg_tree, tmp_path):
         fastdata.open_dataset(url)
     with pytest.raises(StoreExistsError, match="unfinished conversion; pass --resume"):
         fastdata.convert(src, url, progress=False)
-    fs = loc.filesystem()
     kept = sorted(n[len(STAGING_DIR) + 1:-5] for n in listing if n.startswith(f"{STAGING_DIR}/shard-")
                   and n.endswith(".json"))
-    before = {n: fs.info(loc._path(n))["LastModified"] for n in kept}
-    done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "kept from the interrupted run" in done.stdout and url in done.stdout
-    fs.invalidate_cache()
-    assert {n: fs.info(loc._path(n))["LastModified"] for n in kept} == before  # not uploaded again
+    monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
+    report = fastdata.convert(src, url, workers=1, progress=False, resume=True, staging_dir=staging)
+    assert report.resumed_shards == len(kept) > 0 and "kept from the interrupted run" in report.summary()
+    uploaded = [n for n, _ in count_uploads]
+    assert uploaded and not set(kept) & set(uploaded)  # the uploaded shards were not uploaded again
+    assert uploaded[-1] == "manifest.json"
     clean = str(tmp_path / "clean.lmdb")
     fastdata.convert(src, clean, shard_size="8kB", progress=False, workers=1)
     same_samples(url, clean)
