@@ -20,6 +20,10 @@ Workflow for one destination (the caller holds the store lock):
    earlier moment leaves a shard that resume rewrites.
 4. Publishing gathers the sidecars in shard order, writes ``rejected.tsv`` and
    finally ``manifest.json`` (atomic rename + directory fsync), then removes staging.
+
+A :class:`ShardSink` installed with :func:`shard_sink` also receives each finished
+shard, decides which shards an earlier run finished, and publishes after the local
+manifest is written: a URL destination uploads through one (``remote/publish.py``).
 """
 
 from __future__ import annotations

@@ -114,6 +114,10 @@ def test_write_dicts_to_s3_round_trips(s3, tmp_path):
         np.testing.assert_array_equal(np.asarray(got["x"]), samples[i]["x"])
         assert got["label"] == samples[i]["label"] and got["name"] == samples[i]["name"]
     assert len(remote_manifest(url)["shards"]) > 1
+    # an iterable (written as it comes, not resumable) uploads the same way
+    fastdata.write(iter(samples), f"{bucket}/iter.lmdb", shard_size="2kB", workers=0, progress=False)
+    it = fastdata.open_dataset(f"{bucket}/iter.lmdb")
+    assert len(it) == 40 and it[39]["name"] == "s39"
 
 
 def test_no_manifest_is_visible_before_the_last_upload(s3, small_tree, monkeypatch):
