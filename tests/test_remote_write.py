@@ -37,7 +37,9 @@ def same_samples(url: str, local: str) -> None:
 
 
 def remote_manifest(url: str) -> dict:
-    return json.loads(RemoteLocation(url).read_bytes("manifest.json"))
+    loc = RemoteLocation(url)
+    loc.filesystem().invalidate_cache()  # a listing taken while the store was written is cached by s3fs
+    return json.loads(loc.read_bytes("manifest.json"))
 
 
 def objects(url: str) -> dict[str, int]:
@@ -324,3 +326,45 @@ def test_jsonl_list_and_coco_convert_to_s3_like_locally(s3, tmp_path, monkeypatc
         [(s["name"], s["xxh"]) for s in json.loads(Path(coco_local, "manifest.json").read_text())["shards"]]
     ds, ref_ds = fastdata.open_dataset(coco_url), fastdata.open_dataset(coco_local)
     assert len(ds) == len(ref_ds) == 10
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_killed_then_resumed_keep_the_uploaded_shards(s3, jpeg_tree, tmp_path, monkeypatch):
+    import psutil
+    import signal
+
+    from test_distributed import torchrun
+
+    _, bucket = s3
+    src = jpeg_tree(tmp_path / "src", classes={"a": 20, "b": 20, "c": 16}, size=(96, 72))
+    url = f"{bucket}/ranks-resume.lmdb"
+    monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
+    args = ("convert", str(src), url, "--shard-size", "30KB", "--workers", "1", "--quiet")
+    proc = torchrun(*args, wait=False)
+    loc = RemoteLocation(url)
+
+    def recorded() -> set[str]:
+        return {n for n in loc.listing() if n.startswith(f"{STAGING_DIR}/shard-") and n.endswith(".json")}
+
+    with reaped(proc):
+        while proc.poll() is None and len(recorded()) < 2:
+            pass  # polling the server for the second uploaded shard, not waiting for an outcome
+        if proc.poll() is not None:
+            pytest.fail(f"the conversion finished before it could be killed: {proc.communicate()}")
+        victims = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+        for victim in victims:  # torchrun starts its workers in their own sessions: kill the whole tree
+            try:
+                victim.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(victims, timeout=30)
+        proc.communicate(timeout=30)
+    kept = recorded()
+    assert "manifest.json" not in loc.listing() and len(kept) >= 2
+    resumed = torchrun(*[a for a in args if a != "--quiet"], "--resume")
+    assert f"{len(kept)} kept from the interrupted run" in resumed.stdout  # those were not converted again
+    clean = str(tmp_path / "one.lmdb")
+    fastdata.convert(src, clean, shard_size="30KB", progress=False, workers=1)
+    assert [(s["name"], s["xxh"]) for s in remote_manifest(url)["shards"]] == \
+        [(s["name"], s["xxh"]) for s in json.loads(Path(clean, "manifest.json").read_text())["shards"]]
+    same_samples(url, clean)
