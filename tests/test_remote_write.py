@@ -368,3 +368,44 @@ def test_two_ranks_killed_then_resumed_keep_the_uploaded_shards(s3, jpeg_tree, t
     assert [(s["name"], s["xxh"]) for s in remote_manifest(url)["shards"]] == \
         [(s["name"], s["xxh"]) for s in json.loads(Path(clean, "manifest.json").read_text())["shards"]]
     same_samples(url, clean)
+
+
+def test_the_lock_object_refuses_a_live_writer_and_is_taken_over_from_a_dead_one(s3, small_tree, monkeypatch):
+    import socket
+    import time
+
+    from fastdata.errors import StoreLockedError
+
+    _, bucket = s3
+    url = f"{bucket}/locked.lmdb"
+    loc = RemoteLocation(url)
+
+    def lock(pid: int, host: str, age: float) -> None:
+        body = {"host": host, "pid": pid, "job": f"other:{pid}", "time": time.time() - age}
+        loc.write_bytes(".fastdata.lock", json.dumps(body).encode())
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with reaped(live):
+        lock(live.pid, socket.gethostname(), 5)
+        with pytest.raises(StoreLockedError, match=rf"{url} is being written by pid {live.pid} on "):
+            fastdata.convert(small_tree, url, progress=False, workers=1)
+        lock(live.pid, "other-host", 5)  # a run on another machine: its pid cannot be checked from here
+        with pytest.raises(StoreLockedError, match="delete .*/locked.lmdb/.fastdata.lock"):
+            fastdata.convert(small_tree, url, progress=False, workers=1, overwrite=True)
+    lock(live.pid, "other-host", 2 * 3600)  # not renewed for two hours: gone
+    seen: list[bool] = []
+    real = publish_mod.upload_checked
+
+    def watching(location, local_path, name):
+        seen.append(".fastdata.lock" in objects(url))
+        return real(location, local_path, name)
+
+    monkeypatch.setattr(publish_mod, "upload_checked", watching)
+    report = fastdata.convert(small_tree, url, shard_size="20kB", progress=False, workers=1)
+    assert any(f"took over the lock object {url}/.fastdata.lock of pid {live.pid} on other-host" in w
+               for w in report.warnings)
+    assert seen and all(seen)  # held while uploading
+    assert ".fastdata.lock" not in objects(url)  # released at the end
+    live.wait()
+    lock(live.pid, socket.gethostname(), 5)  # a killed run on this machine: taken over at once
+    assert fastdata.convert(small_tree, url, progress=False, workers=1, overwrite=True).images == 24

@@ -28,9 +28,14 @@ staging directory and installs a :class:`RemoteDestination` as its shard sink
   manifest reads as an unfinished conversion (:class:`~fastdata.errors.IncompleteStoreError`).
 * **Destination checks**: a store at the URL is refused unless ``overwrite`` (which deletes
   the manifest first, then the rest) or ``resume``; objects that are not a store's are refused.
-* **Lock**: object stores have no ``flock``; the local staging directory's lock stops two
-  runs on this machine into the same URL. Two machines converting into one URL at the same
-  time are NOT detected: give each run its own URL.
+* **Lock** (advisory): object stores have no ``flock``, so a run writes the object
+  ``URL/.fastdata.lock`` (host, pid, job, time), rewrites it after each uploaded shard and
+  deletes it when it ends. Another run refuses the URL while that object is younger than
+  :data:`LOCK_STALE_S` (one hour), unless it names a process of this host that is no longer
+  running (a killed run: taken over) or this same torchrun job. It is not atomic: two runs
+  starting within the same second may both proceed; it stops the common mistakes (a second
+  job into a URL being written, a resume while the first run still lives). The local
+  staging directory's ``flock`` also stops two runs on one machine.
 * **Resume**: a shard whose result sidecar is in the remote staging and whose object there
   has the size the sidecar records is kept (it was checked when uploaded); its sidecars are
   downloaded into the local staging, so publishing builds the manifest and index from them.
@@ -44,12 +49,14 @@ import json
 import os
 import re
 import shutil
+import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import FastdataError, RemotePathError, RemoteStoreError, StoreExistsError
-from ..layout import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, remote_scheme, shard_name
+from ..errors import FastdataError, RemotePathError, RemoteStoreError, StoreExistsError, StoreLockedError
+from ..layout import ATOMIC_TMP_MARK, LOCK_NAME, STAGING_DIR, TMP_SUFFIX, remote_scheme, shard_name
 from ..manifest import MANIFEST_NAME, REJECTED_NAME, atomic_write
 from ..store_index import SIDECAR_SUFFIX, STORE_INDEX_NAME
 from .cache import default_cache_dir
@@ -64,6 +71,8 @@ MAX_PARTS = 10_000
 #: what a single PUT may carry at most (S3's limit)
 MAX_SINGLE_PUT = 5 << 30
 _S3_SCHEMES = ("s3", "s3a")
+#: a lock object older than this (seconds since its last rewrite) belongs to a run that is gone
+LOCK_STALE_S = 3600.0
 
 
 def refuse_remote_source(src: str | os.PathLike, what: str = "source") -> None:
@@ -165,7 +174,7 @@ def _staging_key(name: str) -> str:
 def _is_store_object(name: str) -> bool:
     """Whether object ``name`` (relative to the store URL) is one a conversion writes."""
     top = name.split("/", 1)[0]
-    return (top in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, STAGING_DIR) or top.startswith("shard-")
+    return (top in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, STAGING_DIR, LOCK_NAME) or top.startswith("shard-")
             or ATOMIC_TMP_MARK in top)
 
 
@@ -174,6 +183,67 @@ def _is_run_record(name: str) -> bool:
     not a shard's sidecar or a temporary/spill file."""
     return not (name.startswith("shard-") or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX)
                 or name.startswith("spill"))
+
+
+def _job() -> str:
+    """What identifies this run in the lock object: the torchrun job (its ranks share it), else
+    this process."""
+    if os.environ.get("MASTER_PORT") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return ":".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RemoteLock:
+    """The advisory lock object ``URL/.fastdata.lock`` (see the module docstring)."""
+
+    def __init__(self, location: RemoteLocation):
+        self.location = location
+        self.url = location.child(LOCK_NAME)
+        #: (pid, host) of a dead or stale holder this run took over, for the report
+        self.taken_over: tuple[int, str] | None = None
+
+    def check(self) -> None:
+        """Raise :class:`StoreLockedError` when a live run of another job holds the lock."""
+        try:
+            holder = json.loads(self.location.read_bytes(LOCK_NAME))
+            pid, host, job, since = int(holder["pid"]), str(holder["host"]), str(holder["job"]), float(holder["time"])
+        except FileNotFoundError:
+            return
+        except (ValueError, TypeError, KeyError):
+            return  # unreadable: a lock object cut short; nothing to honour
+        if job == _job():
+            return
+        age = time.time() - since
+        dead_here = host == socket.gethostname() and not _pid_alive(pid)
+        if age > LOCK_STALE_S or dead_here:
+            self.taken_over = (pid, host)
+            return
+        raise StoreLockedError(
+            f"{self.location.url} is being written by pid {pid} on {host} (its lock object {self.url} was "
+            f"renewed {age:.0f} s ago); wait for that run to finish, or, if it is dead, delete {self.url} "
+            f"(or wait {LOCK_STALE_S / 3600:g} hour after its last renewal) and rerun with --resume")
+
+    def write(self) -> None:
+        """Take or renew the lock (one PUT of host, pid, job and time)."""
+        body = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job(), "time": time.time()}
+        self.location.write_bytes(LOCK_NAME, json.dumps(body).encode())
+
+    def release(self) -> None:
+        """Delete the lock object (never raises: a lock left behind ages out)."""
+        try:
+            self.location.remove([LOCK_NAME])
+        except Exception:  # noqa: BLE001 - releasing must not hide the run's own outcome
+            pass
 
 
 def check_destination(location: RemoteLocation, *, resume: bool, overwrite: bool, clear: bool) -> dict[str, int]:
@@ -188,7 +258,7 @@ def check_destination(location: RemoteLocation, *, resume: bool, overwrite: bool
         raise StoreExistsError(f"{what} holds objects that are not part of a fastdata store (e.g. {foreign[0]!r}); "
                                "refusing to write there: choose an empty or new prefix")
     published = MANIFEST_NAME in objects
-    if not (resume or overwrite) and objects:
+    if not (resume or overwrite) and set(objects) - {LOCK_NAME}:
         if published:
             raise StoreExistsError(f"{what} already holds a fastdata store; pass --overwrite (overwrite=True) to "
                                    "replace it or choose another destination")
@@ -233,9 +303,10 @@ class RemoteDestination:
         publisher (bool): this process publishes (rank 0 under torchrun, else True).
     """
 
-    def __init__(self, location: RemoteLocation, publisher: bool = True):
+    def __init__(self, location: RemoteLocation, publisher: bool = True, lock: RemoteLock | None = None):
         self.location = location
         self.publisher = publisher
+        self.lock = lock
         self._pool: cf.ThreadPoolExecutor | None = None
         self._futures: list[cf.Future] = []
         self._room = threading.BoundedSemaphore(MAX_WAITING)
@@ -340,6 +411,8 @@ class RemoteDestination:
             for side in (name + SIDECAR_SUFFIX, name + ".json"):
                 self.location.upload(os.path.join(staging, side), _staging_key(side))
             os.unlink(path)
+            if self.lock is not None:
+                self.lock.write()  # renewed: a long run's lock never looks stale
         except BaseException as err:
             self._error = self._error or err
             raise
@@ -376,17 +449,28 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
     group = current_group()
     rank = group.rank if group is not None else None
     local = local_staging_dir(location.url, staging_dir, rank)
+    lock = RemoteLock(location)
+    lock.check()  # a live writer is named before any other complaint (every rank sees the same)
     objects = check_destination(location, resume=resume, overwrite=overwrite, clear=not rank)
     prepare_local(location, local, objects, resume=resume)
-    sink = RemoteDestination(location, publisher=not rank)
+    sink = RemoteDestination(location, publisher=not rank, lock=lock)
     try:
+        if not rank:
+            lock.write()
         with shard_sink(sink):
             report = run(local)
     except FastdataError as err:
         _name_the_url(err, local, location.url)
         raise
+    finally:
+        if not rank:
+            lock.release()
     if getattr(report, "already_complete", False) and not rank:
         sink.remove_staging()  # a run killed after publishing may have left them
+    if lock.taken_over is not None:
+        pid, host = lock.taken_over
+        report.warnings.append(f"took over the lock object {lock.url} of pid {pid} on {host}, which is no longer "
+                               "running (or stopped renewing it over an hour ago)")
     report.dst = location.url
     _remove_local(local, staging_dir)
     return report
