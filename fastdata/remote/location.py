@@ -14,6 +14,7 @@ none, only the URL and options, and makes its filesystem on first use in each pr
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -31,6 +32,9 @@ READ_ONLY_SCHEMES = ("http", "https")
 _EXTRA_FOR = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
               "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
 _FS: dict[tuple, Any] = {}
+#: errors of the local disk a download writes to: raised at once (the cache names its directory)
+_LOCAL_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_CREDENTIAL_ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "AZURE_", "FSSPEC_")
 T = TypeVar("T")
 BLOCK = 8 << 20
 
@@ -52,6 +56,16 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
 
 def _retries() -> int:
     return max(0, int(os.environ.get("FASTDATA_REMOTE_RETRIES", "4")))
+
+
+def _credential_env() -> tuple[tuple[str, str], ...]:
+    """The environment variables the filesystem libraries read endpoints and credentials from."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CREDENTIAL_ENV_PREFIXES)))
+
+
+def _backoff(attempt: int) -> None:
+    """Sleep before retry ``attempt + 1``: 0.25 s doubling up to 8 s, jittered by +-50 %."""
+    time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
 
 
 def _is_permanent(err: BaseException) -> bool:
@@ -84,7 +98,9 @@ class RemoteLocation:
 
     def filesystem(self):
         """This process's fsspec filesystem for the URL (made on first use, per process)."""
-        key = (os.getpid(), self.scheme, json.dumps(self.storage_options, sort_keys=True, default=str))
+        # the environment is part of the key: endpoints and credentials often come from it
+        key = (os.getpid(), self.scheme, json.dumps(self.storage_options, sort_keys=True, default=str),
+               _credential_env())
         fs = _FS.get(key)
         if fs is None:
             try:
@@ -115,13 +131,15 @@ class RemoteLocation:
             except FileNotFoundError:
                 raise
             except Exception as err:  # noqa: BLE001 - fsspec backends raise many types
+                if isinstance(err, OSError) and err.errno in _LOCAL_DISK_FULL:
+                    raise  # the local disk, not the network: retrying cannot help (the cache names it)
                 if _is_permanent(err) or attempt == attempts - 1:
                     if isinstance(err, FastdataError):
                         raise
                     raise RemoteStoreError(f"{what}: {type(err).__name__}: {err} "
                                            f"(after {attempt + 1} attempt{'s' if attempt else ''}); check the "
                                            "endpoint, credentials and network, then rerun") from err
-                time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
+                _backoff(attempt)
         raise AssertionError("unreachable")
 
     def read_bytes(self, name: str, limit: int | None = None) -> bytes:
