@@ -119,7 +119,8 @@ class StoreDataset(Dataset):
             cache_limit: most bytes that cache holds (an int or ``"50GiB"``); None = no limit.
             max_open_shards: shards each process keeps open (and pinned in the cache) at once;
                 the least recently used one is closed beyond it. None = all for a local
-                store, 4 for a remote one.
+                store, 4 for a remote one (fewer under a ``cache_limit`` that could not hold
+                4 of the largest shards for every DataLoader worker and local rank; at least 1).
         """
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
@@ -160,7 +161,8 @@ class StoreDataset(Dataset):
         self._load_index(manifest)
         self._source = (manifest.get("options") or {}).get("source")
         store.slim()
-        self.max_open_shards = max_open_shards or (4 if store.remote else None)
+        self.max_open_shards = max_open_shards
+        self._open_cap: int | None = None  # this process's max_open_shards (the store's default when None)
         self._pins: dict[int, Any] = {}
         self._samples: list[tuple[str, int]] | None = None
         self._skips = 0
@@ -332,9 +334,10 @@ class StoreDataset(Dataset):
             self._readers = {}
             self._pins = {}
             self._pid = pid
+            self._open_cap = self.max_open_shards or self._store.open_shards_per_process()
         reader = self._readers.pop(shard, None)
         if reader is None:
-            if self.max_open_shards and len(self._readers) >= self.max_open_shards:
+            if self._open_cap and len(self._readers) >= self._open_cap:
                 self._close_shard(next(iter(self._readers)))  # the least recently used
             path, pin = self._store.open_shard(shard, release_idle=self._close_all_shards)
             try:

@@ -48,6 +48,7 @@ SHARDS, LOCKS, PINS = "shards", "locks", "pins"
 PART_MARK = ".part-"
 STORE_INFO = "store.json"
 #: how long a download waits for pinned shards to be released before CacheFullError
+#: (``$FASTDATA_CACHE_WAIT_S`` overrides it)
 DEFAULT_WAIT_S = 120.0
 #: attempts at a download whose bytes do not match the manifest checksum
 CHECKSUM_ATTEMPTS = 3
@@ -152,13 +153,14 @@ class ShardCache:
         limit: the most bytes of shards it holds, downloads in progress included; a
             download may exceed it by at most that one shard only when every cached
             shard is pinned and ``wait_s`` has passed (then :class:`CacheFullError`).
-        wait_s: how long a download waits for pinned shards to be released.
+        wait_s: how long a download waits for pinned shards to be released (default
+            ``$FASTDATA_CACHE_WAIT_S``, else 120 s).
     """
 
-    def __init__(self, root: str | None = None, limit: int | str | None = None, wait_s: float = DEFAULT_WAIT_S):
+    def __init__(self, root: str | None = None, limit: int | str | None = None, wait_s: float | None = None):
         self.root = os.path.abspath(root or default_cache_dir())
         self.limit = resolve_limit(limit)
-        self.wait_s = wait_s
+        self.wait_s = float(os.environ.get("FASTDATA_CACHE_WAIT_S", DEFAULT_WAIT_S)) if wait_s is None else wait_s
 
     # -- paths --------------------------------------------------------------------------
     def store_dir(self, key: str) -> str:
@@ -209,9 +211,7 @@ class ShardCache:
         except OSError as err:
             raise self._os_error(err, lock_path) from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
+            if not self._lock_download(fd, wait, on_wait):
                 return None  # another process is downloading it
             pin = self._pin(pin_path, final, size)  # it may have finished while we waited
             if pin is not None:
@@ -220,26 +220,48 @@ class ShardCache:
             part = f"{final}{PART_MARK}{os.getpid()}"
             if not self._reserve(part, size, wait, (key, frozenset(keep)), on_wait):
                 return None
+            # pinned before it is renamed into place: another process making room never
+            # evicts a shard between its arrival and its first reader
+            pin_fd = self._hold_pin(pin_path)
             try:
                 self._download_checked(part, final, size, xxh, download)
             except BaseException:
+                os.close(pin_fd)
                 _unlink(part)
                 raise
         finally:
             os.close(fd)
-        pin = self._pin(pin_path, final, size)
-        if pin is None:  # evicted between rename and pin: only under a limit smaller than one shard
-            raise CacheFullError(f"{self.root}: shard {name} was evicted as soon as it arrived; raise cache_limit "
-                                 f"(now {format_size(self.limit or 0)}) above the shards read at once")
-        return pin
+        return Pin(final, pin_fd)
 
-    def _pin(self, pin_path: str, final: str, size: int) -> Pin | None:
-        """Take a shared lock on the pin file, then check the shard is (still) in place."""
+    def _lock_download(self, fd: int, wait: bool, on_wait: Callable[[], None] | None) -> bool:
+        """Take the download lock ``fd``; False when another process holds it and not ``wait``.
+
+        Under a limit, ``on_wait`` runs before blocking behind another process's download: that
+        download may need the room of this process's idle pins, and would wait for them while
+        this process waits for it (two DataLoader workers reading the same shards in turn)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if not wait:
+                return False
+        if on_wait is not None and self.limit is not None:
+            on_wait()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+
+    def _hold_pin(self, pin_path: str) -> int:
+        """An fd holding a shared lock on ``pin_path`` (while it is open, eviction skips the shard)."""
         try:
             fd = _open_lock_file(pin_path)
         except OSError as err:
             raise self._os_error(err, pin_path) from None
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits while an evictor holds it exclusively
+        return fd
+
+    def _pin(self, pin_path: str, final: str, size: int) -> Pin | None:
+        """Take a shared lock on the pin file, then check the shard is (still) in place."""
+        fd = self._hold_pin(pin_path)
         try:
             st = os.stat(final)
         except FileNotFoundError:

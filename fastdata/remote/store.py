@@ -58,6 +58,10 @@ class StoreLocation:
     def prefetch(self, shards: Sequence[int], keep: Collection[int] = ()) -> None:
         """Start fetching ``shards`` in the background (nothing to do for a local store)."""
 
+    def open_shards_per_process(self) -> int | None:
+        """How many shards one reading process keeps open by default (None: all of them)."""
+        return None
+
     def slim(self) -> StoreLocation:
         """This location without the manifest's bulky parts (what datasets keep and pickle)."""
         self.manifest = {k: self.manifest[k] for k in ("shards", "backend", "checksum")}
@@ -131,6 +135,21 @@ class RemoteStore(StoreLocation):
         pin = self._acquire(shard, wait=True, on_wait=release_idle)
         assert pin is not None
         return pin.path, pin
+
+    def open_shards_per_process(self) -> int:
+        """Shards one reading process keeps open (so pinned) by default: 4, or fewer when the cache
+        limit could not hold 4 of the largest shards for every process reading it (this
+        DataLoader's workers times ``$LOCAL_WORLD_SIZE`` ranks); at least 1. Under that bound a
+        process that needs room finds it once it releases its own pins, however long the
+        others keep theirs while idle."""
+        if self.cache.limit is None:
+            return 4
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        processes = (info.num_workers if info is not None else 1) * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        biggest = max((s["bytes"] for s in self.manifest["shards"]), default=1) or 1
+        return max(1, min(4, self.cache.limit // (biggest * processes)))
 
     def _acquire(self, shard: int, wait: bool, keep: Collection[int] = (),
                  on_wait: Callable[[], None] | None = None) -> Pin | None:
