@@ -328,8 +328,9 @@ class StoreDataset(Dataset):
         pid = os.getpid()
         if self._pid != pid:
             if self._readers:
-                # Inherited through fork: never use, close or even free them here (nor the
-                # cache pins: a pin released only by its owner keeps the shard until both exit).
+                # Inherited through fork: never use, close or even free them here. (Their cache
+                # pins are not held here: the cache closes a forked child's copies of its lock
+                # files, so the parent's release is what unpins a shard.)
                 _INHERITED_HANDLES.append((self._readers, self._pins))
             self._readers = {}
             self._pins = {}

@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -80,36 +81,75 @@ def store_key(url: str, manifest_checksum: str) -> str:
     return f"{hashlib.sha1(url.encode()).hexdigest()[:16]}-{manifest_checksum[:16]}"
 
 
+# Every lock and pin file this process has open. A flock lock belongs to the open file, which
+# fork shares: a child forked while a thread holds one (a prefetch downloading while a
+# DataLoader starts its workers) would hold it for its whole life, and with it a download
+# lock, the space lock or a pin. The child closes its copies as it starts (the parent's
+# locks stay held). Every such fd is opened and closed through these two functions.
+_LOCK_FDS: set[int] = set()
+_LOCK_FDS_GUARD = threading.Lock()
+
+
+def _open_lock_fd(path: str) -> int:
+    with _LOCK_FDS_GUARD:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _LOCK_FDS.add(fd)
+    return fd
+
+
+def _close_lock_fd(fd: int) -> None:
+    """Close a lock or pin fd (which releases its lock)."""
+    with _LOCK_FDS_GUARD:
+        _LOCK_FDS.discard(fd)
+        os.close(fd)
+
+
+def _close_inherited_lock_fds() -> None:
+    for fd in _LOCK_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+    _LOCK_FDS_GUARD.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_LOCK_FDS_GUARD.acquire, after_in_parent=_LOCK_FDS_GUARD.release,
+                        after_in_child=_close_inherited_lock_fds)
+
+
 @contextmanager
 def _flocked(path: str, mode: int) -> Iterator[int]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_fd(path)
     try:
         fcntl.flock(fd, mode)
         yield fd
     finally:
-        os.close(fd)  # closing releases the lock
+        _close_lock_fd(fd)  # closing releases the lock
 
 
 def _open_lock_file(path: str) -> int:
     """Open (creating) a lock or pin file; its folder too, if ``fastdata cache clear`` removed it."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return _open_lock_fd(path)
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return _open_lock_fd(path)
 
 
 def _try_exclusive(path: str) -> int | None:
-    """An fd holding ``path`` locked exclusively, or None when another process holds it."""
+    """An fd holding ``path`` locked exclusively (close it with :func:`_close_lock_fd`), or None
+    when another process holds it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_fd(path)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
     except OSError:
-        os.close(fd)
+        _close_lock_fd(fd)
         return None
 
 
@@ -125,7 +165,7 @@ class Pin:
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None and self._pid == os.getpid():
-            os.close(fd)
+            _close_lock_fd(fd)
 
     def __del__(self):
         try:
@@ -226,11 +266,11 @@ class ShardCache:
             try:
                 self._download_checked(part, final, size, xxh, download)
             except BaseException:
-                os.close(pin_fd)
+                _close_lock_fd(pin_fd)
                 _unlink(part)
                 raise
         finally:
-            os.close(fd)
+            _close_lock_fd(fd)
         return Pin(final, pin_fd)
 
     def _lock_download(self, fd: int, wait: bool, on_wait: Callable[[], None] | None) -> bool:
@@ -265,10 +305,10 @@ class ShardCache:
         try:
             st = os.stat(final)
         except FileNotFoundError:
-            os.close(fd)
+            _close_lock_fd(fd)
             return None
         if st.st_size != size:  # cannot happen unless someone edits the cache by hand
-            os.close(fd)
+            _close_lock_fd(fd)
             _unlink(final)
             return None
         try:
@@ -362,7 +402,7 @@ class ShardCache:
         try:
             _unlink(shard.path)
         finally:
-            os.close(fd)
+            _close_lock_fd(fd)
         return True
 
     # -- inventory ----------------------------------------------------------------------
@@ -422,7 +462,7 @@ class ShardCache:
         try:
             _unlink(os.path.join(self.root, key, SHARDS, entry))
         finally:
-            os.close(fd)
+            _close_lock_fd(fd)
         return True
 
     def clear(self, key: str | None = None) -> tuple[int, int]:
@@ -467,9 +507,7 @@ def _remove_tree_if_unlocked(d: str) -> None:
             for entry in os.listdir(os.path.join(d, sub)):
                 fd = _try_exclusive(os.path.join(d, sub, entry))
                 if fd is None:
-                    for h in held:
-                        os.close(h)
-                    return
+                    return  # (the locks taken so far are closed below, once)
                 held.append(fd)
         import shutil
         shutil.rmtree(d, ignore_errors=True)
@@ -478,6 +516,6 @@ def _remove_tree_if_unlocked(d: str) -> None:
     finally:
         for h in held:
             try:
-                os.close(h)
+                _close_lock_fd(h)
             except OSError:
                 pass
