@@ -575,3 +575,62 @@ def test_eviction_keeps_the_cache_under_its_limit_with_dataloader_workers(s3, tm
     assert sampler.count > 10
     assert sampler.peak <= limit + max(sizes), (sampler.peak, limit, sizes)
     assert sampler.peak > 0
+
+
+# -- worker memory and descriptors across epochs ------------------------------------------------
+
+def _labels(batch):
+    return [int(label) for _, label in batch]
+
+
+def _worker_series(ds, epochs: int) -> list[list[tuple[int, int]]]:
+    """Per epoch, each persistent fork worker's (PSS bytes, open fds) after the epoch."""
+    import psutil
+    import torch
+
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork",
+                                         persistent_workers=True, collate_fn=_labels)
+    series = []
+    for _ in range(epochs):
+        assert sum(len(b) for b in loader) == len(ds)
+        workers = sorted((c for c in me.children(recursive=True) if c.pid not in before), key=lambda c: c.pid)
+        assert len(workers) == 2
+        series.append([(w.memory_full_info().pss, w.num_fds()) for w in workers])
+    del loader
+    return series
+
+
+def test_worker_memory_and_fds_stay_flat_across_epochs_of_a_bounded_remote_store(s3, tmp_path, monkeypatch):
+    """Every epoch evicts and downloads again (the cache holds 2 of 6 shards): what a worker
+    keeps per download (buffers, filesystem objects, pins) would grow its memory or fds."""
+    _, bucket = s3
+    local = make_store(tmp_path, "six", {"a": 18, "b": 18}, shard_size="12kB")
+    url = f"{bucket}/six.lmdb"
+    upload_store(local, url)
+    sizes = [s["bytes"] for s in RemoteStore(url, cache_dir=str(tmp_path / "probe")).manifest["shards"]]
+    cache = str(tmp_path / "bounded-cache")
+    ds = fastdata.open_dataset(url, output="numpy", cache_dir=cache, cache_limit=2 * max(sizes))
+    counter = tmp_path / "downloads.txt"
+    orig = RemoteLocation.download
+
+    def counted(self, name, out_path, expected_size):  # forked workers inherit it
+        with open(counter, "a") as fh:
+            fh.write(name + "\n")
+        return orig(self, name, out_path, expected_size)
+    monkeypatch.setattr(RemoteLocation, "download", counted)
+    series = _worker_series(ds, epochs=5)
+    assert len(counter.read_text().splitlines()) >= 4 * len(sizes)  # evicted and downloaded again every epoch
+    MB = 1 << 20
+    for w in range(2):
+        pss = [epoch[w][0] for epoch in series]
+        fds = [epoch[w][1] for epoch in series]
+        assert pss[-1] - pss[1] < 4 * MB, [p / MB for p in pss]
+        assert max(fds[1:]) - min(fds[1:]) <= 1, fds
+    # control: pins that are never released show up as descriptors growing every epoch
+    from fastdata.remote.cache import Pin
+    monkeypatch.setattr(Pin, "release", lambda self: None)
+    leaky = fastdata.open_dataset(url, output="numpy", cache_dir=str(tmp_path / "unbounded-cache"))
+    fds = [epoch[0][1] for epoch in _worker_series(leaky, epochs=3)]
+    assert fds[2] > fds[1] + 1, fds

@@ -334,7 +334,8 @@ class ShardCache:
             if attempt == CHECKSUM_ATTEMPTS:
                 raise CorruptRecordError(
                     f"remote shard {name}: {CHECKSUM_ATTEMPTS} downloads did not match the manifest's checksum "
-                    f"(got {got}, expected {xxh}); the remote copy is damaged: rewrite the store",
+                    f"(got {got}, expected {xxh}): the remote copy is damaged (rewrite the store), or the store "
+                    "was rewritten after this dataset opened it (open it again)",
                     shard=name)
 
     def _remove_parts(self, final: str) -> None:
