@@ -22,7 +22,12 @@ Rules (docs/RELIABILITY.md, "Remote stores"):
   the next process that takes that shard's download lock.
 * One process downloads a shard; the others block on its download lock, then use it.
 * Eviction removes the least recently used shards, and only those whose pin file it
-  can lock exclusively: a shard a live process has open is never removed.
+  can lock exclusively: a shard a live process has open is never removed. A download
+  pins its shard before renaming it into place, so it is never evicted before its
+  first reader.
+* A forked child closes its copies of every lock and pin file this module has open
+  (a flock belongs to the open file, which fork shares), so it never holds its
+  parent's locks.
 * The key includes the manifest checksum: a store rewritten remotely gets a new key, so
   shards of the old version are never served for it (they age out by LRU).
 """
@@ -190,9 +195,9 @@ class ShardCache:
 
     Args:
         root: cache directory (created on first use).
-        limit: the most bytes of shards it holds, downloads in progress included; a
-            download may exceed it by at most that one shard only when every cached
-            shard is pinned and ``wait_s`` has passed (then :class:`CacheFullError`).
+        limit: the most bytes of shards it holds, downloads in progress included (at their
+            full size from their start); a download that finds every cached shard pinned
+            for ``wait_s`` raises :class:`CacheFullError` instead of exceeding it.
         wait_s: how long a download waits for pinned shards to be released (default
             ``$FASTDATA_CACHE_WAIT_S``, else 120 s).
     """
