@@ -225,6 +225,27 @@ def test_corrupted_remote_shard_is_downloaded_again_never_used_then_named(s3, tm
     assert list(shard_files(cache).values()) == [[]], "bytes that failed their checksum were kept"
 
 
+def test_skipping_a_shard_that_never_matches_downloads_it_only_once_per_process(s3, tmp_path, monkeypatch):
+    """on_error="skip" moves past every sample of a damaged shard: the shard's downloads are
+    tried once (3 attempts), not again for each sample skipped to."""
+    _, bucket = s3
+    local = make_store(tmp_path, "two", {"a": 6, "b": 6}, shard_size="20kB")
+    url = f"{bucket}/two.lmdb"
+    upload_store(local, url)
+    ds = fastdata.open_dataset(url, output="numpy", on_error="skip")
+    first = ds._shard_files[0]
+    assert len(ds._shard_files) >= 2 and int(ds.shard_starts[1]) >= 2
+    with open(os.path.join(local, first), "rb") as fh:
+        good = fh.read()
+    RemoteLocation(url).write_bytes(first, flipped(good, len(good) // 2))
+    downloads = count_downloads(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="did not match the manifest"):
+        for i in range(int(ds.shard_starts[1])):
+            ds[i]
+    assert downloads.count(first) == 3, downloads
+    assert ds.skipped == int(ds.shard_starts[1])
+
+
 def test_transient_corruption_is_downloaded_again_and_read(s3, tmp_path, monkeypatch):
     _, bucket = s3
     local = make_store(tmp_path, "small", {"a": 6, "b": 6})

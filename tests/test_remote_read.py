@@ -102,3 +102,70 @@ def test_a_store_without_an_index_file_is_refused_remotely_with_the_reason(s3):
     assert len(fastdata.open_dataset(old)) > 0
     with pytest.raises(fastdata.errors.FormatError, match="older fastdata"):
         fastdata.open_dataset(url)
+
+
+class _RangeHandler:
+    """http.server handler serving a folder with HTTP range requests (what object stores and
+    CDNs answer), built on SimpleHTTPRequestHandler, which ignores Range."""
+
+    @staticmethod
+    def make(root: str):
+        import http.server
+        import re
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, directory=root, **kw)
+
+            def log_message(self, *args):
+                pass
+
+            def send_head(self):
+                m = re.match(r"bytes=(\d+)-(\d*)$", self.headers.get("Range", ""))
+                path = self.translate_path(self.path)
+                if not m or not os.path.isfile(path):
+                    return super().send_head()
+                size = os.path.getsize(path)
+                start, end = int(m.group(1)), int(m.group(2) or size - 1)
+                end = min(end, size - 1)
+                fh = open(path, "rb")
+                fh.seek(start)
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+                self.send_header("Content-Length", str(end - start + 1))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                import io
+                data = fh.read(end - start + 1)
+                fh.close()
+                return io.BytesIO(data)
+        return Handler
+
+
+def test_an_http_store_reads_like_the_local_one_and_an_unreachable_server_is_named(small_tree, tmp_path,
+                                                                                   monkeypatch):
+    """https:// (here plain http on loopback) is read-only: the same reads through the cache."""
+    import http.server
+    import threading
+
+    from fastdata.errors import RemoteStoreError
+
+    monkeypatch.setenv("FASTDATA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "0")
+    local = str(tmp_path / "www" / "train.lmdb")
+    fastdata.convert(small_tree, local, shard_size="20kB", progress=False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler.make(str(tmp_path / "www")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/train.lmdb"
+        ref, ds = fastdata.open_dataset(local, output="numpy"), fastdata.open_dataset(url, output="numpy")
+        assert len(ds) == len(ref) and len(ref.shard_starts) > 1
+        for i in range(len(ref)):
+            np.testing.assert_array_equal(ds[i][0], ref[i][0])
+        with pytest.raises(fastdata.errors.FormatError, match="not a fastdata store"):
+            fastdata.open_dataset(url.replace("train.lmdb", "missing.lmdb"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(RemoteStoreError, match="cannot reach the server"):
+        fastdata.open_dataset(url)  # the port is closed now

@@ -221,7 +221,11 @@ class RemoteLocation:
             root = self._path(None).rstrip("/") + "/"
             return {p[len(root):]: int(info.get("size") or 0) for p, info in found.items() if p.startswith(root)}
         fs.invalidate_cache()
-        return self.call(f"listing {self.url if prefix is None else self.child(prefix)}", ls)
+        try:
+            return self.call(f"listing {self.url if prefix is None else self.child(prefix)}", ls)
+        finally:
+            # s3fs keeps the listing: a later read of an object written since would see "missing"
+            fs.invalidate_cache()
 
     def remove(self, names: list[str]) -> None:
         """Delete objects ``names`` (missing ones are fine)."""

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from ..errors import FormatError, IncompleteStoreError, RemoteStoreError
+from ..errors import CorruptRecordError, FormatError, IncompleteStoreError, RemoteStoreError
 from ..layout import remote_scheme
 from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, atomic_write, parse_manifest, read_manifest
 from ..store_index import MANIFEST_KEY, STORE_INDEX_NAME, parse_store_index
@@ -96,6 +96,8 @@ class RemoteStore(StoreLocation):
         self._pool_pid: int | None = None
         self._queued: set[int] = set()
         self._lock = threading.Lock()
+        #: shard -> message, for shards whose downloads never matched the manifest (this process)
+        self._damaged: dict[int, str] = {}
 
     def _read_manifest(self) -> dict:
         try:
@@ -107,9 +109,26 @@ class RemoteStore(StoreLocation):
             if staging:
                 raise IncompleteStoreError(f"{self.root}: no {MANIFEST_NAME}: an unfinished conversion (finish it "
                                            "with fastdata convert SRC DST --resume)") from None
+            if self.location.read_only:
+                self._check_http_server()
             raise FormatError(f"{self.root}: not a fastdata store: no {MANIFEST_NAME} there") from None
         self._raw_manifest = raw
         return parse_manifest(raw, where=self.location.child(MANIFEST_NAME))
+
+    def _check_http_server(self) -> None:
+        """fsspec's HTTP filesystem reports a server it cannot reach as a missing file: tell
+        "no server" from "no store" with one request of our own."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(urllib.request.Request(self.root + "/", method="HEAD"), timeout=10).close()
+        except urllib.error.HTTPError:
+            return  # the server answered: the store is what is missing
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise RemoteStoreError(f"{self.root}: cannot reach the server ({reason}); check the URL and the "
+                                   "network, then rerun") from None
 
     def shard_indexes(self, reader_cls, storage, schema) -> list:
         if MANIFEST_KEY not in self.manifest:
@@ -132,7 +151,14 @@ class RemoteStore(StoreLocation):
     def open_shard(self, shard: int, release_idle: Callable[[], None] | None = None) -> tuple[str, Pin]:
         """(local path, pin) of ``shard``, downloaded first when not cached; ``release_idle`` is
         called before waiting for room (to close this process's readers of other shards)."""
-        pin = self._acquire(shard, wait=True, on_wait=release_idle)
+        damaged = self._damaged.get(shard)
+        if damaged is not None:  # once per process: on_error="skip" moves on without downloading it again
+            raise CorruptRecordError(damaged, shard=self.manifest["shards"][shard]["name"])
+        try:
+            pin = self._acquire(shard, wait=True, on_wait=release_idle)
+        except CorruptRecordError as err:
+            self._damaged[shard] = str(err)
+            raise
         assert pin is not None
         return pin.path, pin
 
