@@ -43,6 +43,7 @@ import fastdata
 from fastdata.layout import LOCK_NAME, STAGING_DIR
 from fastdata.manifest import MANIFEST_NAME, REJECTED_NAME
 from fastdata.source import scan
+from fastdata.store_index import STORE_INDEX_NAME
 
 from conftest import make_tree, store_records
 
@@ -258,7 +259,7 @@ def crash_loop(tmp_path, suffix: str, *, per_class: int, kills: int, seed: str) 
     _check_store(dst, expected)
     names = set(os.listdir(dst))
     shards = {s["name"] for s in fastdata.info(dst)["shards"]}
-    assert names == shards | {MANIFEST_NAME, REJECTED_NAME}, f"unexpected files left: {names - shards}"
+    assert names == shards | {MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME}, f"unexpected files: {names - shards}"
     stats["kept_at_end"] = kept_before
     return stats
 
@@ -326,7 +327,7 @@ def test_resume_after_a_kill_between_publish_and_cleanup(tmp_path):
     assert "already a complete store" in done.stdout
     _check_store(dst, expected)
     shards = {s["name"] for s in fastdata.info(dst)["shards"]}
-    assert set(os.listdir(dst)) == shards | {MANIFEST_NAME, REJECTED_NAME}
+    assert set(os.listdir(dst)) == shards | {MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME}
 
 
 # ----------------------------------------------------------------------------- reader side

@@ -319,7 +319,7 @@ def test_fault_at_nth_operation_then_resume(source, reference, tmp_path, monkeyp
         manifest, records = store_records(dst)
         assert records == ref["records"], f"{case}: resumed store differs from the reference"
         assert manifest["rejected"] == ref["rejected"], case
-        assert sorted(os.listdir(dst)) == sorted(ref["shards"] + [MANIFEST_NAME, "rejected.tsv"]), case
+        assert sorted(os.listdir(dst)) == sorted(ref["shards"] + [MANIFEST_NAME, "rejected.tsv", "index.fdi"]), case
 
 
 def test_eio_from_fsync_of_a_shard_means_it_is_rewritten(source, reference, tmp_path, monkeypatch):
