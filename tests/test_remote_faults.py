@@ -161,14 +161,16 @@ def test_server_killed_mid_download_and_back_within_the_retries(lone_s3, tmp_pat
     local = big_store(tmp_path)
     url = f"{bucket}/big.lmdb"
     upload_store(local, url)
-    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "7")  # backoff 0.25 s doubling: ~30 s of retries
+    # backoff 0.25 s doubling, capped at 8 s: about 2 minutes of retries, far more than the restart
+    # needs (SeaweedFS resuming its raft state took 12-21 s here), ending as soon as it is back
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "20")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries off: only ours, counted
     ds = fastdata.open_dataset(url, output="numpy")
     restarted = threading.Event()
 
     def kill_then_restart():
         server.kill()
-        threading.Thread(target=lambda: (server.start(), restarted.set()), daemon=True).start()
+        threading.Thread(target=lambda: (server.start(timeout=150), restarted.set()), daemon=True).start()
     hook_first_shard_block(monkeypatch, kill_then_restart)
     downloads = count_downloads(monkeypatch)
     got = samples(ds)
@@ -195,8 +197,10 @@ def test_server_killed_mid_download_and_gone_is_one_clear_error(lone_s3, tmp_pat
     assert f"{url}/shard-00000.lmdb" in message and "after 3 attempts" in message, message
     cache = os.environ["FASTDATA_CACHE_DIR"]
     assert list(shard_files(cache).values()) == [[]], "a half-downloaded shard was kept"
-    # and once the server is back, the same dataset reads (nothing of the failure was kept)
-    server.start()
+    # and once the server is back, the same dataset reads (nothing of the failure was kept); its
+    # gateway answers a few seconds before every object is readable again: retry long enough
+    server.start(timeout=150)
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "20")
     assert samples(ds) == samples(fastdata.open_dataset(local, output="numpy"))
     assert_only_verified_shards(cache, local)
 

@@ -21,19 +21,7 @@ from fastdata.remote.location import RemoteLocation
 from fastdata.remote.publish import MAX_WAITING, expected_etag, local_staging_dir
 
 from conftest import reaped
-
-
-def same_samples(url: str, local: str) -> None:
-    """The store at ``url`` reads exactly like the local store ``local`` (every image bit-exact)."""
-    ref = fastdata.open_dataset(local, output="numpy")
-    ds = fastdata.open_dataset(url, output="numpy")
-    assert len(ds) == len(ref) > 0 and ds.classes == ref.classes
-    np.testing.assert_array_equal(ds.targets, ref.targets)
-    for i in range(len(ref)):
-        img, label = ds[i]
-        ref_img, ref_label = ref[i]
-        assert label == ref_label
-        np.testing.assert_array_equal(img, ref_img)
+from test_remote_read import same_samples
 
 
 def remote_manifest(url: str) -> dict:
