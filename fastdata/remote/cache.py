@@ -420,44 +420,30 @@ class ShardCache:
         except FileNotFoundError:
             return []
 
-    def shards(self, key: str | None = None) -> list[CachedShard]:
-        """Finished shards in the cache (of store ``key``, or of every store)."""
-        out = []
+    def _scan(self, key: str | None = None) -> Iterator[tuple[str, os.DirEntry, os.stat_result]]:
+        """``(store key, entry, stat)`` of every file in the ``shards/`` folders (of ``key``, or all),
+        skipping files that vanish meanwhile (another process evicting them)."""
         for k in [key] if key else self.store_keys():
-            d = os.path.join(self.root, k, SHARDS)
             try:
-                entries = list(os.scandir(d))
+                entries = list(os.scandir(os.path.join(self.root, k, SHARDS)))
             except FileNotFoundError:
                 continue
             for e in entries:
-                if PART_MARK in e.name:
-                    continue
                 try:
-                    st = e.stat()
+                    yield k, e, e.stat()
                 except FileNotFoundError:
                     continue
-                out.append(CachedShard(k, e.name, e.path, st.st_size, st.st_mtime))
-        return out
+
+    def shards(self, key: str | None = None) -> list[CachedShard]:
+        """Finished shards in the cache (of store ``key``, or of every store)."""
+        return [CachedShard(k, e.name, e.path, st.st_size, st.st_mtime) for k, e, st in self._scan(key)
+                if PART_MARK not in e.name]
 
     def used_bytes(self) -> int:
         """Bytes of finished shards plus downloads in progress (preallocated at full size); the
         ``.part`` files of dead downloads are deleted on the way (their lock is free)."""
-        total = 0
-        for k in self.store_keys():
-            d = os.path.join(self.root, k, SHARDS)
-            try:
-                entries = list(os.scandir(d))
-            except FileNotFoundError:
-                continue
-            for e in entries:
-                try:
-                    n = e.stat().st_size
-                except FileNotFoundError:
-                    continue
-                if PART_MARK in e.name and self._dead_part(k, e.name):
-                    continue
-                total += n
-        return total
+        return sum(st.st_size for k, e, st in self._scan()
+                   if not (PART_MARK in e.name and self._dead_part(k, e.name)))
 
     def _dead_part(self, key: str, entry: str) -> bool:
         name = entry.split(PART_MARK, 1)[0]
