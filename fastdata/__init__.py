@@ -36,6 +36,7 @@ _LAZY = {
     "open_dataset": "fastdata.dataset",
     "collate": "fastdata.dataset",
     "collate_samples": "fastdata.batching",
+    "collate_lists": "fastdata.batching",
     "collate_detection": "fastdata.batching",
     "CocoStoreDataset": "fastdata.coco_dataset",
     "seed_worker": "fastdata.seeding",

@@ -132,10 +132,31 @@ def collate(batch):
         out = collate_samples(batch, ragged=getattr(batch, "ragged", ()))
     else:
         out = torch.utils.data.default_collate(batch)
+    return _with_skips(batch, out)
+
+
+def _with_skips(batch, out):
+    """``out``, carrying the skips made building ``batch`` when this runs in a DataLoader worker."""
     skips = getattr(batch, "skips", 0)
     if skips and torch.utils.data.get_worker_info() is not None:
         return _CountedSkips(out, batch.token, skips)
     return out
+
+
+def collate_lists(batch):
+    """``collate_fn`` for ``(image, label)`` samples whose images cannot always be stacked:
+    ``(images, labels)`` where ``images`` is one stacked tensor when every image is a tensor of
+    the same shape, else the list of images as they came (PIL images, tensors of different
+    sizes), and ``labels`` an int64 tensor. A fixed-shape :class:`Batch` passes through as
+    ``(images, labels)``. Skip counts reach ``dataset.skipped`` as with :func:`collate`."""
+    if isinstance(batch, Batch):
+        return _with_skips(batch, (batch.images, batch.labels))
+    images = [item[0] for item in batch]
+    labels = torch.as_tensor([int(item[1]) for item in batch])
+    if images and all(isinstance(im, torch.Tensor) for im in images) and \
+            len({tuple(im.shape) for im in images}) == 1:
+        return _with_skips(batch, (torch.stack(images), labels))
+    return _with_skips(batch, (images, labels))
 
 
 class _CountedSkips:

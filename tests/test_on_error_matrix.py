@@ -141,3 +141,22 @@ def test_skip_count_reaches_the_main_process_from_persistent_spawned_workers(dam
         list(fastdata.loader(plain, batch_sampler=BATCHES, num_workers=2, persistent_workers=False,
                              collate_fn=lambda batch: len(batch)))
     assert plain.skipped == 0
+
+
+@pytest.mark.parametrize("output", ["pil", "tensor"])
+def test_collate_lists_gives_image_lists_or_stacks_and_carries_skips_from_workers(damaged_stores, output):
+    """fastdata.collate_lists (what `tune` prints for batches that cannot be stacked): PIL images
+    stay a list, same-shape tensors are stacked, and worker skips still reach dataset.skipped."""
+    ds = fastdata.open_dataset(damaged_stores["lmdb"], output=output, on_error="skip")
+    dl = fastdata.loader(ds, batch_sampler=BATCHES, num_workers=2, persistent_workers=False,
+                         collate_fn=fastdata.collate_lists)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        batches = list(dl)
+    assert ds.skipped == 2
+    images, labels = batches[0]
+    assert labels.dtype == torch.int64 and len(labels) == len(SOURCES[0])
+    if output == "pil":
+        assert isinstance(images, list) and len(images) == len(SOURCES[0])
+    else:
+        assert isinstance(images, torch.Tensor) and images.shape[0] == len(SOURCES[0])

@@ -350,7 +350,7 @@ def test_printed_snippet_runs_on_mixed_sizes(mixed_store, monkeypatch, kind, tra
         # control: the collate printed before cannot stack them (in a worker, default_collate
         # fails while sizing its shared-memory output instead)
         with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size|resize storage"):
-            _first_batches(code.replace("collate_fn=bench_collate", "collate_fn=fastdata.collate"))
+            _first_batches(code.replace("collate_fn=fastdata.collate_lists", "collate_fn=fastdata.collate"))
 
 
 def test_tune_cli_snippet_runs_as_printed(tmp_path, mixed_store, capsys):

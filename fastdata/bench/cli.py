@@ -282,11 +282,11 @@ def _size_notes(kind: str, transform: str, output: str, uniform) -> list:
     if not needs_list_collate(kind, transform, output, uniform):
         return []
     if kind != "folder" and output == "pil":
-        return ["--output pil: batches are lists of PIL images (collate_fn=bench_collate in the snippet)"]
+        return ["--output pil: batches are lists of PIL images (collate_fn=fastdata.collate_lists in the snippet)"]
     what = "the images differ in size" if uniform is False else "the images may differ in size"
     return [f"{what} and --transform none keeps them whole: batches are (list of images, labels) "
-            "(collate_fn=bench_collate in the snippet); a model needs one size: tune with --transform rrc224 or "
-            "resize224 to measure the loader you will train with"]
+            "(collate_fn=fastdata.collate_lists in the snippet); a model needs one size: tune with "
+            "--transform rrc224 or resize224 to measure the loader you will train with"]
 
 
 def _cmd_doctor(args) -> int:

@@ -101,25 +101,6 @@ def build_target(cfg: BenchConfig) -> Target:
     return Target(store, f"fastdata {cfg.kind}: {how}", lambda: _store_files(root), np.asarray(nbytes, np.int64))
 
 
-def bench_collate(batch):
-    """Collate that works for every pipeline and output.
-
-    fastdata's fixed-shape :class:`~fastdata.dataset.Batch` passes through as
-    ``(images, labels)``; same-shape tensors are stacked; anything else (PIL images,
-    tensors of different sizes) comes back as ``(list_of_images, labels)``.
-    """
-    from ..dataset import Batch
-
-    if isinstance(batch, Batch):
-        return batch.images, batch.labels
-    images = [item[0] for item in batch]
-    labels = torch.as_tensor([int(item[1]) for item in batch])
-    if images and all(isinstance(im, torch.Tensor) for im in images) and \
-            len({tuple(im.shape) for im in images}) == 1:
-        return torch.stack(images), labels
-    return images, labels
-
-
 def decoded_nbytes(images) -> int:
     """Bytes of decoded pixels in a batch's images (tensor, list of tensors/arrays/PIL images)."""
     if isinstance(images, torch.Tensor):

@@ -104,10 +104,10 @@ def _loader(cfg, dataset, sampler):
     from torch.utils.data import DataLoader
 
     from ..seeding import seed_worker
-    from .pipelines import bench_collate
+    from ..batching import collate_lists
 
     kwargs = dict(batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers,
-                  collate_fn=bench_collate, pin_memory=cfg.pin_memory, worker_init_fn=seed_worker,
+                  collate_fn=collate_lists, pin_memory=cfg.pin_memory, worker_init_fn=seed_worker,
                   generator=torch.Generator().manual_seed(cfg.seed))
     if cfg.workers > 0:
         import multiprocessing

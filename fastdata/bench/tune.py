@@ -532,7 +532,7 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
         lines = ["from torch.utils.data import DataLoader",
                  "from torchvision import datasets, transforms"]
         if lists:
-            lines.append("from fastdata.bench.pipelines import bench_collate")
+            lines.insert(0, "import fastdata")
         lines += ["",
                   f"dataset = datasets.ImageFolder({target!r}, transform=transforms.Compose([{tf}"
                   "transforms.PILToTensor()]))"]
@@ -541,8 +541,6 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
                   "rrc224": ", decode=fastdata.transforms.RandomResizedCrop(224)"}[transform]
         lines = ["import fastdata",
                  "from torch.utils.data import DataLoader"]
-        if lists:
-            lines.append("from fastdata.bench.pipelines import bench_collate")
         remote = "".join(f", {k}={v!r}" for k, v in (store_options or {}).items() if k != "storage_options")
         if (store_options or {}).get("storage_options"):
             lines.append("storage_options = {...}  # the --storage-option values you passed")
@@ -560,7 +558,7 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
     if lists:
         why = "PIL images" if kind != "folder" and output == "pil" else "images of different sizes"
         lines.append(f"# {why} cannot be stacked: each batch is (list of images, labels tensor)")
-        args.append("collate_fn=bench_collate")
+        args.append("collate_fn=fastdata.collate_lists")
     elif kind != "folder":
         args.append("collate_fn=fastdata.collate")
     lines.append("loader = DataLoader(")
