@@ -336,18 +336,21 @@ class StoreDataset(Dataset):
             self._pins = {}
             self._pid = pid
             self._open_cap = self.max_open_shards or self._store.open_shards_per_process()
-        reader = self._readers.pop(shard, None)
-        if reader is None:
-            if self._open_cap and len(self._readers) >= self._open_cap:
-                self._close_shard(next(iter(self._readers)))  # the least recently used
-            path, pin = self._store.open_shard(shard, release_idle=self._close_all_shards)
-            try:
-                reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
-            except BaseException:
-                pin.release()
-                raise
-            self._pins[shard] = pin
-        self._readers[shard] = reader  # (re)inserted last: dict order is the LRU order
+        reader = self._readers.get(shard)
+        if reader is not None:
+            if self._open_cap:  # moved last: dict order is the LRU order the cap closes by
+                self._readers[shard] = self._readers.pop(shard)
+            return reader
+        if self._open_cap and len(self._readers) >= self._open_cap:
+            self._close_shard(next(iter(self._readers)))  # the least recently used
+        path, pin = self._store.open_shard(shard, release_idle=self._close_all_shards)
+        try:
+            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
+        except BaseException:
+            pin.release()
+            raise
+        self._pins[shard] = pin
+        self._readers[shard] = reader
         return reader
 
     def _close_shard(self, shard: int) -> None:

@@ -129,6 +129,8 @@ class RemoteLocation:
             try:
                 return fn()
             except FileNotFoundError:
+                if self.read_only:
+                    self._check_http_server()
                 raise
             except Exception as err:  # noqa: BLE001 - fsspec backends raise many types
                 if isinstance(err, OSError) and err.errno in _LOCAL_DISK_FULL:
@@ -141,6 +143,21 @@ class RemoteLocation:
                                            "endpoint, credentials and network, then rerun") from err
                 _backoff(attempt)
         raise AssertionError("unreachable")
+
+    def _check_http_server(self) -> None:
+        """fsspec's HTTP filesystem reports a server it cannot reach as a missing file: tell
+        "no server" (RemoteStoreError) from "no such object" with one request of our own."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(urllib.request.Request(self.url + "/", method="HEAD"), timeout=10).close()
+        except urllib.error.HTTPError:
+            return  # the server answered: the object is what is missing
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise RemoteStoreError(f"{self.url}: cannot reach the server ({reason}); check the URL and the "
+                                   "network, then rerun") from None
 
     def read_bytes(self, name: str, limit: int | None = None) -> bytes:
         """Whole object ``name`` (FileNotFoundError when there is none)."""

@@ -109,26 +109,9 @@ class RemoteStore(StoreLocation):
             if staging:
                 raise IncompleteStoreError(f"{self.root}: no {MANIFEST_NAME}: an unfinished conversion (finish it "
                                            "with fastdata convert SRC DST --resume)") from None
-            if self.location.read_only:
-                self._check_http_server()
             raise FormatError(f"{self.root}: not a fastdata store: no {MANIFEST_NAME} there") from None
         self._raw_manifest = raw
         return parse_manifest(raw, where=self.location.child(MANIFEST_NAME))
-
-    def _check_http_server(self) -> None:
-        """fsspec's HTTP filesystem reports a server it cannot reach as a missing file: tell
-        "no server" from "no store" with one request of our own."""
-        import urllib.error
-        import urllib.request
-
-        try:
-            urllib.request.urlopen(urllib.request.Request(self.root + "/", method="HEAD"), timeout=10).close()
-        except urllib.error.HTTPError:
-            return  # the server answered: the store is what is missing
-        except (OSError, ValueError) as err:
-            reason = getattr(err, "reason", err)
-            raise RemoteStoreError(f"{self.root}: cannot reach the server ({reason}); check the URL and the "
-                                   "network, then rerun") from None
 
     def shard_indexes(self, reader_cls, storage, schema) -> list:
         if MANIFEST_KEY not in self.manifest:
