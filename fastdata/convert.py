@@ -299,8 +299,6 @@ def convert(
         FastdataError subclasses, each naming the file or store at fault.
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite are exclusive")
     remote = _remote_destination(src, dst, storage_options, staging_dir, resume=resume, overwrite=overwrite)
     if remote is not None:
         return remote(lambda local: convert(
@@ -390,10 +388,13 @@ def _remote_destination(src: str, dst: str, storage_options: dict | None, stagin
                         overwrite: bool):
     """For a URL ``dst``: a function that runs ``run(local_dir)`` (the local conversion) as an upload to
     ``dst`` (:func:`fastdata.remote.publish.write_to_url`); None for a local ``dst``. A URL ``src``
-    is refused (inputs are local), and so are ``storage_options``/``staging_dir`` with a local ``dst``."""
+    is refused (inputs are local), and so are ``storage_options``/``staging_dir`` with a local ``dst``,
+    and ``resume`` together with ``overwrite`` (the checks every writer makes first)."""
     from .remote.publish import refuse_remote_source, write_to_url
     from .remote.store import is_remote
 
+    if resume and overwrite:
+        raise ValueError("resume and overwrite (--resume, --overwrite) are exclusive")
     refuse_remote_source(src)
     if not is_remote(dst):
         if storage_options or staging_dir is not None:
@@ -742,8 +743,6 @@ def convert_table(
     from .sources.table import scan_table
 
     src, dst = os.fspath(src), os.fspath(dst)
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite are exclusive")
     remote = _remote_destination(src, dst, storage_options, staging_dir, resume=resume, overwrite=overwrite)
     if remote is not None:
         return remote(lambda local: convert_table(

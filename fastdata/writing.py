@@ -301,8 +301,6 @@ def write(
     from .units import parse_size_spec
 
     dst = os.fspath(dst)
-    if resume and overwrite:
-        raise ValueError("resume and overwrite are exclusive")
     remote = _remote_destination("", dst, storage_options, staging_dir, resume=resume, overwrite=overwrite)
     if remote is not None:
         return remote(lambda local: write(
