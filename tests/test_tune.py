@@ -271,6 +271,19 @@ def mixed_store(tmp_path_factory):
     return str(root / "s.lmdb"), str(root / "src")
 
 
+@pytest.fixture(scope="module")
+def deep_mixed_store(tmp_path_factory):
+    """Like ``mixed_store`` with 192 images: 6 batches of 32 per epoch, more than 2 workers x
+    prefetch 2 keep in flight, so a run's peak is not cut short by the end of its epoch."""
+    import fastdata
+    from fastdata.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("deep_mixed")
+    make_image_folder(root / "src", num_classes=3, per_class=64, size="imagenet", seed=3)
+    fastdata.convert(str(root / "src"), str(root / "s.lmdb"), workers=1, progress=False)
+    return str(root / "s.lmdb"), str(root / "src")
+
+
 def _result(workers: int, batch: int) -> TuneResult:
     m = Measurement(ok=True, images_per_s=1.0, peak_pss=1)
     return TuneResult(settings=Settings(workers, batch), measured=m, predicted_pss=1, budget=1,
@@ -423,7 +436,7 @@ def test_pick_is_within_ten_percent_of_the_bench_best(mixed_store):
         assert median[pick] >= (1 - max(0.1, noise)) * median[best], (pick.label(), shown)
 
 
-def test_memory_prediction_within_20_percent_of_measured_peak(mixed_store):
+def test_memory_prediction_within_20_percent_of_measured_peak(deep_mixed_store):
     """Predicted peak PSS vs the peak measured in a fresh process, on a real store of mixed sizes.
 
     The probe's decoded size per sample is the mean over its samples (one sample of a
@@ -438,11 +451,12 @@ def test_memory_prediction_within_20_percent_of_measured_peak(mixed_store):
     from fastdata.bench.grid import expand_grid
     from fastdata.bench.tune import harness_measure, harness_probe
 
-    store, src = mixed_store
-    # 3 measured epochs: the 50 ms PSS sampler needs a few samples at the peak (in one
-    # epoch of 3 batches a loaded machine's run was often over before the sampler saw it)
+    store, src = deep_mixed_store
+    # 3 measured epochs of 6 batches: the 50 ms PSS sampler needs a few samples at the peak
+    # (in one epoch of 3 batches a loaded machine's run was often over before the sampler saw
+    # it, and 3 batches cannot fill 2 workers x prefetch 2)
     base = expand_grid([store], workers=[0], batch_size="32", transform="none", epochs=3, warmup_epochs=1,
-                       max_batches=3)[0]
+                       max_batches=6)[0]
     base = replace(base, start_method="fork")
     probe = harness_probe(base)()
     sizes = [Image.open(p).size for p in sorted(Path(src).rglob("*.jpg"))]
@@ -452,6 +466,8 @@ def test_memory_prediction_within_20_percent_of_measured_peak(mixed_store):
     measure = harness_measure(base)
     errors = {}
     for s in (Settings(0, 32), Settings(1, 32), Settings(2, 16), Settings(2, 32)):
-        peak = measure(s).peak_pss
+        # A sampler can only miss a peak, never invent one: the higher of two runs is the
+        # closer reading (on a loaded CI machine one run of 2 workers read 22% under the prediction)
+        peak = max(measure(s).peak_pss for _run in range(2))
         errors[s] = round(estimate_memory(s, probe) / peak - 1, 3)
     assert all(abs(e) <= 0.2 for e in errors.values()), errors
