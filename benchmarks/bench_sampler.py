@@ -139,18 +139,25 @@ def read_speed(store: str, batch: int, epochs: int) -> None:
     from fastdata.bench.cache import evict_page_cache
     from fastdata.manifest import read_manifest
 
-    ds = fastdata.open_dataset(store)
     files = [os.path.join(store, s["name"]) for s in read_manifest(store)["shards"]]
-    print(f"\ncold-cache reads of {store} ({len(ds)} records, batch {batch}; storage only, no decode)")
+    datasets = {None: fastdata.open_dataset(store)}
+    rows = [("block_size=1 (random)", 1, None), ("block_size=16", 16, None), ("block_size=64", 64, None)]
+    if datasets[None].backend == "lmdb":  # control: the OS readahead off (LMDB's MADV_RANDOM)
+        datasets[False] = fastdata.open_dataset(store, readahead=False)
+        rows.insert(1, ("block_size=1, readahead=False", 1, False))
+    print(f"\ncold-cache reads of {store} ({len(datasets[None])} records, batch {batch}; storage only, "
+          f"no decode; readahead={datasets[None].readahead} unless shown)")
     print(f"{'sampler':34s} {'records/s':>10s} {'x random':>9s}")
     base = None
-    for name, block in (("block_size=1 (random)", 1), ("block_size=16", 16), ("block_size=64", 64)):
+    for name, block, readahead in rows:
+        ds = datasets[readahead]
         rates = []
         for epoch in range(epochs):
             sampler = DistributedShardSampler(ds, num_replicas=1, rank=0, block_size=block)
             sampler.set_epoch(epoch)
             order = np.fromiter(iter(sampler), dtype=np.int64)
-            ds.close()
+            for each in datasets.values():  # one process maps a shard once: close every user
+                each.close()
             evict_page_cache(files)
             t = time.perf_counter()
             for k in range(0, len(order), batch):
@@ -159,7 +166,8 @@ def read_speed(store: str, batch: int, epochs: int) -> None:
         rate = float(np.median(rates))
         base = base or rate
         print(f"{name:34s} {rate:10.0f} {rate / base:9.2f}")
-    ds.close()
+    for ds in datasets.values():
+        ds.close()
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class CocoStoreDataset(SampleDataset):
         target_keys: Collection[str] | str | None = None,
         output: str = "pil",
         on_error: str = "raise",
-        readahead: bool = False,
+        readahead: bool | None = None,
         seed: int | None = None,
         **store_options: Any,
     ):

@@ -58,6 +58,51 @@ OUTPUTS = ("pil", "numpy", "tensor")
 _INHERITED_HANDLES: list = []
 
 
+#: records at least this large (mean) span several pages: read ahead whatever the store's size
+READAHEAD_RECORD_BYTES = 16 << 10
+
+
+def _memory_bytes() -> int:
+    """Physical memory, or the cgroup (v2) limit of this container when lower."""
+    import psutil
+
+    total = int(psutil.virtual_memory().total)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            limit = fh.read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def wants_readahead(manifest: Mapping[str, Any], memory_bytes: int | None = None) -> bool:
+    """Whether LMDB readers of this store let the OS read ahead (the default of
+    ``readahead=None``).
+
+    py-lmdb touches every page of a value inside ``get`` (its "preload"), so the pages of
+    a cold record are faulted in one by one; without readahead (LMDB's ``MADV_RANDOM``)
+    each fault is one synchronous 4 KiB read: a 60 KB image is 15 of them, and advice
+    given after ``get`` comes too late. With readahead the first fault brings in the
+    record and its neighbours, which a store that fits in memory reads later anyway.
+    Off only where it costs: small records (one or two pages each) in a store larger than
+    half the memory, where the neighbours would push out pages that are still wanted.
+
+    Args:
+        manifest: the store's manifest (its shards' ``bytes`` and ``count``).
+        memory_bytes: the machine's memory; None = measured (cgroup limit included).
+
+    Returns:
+        bool: True to open LMDB environments with ``readahead=True``.
+    """
+    shards = manifest.get("shards") or []
+    store_bytes = sum(int(s.get("bytes", 0)) for s in shards)
+    records = sum(int(s.get("count", 0)) for s in shards)
+    if records and store_bytes / records >= READAHEAD_RECORD_BYTES:
+        return True
+    memory = _memory_bytes() if memory_bytes is None else memory_bytes
+    return store_bytes <= memory // 2
+
+
 def _is_fastdata_decoder(decode: Callable) -> bool:
     """Whether ``decode`` is fastdata's own code: an instance of a class defined in
     :mod:`fastdata.transforms` (not a subclass defined elsewhere) or a function
@@ -83,7 +128,7 @@ class StoreDataset(Dataset):
         decode: Callable | None = None,
         *,
         on_error: str = "raise",
-        readahead: bool = False,
+        readahead: bool | None = None,
         seed: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | None = None,
@@ -108,7 +153,12 @@ class StoreDataset(Dataset):
             on_error: ``"raise"`` (default) or ``"skip"``: replace a damaged record
                 (checksum failure, or stored bytes fastdata's decoders cannot decode)
                 by the next readable sample, warn, and count it in :attr:`skipped`.
-            readahead: LMDB OS readahead (on for sequential scans only).
+            readahead: let the OS read ahead of each page fault in an LMDB shard's map.
+                ``None`` (default) decides from the manifest (see :func:`wants_readahead`):
+                on unless the records are small and the store is larger than half the
+                machine's memory (then each read fetching its neighbours would only
+                crowd the page cache). HDF5 shards ignore it (their reads are advised
+                per batch).
             seed: seed of the per-sample random streams of ``decode`` transforms
                 (see :meth:`set_epoch`); ``None`` = ``torch.initial_seed()`` of the
                 process creating the dataset (``fastdata.loader(seed=...)`` overrides it).
@@ -153,7 +203,7 @@ class StoreDataset(Dataset):
         #: epoch of the per-sample crop streams; None until set_epoch: unkeyed per-process streams
         self.epoch: int | None = None
         self.on_error = on_error
-        self.readahead = readahead
+        self.readahead = wants_readahead(manifest) if readahead is None else bool(readahead)
         self.classes: list[str] = list(manifest["classes"])
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._shard_files: tuple[str, ...] = tuple(s["name"] for s in manifest["shards"])

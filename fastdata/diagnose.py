@@ -314,8 +314,8 @@ def _handle_info(obj: Any) -> tuple[str, str] | None:
     if lmdb is not None:
         lazy_lmdb = (
             "open the LMDB Environment lazily on first use in each worker (attribute None in "
-            "__init__, dropped in __getstate__), with readonly=True, lock=False, "
-            "readahead=False; never use an Environment/transaction/cursor across a fork "
+            "__init__, dropped in __getstate__), with readonly=True, lock=False; "
+            "never use an Environment/transaction/cursor across a fork "
             "(py-lmdb 'Forking & multiprocessing', jnwatson/py-lmdb#159)"
         )
         if isinstance(obj, lmdb.Environment) and _is_open(obj.path):

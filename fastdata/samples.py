@@ -58,7 +58,7 @@ class SampleDataset(StoreDataset):
         decode: Callable | None = None,
         *,
         on_error: str = "raise",
-        readahead: bool = False,
+        readahead: bool | None = None,
         seed: int | None = None,
         **store_options: Any,
     ):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 from collections.abc import Sequence
 
@@ -16,36 +14,6 @@ from ...record import (Record, SampleIndex, ShardIndex, checksum, decode_record,
                        record_image)
 from ..base import ShardReader, StorageSpec
 from . import spec
-
-
-def _load_madvise():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _load_madvise() if hasattr(mmap, "MADV_WILLNEED") else None
-_PAGE = mmap.PAGESIZE
-
-
-def _prefetch(views) -> None:
-    """Ask the kernel for the pages of every large value in a batch at once
-    (``MADV_WILLNEED`` on LMDB's own read-only map, in key order) before any is
-    read: with ``readahead=False`` a cold value spanning many pages would
-    otherwise be read one page fault at a time. Advice only; errors are ignored."""
-    if _MADVISE is None:
-        return
-    for view in views:
-        if view is None or len(view) <= _PAGE:
-            continue
-        addr = np.frombuffer(view, dtype=np.uint8, count=1).ctypes.data
-        start = addr - addr % _PAGE
-        _MADVISE(start, addr + len(view) - start, mmap.MADV_WILLNEED)
 
 
 class _EnvCache:
@@ -209,20 +177,18 @@ class LMDBShardReader(ShardReader):
             raise self._damaged(err, local_index) from None
 
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
-        """One read transaction for the whole batch; keys visited in sorted order."""
+        """One read transaction for the whole batch; keys visited in sorted order (how
+        fast a cold record comes in is the environment's ``readahead``: py-lmdb faults in
+        every page of a value inside ``get``, so there is nothing to advise after it)."""
         self._load_checksums()
         order = np.argsort(np.asarray(local_indices), kind="stable")
         out: list = [None] * len(local_indices)
         i = -1
         try:
             with self._open_env().begin(db=self.records, buffers=True) as txn:
-                views = []
                 for j in order:
                     i = int(local_indices[j])
-                    views.append((j, i, txn.get(spec.encode_key(i))))
-                _prefetch(view for _, _, view in views)
-                for j, i, view in views:
-                    out[j] = self._decode(view, i)
+                    out[j] = self._decode(txn.get(spec.encode_key(i)), i)
         except lmdb.Error as err:
             raise self._damaged(err, i) from None
         return out

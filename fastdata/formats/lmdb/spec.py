@@ -33,8 +33,9 @@ classification one) keeps the same two databases and keys; only the values diffe
     ``.width`` int32, ``.height`` int32 for each image field.
 
 The global index of a record is the shard's ``first_index`` (manifest) plus
-its key. Readers open with ``readonly=True, lock=False, readahead=False,
-max_spare_txns=0`` (published stores are immutable; no reader-lock table).
+its key. Readers open with ``readonly=True, lock=False, max_spare_txns=0``
+(published stores are immutable; no reader-lock table) and ``readahead`` as
+:func:`fastdata.dataset.wants_readahead` decides for the store.
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""LMDB readahead: the default lets a cold record come in with one read, not one per page."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import numpy as np
+import pytest
+
+import fastdata
+from fastdata.bench import cache
+from fastdata.dataset import READAHEAD_RECORD_BYTES, wants_readahead
+from fastdata.manifest import read_manifest
+
+GiB = 1 << 30
+
+
+def _manifest(record_bytes: int, records: int) -> dict:
+    half = records // 2
+    return {"shards": [{"bytes": record_bytes * half, "count": half},
+                       {"bytes": record_bytes * (records - half), "count": records - half}]}
+
+
+def test_readahead_is_on_for_multi_page_records_whatever_the_store_size():
+    big = _manifest(READAHEAD_RECORD_BYTES, 10_000_000)  # 160 GB of 16 KiB records
+    assert wants_readahead(big, memory_bytes=8 * GiB)
+
+
+def test_readahead_is_off_only_for_small_records_in_a_store_larger_than_half_the_memory():
+    small = _manifest(3_000, 2_000_000)  # 6 GB of CIFAR-sized records
+    assert not wants_readahead(small, memory_bytes=8 * GiB)
+    assert wants_readahead(small, memory_bytes=12 * GiB)  # fits in half: read ahead
+    assert wants_readahead({"shards": []}, memory_bytes=GiB)
+
+
+def test_dataset_resolves_the_default_once_and_keeps_an_explicit_choice(tmp_path, monkeypatch):
+    from fastdata.synth import make_image_folder
+
+    make_image_folder(tmp_path / "src", num_classes=2, per_class=4, size="cifar", seed=0)
+    store = str(tmp_path / "s.lmdb")
+    fastdata.convert(str(tmp_path / "src"), store, workers=1, progress=False)
+    assert fastdata.open_dataset(store).readahead is True  # a few KB store: fits in memory
+    monkeypatch.setattr("fastdata.dataset._memory_bytes", lambda: 1000)
+    assert fastdata.open_dataset(store).readahead is False  # small records, store > memory / 2
+    assert fastdata.open_dataset(store, readahead=True).readahead is True
+    ds = fastdata.open_dataset(store, readahead=False)
+    ds[0]
+    assert next(iter(ds._readers.values())).env.flags()["readahead"] is False
+    ds.close()
+
+
+def _major_faults_reading(store: str, readahead, indices: np.ndarray, files: list[str]) -> int:
+    ds = fastdata.open_dataset(store, readahead=readahead, output="numpy")
+    ds.__getitems__(indices[:1].tolist())  # libraries and the B-tree's pages: not counted
+    ds.close()
+    cache.evict_page_cache(files)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    ds.__getitems__(indices.tolist())
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before
+    ds.close()
+    return faults
+
+
+def test_a_cold_record_is_read_with_a_few_faults_not_one_per_page(tmp_path):
+    from fastdata.synth import make_image_folder
+
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(1 << 16))
+    probe.read_bytes()
+    cache.evict_page_cache([str(probe)])
+    if cache.resident_fraction([str(probe)]) != 0.0:
+        pytest.skip(f"{tmp_path} is on a filesystem whose page cache is its storage (tmpfs)")
+    make_image_folder(tmp_path / "src", num_classes=2, per_class=24, size="imagenet", seed=1)
+    store = str(tmp_path / "s.lmdb")
+    fastdata.convert(str(tmp_path / "src"), store, workers=1, progress=False)
+    manifest = read_manifest(store)
+    files = [os.path.join(store, s["name"]) for s in manifest["shards"]]
+    pages = sum(s["bytes"] for s in manifest["shards"]) / sum(s["count"] for s in manifest["shards"]) / 4096
+    assert pages > 8  # records of many pages: the case the default is for
+    indices = np.random.default_rng(0).permutation(48)[:32]
+    paged = _major_faults_reading(store, False, indices, files)
+    default = _major_faults_reading(store, None, indices, files)
+    # control: without readahead every page of a cold record is a synchronous read
+    assert paged >= 0.5 * pages * len(indices), (paged, pages)
+    assert default <= 3 * len(indices), (default, paged)
