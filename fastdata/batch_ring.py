@@ -53,41 +53,103 @@ class WorkerRing:
             raise
         self.pid = os.getpid()
         self.inode = os.fstat(self.fd).st_ino
-        self._next = 0
+        self._array = np.frombuffer(self.map, np.uint8)
+        #: slots whose contents went to the main process (it frees them), see :func:`lend`
+        self.sent: set[int] = set()
+        #: address of the mapping in this process (to find the slot a tensor views)
+        self.address = self._array.ctypes.data
 
     @property
     def attached(self) -> bool:
         """Whether the main process has mapped this ring."""
         return self.map[0] == 1
 
-    def put(self, data: np.ndarray) -> int | None:
-        """Copy ``data`` (contiguous uint8) into a free slot; its number, or None if none is free."""
-        for k in range(SLOTS):
-            slot = (self._next + k) % SLOTS
+    def acquire(self) -> int | None:
+        """Take the lowest free slot (0 -> 1; the lowest, so that only as many slots as
+        batches are in flight ever get touched); its number, or None if none is free."""
+        for slot in range(SLOTS):
             if self.map[1 + slot] == 0:
-                start = _HEADER + slot * self.slot_bytes
-                np.frombuffer(self.map, np.uint8, data.nbytes, start)[:] = data.reshape(-1)
                 self.map[1 + slot] = 1
-                self._next = slot + 1
                 return slot
         return None
+
+    def release(self, slot: int) -> None:
+        """Give back a slot this worker took and never sent (the main process frees sent ones)."""
+        if not self.map.closed:
+            self.map[1 + slot] = 0
+
+    def view(self, slot: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of ``slot``, writable, in this worker."""
+        return self._array[_HEADER + slot * self.slot_bytes:_HEADER + slot * self.slot_bytes + nbytes]
+
+    def locate(self, address: int) -> tuple[int, int] | None:
+        """``(slot, offset in it)`` of a byte at ``address`` inside this ring's slots, else None."""
+        offset = address - self.address - _HEADER
+        if self.map.closed or not 0 <= offset < SLOTS * self.slot_bytes:
+            return None
+        return offset // self.slot_bytes, offset % self.slot_bytes
+
+    def put(self, data: np.ndarray) -> int | None:
+        """Copy ``data`` (contiguous uint8) into a free slot; its number, or None if none is free."""
+        slot = self.acquire()
+        if slot is not None:
+            self.view(slot, data.nbytes)[:] = data.reshape(-1)
+        return slot
 
     def descriptor(self) -> tuple[int, int, int]:
         return self.pid, self.fd, self.inode
 
     def close(self) -> None:
         # batches the main process still holds keep their own mapping
-        self.map.close()
+        del self._array
         os.close(self.fd)
+        try:
+            self.map.close()
+        except BufferError:  # arrays of this worker still view a slot: unmapped when they go
+            pass
 
 
 _worker_ring: WorkerRing | None = None
 _ring_unavailable = False
 
 
-def worker_ring(nbytes: int) -> WorkerRing | None:
-    """This worker's ring, (re)made when a batch of ``nbytes`` does not fit; None
-    where memfd is unavailable."""
+def current_ring() -> WorkerRing | None:
+    """This worker's ring if it has one (None in the main process)."""
+    ring = _worker_ring
+    return ring if ring is not None and ring.pid == os.getpid() else None
+
+
+def lend(nbytes: int) -> np.ndarray | None:
+    """A writable ``nbytes`` array in a free slot of this worker's ring (made or grown
+    with headroom as needed), for a batch built in place; None when there is no ring, the
+    main process has not mapped it yet, or every slot is taken.
+
+    Pickling a tensor that views it (:class:`fastdata.batching.PackedBatch`) hands the
+    slot to the main process (:meth:`WorkerRing.sent`), which frees it when done; a slot
+    whose array dies in the worker without being sent is freed by the worker."""
+    import weakref
+
+    ring = worker_ring(nbytes, headroom=1.5)
+    if ring is None or not ring.attached:
+        return None
+    slot = ring.acquire()
+    if slot is None:
+        return None
+    array = ring.view(slot, nbytes)
+    weakref.finalize(array, _dropped, ring, slot)
+    return array
+
+
+def _dropped(ring: WorkerRing, slot: int) -> None:
+    if slot in ring.sent:
+        ring.sent.discard(slot)  # the main process owns it now
+    else:
+        ring.release(slot)
+
+
+def worker_ring(nbytes: int, headroom: float = 1.0) -> WorkerRing | None:
+    """This worker's ring, (re)made when a batch of ``nbytes`` does not fit (with slots of
+    ``headroom`` times that, for batches whose size varies); None where memfd is unavailable."""
     global _worker_ring, _ring_unavailable
     if _ring_unavailable:
         return None
@@ -97,7 +159,7 @@ def worker_ring(nbytes: int) -> WorkerRing | None:
     if ring is not None and ring.pid == os.getpid():
         ring.close()
     try:
-        _worker_ring = WorkerRing(nbytes)
+        _worker_ring = WorkerRing(int(nbytes * headroom))
     except (AttributeError, OSError):  # no os.memfd_create (not Linux) or no shared memory
         _worker_ring, _ring_unavailable = None, True
     return _worker_ring

@@ -16,6 +16,8 @@ this module's name.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -119,17 +121,18 @@ def collate(batch):
 
     In a DataLoader worker, a batch in which damaged samples were replaced
     (``on_error="skip"``) also carries that count to the main process, where it
-    is added to the dataset's ``skipped``."""
-    out: _InlineBatch | tuple
+    is added to the dataset's ``skipped``; the tensors of a detection or dict batch cross
+    the worker's queue packed in one shared-memory segment (see :class:`PackedBatch`)."""
+    out: Any
     if isinstance(batch, Batch):
         if getattr(batch, "inline", False):
             out = _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
         else:
             out = batch.images, batch.labels
     elif getattr(batch, "detection", False) or _holds_annotation_lists(batch):
-        out = collate_detection(batch)
+        out = _packed_in_worker(collate_detection(batch))
     elif _holds_dicts(batch):
-        out = collate_samples(batch, ragged=getattr(batch, "ragged", ()))
+        out = _packed_in_worker(collate_samples(batch, ragged=getattr(batch, "ragged", ())))
     else:
         out = torch.utils.data.default_collate(batch)
     return _with_skips(batch, out)
@@ -367,3 +370,208 @@ def _collate_values(values: list, always_list: bool) -> Any:
             len({v.dtype for v in values}) == 1:
         return torch.as_tensor(np.array(values))
     return values
+
+
+# -- one shared segment per batch of ragged tensors ----------------------------------------------
+#: containers this deep below the batch are searched for tensors (a detection batch:
+#: tuple -> list of targets -> target dict -> tensor)
+_PACK_DEPTH = 4
+_PACK_ALIGN = 64
+_SCALARS = (int, float, str, bytes, bool, type(None))
+#: batches received packed in this (main) process (for tests and diagnosis)
+received_packed = 0
+
+
+class _Slot:
+    """Where the ``k``-th packed tensor goes back into the batch."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __reduce__(self):
+        return _Slot, (self.k,)
+
+
+class PackedBatch:
+    """A collated batch on its way from a DataLoader worker, its tensors in few segments.
+
+    torch sends every tensor of a batch as a shared-memory segment of its own, whose
+    descriptor the main process then fetches with a round trip to a helper thread of the
+    (busy) worker, even for tensors that view one segment: a detection batch of 32 images
+    of different sizes plus their boxes and labels is about a hundred segments and round
+    trips. Pickled, this object sends each shared-memory segment its tensors view once
+    (images a dataset decoded straight into one batch segment), copies the other tensors
+    into one new segment, each in its own memory order (a CHW view of HWC pixels keeps its
+    strides), and unpickles every tensor as a view with its original shape, strides and
+    dtype. A segment lives as long as any tensor viewing it does.
+
+    CPU tensors without gradients are handled, found in tuples, lists and dicts down to
+    :data:`_PACK_DEPTH` levels; a subclass (torchvision's ``tv_tensors``) comes back as its
+    class with its attributes (``format``, ``canvas_size``...). RGB, RGBA and L PIL images
+    travel as their pixels too and are made again (with their ``info``) in the main
+    process: one copy there instead of pickling every image through the queue's pipe.
+    Anything else travels as torch sends it. In the main process nothing is pickled and
+    the batch is used as it is.
+    """
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def __reduce__(self):
+        tensors: list[Any] = []  # tensors and PIL images
+        skeleton = _extract(self.batch, tensors, 0)
+        ring = batch_ring.current_ring()
+        if len(tensors) < 2 and (ring is None or ring.attached):  # nothing to gain
+            return _identity, (self.batch,)
+        # flat uint8 tensors over whole storages, or (ring descriptor, slot, slot bytes)
+        segments: list[Any] = []
+        segment_of: dict[Any, int] = {}
+        metas: list[tuple] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (tensor, its memory block, byte offset)
+        fresh = 0
+        for t in tensors:
+            wrap: tuple | None = None
+            if not isinstance(t, torch.Tensor):  # a PIL image: its pixels, remade in the main process
+                wrap = (_PIL, dict(t.info))
+                with warnings.catch_warnings():  # a read-only array: only read from here on
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = torch.from_numpy(np.asarray(t))
+            elif type(t) is not torch.Tensor:
+                # a subclass (tv_tensors.BoundingBoxes...) travels as its data plus its class and
+                # attributes (what torch's own pickling of it keeps)
+                wrap = (type(t), dict(t.__dict__))
+                t = t.as_subclass(torch.Tensor)
+            where = ring.locate(t.data_ptr()) if ring is not None and t.numel() else None
+            if where is not None and ring is not None:  # decoded into a slot lent by the ring
+                slot, offset = where
+                k = segment_of.get(("ring", slot))
+                if k is None:
+                    k = segment_of[("ring", slot)] = len(segments)
+                    segments.append((ring.descriptor(), slot, ring.slot_bytes))
+                    ring.sent.add(slot)
+                metas.append((k, offset // t.element_size(), t.dtype, tuple(t.shape), t.stride(), wrap))
+                continue
+            if t.is_shared():
+                storage = t.untyped_storage()
+                k = segment_of.get(storage.data_ptr())
+                if k is None:
+                    k = segment_of[storage.data_ptr()] = len(segments)
+                    segments.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+                metas.append((k, t.storage_offset(), t.dtype, tuple(t.shape), t.stride(), wrap))
+                continue
+            block = _memory_block(t)
+            if block is None:  # overlapping or strided: sent as a contiguous copy
+                t = t.contiguous()
+                block = t
+            metas.append((-1, fresh // t.element_size(), t.dtype, tuple(t.shape), t.stride(), wrap))
+            copies.append((t, block, fresh))
+            fresh += -(-block.numel() * block.element_size() // _PACK_ALIGN) * _PACK_ALIGN
+        if copies:
+            flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(fresh, 1)))
+            for t, block, offset in copies:
+                nbytes = block.numel() * block.element_size()
+                flat[offset:offset + nbytes].view(t.dtype).view(block.shape).copy_(block)
+            metas = [(len(segments), *m[1:]) if m[0] == -1 else m for m in metas]
+            segments.append(flat)
+        # a ring the main process has not mapped yet: announced, so the next batches can use it
+        announce = ring.descriptor() if ring is not None and not ring.attached else None
+        return _rebuild_packed, (skeleton, segments, metas, announce)
+
+
+def _memory_block(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` permuted into the order its elements lie in memory, when that is one contiguous
+    block (a CHW view of HWC pixels: its HWC block); None for a strided or overlapping view."""
+    strides, sizes = t.stride(), t.shape
+    block = t.permute(sorted(range(t.dim()), key=lambda d: (-strides[d], -sizes[d])))
+    return block if block.is_contiguous() else None
+
+
+#: marks a packed PIL image (the class is not pickled: PIL is imported only where used)
+_PIL = "PIL.Image"
+#: PIL modes whose pixels ``numpy.asarray`` gives and ``Image.fromarray`` takes back unchanged
+_PIL_MODES = frozenset({"RGB", "RGBA", "L"})
+
+
+def _packable(t: Any) -> bool:
+    if isinstance(t, torch.Tensor):
+        return t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
+    pil = sys.modules.get("PIL.Image")
+    return pil is not None and isinstance(t, pil.Image) and t.mode in _PIL_MODES
+
+
+def _extract(obj: Any, out: list, depth: int) -> Any:
+    """``obj`` with its packable tensors replaced by :class:`_Slot` markers (appended to ``out``)."""
+    if _packable(obj):
+        out.append(obj)
+        return _Slot(len(out) - 1)
+    if depth >= _PACK_DEPTH:
+        return obj
+    kind = type(obj)
+    if kind is list or kind is tuple:
+        if obj and isinstance(obj[0], _SCALARS):  # numbers or text (polygons...): no tensors below
+            return obj
+        items = [_extract(v, out, depth + 1) for v in obj]
+        return items if kind is list else tuple(items)
+    if kind is dict:
+        return {k: _extract(v, out, depth + 1) for k, v in obj.items()}
+    return obj
+
+
+def _fill(obj: Any, tensors: list) -> Any:
+    if type(obj) is _Slot:
+        return tensors[obj.k]
+    kind = type(obj)
+    if kind is list or kind is tuple:
+        if obj and isinstance(obj[0], _SCALARS):
+            return obj
+        items = [_fill(v, tensors) for v in obj]
+        return items if kind is list else tuple(items)
+    if kind is dict:
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _rebuild_packed(skeleton: Any, segments: list[Any], metas: list[tuple], announce: tuple | None = None) -> Any:
+    global received_packed
+    if announce is not None:
+        batch_ring.attach(*announce)
+    received_packed += 1
+    storages = [_segment_storage(segment) for segment in segments]
+    tensors: list[Any] = []
+    for k, offset, dtype, shape, stride, wrap in metas:
+        tensor = torch.empty(0, dtype=dtype).set_(storages[k], offset, shape, stride)
+        if wrap is not None and wrap[0] == _PIL:
+            from PIL import Image as PILImage
+
+            image = PILImage.fromarray(tensor.numpy())  # a copy: the segment goes with the batch
+            image.info.update(wrap[1])
+            tensors.append(image)
+            continue
+        if wrap is not None:
+            cls, state = wrap
+            tensor = tensor.as_subclass(cls)
+            tensor.__dict__.update(state)
+        tensors.append(tensor)
+    return _fill(skeleton, tensors)
+
+
+def _segment_storage(segment: Any) -> torch.UntypedStorage:
+    """The storage a packed segment arrives as: a shared tensor's, or a ring slot's (the
+    slot is freed when every tensor viewing it is gone)."""
+    if isinstance(segment, tuple):
+        (pid, fd, inode), slot, nbytes = segment
+        return torch.from_numpy(batch_ring.ring_array(pid, fd, inode, slot, nbytes)).untyped_storage()
+    return segment.untyped_storage()
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _packed_in_worker(out: Any) -> Any:
+    """``out`` as a :class:`PackedBatch` inside a DataLoader worker, else unchanged."""
+    return PackedBatch(out) if torch.utils.data.get_worker_info() is not None else out

@@ -195,12 +195,13 @@ class CocoStoreDataset(SampleDataset):
     def extra_repr(self) -> str:
         return super().extra_repr() + f"\nTarget format: {self.target_format}"
 
-    def _decode_image(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None):
+    def _decode_image(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None,
+                      into: np.ndarray | None = None):
         """PIL output through :func:`fastdata.decode.decode_numpy` (libjpeg-turbo straight into
         an array for JPEGs, faster than Pillow's decoder and pixel-identical to
         ``Image.open(f).convert("RGB")``) wrapped as an RGB PIL image."""
         if self.output != "pil":
-            return super()._decode_image(data, fmt, index, name, epoch)
+            return super()._decode_image(data, fmt, index, name, epoch, into)
         from PIL import Image as PILImage
 
         from .decode import decode_numpy

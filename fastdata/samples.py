@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import batch_ring
 from .dataset import StoreDataset, _to_pil
 from .remote.store import StoreLocation
-from .decode import decode_numpy, decode_pil
+from .decode import decode_numpy, decode_numpy_into, decode_pil
 from .errors import CorruptRecordError, FastdataError
 from .fields import Float, Image, Int, NDArray, Ragged
 from .manifest import schema_of
@@ -137,11 +138,16 @@ class SampleDataset(StoreDataset):
         return super().extra_repr() + "\nFields: " + ", ".join(f"{n} ({f.kind})" for n, f in self.schema)
 
     # -- reading ----------------------------------------------------------------------------
-    def _decode_image(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None):
-        """One image field decoded per ``output``/``decode``; fastdata's own decoders'
-        failures become :class:`CorruptRecordError` (a user's decode callable's propagate)."""
+    def _decode_image(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None,
+                      into: np.ndarray | None = None):
+        """One image field decoded per ``output``/``decode`` (full decodes straight into
+        ``into`` when given: an HWC slot of the batch's shared segment); fastdata's own
+        decoders' failures become :class:`CorruptRecordError` (a user's decode callable's propagate)."""
         try:
             if self.decode is None:
+                if into is not None:
+                    decode_numpy_into(data, fmt, into)
+                    return into
                 return decode_pil(data, fmt, None) if self.output == "pil" else decode_numpy(data, fmt, None)
             if self._decode_takes_rng:
                 rng = None if epoch is None else sample_rng(self.seed, epoch, index)
@@ -166,8 +172,10 @@ class SampleDataset(StoreDataset):
                 return torch.from_numpy(np.array(value))  # a writable copy
         return value
 
-    def _build(self, data: bytes, index: int, epoch: int | None) -> dict:
-        """The sample dict of record ``data`` (sample ``index``), before ``transform``."""
+    def _build(self, data: bytes, index: int, epoch: int | None, slots: dict | None = None) -> dict:
+        """The sample dict of record ``data`` (sample ``index``), before ``transform``;
+        ``slots``: image field -> HWC uint8 tensor to decode that image into (see
+        :meth:`_image_slots`)."""
         shard, local = self.locate(index)
         where = f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index})"
         record = decode_record_v2(data, self.schema, where=where)
@@ -175,6 +183,11 @@ class SampleDataset(StoreDataset):
         for name, field in self.schema:
             if isinstance(field, Image):
                 fmt = FORMAT_NAMES[int(self.index_arrays[f"{FIELD_PREFIX}{name}.format"][index])]
+                slot = slots.get(name) if slots else None
+                if slot is not None:
+                    self._decode_image(record[name], fmt, index, name, epoch, into=slot.numpy())
+                    out[name] = slot.permute(2, 0, 1)
+                    continue
                 image = self._decode_image(record[name], fmt, index, name, epoch)
                 if self.output == "tensor" and isinstance(image, np.ndarray):
                     image = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
@@ -204,6 +217,35 @@ class SampleDataset(StoreDataset):
             return self._skip_to_next(index, err, functools.partial(self._load, epoch))[1]
         return self._finish_sample(sample)
 
+    def _image_slots(self, idx: np.ndarray) -> list[dict[str, torch.Tensor]] | None:
+        """In a DataLoader worker with ``output="tensor"`` and full decodes: one HWC uint8
+        slot per image of the batch, all in one piece of shared memory sized from the
+        index's widths and heights, so that images are decoded where they travel from
+        (:class:`fastdata.batching.PackedBatch` sends it once). None otherwise."""
+        if self.output != "tensor" or self.decode is not None or torch.utils.data.get_worker_info() is None:
+            return None
+        names = [name for name, field in self.schema if isinstance(field, Image)]
+        if not names or not len(idx):
+            return None
+        shapes = [{name: (int(self.index_arrays[f"{FIELD_PREFIX}{name}.height"][i]),
+                          int(self.index_arrays[f"{FIELD_PREFIX}{name}.width"][i])) for name in names}
+                  for i in idx.tolist()]
+        total = max(1, sum(-(-h * w * 3 // 64) * 64 for sample in shapes for h, w in sample.values()))
+        # a slot of the worker's ring: shared memory already mapped and touched by earlier
+        # batches; a new segment (its creation and first-touch faults cost ~0.4 ms an image
+        # of 400x350) only until the main process has mapped the ring, or when it is full
+        lent = batch_ring.lend(total)
+        flat = (torch.from_numpy(lent) if lent is not None
+                else torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total)))
+        slots, offset = [], 0
+        for sample in shapes:
+            mine = {}
+            for name, (h, w) in sample.items():
+                mine[name] = flat[offset:offset + h * w * 3].view(h, w, 3)
+                offset += -(-h * w * 3 // 64) * 64
+            slots.append(mine)
+        return slots
+
     def __getitems__(self, indices: Sequence[int]):
         """A batch of sample dicts, storage read shard by shard in key/offset order
         (as :meth:`StoreDataset.__getitems__`), returned in the order asked."""
@@ -212,11 +254,12 @@ class SampleDataset(StoreDataset):
         before = self._skips
         out = SampleList()
         load = functools.partial(self._load, epoch)
-        for i, data in zip(idx.tolist(), self._read_batch(idx), strict=True):
+        slots = self._image_slots(idx)
+        for k, (i, data) in enumerate(zip(idx.tolist(), self._read_batch(idx), strict=True)):
             try:
                 if isinstance(data, CorruptRecordError):
                     raise data
-                sample = self._build(data, i, epoch)
+                sample = self._build(data, i, epoch, slots[k] if slots else None)
             except CorruptRecordError as err:
                 out.append(self._skip_to_next(i, err, load)[1])
                 continue
