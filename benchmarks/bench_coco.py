@@ -23,8 +23,10 @@ With ``--target-format v2`` both give torchvision's transforms-v2 samples instea
 (``wrap_dataset_for_transforms_v2(CocoDetection(...))`` vs ``target_format="v2"``).
 
 Each is read through a ``torch.utils.data.DataLoader`` with the same settings (``--workers``
-persistent worker processes, ``--batch-size``, shuffled, batches collated as lists of
-images and targets, as torchvision's detection references do). After a warm-up epoch of
+persistent worker processes, ``--batch-size``, shuffled), batches collated into the same
+``(list of images, list of targets)``: torchvision's detection references' ``collate_fn``
+for ``CocoDetection``, ``fastdata.collate`` (what ``fastdata.loader`` uses) for the store,
+which sends a batch's tensors through one shared-memory segment. After a warm-up epoch of
 each, epochs alternate between the two for ``--rounds`` rounds; rates are medians over
 rounds and the speed-up is the median of the rounds' own ratios (a round's two epochs are
 adjacent in time, so a slow minute of this shared VM hits both). Files and store are read
@@ -159,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"COCO set ready: {n} images, folder {folder_bytes / 1e6:.0f} MB, store {store_bytes / 1e6:.0f} MB "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         sets = datasets(coco_root, store, args.target_format, args.output)
+        collates = {"torchvision": as_lists, "fastdata": fastdata.collate}
         loaders = {name: torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=True,
-                                                     num_workers=args.workers, collate_fn=as_lists,
+                                                     num_workers=args.workers, collate_fn=collates[name],
                                                      persistent_workers=args.workers > 0 and not args.cold,
                                                      worker_init_fn=fastdata.seed_worker)
                    for name, ds in sets.items()}
