@@ -16,8 +16,6 @@ this module's name.
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -409,11 +407,9 @@ class PackedBatch:
 
     CPU tensors without gradients are handled, found in tuples, lists and dicts down to
     :data:`_PACK_DEPTH` levels; a subclass (torchvision's ``tv_tensors``) comes back as its
-    class with its attributes (``format``, ``canvas_size``...). RGB, RGBA and L PIL images
-    travel as their pixels too and are made again (with their ``info``) in the main
-    process: one copy there instead of pickling every image through the queue's pipe.
-    Anything else travels as torch sends it. In the main process nothing is pickled and
-    the batch is used as it is.
+    class with its attributes (``format``, ``canvas_size``...). Anything else (PIL images:
+    packing their pixels measured no faster than pickling them) travels as torch sends
+    it. In the main process nothing is pickled and the batch is used as it is.
     """
 
     __slots__ = ("batch",)
@@ -422,7 +418,7 @@ class PackedBatch:
         self.batch = batch
 
     def __reduce__(self):
-        tensors: list[Any] = []  # tensors and PIL images
+        tensors: list[torch.Tensor] = []
         skeleton = _extract(self.batch, tensors, 0)
         ring = batch_ring.current_ring()
         if len(tensors) < 2 and (ring is None or ring.attached):  # nothing to gain
@@ -435,12 +431,7 @@ class PackedBatch:
         fresh = 0
         for t in tensors:
             wrap: tuple | None = None
-            if not isinstance(t, torch.Tensor):  # a PIL image: its pixels, remade in the main process
-                wrap = (_PIL, dict(t.info))
-                with warnings.catch_warnings():  # a read-only array: only read from here on
-                    warnings.simplefilter("ignore", UserWarning)
-                    t = torch.from_numpy(np.asarray(t))
-            elif type(t) is not torch.Tensor:
+            if type(t) is not torch.Tensor:
                 # a subclass (tv_tensors.BoundingBoxes...) travels as its data plus its class and
                 # attributes (what torch's own pickling of it keeps)
                 wrap = (type(t), dict(t.__dict__))
@@ -490,17 +481,9 @@ def _memory_block(t: torch.Tensor) -> torch.Tensor | None:
     return block if block.is_contiguous() else None
 
 
-#: marks a packed PIL image (the class is not pickled: PIL is imported only where used)
-_PIL = "PIL.Image"
-#: PIL modes whose pixels ``numpy.asarray`` gives and ``Image.fromarray`` takes back unchanged
-_PIL_MODES = frozenset({"RGB", "RGBA", "L"})
-
-
 def _packable(t: Any) -> bool:
-    if isinstance(t, torch.Tensor):
-        return t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
-    pil = sys.modules.get("PIL.Image")
-    return pil is not None and isinstance(t, pil.Image) and t.mode in _PIL_MODES
+    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
+            and not t.requires_grad)
 
 
 def _extract(obj: Any, out: list, depth: int) -> Any:
@@ -541,16 +524,9 @@ def _rebuild_packed(skeleton: Any, segments: list[Any], metas: list[tuple], anno
         batch_ring.attach(*announce)
     received_packed += 1
     storages = [_segment_storage(segment) for segment in segments]
-    tensors: list[Any] = []
+    tensors: list[torch.Tensor] = []
     for k, offset, dtype, shape, stride, wrap in metas:
         tensor = torch.empty(0, dtype=dtype).set_(storages[k], offset, shape, stride)
-        if wrap is not None and wrap[0] == _PIL:
-            from PIL import Image as PILImage
-
-            image = PILImage.fromarray(tensor.numpy())  # a copy: the segment goes with the batch
-            image.info.update(wrap[1])
-            tensors.append(image)
-            continue
         if wrap is not None:
             cls, state = wrap
             tensor = tensor.as_subclass(cls)
