@@ -566,7 +566,7 @@ def _encode_table_row(schema, row: dict, i: int, relpath: bytes):
     record keeping ``relpath``: every image fully decoded under the image policy (which
     gives its stored format and size), the other values checked against the schema."""
     from .errors import RejectedInputError
-    from .imageio import ImageDecodeError, open_image, stored_format
+    from .imageio import ImageDecodeError, validate_image
     from .ingest import Rejected, read_bytes
     from .record import encode_sample
 
@@ -579,11 +579,9 @@ def _encode_table_row(schema, row: dict, i: int, relpath: bytes):
             except Rejected as why:
                 raise RejectedInputError(f"field {name!r}: {data}: {why}") from None
         try:
-            im = open_image(data)
+            images[name] = validate_image(data)
         except ImageDecodeError as err:
             raise RejectedInputError(f"field {name!r}: not a usable image ({err})") from None
-        images[name] = (stored_format(im), im.width, im.height)
-        im.close()
     return encode_sample(schema, schema.check(row, f"sample {i}"), images, relpath)
 
 

@@ -20,6 +20,7 @@ The policy, the same at conversion time (validating inputs), at read time
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 
 import numpy as np
@@ -115,6 +116,46 @@ def fast_jpeg_size(data: Buffer) -> tuple[int, int] | None:
     if limit is not None and height * width > limit:
         return None
     return height, width
+
+
+_scratch = threading.local()
+
+
+def validate_image(data: Buffer) -> tuple[str, int, int]:
+    """Fully decode ``data`` under the policy, keeping no pixels: what a writer checks.
+
+    A JPEG that :func:`fast_jpeg_size` vouches for (same pixels, same refusals as
+    Pillow) is decoded by libjpeg-turbo through simplejpeg into a scratch buffer this
+    thread reuses: about a fifth faster than Pillow's decoder, and no fresh memory per
+    image. Anything else, and any JPEG simplejpeg refuses, gets Pillow's verdict
+    through :func:`open_image`.
+
+    Args:
+        data (bytes | bytearray | memoryview): an encoded image file.
+
+    Returns:
+        tuple[str, int, int]: the format a store records (:func:`stored_format`), width, height.
+
+    Raises:
+        ImageDecodeError: as :func:`open_image`.
+    """
+    size = fast_jpeg_size(data)
+    if size is not None:
+        height, width = size
+        need = height * width * 3
+        scratch = getattr(_scratch, "buffer", None)
+        if scratch is None or len(scratch) < need:
+            scratch = _scratch.buffer = np.empty(need, dtype=np.uint8)
+        try:
+            simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=scratch)
+            return "JPEG", width, height
+        except ValueError:
+            pass  # Pillow decides, and words the refusal
+    im = open_image(data)
+    try:
+        return stored_format(im), im.width, im.height
+    finally:
+        im.close()
 
 
 def decode_rgb_array(data: Buffer) -> np.ndarray:

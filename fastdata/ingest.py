@@ -19,7 +19,7 @@ import tempfile
 from PIL import Image
 
 from .formats.base import Sample, StorageSpec
-from .imageio import ImageDecodeError, open_image, stored_format
+from .imageio import ImageDecodeError, open_image, stored_format, validate_image
 from .record import MAX_RECORD_BYTES, EncodedSample, checksum
 
 #: extension -> the Pillow format a file with that name normally holds. The content,
@@ -128,6 +128,13 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     storable sample or raise :class:`Rejected`."""
     if data is None:
         data = _read_bytes(path)
+    if storage.mode not in ("raw", "reencode"):  # stored as given: only checked
+        try:
+            fmt, width, height = validate_image(data)
+        except ImageDecodeError as err:
+            raise Rejected(str(err)) from None
+        return IngestedSample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data),
+                              relpath=relpath, warning=extension_mismatch(path, fmt))
     im = open_validated(data)
     fmt, width, height = stored_format(im), im.width, im.height
     warning = extension_mismatch(path, fmt)

@@ -33,7 +33,7 @@ import xxhash
 from .errors import RejectedInputError
 from .fields import Schema, SchemaError
 from .formats.base import StorageSpec
-from .imageio import ImageDecodeError, open_image, stored_format
+from .imageio import ImageDecodeError, validate_image
 from .ingest import Rejected, read_bytes
 from .pipeline import Chunk, ChunkSource
 from .plan import ShardPlan
@@ -112,12 +112,10 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
         data, path = _image_bytes(values[name], field_where)
         relpath = relpath or path
         try:
-            im = open_image(data)
+            images[name] = validate_image(data)
         except ImageDecodeError as err:
             named = f"{field_where}: {os.fsdecode(path)}" if path else field_where
             raise RejectedInputError(f"{named}: not a usable image ({err})") from None
-        images[name] = (stored_format(im), im.width, im.height)
-        im.close()
         values[name] = data
     checked = schema.check(values, where)
     return encode_sample(schema, checked, images, relpath or str(index).encode())
