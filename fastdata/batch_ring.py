@@ -56,6 +56,9 @@ class WorkerRing:
         self._array = np.frombuffer(self.map, np.uint8)
         #: slots whose contents went to the main process (it frees them), see :func:`lend`
         self.sent: set[int] = set()
+        #: slots lent whose array is still alive in this worker (never reused until it dies:
+        #: a transform may keep a sample, e.g. a mosaic buffer)
+        self.lent: set[int] = set()
         #: address of the mapping in this process (to find the slot a tensor views)
         self.address = self._array.ctypes.data
 
@@ -68,7 +71,7 @@ class WorkerRing:
         """Take the lowest free slot (0 -> 1; the lowest, so that only as many slots as
         batches are in flight ever get touched); its number, or None if none is free."""
         for slot in range(SLOTS):
-            if self.map[1 + slot] == 0:
+            if self.map[1 + slot] == 0 and slot not in self.lent:
                 self.map[1 + slot] = 1
                 return slot
         return None
@@ -125,8 +128,9 @@ def lend(nbytes: int) -> np.ndarray | None:
     main process has not mapped it yet, or every slot is taken.
 
     Pickling a tensor that views it (:class:`fastdata.batching.PackedBatch`) hands the
-    slot to the main process (:meth:`WorkerRing.sent`), which frees it when done; a slot
-    whose array dies in the worker without being sent is freed by the worker."""
+    slot to the main process (:attr:`WorkerRing.sent`), which frees it when done; a slot
+    whose array dies in the worker without being sent is freed by the worker. Either way
+    the slot is not lent again while any array viewing it lives in this worker."""
     import weakref
 
     ring = worker_ring(nbytes, headroom=1.5)
@@ -136,11 +140,13 @@ def lend(nbytes: int) -> np.ndarray | None:
     if slot is None:
         return None
     array = ring.view(slot, nbytes)
+    ring.lent.add(slot)
     weakref.finalize(array, _dropped, ring, slot)
     return array
 
 
 def _dropped(ring: WorkerRing, slot: int) -> None:
+    ring.lent.discard(slot)
     if slot in ring.sent:
         ring.sent.discard(slot)  # the main process owns it now
     else:

@@ -174,3 +174,34 @@ def test_a_coco_batch_of_pil_images_from_workers_equals_the_samples(tmp_path):
     for i, (image, target) in enumerate(got):
         want_image, want_target = ds[i]
         assert image.mode == "RGB" and image.tobytes() == want_image.tobytes() and target == want_target
+
+
+class _KeepsEveryImage:
+    """A transform holding on to every image it saw (as mosaic-style augmentations keep a
+    buffer of earlier images); each sample reports whether all kept images still hold
+    their own pixels."""
+
+    def __init__(self, reference: dict):
+        self.reference = reference
+        self.kept: list = []
+
+    def __call__(self, sample):
+        sample["kept_intact"] = all(torch.equal(image, self.reference[label]) for label, image in self.kept)
+        self.kept.append((int(sample["label"]), sample["image"]))
+        return sample
+
+
+def test_an_image_a_worker_keeps_is_never_overwritten_by_later_batches(tmp_path):
+    samples = [{"image": jpeg(i, size=(10 + i % 7, 8 + i % 5)), "label": i} for i in range(40)]
+    dst = str(tmp_path / "s.lmdb")
+    fastdata.write(samples, dst, workers=0, progress=False)
+    plain = fastdata.open_dataset(dst, output="tensor")
+    reference = {i: plain[i]["image"] for i in range(40)}
+    ds = fastdata.open_dataset(dst, output="tensor", transform=_KeepsEveryImage(reference))
+    loader = DataLoader(ds, batch_size=2, num_workers=1, collate_fn=fastdata.collate, persistent_workers=True,
+                        multiprocessing_context="fork", sampler=range(40))
+    for _epoch in range(2):  # 40 batches through a ring of 8 slots
+        for batch in loader:
+            assert bool(batch["kept_intact"].all())
+            for label, image in zip(batch["label"].tolist(), batch["image"], strict=True):
+                assert torch.equal(image, reference[label])
