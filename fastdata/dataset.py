@@ -158,7 +158,8 @@ class StoreDataset(Dataset):
                 on unless the records are small and the store is larger than half the
                 machine's memory (then each read fetching its neighbours would only
                 crowd the page cache). HDF5 shards ignore it (their reads are advised
-                per batch).
+                per batch). LMDB allows one environment per file per process, so when two
+                datasets of one process open the same shard, the first one's setting holds.
             seed: seed of the per-sample random streams of ``decode`` transforms
                 (see :meth:`set_epoch`); ``None`` = ``torch.initial_seed()`` of the
                 process creating the dataset (``fastdata.loader(seed=...)`` overrides it).
