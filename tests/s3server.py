@@ -69,8 +69,11 @@ class S3Server:
         self.proc = subprocess.Popen(
             [binary, "server", f"-dir={os.path.join(self.root, 'data')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
-             f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.s3_port}", "-volume.max=0",
-             "-master.volumeSizeLimitMB=64",
+             f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.s3_port}",
+             # every bucket gets 7 volumes of its own; volume.max=0 would allow free disk / 64 MiB of
+             # them, so a machine with 16 GB free ran out after ~35 test buckets ("no free volumes
+             # left"). Volume files grow only as data is written: a fixed count costs no disk.
+             "-volume.max=4000", "-master.volumeSizeLimitMB=64",
              # its Iceberg and Lance catalogs listen on fixed ports: off, so several servers can run at once
              "-s3.port.iceberg=0", "-s3.port.lance=0"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
