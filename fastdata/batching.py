@@ -380,6 +380,16 @@ _SCALARS = (int, float, str, bytes, bool, type(None))
 received_packed = 0
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the alignment pieces of a packed segment start at."""
+    return -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
+
+
+def new_segment(nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor of ``nbytes`` (at least 1) in a shared-memory segment of its own."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(nbytes, 1)))
+
+
 class _Slot:
     """Where the ``k``-th packed tensor goes back into the batch."""
 
@@ -419,7 +429,7 @@ class PackedBatch:
 
     def __reduce__(self):
         tensors: list[torch.Tensor] = []
-        skeleton = _extract(self.batch, tensors, 0)
+        skeleton = _extract(self.batch, tensors)
         ring = batch_ring.current_ring()
         if len(tensors) < 2 and (ring is None or ring.attached):  # nothing to gain
             return _identity, (self.batch,)
@@ -460,9 +470,9 @@ class PackedBatch:
                 block = t
             metas.append((-1, fresh // t.element_size(), t.dtype, tuple(t.shape), t.stride(), wrap))
             copies.append((t, block, fresh))
-            fresh += -(-block.numel() * block.element_size() // _PACK_ALIGN) * _PACK_ALIGN
+            fresh += aligned(block.numel() * block.element_size())
         if copies:
-            flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(fresh, 1)))
+            flat = new_segment(fresh)
             for t, block, offset in copies:
                 nbytes = block.numel() * block.element_size()
                 flat[offset:offset + nbytes].view(t.dtype).view(block.shape).copy_(block)
@@ -486,36 +496,38 @@ def _packable(t: Any) -> bool:
             and not t.requires_grad)
 
 
-def _extract(obj: Any, out: list, depth: int) -> Any:
-    """``obj`` with its packable tensors replaced by :class:`_Slot` markers (appended to ``out``)."""
-    if _packable(obj):
-        out.append(obj)
-        return _Slot(len(out) - 1)
-    if depth >= _PACK_DEPTH:
-        return obj
-    kind = type(obj)
-    if kind is list or kind is tuple:
-        if obj and isinstance(obj[0], _SCALARS):  # numbers or text (polygons...): no tensors below
-            return obj
-        items = [_extract(v, out, depth + 1) for v in obj]
-        return items if kind is list else tuple(items)
-    if kind is dict:
-        return {k: _extract(v, out, depth + 1) for k, v in obj.items()}
-    return obj
-
-
-def _fill(obj: Any, tensors: list) -> Any:
-    if type(obj) is _Slot:
-        return tensors[obj.k]
+def _replace_leaves(obj: Any, leaf: Callable[[Any], Any], depth: int = 0) -> Any:
+    """``obj`` with every value ``leaf`` maps to something other than itself replaced, found
+    in tuples, lists and dicts down to :data:`_PACK_DEPTH` levels (a list that starts with a
+    number or text, such as a polygon, is not searched)."""
+    new = leaf(obj)
+    if new is not obj or depth >= _PACK_DEPTH:
+        return new
     kind = type(obj)
     if kind is list or kind is tuple:
         if obj and isinstance(obj[0], _SCALARS):
             return obj
-        items = [_fill(v, tensors) for v in obj]
+        items = [_replace_leaves(v, leaf, depth + 1) for v in obj]
         return items if kind is list else tuple(items)
     if kind is dict:
-        return {k: _fill(v, tensors) for k, v in obj.items()}
+        return {k: _replace_leaves(v, leaf, depth + 1) for k, v in obj.items()}
     return obj
+
+
+def _extract(obj: Any, out: list) -> Any:
+    """``obj`` with its packable tensors replaced by :class:`_Slot` markers (appended to ``out``)."""
+    def to_slot(value: Any) -> Any:
+        if not _packable(value):
+            return value
+        out.append(value)
+        return _Slot(len(out) - 1)
+
+    return _replace_leaves(obj, to_slot)
+
+
+def _fill(skeleton: Any, tensors: list) -> Any:
+    """The batch again: every :class:`_Slot` of ``skeleton`` replaced by its tensor."""
+    return _replace_leaves(skeleton, lambda value: tensors[value.k] if type(value) is _Slot else value)
 
 
 def _rebuild_packed(skeleton: Any, segments: list[Any], metas: list[tuple], announce: tuple | None = None) -> Any:
