@@ -101,9 +101,10 @@ def warm(paths: list[Path]) -> int:
 
 def datasets(coco_root: Path, store: Path, target_format: str, output: str) -> dict[str, Any]:
     """The two datasets, giving equal samples."""
-    import fastdata
     from torchvision.datasets import CocoDetection, wrap_dataset_for_transforms_v2
     from torchvision.transforms import PILToTensor
+
+    import fastdata
 
     tv = CocoDetection(str(coco_root / "images"), str(coco_root / "annotations.json"),
                        transform=PILToTensor() if output == "tensor" else None)

@@ -86,7 +86,7 @@ def make_tree(root: Path, n: int, classes: int = 100, seed: int = 0) -> None:
 def prepare(data: Path, n: int, backends: list[str], workers: int) -> dict:
     """Generate the tree and convert it (reused when ``data`` already holds them)."""
     import fastdata
-    from fastdata.manifest import read_manifest
+    from fastdata.format.manifest import read_manifest
 
     src = data / "src"
     stamp = data / "src.count"
@@ -120,11 +120,11 @@ def naive_dataset(store: str):
     from PIL import Image
     from torch.utils.data import Dataset
 
-    from fastdata.formats.base import StorageSpec
-    from fastdata.formats.lmdb import spec
-    from fastdata.formats.lmdb.reader import LMDBShardReader
-    from fastdata.manifest import read_manifest
-    from fastdata.record import decode_record
+    from fastdata.format.backends.base import StorageSpec
+    from fastdata.format.backends.lmdb import spec
+    from fastdata.format.backends.lmdb.reader import LMDBShardReader
+    from fastdata.format.manifest import read_manifest
+    from fastdata.format.record import decode_record
 
     class NaiveLMDBDataset(Dataset):
         def __init__(self, root: str):

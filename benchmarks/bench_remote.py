@@ -41,9 +41,9 @@ import psutil
 import fastdata
 from fastdata import transforms
 from fastdata.bench.cache import evict_page_cache
-from fastdata.manifest import read_manifest
+from fastdata.format.manifest import read_manifest
+from fastdata.reader.sampler import DistributedShardSampler
 from fastdata.remote.location import RemoteLocation
-from fastdata.sampler import DistributedShardSampler
 from fastdata.synth import make_image_folder
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))

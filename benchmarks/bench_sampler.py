@@ -35,7 +35,7 @@ import numpy as np
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fastdata.sampler import DistributedShardSampler  # noqa: E402
+from fastdata.reader.sampler import DistributedShardSampler  # noqa: E402
 
 
 class _Sized:
@@ -137,7 +137,7 @@ def read_speed(store: str, batch: int, epochs: int) -> None:
 
     import fastdata
     from fastdata.bench.cache import evict_page_cache
-    from fastdata.manifest import read_manifest
+    from fastdata.format.manifest import read_manifest
 
     files = [os.path.join(store, s["name"]) for s in read_manifest(store)["shards"]]
     datasets = {None: fastdata.open_dataset(store)}

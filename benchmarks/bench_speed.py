@@ -43,9 +43,9 @@ import fastdata
 from fastdata import transforms
 from fastdata.bench.cache import evict_page_cache
 from fastdata.bench.folder import FolderDataset
-from fastdata.dataset import build_batch, collate
-from fastdata.manifest import read_manifest
-from fastdata.seeding import seed_worker
+from fastdata.format.manifest import read_manifest
+from fastdata.reader.batching import build_batch, collate
+from fastdata.reader.seeding import seed_worker
 from fastdata.synth import make_image_folder
 
 
@@ -54,7 +54,7 @@ class RamDataset(torch.utils.data.Dataset):
     Batches decode straight into one array, exactly like fastdata's fast path."""
 
     def __init__(self, root: str, decode, shape):
-        from fastdata.source import scan_folder
+        from fastdata.writer.sources.folder import scan_folder
 
         scan = scan_folder(root)
         blobs = [open(p, "rb").read() for p in scan.paths]
@@ -95,7 +95,7 @@ class FullDecode:
         return transforms.full_decode(data)
 
     def decode_into(self, data, out):
-        from fastdata.decode import decode_numpy_into
+        from fastdata.reader.decode import decode_numpy_into
 
         decode_numpy_into(data, "JPEG", out)
 

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     from fastdata.bench.harness import run_isolated
     from fastdata.bench.report import fingerprint
     from fastdata.bench.tune import config_for, harness_measure, harness_probe, tune
-    from fastdata.units import parse_size
+    from fastdata.common.units import parse_size
 
     data = args.data or tempfile.mkdtemp(prefix="fastdata-bench-tune-")
     store = make_store(data, args.images)

@@ -1,4 +1,4 @@
-"""fastdata: pack JPEG folders into LMDB/HDF5 shards and load them fast and
+"""fastdata: pack image datasets into LMDB/HDF5 shard stores and load them fast and
 leak-free in PyTorch DataLoaders.
 
 Public API::
@@ -12,52 +12,78 @@ Public API::
     fastdata.seed_worker, fastdata.loader, fastdata.collate
     fastdata.DistributedShardSampler
     fastdata.diagnose
-    fastdata.errors, fastdata.transforms
+    fastdata.errors, fastdata.fields, fastdata.transforms, fastdata.targets, fastdata.synth
 
-Names that need torch are imported on first use, so the converter and its
-worker processes start without importing torch.
+Every name is imported on first use: ``import fastdata`` loads neither the writer
+nor torch, h5py or lmdb (nor ``fcntl``, so the readers work where it is missing),
+and the converter's worker processes start without importing torch.
+
+The package is layered, imports flowing one way (``tests/test_architecture.py``
+checks it)::
+
+    common <- format <- remote <- writer | reader <- tools, bench, cli
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from fastdata import errors
+from fastdata._version import __version__
 
-from . import errors  # noqa: E402
-from .convert import ConvertReport, convert  # noqa: E402
-from .inspect import info, verify  # noqa: E402
-from .writing import write  # noqa: E402
-from .coco_convert import convert_coco  # noqa: E402
-
+#: public name -> the module that defines it
 _LAZY = {
-    "LMDBImageDataset": "fastdata.dataset",
-    "HDF5ImageDataset": "fastdata.dataset",
-    "open_dataset": "fastdata.dataset",
-    "collate": "fastdata.dataset",
-    "collate_samples": "fastdata.batching",
-    "collate_lists": "fastdata.batching",
-    "collate_detection": "fastdata.batching",
-    "CocoStoreDataset": "fastdata.coco_dataset",
-    "seed_worker": "fastdata.seeding",
-    "loader": "fastdata.loading",
-    "DistributedShardSampler": "fastdata.sampler",
-    "diagnose": "fastdata.diagnose",
-    "transforms": "fastdata.transforms",
+    "convert": "fastdata.writer.api",
+    "convert_table": "fastdata.writer.api",
+    "write": "fastdata.writer.api",
+    "convert_coco": "fastdata.writer.api",
+    "ConvertReport": "fastdata.writer.report",
+    "info": "fastdata.tools.verify",
+    "verify": "fastdata.tools.verify",
+    "LMDBImageDataset": "fastdata.reader.dataset",
+    "HDF5ImageDataset": "fastdata.reader.dataset",
+    "open_dataset": "fastdata.reader.open",
+    "collate": "fastdata.reader.batching",
+    "collate_samples": "fastdata.reader.batching",
+    "collate_lists": "fastdata.reader.batching",
+    "collate_detection": "fastdata.reader.batching",
+    "CocoStoreDataset": "fastdata.reader.coco",
+    "seed_worker": "fastdata.reader.seeding",
+    "loader": "fastdata.reader.loader",
+    "DistributedShardSampler": "fastdata.reader.sampler",
+    "diagnose": "fastdata.tools.diagnose",
 }
+#: public modules: ``fastdata.<name>`` is the module itself (thin alias modules beside this file)
+_MODULES = ("fields", "transforms", "targets", "synth", "synth_coco")
 
-__all__ = ["__version__", "errors", "convert", "ConvertReport", "write", "convert_coco", "info", "verify", *_LAZY]
+__all__ = ["__version__", "errors", *_LAZY, *_MODULES]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
+    from fastdata import fields, synth, synth_coco, targets, transforms  # noqa: F401
+    from fastdata.reader.batching import collate, collate_detection, collate_lists, collate_samples  # noqa: F401
+    from fastdata.reader.coco import CocoStoreDataset  # noqa: F401
+    from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset  # noqa: F401
+    from fastdata.reader.loader import loader  # noqa: F401
+    from fastdata.reader.open import open_dataset  # noqa: F401
+    from fastdata.reader.sampler import DistributedShardSampler  # noqa: F401
+    from fastdata.reader.seeding import seed_worker  # noqa: F401
+    from fastdata.tools.diagnose import diagnose  # noqa: F401
+    from fastdata.tools.verify import info, verify  # noqa: F401
+    from fastdata.writer.api import convert, convert_coco, convert_table, write  # noqa: F401
+    from fastdata.writer.report import ConvertReport  # noqa: F401
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value: Any = importlib.import_module(f"fastdata.{name}")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
         raise AttributeError(f"module 'fastdata' has no attribute {name!r}")
-    mod = importlib.import_module(module)
-    value = mod if name == "transforms" else getattr(mod, name)
     globals()[name] = value
     return value
 
 
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_MODULES))

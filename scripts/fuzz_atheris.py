@@ -12,8 +12,8 @@ Usage::
     python scripts/fuzz_atheris.py manifest [options]
 
 Targets:
-    record    ``fastdata.record.decode_record(bytes)`` may only raise ``CorruptRecordError``
-    manifest  ``fastdata.manifest.parse_manifest(bytes)`` may only raise ``FormatError``
+    record    ``fastdata.format.record.decode_record(bytes)`` may only raise ``CorruptRecordError``
+    manifest  ``fastdata.format.manifest.parse_manifest(bytes)`` may only raise ``FormatError``
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main(argv: list[str]) -> int:
         import msgpack  # noqa: F401  (instrumented with the parsers)
 
         from fastdata.errors import CorruptRecordError, FormatError
-        from fastdata.manifest import parse_manifest
-        from fastdata.record import decode_record
+        from fastdata.format.manifest import parse_manifest
+        from fastdata.format.record import decode_record
 
     target = argv[1]
 

@@ -130,10 +130,10 @@ def store_records(dst) -> tuple[dict, list[dict]]:
     (stored bytes, checksum-verified), ``label``, ``width``, ``height``, ``fmt``,
     ``relpath`` (str), ``shard`` and ``local`` index, in store order.
     """
-    from fastdata.formats import reader_class
-    from fastdata.formats.base import StorageSpec
-    from fastdata.manifest import read_manifest
-    from fastdata.record import FORMAT_NAMES
+    from fastdata.format.backends.base import StorageSpec
+    from fastdata.format.backends.registry import reader_class
+    from fastdata.format.manifest import read_manifest
+    from fastdata.format.record import FORMAT_NAMES
 
     manifest = read_manifest(str(dst))
     storage = StorageSpec.from_json(manifest["storage"])
@@ -176,7 +176,7 @@ def sigkill_once_a_shard_is_staged(proc: subprocess.Popen, dst: str | os.PathLik
 
     Fails the test when ``proc`` ends first (``what``, e.g. ``"writer"``, names it).
     """
-    from fastdata.layout import STAGING_DIR
+    from fastdata.format.names import STAGING_DIR
 
     staging = Path(dst) / STAGING_DIR
     with reaped(proc):

@@ -1,4 +1,4 @@
-"""The worker -> main batch ring (fastdata.batch_ring): batches arrive intact,
+"""The worker -> main batch ring (fastdata.reader.batch_ring): batches arrive intact,
 travel through the ring (not silently by value), and a batch the training loop
 still holds is never overwritten by a later one. The control breaks the
 protocol (slots freed at once) and shows the held-batch check catching it."""
@@ -12,12 +12,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import make_tree
 from torch.utils.data import DataLoader
 
 import fastdata
-from fastdata import batch_ring
-
-from conftest import make_tree
+from fastdata.reader import batch_ring
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the ring needs memfd (Linux)")]

@@ -23,7 +23,7 @@ from fastdata.bench.harness import run_isolated
 from fastdata.bench.plots import frontier
 from fastdata.bench.report import FIELDS, format_table
 from fastdata.bench.runner import failure_reason, measure
-from fastdata.cli import main
+from fastdata.cli.main import main
 from fastdata.errors import FastdataError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import make_jpeg, make_tree, store_records
-from fastdata.cli import build_parser, main
-from fastdata.manifest import read_manifest, write_manifest
+
+from fastdata.cli.main import build_parser, main
+from fastdata.format.manifest import read_manifest, write_manifest
 
 CLASSES = {"cat": 5, "dog": 3, "eel": 4}
 

@@ -10,18 +10,17 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import make_tree
 
 import fastdata
 from fastdata.bench.grid import target_kind
-from fastdata.cli import EXIT_NOT_A_STORE, EXIT_UNFINISHED, main
-from fastdata.dataset import HDF5ImageDataset, LMDBImageDataset
+from fastdata.cli.main import EXIT_NOT_A_STORE, EXIT_UNFINISHED, main
+from fastdata.common.units import Size, describe_size, parse_size, parse_size_spec
 from fastdata.errors import FastdataError, PathNotFoundError
-from fastdata.inspect import verify
-from fastdata.units import Size, describe_size, parse_size, parse_size_spec
+from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset
+from fastdata.tools.verify import verify
 
-from conftest import make_tree
-
-convert_module = importlib.import_module("fastdata.convert")
+convert_module = importlib.import_module("fastdata.writer.convert")
 
 
 @pytest.fixture

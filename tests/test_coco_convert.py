@@ -19,17 +19,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import sigkill_once_a_shard_is_staged
 from PIL import Image
 
 import fastdata
-from fastdata.cli import main
-from fastdata.coco_dataset import CocoStoreDataset
+from fastdata.cli.main import main
+from fastdata.common.extras import MissingExtraError
 from fastdata.errors import RejectedInputError
-from fastdata.extras import MissingExtraError
-from fastdata.manifest import read_manifest
+from fastdata.format.manifest import read_manifest
+from fastdata.reader.coco import CocoStoreDataset
 from fastdata.synth_coco import make_coco
-
-from conftest import sigkill_once_a_shard_is_staged
 
 
 def _reference(ann_file: str | Path) -> tuple[list[int], dict[int, dict], dict[int, list[dict]]]:

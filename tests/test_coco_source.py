@@ -1,4 +1,4 @@
-"""The COCO annotation reader (fastdata.sources.coco) against json.load and pycocotools,
+"""The COCO annotation reader (fastdata.writer.sources.coco) against json.load and pycocotools,
 on the synthetic COCO-format set of fastdata.synth_coco.
 
 Strict equality throughout is ``repr(a) == repr(b)``: unlike ``==`` it tells 1 from 1.0 and
@@ -22,8 +22,8 @@ from pycocotools import coco as pycocotools_coco  # the test extra's reference i
 from pycocotools import mask as mask_utils
 
 from fastdata.errors import SourceError
-from fastdata.sources.coco import load_coco
 from fastdata.synth_coco import DEFAULT_CATEGORY_IDS, make_coco
+from fastdata.writer.sources.coco import load_coco
 
 
 def _reference(doc: dict) -> tuple[list[int], dict[int, list[dict]]]:

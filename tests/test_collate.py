@@ -17,7 +17,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import fastdata
-from fastdata.batching import Samples, _WORKER_SKIPS
+from fastdata.reader.batching import WORKER_SKIPS, Samples
 
 
 def _sample(i: int, boxes: int) -> dict:
@@ -153,17 +153,17 @@ def test_dict_batches_cross_worker_processes_with_their_skip_count():
     assert [b["label"].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5]]
     assert [[len(x) for x in b["boxes"]] for b in batches] == [[0, 1, 2], [0, 1, 2]]
     assert batches[1]["caption"] == ["sample 3", "sample 4", "sample 5"]
-    assert _WORKER_SKIPS[token] == 2  # one per batch, carried back to the main process
+    assert WORKER_SKIPS[token] == 2  # one per batch, carried back to the main process
 
 
 def test_a_general_store_batches_its_ragged_fields_as_lists_even_when_lengths_agree(tmp_path):
     """The loader's batches have one type per field: a ragged field is a list in every
     batch, also in one whose samples happen to have equal lengths (control: without the
     store's ragged names the same batch is stacked)."""
+    from write_helpers import jpeg
+
     from fastdata.fields import Image as ImageField
     from fastdata.fields import Ragged
-
-    from write_helpers import jpeg
 
     samples = [{"image": jpeg(i), "boxes": np.full((2, 4), i, np.float32)} for i in range(4)]
     store = str(tmp_path / "s.lmdb")

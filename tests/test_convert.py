@@ -17,25 +17,29 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from conftest import make_jpeg, make_tree, reaped, store_records
 from PIL import Image
 
 import fastdata
-from conftest import make_jpeg, make_tree, reaped, store_records
-from fastdata.cli import main
-from fastdata.convert import choose_backend, storage_spec
+from fastdata.cli.main import main
 from fastdata.errors import (
-    IncompleteStoreError, ResumeMismatchError, SourceError, StoreExistsError, StoreLockedError,
+    IncompleteStoreError,
+    ResumeMismatchError,
+    SourceError,
+    StoreExistsError,
+    StoreLockedError,
 )
-from fastdata.formats.base import Sample, StorageSpec
-from fastdata.formats.lmdb.reader import LMDBShardReader
-from fastdata.formats.lmdb.writer import LMDBShardWriter
-from fastdata.inspect import verify
-from fastdata.layout import STAGING_DIR
-from fastdata.lock import StoreLock
-from fastdata.manifest import read_manifest
-from fastdata.plan import plan_shards
-from fastdata.record import checksum
-from fastdata.source import scan_folder
+from fastdata.format.backends.base import Sample, StorageSpec
+from fastdata.format.backends.lmdb.reader import LMDBShardReader
+from fastdata.format.backends.lmdb.writer import LMDBShardWriter
+from fastdata.format.manifest import read_manifest
+from fastdata.format.names import STAGING_DIR
+from fastdata.format.record import checksum
+from fastdata.tools.verify import verify
+from fastdata.writer.convert import choose_backend, storage_spec
+from fastdata.writer.lock import StoreLock
+from fastdata.writer.plan import plan_shards
+from fastdata.writer.sources.folder import scan_folder
 
 BACKENDS = [("lmdb", "out.lmdb"), ("hdf5", "out.h5")]
 
@@ -506,7 +510,7 @@ def test_overwrite_killed_while_clearing_never_leaves_a_published_store_without_
     shards leaves an unfinished conversion, not a published store missing shards (seen
     as a verify failure in the crash loop). The crash is simulated by failing the
     deletion of the second shard; every listing order is tried by reversing it too."""
-    import fastdata.pipeline as pipeline
+    import fastdata.writer.pipeline as pipeline
 
     src = make_tree(tmp_path / "src", classes={"a": 6, "b": 6}, size=(32, 24))
     for order in (list, lambda names: list(reversed(names))):

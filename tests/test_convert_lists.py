@@ -10,20 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import make_jpeg, make_tree, store_records
 
 import fastdata
-from conftest import make_jpeg, make_tree, store_records
-from fastdata.cli import build_parser, main
+from fastdata.cli.main import build_parser, main
 from fastdata.errors import RejectedInputError
-from fastdata.formats import reader_class
-from fastdata.formats.base import StorageSpec
-from fastdata.inspect import verify
-from fastdata.layout import STAGING_DIR
-from fastdata.manifest import read_manifest, schema_of
-from fastdata.record import decode_record_v2
-from fastdata.samples import SampleDataset
+from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.registry import reader_class
+from fastdata.format.manifest import read_manifest, schema_of
+from fastdata.format.names import STAGING_DIR
+from fastdata.format.record import decode_record_v2
+from fastdata.reader.samples import SampleDataset
+from fastdata.tools.verify import verify
 
-convert_module = importlib.import_module("fastdata.convert")  # the module (fastdata.convert is the function)
+convert_module = importlib.import_module("fastdata.writer.convert")
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
 
 
@@ -259,7 +259,7 @@ def test_help_documents_lists_and_schema():
 
 def test_manifest_class_tables_are_validated(tmp_path):
     from fastdata.errors import FormatError
-    from fastdata.manifest import validate_manifest
+    from fastdata.format.manifest import validate_manifest
 
     lst = write_list(tmp_path, jsonl_rows(3))
     dst = fastdata.convert(lst, tmp_path / "out.lmdb", workers=1, progress=False).dst

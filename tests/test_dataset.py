@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from conftest import make_tree
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 import fastdata
-from conftest import make_tree
-from fastdata.dataset import Batch
 from fastdata.errors import CorruptRecordError, FormatError
-from fastdata.manifest import read_manifest
+from fastdata.format.manifest import read_manifest
+from fastdata.reader.batching import Batch
 
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
 OUTPUTS = ("pil", "numpy", "tensor")
@@ -531,7 +531,7 @@ def test_distributed_sampler_partitions(sharded, shuffle):
 
 
 def test_loader_defaults(sharded):
-    from fastdata.loading import default_num_workers
+    from fastdata.reader.loader import default_num_workers
 
     ds = fastdata.open_dataset(sharded["lmdb"], output="tensor")
     dl = fastdata.loader(ds)

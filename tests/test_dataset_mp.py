@@ -32,12 +32,12 @@ import psutil
 import pytest
 import torch
 import xxhash
+from conftest import make_tree
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import fastdata
-from conftest import make_tree
-from fastdata.manifest import read_manifest
+from fastdata.format.manifest import read_manifest
 
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
 
@@ -169,7 +169,7 @@ class NaiveLMDB(Dataset):
     def __init__(self, store: str):
         import lmdb
 
-        from fastdata.formats.lmdb import spec
+        from fastdata.format.backends.lmdb import spec
 
         self.spec = spec
         manifest = read_manifest(store)
@@ -189,7 +189,7 @@ class NaiveLMDB(Dataset):
             return txn.get(self.spec.encode_key(local)), env
 
     def __getitem__(self, i):
-        from fastdata.record import decode_record
+        from fastdata.format.record import decode_record
 
         data, env = self.record(i)
         record = decode_record(data)
@@ -362,9 +362,9 @@ def test_fd_count_control_detects_a_leak():
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_raw_store_batches_through_workers(src, tmp_path, backend, inline, monkeypatch):
     # small batches cross the worker queue by value, large ones as shared memory
-    import fastdata.batching
+    import fastdata.reader.batching
 
-    monkeypatch.setattr(fastdata.batching, "INLINE_BATCH_BYTES", 4 << 20 if inline else 0)
+    monkeypatch.setattr(fastdata.reader.batching, "INLINE_BATCH_BYTES", 4 << 20 if inline else 0)
     store = str(tmp_path / f"raw{BACKENDS[backend]}")
     fastdata.convert(src, store, workers=1, raw="16x16", progress=False)
     ds = fastdata.open_dataset(store, output="tensor")
@@ -386,7 +386,7 @@ class SeedProbe(Dataset):
         return 8
 
     def __getitem__(self, i):
-        from fastdata.seeding import get_rng
+        from fastdata.reader.seeding import get_rng
 
         info = torch.utils.data.get_worker_info()
         return info.id, random.random(), float(np.random.random()), float(get_rng().random())

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import simplejpeg
 import torch
+from conftest import photo_array
 from PIL import Image
 
 import fastdata
-from conftest import photo_array
-from fastdata.decode import decode_numpy, decode_pil
+from fastdata.reader.decode import decode_numpy, decode_pil
 
 SIZE = (37, 23)  # (w, h): neither is a multiple of 8 or 16, so partial MCUs at both edges
 

@@ -7,7 +7,7 @@ import os
 import re
 
 from fastdata.bench.report import FIELDS
-from fastdata.cli import main
+from fastdata.cli.main import main
 
 
 def test_demo_tiny_end_to_end(tmp_path, capsys):

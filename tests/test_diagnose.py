@@ -1,4 +1,4 @@
-"""Tests for fastdata.diagnose: each hazard is flagged where present and silent where absent."""
+"""Tests for fastdata.tools.diagnose: each hazard is flagged where present and silent where absent."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from fastdata.diagnose import (
+from fastdata.tools.diagnose import (
     ITEM_ERROR,
     OPEN_HANDLE,
     PYTHON_CONTAINER,

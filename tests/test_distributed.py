@@ -12,13 +12,12 @@ import time
 
 import psutil
 import pytest
-
-from fastdata.formats.base import StorageSpec
-from fastdata.plan import estimated_sizes, plan_shards
-from fastdata.source import scan
-from fastdata.units import parse_size
-
 from conftest import make_tree, store_records
+
+from fastdata.common.units import parse_size
+from fastdata.format.backends.base import StorageSpec
+from fastdata.writer.plan import estimated_sizes, plan_shards
+from fastdata.writer.sources.folder import scan
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -143,7 +142,7 @@ def test_resume_across_ranks_reuses_the_recorded_options(tmp_path, monkeypatch):
 
     import fastdata
 
-    convert_module = importlib.import_module("fastdata.convert")
+    convert_module = importlib.import_module("fastdata.writer.convert")
     src, dst = tmp_path / "src", tmp_path / "out.lmdb"
     make_tree(src, {"a": 20, "b": 20}, size=(96, 72))
     single(src, tmp_path / "ref.lmdb", "--shard-size", "30kB")

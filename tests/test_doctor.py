@@ -9,7 +9,7 @@ import pytest
 
 import fastdata
 from fastdata.bench.doctor import load_object
-from fastdata.cli import main
+from fastdata.cli.main import main
 from fastdata.errors import FastdataError
 
 MODULE = textwrap.dedent('''

@@ -11,8 +11,21 @@ import pytest
 
 from fastdata.errors import FormatError
 from fastdata.fields import (
-    CLASSIFICATION, JSON, KINDS, Field, Float, Image, Int, NDArray, Ragged, Schema, SchemaError, String,
-    infer_field, kinds_markdown, register_kind,
+    CLASSIFICATION,
+    JSON,
+    KINDS,
+    Field,
+    Float,
+    Image,
+    Int,
+    NDArray,
+    Ragged,
+    Schema,
+    SchemaError,
+    String,
+    infer_field,
+    kinds_markdown,
+    register_kind,
 )
 
 VALUES = [

@@ -20,11 +20,11 @@ import msgpack
 import numpy as np
 import pytest
 import xxhash
+from conftest import make_jpeg, make_tree
 from PIL import Image
+from test_source import ref_image_folder
 
 import fastdata
-from conftest import make_jpeg, make_tree
-from test_source import ref_image_folder
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
 FORMAT_CODES = {"JPEG": 0, "PNG": 1, "PPM": 2, "BMP": 3, "TIFF": 4, "WEBP": 5, "RAW": 6}  # section 4

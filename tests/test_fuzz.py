@@ -1,7 +1,7 @@
 """Fuzzing the two parsers that read untrusted bytes from a store.
 
-``fastdata.record.decode_record`` (every LMDB record) and
-``fastdata.manifest.parse_manifest`` (every store open) must accept arbitrary
+``fastdata.format.record.decode_record`` (every LMDB record) and
+``fastdata.format.manifest.parse_manifest`` (every store open) must accept arbitrary
 bytes and only ever raise their documented error types
 (:class:`CorruptRecordError` / :class:`FormatError`), in bounded time. A
 checksum-valid but hand-crafted manifest must also never crash ``verify`` or
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import fastdata
 from fastdata.errors import CorruptRecordError, FormatError
-from fastdata.manifest import MANIFEST_NAME, canonical_json, parse_manifest
-from fastdata.record import FORMAT_CODES, decode_record, encode_record
+from fastdata.format.manifest import MANIFEST_NAME, canonical_json, parse_manifest
+from fastdata.format.record import FORMAT_CODES, decode_record, encode_record
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,15 +28,14 @@ import sys
 import zlib
 
 import pytest
+from conftest import make_jpeg, store_records
 from PIL import Image
 
 import fastdata
-from fastdata.ingest import MAX_INPUT_BYTES
-from fastdata.manifest import REJECTED_NAME
+from fastdata.format.manifest import REJECTED_NAME
+from fastdata.writer.ingest import MAX_INPUT_BYTES
 
-from conftest import make_jpeg, store_records
-
-convert_module = importlib.import_module("fastdata.convert")  # the module, not the function
+convert_module = importlib.import_module("fastdata.writer.convert")  # the module, not the function
 
 pytestmark = pytest.mark.timeout(120)
 

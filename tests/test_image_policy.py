@@ -24,16 +24,16 @@ import torch
 from PIL import Image
 
 import fastdata
-from fastdata.dataset import open_dataset
+from fastdata.common.imageio import ALLOWED_FORMATS, ImageDecodeError, open_image
 from fastdata.errors import CorruptRecordError
-from fastdata.formats import writer_class
-from fastdata.formats.base import Sample, StorageSpec
-from fastdata.imageio import ALLOWED_FORMATS, ImageDecodeError, open_image
-from fastdata.layout import shard_name
-from fastdata.pipeline import ShardResult, file_checksum, publish
-from fastdata.record import checksum
-from fastdata.source import SourceScan
+from fastdata.format.backends.base import Sample, StorageSpec
+from fastdata.format.backends.registry import writer_class
+from fastdata.format.names import shard_name
+from fastdata.format.record import checksum
+from fastdata.reader.open import open_dataset
 from fastdata.transforms import CenterCrop, RandomResizedCrop, Resize, full_decode
+from fastdata.writer.pipeline import ShardResult, file_checksum, publish
+from fastdata.writer.sources.folder import SourceScan
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,20 +10,19 @@ import sys
 import time
 
 import pytest
+from conftest import make_tree
 
 import fastdata
-from fastdata import lock as lock_module
 from fastdata.errors import StoreLockedError
-from fastdata.layout import LOCK_NAME
-from fastdata.lock import StoreLock
-
-from conftest import make_tree
+from fastdata.format.names import LOCK_NAME
+from fastdata.writer import lock as lock_module
+from fastdata.writer.lock import StoreLock
 
 pytestmark = pytest.mark.timeout(120)
 
 HOLDER = """
 import sys, time
-from fastdata.lock import StoreLock
+from fastdata.writer.lock import StoreLock
 lock = StoreLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 sys.stdin.read()  # hold until stdin closes (or we are killed)

@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import psutil
 import pytest
+from conftest import make_tree
 
 import fastdata
-from conftest import make_tree
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork + USS are Linux measures")
 

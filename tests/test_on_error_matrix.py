@@ -15,12 +15,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import make_tree
+from test_dataset import _flip_payload_byte
 
 import fastdata
-from conftest import make_tree
 from fastdata import transforms
 from fastdata.errors import CorruptRecordError
-from test_dataset import _flip_payload_byte
 
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
 FIRST, MIDDLE = 4, 9  # damaged samples

@@ -34,7 +34,7 @@ def _run_blocked(code: str, blocked=OPTIONAL, cwd: Path | None = None) -> subpro
 
 
 def _cli(args: list[str]) -> str:
-    return f"from fastdata.cli import main\nsys.exit(main({args!r}))\n"
+    return f"from fastdata.cli.main import main\nsys.exit(main({args!r}))\n"
 
 
 def test_control_the_blocker_makes_imports_fail():
@@ -46,7 +46,7 @@ def test_core_imports_without_opencv_or_matplotlib():
     result = _run_blocked("""
         import fastdata
         fastdata.convert, fastdata.open_dataset
-        import fastdata.transforms, fastdata.inspect, fastdata.cli
+        import fastdata.transforms, fastdata.tools.verify, fastdata.cli.main
         leaked = sorted(name for name in sys.modules if name.split(".")[0] in ("cv2", "matplotlib")
                         and sys.modules[name] is not None)
         assert not leaked, leaked
@@ -112,7 +112,7 @@ def test_bench_plots_without_matplotlib_fail_before_measuring(store, tmp_path):
 
 def test_synth_without_opencv_raises_an_import_error_naming_the_extra():
     result = _run_blocked("""
-        from fastdata.extras import MissingExtraError
+        from fastdata.common.extras import MissingExtraError
         try:
             import fastdata.synth
         except ImportError as err:

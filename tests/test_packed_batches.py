@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from write_helpers import jpeg
 
 import fastdata
-from fastdata import batching
-from fastdata.batching import PackedBatch, collate_samples
-from write_helpers import jpeg
+from fastdata.reader import batching
+from fastdata.reader.batching import PackedBatch, collate_samples
 
 
 class _Boxes(torch.Tensor):
@@ -110,8 +110,7 @@ def test_images_are_decoded_into_ring_slots_that_come_back_epoch_after_epoch(tmp
     the main process frees each slot when the batch is gone, so later epochs keep using them
     (a slot never freed would leave all 8 taken after 8 batches and every later batch would
     travel in a new segment)."""
-    from fastdata import batch_ring
-
+    from fastdata.reader import batch_ring
     ds = fastdata.open_dataset(_write_store(tmp_path, n=40), output="tensor")
     want = {i: ds[i] for i in range(40)}
     loader = DataLoader(ds, batch_size=2, num_workers=2, collate_fn=fastdata.collate, persistent_workers=True,
@@ -127,8 +126,7 @@ def test_images_are_decoded_into_ring_slots_that_come_back_epoch_after_epoch(tmp
 
 
 def test_a_lent_slot_is_freed_by_the_worker_unless_it_was_sent(monkeypatch):
-    from fastdata import batch_ring
-
+    from fastdata.reader import batch_ring
     monkeypatch.setattr(batch_ring, "_worker_ring", None)
     assert batch_ring.lend(1000) is None  # a new ring: not mapped by the main process yet
     ring = batch_ring.current_ring()

@@ -25,9 +25,9 @@ from PIL import Image
 from test_source import ref_image_folder
 
 import fastdata
-from fastdata.dataset import open_dataset
 from fastdata.errors import SourceError
-from fastdata.source import IMG_EXTENSIONS, scan
+from fastdata.reader.open import open_dataset
+from fastdata.writer.sources.folder import IMG_EXTENSIONS, scan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -247,7 +247,7 @@ def test_only_files_that_start_like_a_jpeg_are_ingested_in_the_converter_process
     """While the pool starts, the converter ingests chunks itself only when libjpeg is
     the one decoder they can reach; the content decides, so a PNG named .JPEG must
     go to a worker (a decoder crash there does not take the converter down)."""
-    from fastdata.ingest import starts_like_jpeg
+    from fastdata.writer.ingest import starts_like_jpeg
 
     assert starts_like_jpeg(os.fsencode(os.path.join(real_photo_tree, "dog", "plain.jpg")))
     assert starts_like_jpeg(os.fsencode(os.path.join(real_photo_tree, "cat", "phone.jpg")))   # MPO: a JPEG

@@ -16,10 +16,10 @@ import time
 import psutil
 import pytest
 import torch
+from conftest import make_tree
 from torch.utils.data import ConcatDataset, DataLoader
 
 import fastdata
-from conftest import make_tree
 
 pytestmark = pytest.mark.timeout(240)
 

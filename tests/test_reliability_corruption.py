@@ -32,13 +32,13 @@ import pytest
 import xxhash
 
 import fastdata
-from fastdata import cli
+from fastdata.cli import main as cli
 from fastdata.errors import CorruptRecordError, FastdataError
-from fastdata.formats import reader_class
-from fastdata.formats.base import StorageSpec
-from fastdata.formats.lmdb import spec as lmdb_spec
-from fastdata.manifest import MANIFEST_NAME, canonical_json
-from fastdata.record import decode_record
+from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.lmdb import spec as lmdb_spec
+from fastdata.format.backends.registry import reader_class
+from fastdata.format.manifest import MANIFEST_NAME, canonical_json
+from fastdata.format.record import decode_record
 
 NIGHTLY = os.environ.get("FASTDATA_NIGHTLY") == "1"
 RANDOM_FLIPS = 300 if NIGHTLY else 12       # per backend, anywhere in each shard file in turn
@@ -292,7 +292,7 @@ def test_control_the_payload_map_points_at_the_image_bytes(stores, tmp_path):
 @pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
 def test_dataset_raises_or_skips_a_damaged_record(stores, tmp_path, backend):
     pytest.importorskip("torch")
-    from fastdata.dataset import open_dataset
+    from fastdata.reader.open import open_dataset
 
     store = stores[backend]
     name = sorted(store["shards"])[1]

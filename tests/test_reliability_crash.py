@@ -38,14 +38,13 @@ import time
 
 import psutil
 import pytest
+from conftest import make_tree, store_records
 
 import fastdata
-from fastdata.layout import LOCK_NAME, STAGING_DIR
-from fastdata.manifest import MANIFEST_NAME, REJECTED_NAME
-from fastdata.source import scan
-from fastdata.store_index import STORE_INDEX_NAME
-
-from conftest import make_tree, store_records
+from fastdata.format.manifest import MANIFEST_NAME, REJECTED_NAME
+from fastdata.format.names import LOCK_NAME, STAGING_DIR
+from fastdata.format.store_index import STORE_INDEX_NAME
+from fastdata.writer.sources.folder import scan
 
 BAD_INPUTS = {"b/zero.jpg": b"", "c/garbage.jpg": b"\xff\xd8not a jpeg at all" * 20}
 #: seconds a killed converter's helper processes may outlive it (workers poll every 0.5 s)
@@ -355,7 +354,7 @@ def test_dataloader_workers_sigkilled_repeatedly(tmp_path, suffix):
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
-    from fastdata.dataset import open_dataset
+    from fastdata.reader.open import open_dataset
 
     src, expected = _make_source(tmp_path / "src", 12)
     dst = str(tmp_path / ("store" + suffix))

@@ -33,9 +33,9 @@ import lmdb
 import pytest
 
 import fastdata
-from fastdata import pipeline
 from fastdata.errors import ConversionError
-from fastdata.manifest import MANIFEST_NAME
+from fastdata.format.manifest import MANIFEST_NAME
+from fastdata.writer import pipeline
 
 NIGHTLY = os.environ.get("FASTDATA_NIGHTLY") == "1"
 SHARD_SIZE = 3000
@@ -44,7 +44,6 @@ CAUSES = {errno.ENOSPC: "No space left on device", errno.EIO: "Input/output erro
 pytestmark = pytest.mark.timeout(180)
 
 from conftest import make_tree, store_records  # noqa: E402
-
 
 # ----------------------------------------------------------------------------- injection
 
@@ -159,7 +158,7 @@ def install(monkeypatch, op: str, faults: Faults) -> None:
 
         monkeypatch.setattr(lmdb, "open", open_env)
     elif op == "hdf5-write":
-        from fastdata.formats.hdf5 import writer as hdf5_writer
+        from fastdata.format.backends.hdf5 import writer as hdf5_writer
 
         real_write = hdf5_writer._os_write
 
@@ -170,7 +169,7 @@ def install(monkeypatch, op: str, faults: Faults) -> None:
 
         monkeypatch.setattr(hdf5_writer, "_os_write", os_write)
     elif op == "hdf5-payload":
-        from fastdata.formats.hdf5 import writer as hdf5_writer
+        from fastdata.format.backends.hdf5 import writer as hdf5_writer
 
         class FaultyFile:
             def __init__(self, fh):

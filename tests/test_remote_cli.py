@@ -11,13 +11,12 @@ import sys
 import textwrap
 
 import pytest
-
-import fastdata
-from fastdata.cli import EXIT_FAILED_CHECK, EXIT_NOT_A_STORE, main
-from fastdata.remote.location import RemoteLocation
+from conftest import reaped
 from test_remote_read import upload_store
 
-from conftest import reaped
+import fastdata
+from fastdata.cli.main import EXIT_FAILED_CHECK, EXIT_NOT_A_STORE, main
+from fastdata.remote.location import RemoteLocation
 
 #: botocore retries a refused connection on its own; one attempt keeps the unreachable tests quick
 ONE_ATTEMPT = 'config_kwargs={"retries": {"max_attempts": 1}}'
@@ -120,7 +119,7 @@ def test_cache_list_shows_a_store_and_clear_removes_its_shards(remote_store, cap
     listing = capsys.readouterr().out
     assert url in listing and f"2/{total} shards" in listing
     assert "total: 2 shard(s)" in listing and "in 1 store version(s)" in listing
-    from fastdata.remote import cache_report
+    from fastdata.remote.inventory import cache_report
 
     report = cache_report(check=True)
     [entry] = report.stores

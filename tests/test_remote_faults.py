@@ -19,14 +19,14 @@ import time
 import numpy as np
 import pytest
 import xxhash
+from conftest import make_tree, reaped
+from test_remote_read import upload_store
 
 import fastdata
-from conftest import make_tree, reaped
 from fastdata.errors import CacheFullError, CorruptRecordError, RemoteStoreError
 from fastdata.remote import location as location_module
 from fastdata.remote.location import RemoteLocation
 from fastdata.remote.store import RemoteStore
-from test_remote_read import upload_store
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="flock and tmpfs are Linux here")
 

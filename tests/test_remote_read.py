@@ -54,7 +54,7 @@ def test_shard_window_sampler_prefetches_the_next_window(s3, small_tree, tmp_pat
     shards in the background, and nothing else; a sampler without windows prefetches nothing."""
     import time
 
-    from fastdata.sampler import DistributedShardSampler
+    from fastdata.reader.sampler import DistributedShardSampler
 
     server, bucket = s3
     local = str(tmp_path / "train.lmdb")

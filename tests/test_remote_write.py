@@ -11,17 +11,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import fastdata
-import fastdata.remote.publish as publish_mod
-from fastdata.errors import (IncompleteStoreError, RemotePathError, RemoteStoreError, ResumeMismatchError,
-                             StoreExistsError)
-from fastdata.layout import STAGING_DIR
-from fastdata.remote.location import RemoteLocation
-from fastdata.remote.publish import MAX_WAITING, expected_etag, local_staging_dir
-
 from conftest import reaped
 from test_remote_read import same_samples
+
+import fastdata
+import fastdata.writer.remote_sink as publish_mod
+from fastdata.errors import (
+    IncompleteStoreError,
+    RemotePathError,
+    RemoteStoreError,
+    ResumeMismatchError,
+    StoreExistsError,
+)
+from fastdata.format.names import STAGING_DIR
+from fastdata.remote.location import RemoteLocation
+from fastdata.writer.remote_sink import MAX_WAITING, expected_etag, local_staging_dir
 
 
 def remote_manifest(url: str) -> dict:
@@ -292,10 +296,10 @@ def test_two_ranks_upload_their_shards_and_rank0_publishes(s3, jpeg_tree, tmp_pa
 
 
 def test_jsonl_list_and_coco_convert_to_s3_like_locally(s3, tmp_path, monkeypatch):
-    from fastdata.cli import main
-    from fastdata.synth_coco import make_coco
-
     from test_convert_lists import jsonl_rows, write_list
+
+    from fastdata.cli.main import main
+    from fastdata.synth_coco import make_coco
 
     _, bucket = s3
     lst = write_list(tmp_path, jsonl_rows(12))
@@ -318,9 +322,9 @@ def test_jsonl_list_and_coco_convert_to_s3_like_locally(s3, tmp_path, monkeypatc
 
 @pytest.mark.timeout(300)
 def test_two_ranks_killed_then_resumed_keep_the_uploaded_shards(s3, jpeg_tree, tmp_path, monkeypatch):
-    import psutil
     import signal
 
+    import psutil
     from test_distributed import torchrun
 
     _, bucket = s3

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import make_jpeg
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import fastdata
-from conftest import make_jpeg
 from fastdata import transforms
 
 SEED = 1234
@@ -164,7 +164,7 @@ def test_loader_counts_epochs_and_resumes_at_a_chosen_one(store):
 def test_per_sample_generator_costs_little_next_to_a_decode(store):
     import time
 
-    from fastdata.seeding import sample_rng
+    from fastdata.reader.seeding import sample_rng
 
     ds = open_ds(store)
     data = ds._raw_bytes(N - 1)

@@ -8,15 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
-
-import fastdata
-from fastdata.cli import main
-from fastdata.errors import ResumeMismatchError
-from fastdata.layout import STAGING_DIR
-
 from conftest import make_jpeg, make_tree
 
-convert_module = importlib.import_module("fastdata.convert")  # the module, not the function fastdata re-exports
+import fastdata
+from fastdata.cli.main import main
+from fastdata.errors import ResumeMismatchError
+from fastdata.format.names import STAGING_DIR
+
+convert_module = importlib.import_module("fastdata.writer.convert")  # the module, not the function fastdata re-exports
 
 SHARD = "30kB"
 

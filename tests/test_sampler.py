@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from fastdata.sampler import DistributedShardSampler
+from fastdata.reader.sampler import DistributedShardSampler
 
 
 class Sized:

@@ -7,11 +7,17 @@ import os
 import numpy as np
 
 import fastdata
-from fastdata.convert import choose_backend
 from fastdata.fields import kinds_markdown
-from fastdata.formats import reader_class, writer_class
-from fastdata.formats.lmdb.reader import LMDBShardReader
-from fastdata.formats.registry import Backend, get_backend, register_backend, unregister_backend
+from fastdata.format.backends.lmdb.reader import LMDBShardReader
+from fastdata.format.backends.registry import (
+    Backend,
+    get_backend,
+    reader_class,
+    register_backend,
+    unregister_backend,
+    writer_class,
+)
+from fastdata.writer.convert import choose_backend
 
 FORMAT_MD = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "FORMAT.md")
 
@@ -48,7 +54,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fastdata.errors import CorruptRecordError  # noqa: E402
 from fastdata.fields import KINDS, Field, Image, Schema, SchemaError, register_kind  # noqa: E402
-from fastdata.record import decode_record_v2, encode_sample  # noqa: E402
+from fastdata.format.record import decode_record_v2, encode_sample  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from write_helpers import SCHEMA, sample  # noqa: E402
@@ -63,7 +69,7 @@ _VALUES = st.recursive(
 
 
 def _valid_record(i: int) -> bytes:
-    from fastdata.writing import prepare_sample
+    from fastdata.writer.sources.python import prepare_sample
 
     return prepare_sample(SCHEMA, sample(i), i).record
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from fastdata.seeding import get_rng, seed_rng, seed_worker
+from fastdata.reader.seeding import get_rng, seed_rng, seed_worker
 
 N_ITEMS = 8
 
@@ -188,13 +188,13 @@ def test_seed_worker_in_main_process_depends_on_torch_seed_and_worker_id():
 
 # --------------------------------------------------------------------------- per-sample streams
 def _child_sample_draws(queue) -> None:
-    from fastdata.seeding import sample_rng
+    from fastdata.reader.seeding import sample_rng
 
     queue.put([float(sample_rng(99, e, i).random()) for e in range(2) for i in range(3)])
 
 
 def test_sample_rng_is_a_pure_function_of_seed_epoch_and_index():
-    from fastdata.seeding import sample_rng
+    from fastdata.reader.seeding import sample_rng
 
     here = [float(sample_rng(99, e, i).random()) for e in range(2) for i in range(3)]
     ctx = mp.get_context("spawn")
@@ -218,7 +218,7 @@ def test_epoch_index_is_an_int_that_keeps_its_epoch():
     import json
     import pickle
 
-    from fastdata.seeding import EpochIndex, epoch_of
+    from fastdata.reader.seeding import EpochIndex, epoch_of
 
     tagged = EpochIndex(7, 3)
     assert tagged == 7 and hash(tagged) == hash(7) and json.dumps([tagged]) == "[7]"

@@ -11,11 +11,11 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import make_tree
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import fastdata
-from conftest import make_tree
-from fastdata.sampler import DistributedShardSampler, epoch_order
+from fastdata.reader.sampler import DistributedShardSampler, epoch_order
 
 # Uneven sizes with empty shards (one first, one inside), and a simple even layout.
 LAYOUTS = [[0, 5, 0, 7, 3, 10, 2, 1, 9], [4, 4, 4, 4, 4, 4], [13], [1, 0, 1]]

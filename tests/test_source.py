@@ -6,11 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import make_jpeg
-from fastdata.errors import SourceError
-from fastdata.source import IMG_EXTENSIONS, has_image_extension, scan, scan_folder
 
+from fastdata.errors import SourceError
+from fastdata.writer.sources.folder import IMG_EXTENSIONS, has_image_extension, scan, scan_folder
 
 # --- reference: torchvision.datasets.folder (v0.20), transcribed; torchvision is not installable here ---
 

@@ -13,11 +13,11 @@ import os
 import numpy as np
 import pytest
 
-from fastdata.convert import convert
-from fastdata.decode import decode_numpy
-from fastdata.formats import reader_class
-from fastdata.formats.base import StorageSpec
-from fastdata.manifest import read_manifest
+from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.registry import reader_class
+from fastdata.format.manifest import read_manifest
+from fastdata.reader.decode import decode_numpy
+from fastdata.writer.convert import convert
 
 
 def test_raw_hw_is_the_raw_shape_of_a_raw_store():

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_jpeg
+
 from fastdata.errors import SourceError
-from fastdata.fields import JSON, NDArray, Float, Image, Int, Ragged, Schema, SchemaError, String
-from fastdata.source import MAX_INTEGER_LABEL, scan_list
-from fastdata.sources.table import TableSource, is_table_list, parse_schema, scan_table
+from fastdata.fields import JSON, Float, Image, Int, NDArray, Ragged, Schema, SchemaError, String
+from fastdata.writer.sources.folder import MAX_INTEGER_LABEL, scan_list
+from fastdata.writer.sources.table import TableSource, is_table_list, parse_schema, scan_table
 
 
 def _images(folder: Path, *names: str) -> None:

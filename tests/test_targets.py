@@ -15,9 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fastdata.extras import MissingExtraError
-from fastdata.targets import (COCO_TARGET_KEYS, canvas_size, coco_target, coco_target_keys, coco_to_v2,
-                              xywh_to_xyxy)
+from fastdata.common.extras import MissingExtraError
+from fastdata.targets import COCO_TARGET_KEYS, canvas_size, coco_target, coco_target_keys, coco_to_v2, xywh_to_xyxy
 
 SQUARE = [[2.0, 1.0, 6.0, 1.0, 6.0, 4.0, 2.0, 4.0]]  # polygon: x 2..6, y 1..4
 

@@ -16,8 +16,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from fastdata import transforms as T
-from fastdata.imageio import ImageDecodeError
-from fastdata.seeding import seed_rng
+from fastdata.common.imageio import ImageDecodeError
+from fastdata.reader.seeding import seed_rng
 
 # ------------------------------------------------------------------ generated images
 

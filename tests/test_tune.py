@@ -17,10 +17,9 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-import torch
 
 from fastdata.bench.tune import (
     Measurement,
@@ -368,7 +367,7 @@ def test_printed_snippet_runs_on_mixed_sizes(mixed_store, monkeypatch, kind, tra
 
 def test_tune_cli_snippet_runs_as_printed(tmp_path, mixed_store, capsys):
     """The README's command shape (default --transform none) on a store of mixed sizes."""
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     store, _ = mixed_store
     out = tmp_path / "tune"

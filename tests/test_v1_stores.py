@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 import fastdata
-from fastdata.dataset import StoreDataset
+from fastdata.reader.dataset import StoreDataset
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 EXPECTED = json.load(open(os.path.join(DATA, "v1-expected.json")))["samples"]

@@ -1,4 +1,4 @@
-"""fastdata.imageio.validate_image: Pillow's verdict on every input, faster for plain JPEGs."""
+"""fastdata.common.imageio.validate_image: Pillow's verdict on every input, faster for plain JPEGs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastdata import imageio
-from fastdata.imageio import ImageDecodeError, open_image, stored_format, validate_image
+from fastdata.common import imageio
+from fastdata.common.imageio import ImageDecodeError, open_image, stored_format, validate_image
 
 
 def _jpeg(seed: int = 0, size=(64, 48), **save) -> bytes:

@@ -15,12 +15,12 @@ import torch
 import fastdata
 from fastdata.errors import IncompleteStoreError
 from fastdata.fields import CLASSIFICATION, Image, SchemaError
-from fastdata.formats import reader_class
-from fastdata.formats.base import StorageSpec
-from fastdata.layout import STAGING_DIR
-from fastdata.manifest import read_manifest, schema_of
-from fastdata.record import decode_record_v2
-from fastdata.samples import SampleDataset
+from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.registry import reader_class
+from fastdata.format.manifest import read_manifest, schema_of
+from fastdata.format.names import STAGING_DIR
+from fastdata.format.record import decode_record_v2
+from fastdata.reader.samples import SampleDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import sigkill_once_a_shard_is_staged  # noqa: E402
@@ -235,7 +235,7 @@ def test_sigkill_then_resume_equals_a_clean_run(tmp_path):
 
 
 def test_cli_info_prints_the_schema_and_verify_decodes_a_general_store(tmp_path, capsys):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     dst = tmp_path / "s.h5"
     fastdata.write([sample(i) for i in range(4)], dst, SCHEMA, workers=0, progress=False)

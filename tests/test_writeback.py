@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from fastdata import writeback
-from fastdata.writeback import Writeback
+from fastdata.common import writeback
+from fastdata.common.writeback import Writeback
 
 
 def test_syncs_in_the_background_every_so_many_bytes(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ..units import format_size
+from fastdata.common.units import format_size
 
 #: below this, warn about ulimit -n even for few workers
 MIN_NOFILE = 4096

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..source import scan_folder
+from fastdata.writer.sources.folder import scan_folder
 
 CROP = 224
 

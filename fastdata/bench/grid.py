@@ -13,13 +13,13 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-from dataclasses import asdict, dataclass, fields
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
 
-from ..errors import FastdataError
-from ..layout import backend_for_path, check_local_path
-from ..manifest import read_manifest
-from ..remote.store import is_remote
+from fastdata.errors import FastdataError
+from fastdata.format.manifest import read_manifest
+from fastdata.format.names import backend_for_path, check_local_path
+from fastdata.remote.store import is_remote
 
 KINDS = ("folder", "lmdb", "hdf5")
 OUTPUTS = ("pil", "tensor")
@@ -117,7 +117,7 @@ def target_kind(path: str, store_options: dict | None = None) -> str:
         FastdataError: the path does not exist or is not a directory; a URL is not a store or
             cannot be reached.
     """
-    from ..remote.store import locate_store
+    from fastdata.remote.store import locate_store
 
     if is_remote(path):
         opts = store_options or {}

@@ -19,13 +19,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from .envcheck import check_environment
-from .grid import BenchConfig
-from .report import complete_row, fingerprint, format_table, write_csv, write_json
-from .runner import RESULT_MARK
+from fastdata.bench.envcheck import check_environment
+from fastdata.bench.grid import BenchConfig
+from fastdata.bench.report import complete_row, fingerprint, format_table, write_csv, write_json
+from fastdata.bench.runner import RESULT_MARK
 
 DEFAULT_TIMEOUT_S = 900.0
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -124,7 +124,7 @@ def environment_warnings(configs: Sequence[BenchConfig]) -> list[str]:
     worst = max(configs, key=lambda c: c.workers * (c.prefetch_factor or 1) * c.batch_size * estimate_sample_bytes(c))
     out = check_environment(worst.workers, worst.prefetch_factor or 1, worst.batch_size, estimate_sample_bytes(worst))
     if any(c.cold for c in configs):
-        from .cache import can_evict
+        from fastdata.bench.cache import can_evict
 
         if not can_evict():
             out.append("--cold needs os.posix_fadvise (Linux): cold rows will fail")
@@ -240,7 +240,7 @@ def run_bench(
             f.write(result.table + "\n")
         result.files["table"] = table_path
         if plots:
-            from .plots import write_plots
+            from fastdata.bench.plots import write_plots
 
             result.files.update(write_plots(rows, out))
     return result

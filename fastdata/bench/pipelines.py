@@ -2,7 +2,7 @@
 
 * folder: :class:`~fastdata.bench.folder.FolderDataset` (ImageFolder + PIL transforms).
 * lmdb / hdf5: :func:`fastdata.open_dataset` with the matching decode-time transform
-  from :mod:`fastdata.transforms` (``rrc224`` -> ``RandomResizedCrop(224)``,
+  from :mod:`fastdata.reader.transforms` (``rrc224`` -> ``RandomResizedCrop(224)``,
   ``resize224`` -> ``CenterCrop(224, resize=224)``): fastdata's fast path, which
   decodes straight to the output size.
 """
@@ -10,16 +10,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ..errors import FastdataError
-from .folder import DESCRIPTIONS, FolderDataset
-from .grid import BenchConfig
+from fastdata.bench.folder import DESCRIPTIONS, FolderDataset
+from fastdata.bench.grid import BenchConfig
+from fastdata.errors import FastdataError
 
 
 @dataclass
@@ -41,8 +41,7 @@ class Target:
 
 def decode_transform(name: str):
     """fastdata decode-time transform for a transform name (None for ``"none"``)."""
-    from .. import transforms
-
+    from fastdata.reader import transforms
     if name == "none":
         return None
     if name == "rrc224":
@@ -53,7 +52,7 @@ def decode_transform(name: str):
 
 
 def _store_files(root: str) -> list:
-    from ..manifest import read_manifest
+    from fastdata.format.manifest import read_manifest
 
     return [os.path.join(root, s["name"]) for s in read_manifest(root)["shards"]]
 
@@ -62,7 +61,7 @@ def store_options_from_env() -> dict:
     """The remote-store options the harness passed for a URL target (see ``harness.STORE_OPTIONS_ENV``)."""
     import json
 
-    from .harness import STORE_OPTIONS_ENV
+    from fastdata.bench.harness import STORE_OPTIONS_ENV
 
     text = os.environ.get(STORE_OPTIONS_ENV)
     return json.loads(text) if text else {}
@@ -79,9 +78,8 @@ def build_target(cfg: BenchConfig) -> Target:
         ds = FolderDataset(cfg.target, transform=cfg.transform, output=cfg.output)
         return Target(ds, f"ImageFolder-equivalent: {DESCRIPTIONS[cfg.transform]}", ds.files, ds.file_sizes)
 
-    from ..dataset import open_dataset
-
-    from ..remote.store import is_remote
+    from fastdata.reader.open import open_dataset
+    from fastdata.remote.store import is_remote
 
     decode = decode_transform(cfg.transform)
     remote = store_options_from_env() if is_remote(cfg.target) else {}
@@ -91,7 +89,7 @@ def build_target(cfg: BenchConfig) -> Target:
         raise FastdataError(str(err) if cfg.target in str(err) else f"{cfg.target}: {err}") from None
     nbytes = getattr(store, "_nbytes", None)
     if nbytes is None or len(nbytes) != len(store):
-        from ..inspect import info
+        from fastdata.tools.verify import info
 
         meta = info(cfg.target, storage_options=remote.get("storage_options"), cache_dir=remote.get("cache_dir"))
         nbytes = np.full(len(store), meta["total_bytes"] // max(1, meta["num_samples"]), dtype=np.int64)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ..extras import require
+from fastdata.common.extras import require
 
 _BASE_AXES = ("batch_size", "pin_memory", "output", "transform", "cold", "step_ms")
 _WORKER_AXES = ("prefetch_factor", "persistent_workers", "start_method")
@@ -84,7 +84,7 @@ def check_plotting() -> None:
     """Fail early, before a long run, when matplotlib is missing.
 
     Raises:
-        fastdata.extras.MissingExtraError: one line naming the extra to install.
+        fastdata.common.extras.MissingExtraError: one line naming the extra to install.
     """
     require("matplotlib", _PURPOSE)
 

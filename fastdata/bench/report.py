@@ -14,13 +14,13 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from dataclasses import fields as dc_fields
 from importlib import metadata
-from collections.abc import Sequence
 
-from .. import __version__
-from ..units import format_size
-from .grid import BenchConfig, available_cores
+from fastdata._version import __version__
+from fastdata.bench.grid import BenchConfig, available_cores
+from fastdata.common.units import format_size
 
 #: every field of a result row, with its meaning (the README and --help point here)
 FIELDS: dict[str, str] = {

@@ -103,8 +103,8 @@ def _loader(cfg, dataset, sampler):
     import torch
     from torch.utils.data import DataLoader
 
-    from ..seeding import seed_worker
-    from ..batching import collate_lists
+    from fastdata.reader.batching import collate_lists
+    from fastdata.reader.seeding import seed_worker
 
     kwargs = dict(batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers,
                   collate_fn=collate_lists, pin_memory=cfg.pin_memory, worker_init_fn=seed_worker,
@@ -158,10 +158,10 @@ def measure(cfg) -> dict:
     """
     import torch
 
-    from .cache import evict_page_cache, resident_fraction
-    from .grid import available_cores
-    from .memory import MemorySampler
-    from .pipelines import build_target, decoded_nbytes
+    from fastdata.bench.cache import evict_page_cache, resident_fraction
+    from fastdata.bench.grid import available_cores
+    from fastdata.bench.memory import MemorySampler
+    from fastdata.bench.pipelines import build_target, decoded_nbytes
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")  # pin without CUDA: a no-op, said once in the report
     torch.manual_seed(cfg.seed)
@@ -275,7 +275,7 @@ def measure(cfg) -> dict:
 
 def process_tree_pss_exact() -> bool:
     """False where the OS has no PSS (then PSS figures are USS and undercount sharing)."""
-    from .memory import process_tree_memory
+    from fastdata.bench.memory import process_tree_memory
 
     return process_tree_memory().pss_exact
 
@@ -302,7 +302,7 @@ def failure_reason(err: BaseException) -> str:
 
 def main() -> int:
     """Entry point of ``python -m fastdata.bench.runner``."""
-    from .grid import BenchConfig
+    from fastdata.bench.grid import BenchConfig
 
     started = time.perf_counter()
     try:

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
-from ..errors import FastdataError
-from ..units import format_size
+from fastdata.common.units import format_size
+from fastdata.errors import FastdataError
 
 DEFAULT_PREFETCH = 2
 DEFAULT_BATCH = 64
@@ -286,7 +286,7 @@ def tune(
     if (batch_size is not None and batch_size < 1) or (effective_batch_size is not None and effective_batch_size < 1):
         raise ValueError("batch sizes must be >= 1")
     if max_workers is None:
-        from .grid import available_cores
+        from fastdata.bench.grid import available_cores
 
         max_workers = available_cores()
     probe = probe() if callable(probe) else probe
@@ -611,7 +611,7 @@ def config_for(base, s: Settings):
     """
     from dataclasses import replace
 
-    from .grid import default_start_method
+    from fastdata.bench.grid import default_start_method
 
     method = (base.start_method or default_start_method()) if s.workers else None
     return replace(base, workers=s.workers, batch_size=s.batch_size,
@@ -638,7 +638,7 @@ def harness_measure(base, timeout: float = 900.0, run: Callable | None = None,
         run: ``run(cfg) -> row`` replacing the fresh process (tests measure in process).
         store_options: for a URL target, ``storage_options``/``cache_dir``/``cache_limit``.
     """
-    from .harness import run_isolated
+    from fastdata.bench.harness import run_isolated
 
     def measure(s: Settings) -> Measurement:
         cfg = config_for(base, s)
@@ -652,7 +652,7 @@ def harness_probe(base, timeout: float = 900.0, store_options: dict | None = Non
     ``store_options``: as for :func:`harness_measure`."""
     from dataclasses import replace
 
-    from .harness import run_isolated
+    from fastdata.bench.harness import run_isolated
 
     def probe() -> Probe:
         cfg = replace(base, workers=1, batch_size=1, prefetch_factor=1, persistent_workers=True,

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..manifest import MANIFEST_NAME
-from ..units import format_size
-from .cache import STORE_INFO, ShardCache, resolve_limit
+from fastdata.common.units import format_size
+from fastdata.format.manifest import MANIFEST_NAME
+from fastdata.remote.cache import STORE_INFO, ShardCache, resolve_limit
 
 
 @dataclass
@@ -115,9 +115,9 @@ def _describe(cache: ShardCache, key: str) -> CachedStore:
 
 def _check_current(stores: list[CachedStore], storage_options: Mapping[str, Any] | None) -> None:
     """Ask each store's server for its manifest: is the cached version the current one?"""
-    from ..errors import FastdataError
-    from ..manifest import MAX_MANIFEST_BYTES, parse_manifest
-    from .location import RemoteLocation
+    from fastdata.errors import FastdataError
+    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from fastdata.remote.location import RemoteLocation
 
     checksums: dict[str, str | Exception] = {}
     for s in stores:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from ..errors import FastdataError, RemoteStoreError
+from fastdata.errors import FastdataError, RemoteStoreError
 
 #: schemes that are read-only (no listing, no writes)
 READ_ONLY_SCHEMES = ("http", "https")

@@ -14,12 +14,12 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from ..errors import CorruptRecordError, FormatError, IncompleteStoreError, RemoteStoreError
-from ..layout import remote_scheme
-from ..manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, atomic_write, parse_manifest, read_manifest
-from ..store_index import MANIFEST_KEY, STORE_INDEX_NAME, parse_store_index
-from .cache import Pin, ShardCache, store_key
-from .location import RemoteLocation
+from fastdata.errors import CorruptRecordError, FormatError, IncompleteStoreError, RemoteStoreError
+from fastdata.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, atomic_write, parse_manifest, read_manifest
+from fastdata.format.names import remote_scheme
+from fastdata.format.store_index import MANIFEST_KEY, STORE_INDEX_NAME, parse_store_index
+from fastdata.remote.cache import Pin, ShardCache, store_key
+from fastdata.remote.location import RemoteLocation
 
 
 def is_remote(path: str | os.PathLike) -> bool:

@@ -1,0 +1,1 @@
+"""The ``fastdata`` command: a thin argparse layer over the API (:mod:`fastdata.cli.main`)."""

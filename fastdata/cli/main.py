@@ -1,0 +1,408 @@
+"""The ``fastdata`` command line: a thin layer over the public API.
+
+``main(argv=None) -> int`` so tests run it in-process. Errors are one line on
+stderr and a non-zero exit code: 2 for a fastdata error or bad usage, 1 when a
+check fails (``verify``, ``doctor``), 130 on Ctrl-C; ``verify`` also exits 3 on
+a path that is not a store and 4 on an unfinished conversion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from fastdata._version import __version__
+from fastdata.errors import FastdataError
+
+EXIT_OK, EXIT_FAILED_CHECK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: ``verify`` only: the path is not a fastdata store / holds an unfinished conversion
+EXIT_NOT_A_STORE, EXIT_UNFINISHED = 3, 4
+
+
+def _cmd_convert(args) -> int:
+    from fastdata.writer.convert import convert
+    from fastdata.writer.distributed import current_group, init_from_env, shutdown
+
+    created = init_from_env()  # under torchrun: join the job's process group (gloo)
+    try:
+        report = _run_coco(args) if getattr(args, "coco", None) else _run_convert(convert, args)
+        group = current_group()
+        rank = group.rank if group else 0
+    finally:
+        shutdown(created)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if not args.quiet and rank == 0:
+        print(report.summary())
+    return EXIT_OK
+
+
+def _run_convert(convert, args):
+    return convert(
+        args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
+        max_side=args.max_side, quality=args.quality, raw=args.raw, strict=args.strict, resume=args.resume,
+        overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
+        **_list_options(args), **_upload_options(args),
+    )
+
+
+def _upload_options(args) -> dict:
+    """``convert``'s options for a URL destination, as keyword arguments (only those given)."""
+    from fastdata.remote.location import parse_storage_options
+
+    out: dict = {}
+    if args.storage_option:
+        out["storage_options"] = parse_storage_options(args.storage_option)
+    if args.staging_dir:
+        out["staging_dir"] = args.staging_dir
+    return out
+
+
+def _cmd_info(args) -> int:
+    from fastdata.common.units import format_size
+    from fastdata.tools.verify import info
+
+    data = info(args.store, **_remote_options(args, limit=False))
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    storage = data["storage"]
+    mode = storage["mode"] + (f" (max side {storage['max_side']}, quality {storage['quality']})"
+                              if storage["mode"] == "reencode" else
+                              f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})"
+                              if storage["mode"] == "raw" else "")
+    print(f"store:    {data['path']}")
+    print(f"backend:  {data['backend']} (layout version {data['version']})")
+    print(f"storage:  {mode}")
+    print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
+    print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
+    if data.get("schema"):
+        from fastdata.format.fields import Schema
+
+        print("schema:")
+        for line in Schema.from_json(data["schema"]).describe_markdown().splitlines():
+            print(f"  {line}")
+    print("classes:")
+    for c in data["classes"]:
+        print(f"  {c['index']:>5}  {c['name']}: {c['count']}")
+    print("shards:")
+    for s in data["shards"]:
+        print(f"  {s['name']}: {s['count']} records, {format_size(s['bytes'])}")
+    return EXIT_OK
+
+
+def _cmd_verify(args) -> int:
+    from fastdata.tools.verify import verify
+
+    remote = _remote_options(args, limit=False)
+    report = verify(args.store, decode=args.decode, storage_options=remote.get("storage_options"),
+                    scratch_dir=remote.get("cache_dir"))
+    if args.json:
+        print(json.dumps(report.__dict__, indent=2))
+    else:
+        print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
+    return {"ok": EXIT_OK, "not_a_store": EXIT_NOT_A_STORE, "unfinished": EXIT_UNFINISHED}.get(
+        report.status, EXIT_FAILED_CHECK)
+
+
+def _add_remote_options(p: argparse.ArgumentParser, cache_dir_help: str, limit: bool = True) -> None:
+    """``--storage-option``, ``--cache-dir`` (and ``--cache-limit``) for commands that read URLs."""
+    p.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_option",
+                   help="fsspec option for a URL store, repeatable (e.g. endpoint_url=http://host:9000, anon=true; "
+                        "a value that parses as JSON takes that type); credentials and endpoints also come from "
+                        "the usual variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help=cache_dir_help)
+    if limit:
+        p.add_argument("--cache-limit", default=None, metavar="SIZE",
+                       help="most bytes of shards the cache keeps, e.g. 50GiB (default: $FASTDATA_CACHE_LIMIT, "
+                            "else no limit)")
+
+
+def _remote_options(args, limit: bool = True) -> dict:
+    """The remote-store options given on the command line, as keyword arguments (only those given)."""
+    from fastdata.remote.location import parse_storage_options
+
+    out: dict = {}
+    if args.storage_option:
+        out["storage_options"] = parse_storage_options(args.storage_option)
+    if args.cache_dir:
+        out["cache_dir"] = args.cache_dir
+    if limit and getattr(args, "cache_limit", None):
+        out["cache_limit"] = args.cache_limit
+    return out
+
+
+_CACHE_DIR_HELP = "shard cache directory (default: $FASTDATA_CACHE_DIR, else ~/.cache/fastdata)"
+
+
+def _cmd_cache_list(args) -> int:
+    from fastdata.remote.inventory import cache_report
+
+    report = cache_report(args.cache_dir, check=args.check, storage_options=_remote_options(args).get(
+        "storage_options"))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.table())
+    return EXIT_OK
+
+
+def _cmd_cache_clear(args) -> int:
+    from fastdata.remote.inventory import clear_cache
+
+    removed, kept = clear_cache(args.url, args.cache_dir)
+    what = f" of {args.url}" if args.url else ""
+    print(f"{removed} shard(s){what} removed, {kept} kept (in use by a live process)")
+    return EXIT_OK
+
+
+def _add_cache_command(sub) -> None:
+    """``fastdata cache list|clear``: the local shard cache of remote stores."""
+    c = sub.add_parser("cache", help="show or clear the local cache of remote stores' shards",
+                       description="The shard cache that reading a remote store (s3://, gs://, az://, https://) "
+                                   "fills: one folder per store version (URL + manifest checksum), shared by every "
+                                   "process on the machine.")
+    csub = c.add_subparsers(dest="cache_command", metavar="ACTION")
+    csub.required = True
+    ls = csub.add_parser("list", help="what is cached, per store version",
+                         description="Per cached store version: URL, shards cached / shards in the store, bytes, "
+                                     "last use, and whether it is the store's current version (only with --check, "
+                                     "which asks the server; otherwise '?'). Then a total, with the limit when "
+                                     "FASTDATA_CACHE_LIMIT is set.")
+    ls.add_argument("--cache-dir", default=None, metavar="DIR", help=_CACHE_DIR_HELP)
+    ls.add_argument("--check", action="store_true",
+                    help="read each store's manifest from its server to say whether the cached version is current")
+    ls.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_option",
+                    help="fsspec option for --check, repeatable (as for info)")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=_cmd_cache_list)
+    cl = csub.add_parser("clear", help="remove cached shards (never those a live process has open)",
+                         description="Remove the cached shards of the store at URL (every cached version of it), "
+                                     "or of every store. Shards a live process has open are kept and counted; "
+                                     "they can be removed once that process ends.")
+    cl.add_argument("url", nargs="?", default=None, metavar="URL", help="the store's URL (default: every store)")
+    cl.add_argument("--cache-dir", default=None, metavar="DIR", help=_CACHE_DIR_HELP)
+    cl.set_defaults(func=_cmd_cache_clear)
+
+
+def _cmd_demo(args) -> int:
+    from fastdata.tools.demo import run_demo
+
+    return run_demo(size=args.size, out=args.out, keep=args.keep, quiet=args.quiet, bench=not args.no_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree (also used to render ``--help``)."""
+    p = argparse.ArgumentParser(
+        prog="fastdata",
+        description="Pack image folders into LMDB/HDF5 shards, read them fast, and measure DataLoader settings.",
+    )
+    p.add_argument("--version", action="version", version=f"fastdata {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser("convert", help="convert an image folder or list file into a store",
+                       description="Convert an ImageFolder tree (SRC/<class>/<images>) or a CSV/TSV list "
+                                   "(path,label) into an LMDB or HDF5 store at DST (a directory, or a URL: "
+                                   "s3://bucket/train.lmdb, gs://, az://; shards are written in a local staging "
+                                   "folder, each uploaded and checked as it finishes, the manifest last).")
+    c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows (when every "
+                   "label is an integer, it is the target itself: classes '0'..max label; otherwise labels are "
+                   "class names, numbered in sorted order)")
+    c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
+                   "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
+    from fastdata.format.backends.registry import format_choices
+
+    c.add_argument("--format", choices=format_choices(), help="backend (overrides DST's suffix)")
+    c.add_argument("--workers", type=int, default=None,
+                   help="reader/validator processes (default or 0: all cores; more than 4x the cores is allowed "
+                        "with a warning)")
+    c.add_argument("--shard-size", default=None, metavar="SIZE",
+                   help="target shard file size, at least 1MiB and at most 10,000 shards (default 1GiB); "
+                        "kB/MB/GB and k/M/G are decimal (2G = 2GB = 2,000,000,000 bytes), KiB/MiB/GiB binary")
+    mode = c.add_mutually_exclusive_group()
+    mode.add_argument("--max-side", type=int, metavar="N",
+                      help="re-encode as JPEG only images whose longer side exceeds N pixels")
+    mode.add_argument("--raw", metavar="HxW", help="store decoded uint8 RGB pixels resized to HxW (e.g. 32x32)")
+    c.add_argument("--quality", type=int, metavar="Q", help="JPEG quality for --max-side (default 90)")
+    c.add_argument("--strict", action="store_true", default=None,
+                   help="stop at the first unusable input instead of skipping it")
+    again = c.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="finish an interrupted conversion, keeping finished shards; options left out "
+                            "(--shard-size, --format, --max-side/--quality/--raw, --strict) take the values "
+                            "the interrupted run recorded, and one given that differs is refused, naming it")
+    again.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    _add_coco_argument(c)
+    c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    c.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec option for a URL DST (repeatable), e.g. endpoint_url=http://host:9000; credentials "
+                        "otherwise come from the usual AWS_* / cloud SDK environment")
+    c.add_argument("--staging-dir", metavar="DIR",
+                   help="local folder a URL DST's shards are written in before upload (at most 3 shards at a "
+                        "time; default: under $FASTDATA_CACHE_DIR, else ~/.cache/fastdata)")
+    _add_list_arguments(c)
+    c.set_defaults(func=_cmd_convert)
+
+    i = sub.add_parser("info", help="describe a store",
+                       description="Describe a store: backend, counts, classes, shards. STORE is a directory or "
+                                   "a URL (s3://, gs://, az://, https://); a URL's manifest is read, no shard is "
+                                   "downloaded.")
+    i.add_argument("store", metavar="STORE")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    _add_remote_options(i, "where a URL's manifest is kept (the shard cache; default: $FASTDATA_CACHE_DIR, else "
+                           "~/.cache/fastdata)", limit=False)
+    i.set_defaults(func=_cmd_info)
+
+    v = sub.add_parser("verify", help="check every record of a store",
+                       description="Check every shard and record against its checksum and the manifest counts. "
+                                   "Exit 0 when sound, 1 when damaged (each problem names shard and record), "
+                                   "2 on an error (the path does not exist, the server cannot be reached, bad "
+                                   "usage), "
+                                   "3 when the path is not a fastdata store (no manifest.json), "
+                                   "4 when it holds an unfinished conversion (finish it with convert --resume). "
+                                   "STORE may be a URL (s3://, gs://, az://, https://): its manifest and store "
+                                   "index are checked, then each shard is streamed from the server into one "
+                                   "temporary file, checksummed as it arrives, its records checked, and deleted. "
+                                   "The shard cache is not used: a store larger than the cache can be verified "
+                                   "without evicting shards other jobs use, and the server's copy is what is "
+                                   "checked, not a cached one.")
+    v.add_argument("store", metavar="STORE")
+    v.add_argument("--decode", action="store_true", help="also fully decode every image")
+    v.add_argument("--json", action="store_true", help="print JSON")
+    _add_remote_options(v, "folder a URL's shard is downloaded into while it is checked (one shard at a time; "
+                           "default: the shard cache directory)", limit=False)
+    v.set_defaults(func=_cmd_verify)
+
+    d = sub.add_parser("demo", help="synthesize a dataset, convert, verify and compare (no data needed)",
+                       description="Synthesize a small photo-like JPEG dataset in a temporary folder, convert it to "
+                                   "LMDB and HDF5, verify both and compare loading speed and memory.")
+    d.add_argument("--size", choices=["tiny", "small", "full"], default="full",
+                   help="dataset and grid size (full: about two minutes on 2 cores)")
+    d.add_argument("--out", default=None,
+                   help="folder for the results table, JSON/CSV and plots (default: ./fastdata-demo)")
+    d.add_argument("--keep", action="store_true", help="keep the generated dataset and stores")
+    d.add_argument("--no-bench", action="store_true", help="skip the loading comparison")
+    d.add_argument("--quiet", action="store_true", help="less output")
+    d.set_defaults(func=_cmd_demo)
+
+    _add_cache_command(sub)
+    _add_optional_commands(sub)
+    return p
+
+
+_LIST_HELP = """\
+lists with more fields than path,label (a general store, layout version 2):
+  SRC may be a JSONL file (.jsonl/.ndjson), one object per line, or a CSV/TSV whose
+  header names more columns than path,label. 'path' (relative to the list's folder)
+  becomes the image field 'image'; every other key or column becomes a field. JSONL
+  values: true/false -> bool, integers -> int64, numbers -> float64, strings ->
+  string, lists of numbers (or of equal-length lists) -> ragged arrays (N, ...),
+  objects and anything else -> json. A key 'label' or 'labels' is a class field:
+  class names (sorted, as ImageFolder) or integers (the index itself); a list of
+  names per row is multi-label, and in a CSV cell labels are separated by '|'
+  (cat|dog). Undeclared CSV columns are int, float or string.
+  e.g.  {"path": "a.jpg", "boxes": [[1, 2, 30, 40]], "caption": "a cat", "label": ["cat", "dog"]}
+
+--schema declares fields instead of inferring them (the others are still inferred):
+"""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps descriptions as usual but keeps multi-line text (the list rules) as written."""
+
+    def _fill_text(self, text, width, indent):
+        return text if "\n" in text else super()._fill_text(text, width, indent)
+
+
+def _add_list_arguments(c) -> None:
+    """``convert``'s options for lists with more fields than path,label."""
+    from fastdata.writer.sources.table import SPEC_GRAMMAR
+
+    c.formatter_class = _HelpFormatter
+    c.epilog = _LIST_HELP + "\n".join("  " + line for line in SPEC_GRAMMAR.splitlines())
+    c.add_argument("--schema", metavar="SPEC_OR_JSON_FILE",
+                   help="declare fields of a JSONL/CSV/TSV list: an inline spec or a .json file (grammar and "
+                        "example below)")
+
+
+def _list_options(args) -> dict:
+    """The list options given, as keywords of :func:`fastdata.writer.convert.convert`."""
+    schema = getattr(args, "schema", None)
+    return {"schema": schema} if schema is not None else {}
+
+
+def _add_coco_argument(c) -> None:
+    """``convert --coco ANNOTATIONS.json IMAGE_DIR DST``."""
+    c.add_argument("--coco", metavar="ANNOTATIONS.json",
+                   help="convert a COCO detection set: SRC is then the image folder the file's file_name entries "
+                        "are relative to; one sample per listed image in CocoDetection's order (sorted ids), "
+                        "fields image, image_id, width, height and annotations (the image's annotation dicts "
+                        "exactly as in the file); open it with fastdata.open_dataset. Missing or unusable images "
+                        "are skipped and reported, problems of the file (annotations of unknown images, repeated "
+                        "ids) are warnings; --strict stops at any of them")
+
+
+def _run_coco(args):
+    """``convert --coco``: the COCO options checked, then :func:`fastdata.convert_coco`."""
+    from fastdata.writer.coco import convert_coco
+    from fastdata.writer.distributed import current_group
+
+    group = current_group()
+    if group is not None and group.world_size > 1:
+        raise ValueError(f"convert --coco runs in one process (its workers use the cores): run it without torchrun, "
+                         f"not on {group.world_size} ranks")
+    unused = [flag for flag, value in (("--max-side", args.max_side), ("--quality", args.quality),
+                                       ("--raw", args.raw), ("--lmdb-map-size", args.lmdb_map_size),
+                                       ("--schema", getattr(args, "schema", None))) if value is not None]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} do(es) not apply to --coco: COCO images are stored as they are, "
+                         "with the fields the annotation file gives")
+    return convert_coco(args.coco, args.src, args.dst, format=args.format, workers=args.workers,
+                        shard_size=args.shard_size, strict=args.strict, resume=args.resume, overwrite=args.overwrite,
+                        progress=False if args.quiet else None, **_upload_options(args))
+
+
+def _add_optional_commands(sub) -> None:
+    """Commands whose modules live outside the core (benchmark harness, doctor)."""
+    try:
+        from fastdata.cli.bench import add_commands
+    except ImportError:
+        return
+    add_commands(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("fastdata: interrupted; an interrupted convert can be finished with --resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except FastdataError as err:
+        print(f"fastdata: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except ValueError as err:
+        print(f"fastdata: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # e.g. `fastdata info X | head`
+        return EXIT_OK
+    except OSError as err:
+        print(f"fastdata: error: {err.filename or ''}{': ' if err.filename else ''}{err.strerror or err}",
+              file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as err:  # never a bare traceback; FASTDATA_DEBUG=1 shows it
+        if os.environ.get("FASTDATA_DEBUG"):
+            raise
+        print(f"fastdata: internal error: {type(err).__name__}: {err} "
+              "(please report it; rerun with FASTDATA_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The small interface a storage backend implements.
+
+A *shard writer* receives samples in store order and produces one shard file;
+a *shard reader* opens one finished shard file and returns stored bytes by
+local index (0 .. count-1). Everything else (planning, parallelism, rotation,
+checksums of whole files, resume, manifest) lives in the shared pipeline.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from fastdata.format.fields import Schema
+from fastdata.format.record import SampleIndex, ShardIndex
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One validated input, ready to store."""
+
+    image: bytes
+    label: int
+    width: int
+    height: int
+    fmt: str
+    xxh: int
+    relpath: bytes
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How images are stored: ``mode`` is 'original', 'reencode' or 'raw'."""
+
+    mode: str = "original"
+    max_side: int | None = None
+    quality: int | None = None
+    raw_shape: tuple[int, int] | None = None  # (H, W) for mode 'raw'
+
+    def raw_hw(self) -> tuple[int, int]:
+        """``(H, W)`` of every image of a raw-mode store.
+
+        Raises ValueError when this spec has no ``raw_shape`` (only raw-mode
+        stores have one; their manifest always records it)."""
+        if self.raw_shape is None:
+            raise ValueError(f"storage mode {self.mode!r} has no raw_shape: only raw-mode stores "
+                             "(convert --raw HxW) hold fixed-size pixel arrays")
+        return self.raw_shape
+
+    def reencode_max_side(self) -> int:
+        """Longest side (pixels) above which a reencode-mode store scales images down.
+
+        Raises ValueError when this spec has no ``max_side`` (only reencode-mode
+        stores have one; their manifest always records it)."""
+        if self.max_side is None:
+            raise ValueError(f"storage mode {self.mode!r} has no max_side: only reencode-mode stores "
+                             "(convert --max-side N) scale images down")
+        return self.max_side
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "max_side": self.max_side, "quality": self.quality,
+                "raw_shape": list(self.raw_shape) if self.raw_shape else None}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> StorageSpec:
+        shape = obj.get("raw_shape")
+        return cls(obj.get("mode", "original"), obj.get("max_side"), obj.get("quality"),
+                   tuple(shape) if shape else None)
+
+
+class ShardWriter(abc.ABC):
+    """Writes one shard file at ``path`` (the pipeline passes a temporary name)."""
+
+    #: the backend library's own I/O error types (the pipeline reports them like OSError)
+    io_errors: ClassVar[tuple[type[Exception], ...]] = ()
+
+    def __init__(self, path: str, storage: StorageSpec, *, schema: Schema | None = None, **options):
+        """``schema``: None for a classification (version-1) shard of :class:`Sample`; a
+        schema for a general (version-2) shard of :class:`~fastdata.format.record.EncodedSample`."""
+        self.path = path
+        self.storage = storage
+        self.schema = schema
+
+    @abc.abstractmethod
+    def put(self, samples: Sequence) -> None:
+        """Append ``samples`` (in store order): :class:`Sample` objects for a version-1
+        shard, :class:`~fastdata.format.record.EncodedSample` objects for a version-2 one."""
+
+    @abc.abstractmethod
+    def close(self) -> ShardIndex | SampleIndex:
+        """Flush, write the index, sync to disk and close. Returns the index written."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close without finishing (the pipeline deletes the file)."""
+
+
+class ShardReader(abc.ABC):
+    """Reads one finished shard file. Opening happens in the constructor, so
+    datasets create readers lazily, once per process."""
+
+    def __init__(self, path: str, storage: StorageSpec, *, schema: Schema | None = None, **options):
+        """``schema``: None for a classification (version-1) shard; the store's schema for a
+        general (version-2) one, whose :meth:`get` returns whole record bytes."""
+        self.path = path
+        self.storage = storage
+        self.schema = schema
+
+    @abc.abstractmethod
+    def read_index(self) -> ShardIndex | SampleIndex:
+        """The per-sample metadata arrays of this shard, validated (a :class:`SampleIndex`
+        for a version-2 shard)."""
+
+    @abc.abstractmethod
+    def get(self, local_index: int) -> bytes:
+        """Stored image bytes of one sample, or a version-2 shard's record bytes (checksum verified)."""
+
+    def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
+        """Stored bytes for several samples, in the order given."""
+        return [self.get(i) for i in local_indices]
+
+    def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
+        """Raw-mode stores: copy pixels of ``local_indices`` into ``out`` [n,H,W,3]."""
+        h, w = self.storage.raw_hw()
+        for j, i in enumerate(local_indices):
+            out[j] = np.frombuffer(self.get(int(i)), dtype=np.uint8).reshape(h, w, 3)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every OS handle."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

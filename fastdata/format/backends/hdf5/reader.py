@@ -1,0 +1,231 @@
+"""Read one HDF5 shard (layout in ``spec.py``)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import h5py
+import numpy as np
+
+from fastdata.errors import CorruptRecordError, FormatError
+from fastdata.format.backends.base import ShardReader, StorageSpec
+from fastdata.format.backends.hdf5 import spec
+from fastdata.format.record import SampleIndex, ShardIndex, checksum, read_index_arrays
+
+
+def _map_address(m: mmap.mmap) -> int:
+    """Address of the first byte of a mapping (to turn array offsets into map offsets)."""
+    return np.frombuffer(m, dtype=np.uint8, count=1).ctypes.data
+
+
+class HDF5ShardReader(ShardReader):
+    """Opens with mode "r", ``locking=False`` (published shards are immutable and
+    HDF5 file locking fails on NFS/Lustre) and a small bounded chunk cache.
+
+    The payload dataset (``images`` or ``pixels``) is contiguous, so after
+    reading the index through h5py the reader maps the payload's byte range
+    read-only (``MADV_RANDOM``: no readahead for random access) and slices
+    samples out of the mapping directly. Each process makes its own mapping
+    (readers are created lazily per process by the datasets)."""
+
+    #: diagnose(): the handles held here are reopened per process (see the datasets)
+    __fastdata_fork_safe__ = True
+
+    def __init__(self, path: str, storage: StorageSpec, **options):
+        super().__init__(path, storage, **options)
+        self._map: mmap.mmap | None = None
+        self._payload: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+        self._checksums: np.ndarray | None = None
+        try:
+            self.file = h5py.File(path, "r", locking=False, rdcc_nbytes=spec.READER_CHUNK_CACHE)
+        except (OSError, ValueError) as err:
+            self.file = None
+            raise FormatError(f"{path}: cannot open HDF5 shard ({err}); the file is missing or damaged; "
+                              "run 'fastdata verify' on the store") from None
+
+    def read_index(self) -> ShardIndex | SampleIndex:
+        f = self.file
+        if f is None:
+            raise ValueError(f"{self.path}: the shard reader is closed")
+        expected = spec.VERSION if self.schema is None else spec.VERSION_2
+        try:
+            if f.attrs.get("layout") != spec.LAYOUT:
+                raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
+            if int(f.attrs.get("version", -1)) != expected:
+                raise FormatError(f"{self.path}: HDF5 shard layout version {f.attrs.get('version')!r} "
+                                  f"is not supported (expects {expected})")
+            if self.schema is not None:
+                return self._read_index_v2(f)
+            arrays = {name: np.asarray(f[name][()], dtype=np.dtype(dtype).newbyteorder("="))
+                      for name, dtype in spec.INDEX_ARRAYS.items()}
+            count = int(f.attrs["count"])
+            if self.storage.mode == "raw":
+                data = f[spec.PIXELS]
+                h, w = self.storage.raw_hw()
+                if data.shape[1:] != (h, w, 3):
+                    raise CorruptRecordError(f"{self.path}: pixels have shape {data.shape}, expected (n, {h}, {w}, 3)",
+                                             shard=self.path)
+                total = data.shape[0]
+                offsets = None
+            else:
+                data = f[spec.IMAGES]
+                offsets = np.asarray(f[spec.OFFSETS][()], dtype=np.int64)
+                total = len(offsets) - 1
+            nbytes = int(np.prod(data.shape))
+            file_offset = data.id.get_offset()
+        except (KeyError, OSError, ValueError, TypeError) as err:
+            raise CorruptRecordError(f"{self.path}: shard index unreadable ({err})", shard=self.path) from None
+        index = ShardIndex(**arrays)
+        if len(index) != count or total != count:
+            raise CorruptRecordError(f"{self.path}: index has {len(index)} entries, header says {count}",
+                                     shard=self.path)
+        index.validate(self.path)
+        if offsets is not None and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
+                                    or offsets[-1] != nbytes):
+            raise CorruptRecordError(f"{self.path}: image offsets are inconsistent", shard=self.path)
+        self._adopt_payload(index, offsets, file_offset, nbytes)
+        return index
+
+    def _read_index_v2(self, f) -> SampleIndex:
+        """Version 2: the index arrays by key, then map ``records`` like version 1's ``images``."""
+        assert self.schema is not None
+        count = int(f.attrs["count"])
+
+        def get(key: str):
+            return f[key][()] if key in f else None
+
+        index = read_index_arrays(self.schema, get, count, self.path)
+        data = f[spec.RECORDS]
+        offsets = np.asarray(f[spec.OFFSETS][()], dtype=np.int64)
+        nbytes = int(np.prod(data.shape))
+        if len(offsets) != count + 1 or (count and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
+                                                    or offsets[-1] != nbytes)):
+            raise CorruptRecordError(f"{self.path}: record offsets are inconsistent", shard=self.path)
+        file_offset = data.id.get_offset()
+        self._adopt_payload(index, offsets, file_offset, nbytes)
+        return index
+
+    def _adopt_payload(self, index: ShardIndex | SampleIndex, offsets: np.ndarray | None, file_offset: int | None,
+                       nbytes: int) -> None:
+        """Map the checked index's payload dataset (``nbytes`` at ``file_offset``, None when HDF5 did not
+        store it in one piece) and keep the record ``offsets`` (None: fixed-size raw pixels) and the
+        checksums :meth:`get` reads by."""
+        if nbytes and file_offset is None:
+            raise CorruptRecordError(f"{self.path}: payload dataset is not contiguous", shard=self.path)
+        self._map_payload(file_offset or 0, nbytes)
+        self._offsets = offsets
+        self._checksums = index.checksums
+
+    def _map_payload(self, file_offset: int, nbytes: int) -> None:
+        if nbytes == 0:
+            self._payload = np.zeros(0, dtype=np.uint8)
+            return
+        if file_offset + nbytes > os.path.getsize(self.path):
+            raise CorruptRecordError(f"{self.path}: payload runs past the end of the file (truncated shard)",
+                                     shard=self.path)
+        start = file_offset - file_offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.path, "rb") as fh:
+            self._map = mmap.mmap(fh.fileno(), nbytes + file_offset - start, access=mmap.ACCESS_READ, offset=start)
+        if hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_RANDOM)
+        self._payload = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=file_offset - start)
+
+    def _loaded(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(payload, checksums)``, reading the index on first use.
+
+        Raises ValueError once the reader is closed (close() drops the mapping)."""
+        if self.file is None:
+            raise ValueError(f"{self.path}: the shard reader is closed")
+        if self._checksums is None:
+            self.read_index()
+        # read_index() either maps the payload and keeps the checksums, or raises
+        assert self._payload is not None and self._checksums is not None
+        return self._payload, self._checksums
+
+    def _check(self, data: bytes, checksums: np.ndarray, local_index: int) -> bytes:
+        if checksum(data) != int(checksums[local_index]):
+            what = "image" if self.schema is None else "record"
+            raise CorruptRecordError(f"{self.path} record {local_index}: {what} checksum mismatch "
+                                     "(the record is damaged)",
+                                     shard=self.path, index=local_index)
+        return data
+
+    def _span(self, local_index: int) -> tuple[int, int]:
+        if self._offsets is None:
+            h, w = self.storage.raw_hw()
+            row = h * w * 3
+            return local_index * row, (local_index + 1) * row
+        return int(self._offsets[local_index]), int(self._offsets[local_index + 1])
+
+    def _read(self, payload: np.ndarray, local_index: int) -> bytes:
+        a, b = self._span(local_index)
+        try:
+            return payload[a:b].tobytes()
+        except (OSError, ValueError) as err:  # e.g. SIGBUS-free I/O errors surface as OSError
+            raise CorruptRecordError(f"{self.path} record {local_index}: unreadable ({err})",
+                                     shard=self.path, index=local_index) from None
+
+    def get(self, local_index: int) -> bytes:
+        payload, checksums = self._loaded()
+        if not 0 <= local_index < len(checksums):
+            raise IndexError(local_index)
+        return self._check(self._read(payload, local_index), checksums, local_index)
+
+    def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
+        """Samples are sliced in offset order so a cold store is read as sequentially as the batch allows."""
+        payload, checksums = self._loaded()
+        idx = np.asarray(local_indices, dtype=np.int64)
+        out: list = [None] * len(idx)
+        order = np.argsort(idx, kind="stable").tolist()
+        self._prefetch(payload, (int(idx[j]) for j in order))
+        for j in order:
+            i = int(idx[j])
+            out[j] = self._check(self._read(payload, i), checksums, i)
+        return out
+
+    def _prefetch(self, payload: np.ndarray, local_indices) -> None:
+        """Ask the kernel for every sample of the batch at once (``MADV_WILLNEED``, in
+        offset order) before touching any: the map is ``MADV_RANDOM``, so otherwise a
+        cold sample larger than a page would be read one page fault at a time."""
+        if self._map is None or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        base = payload.ctypes.data - _map_address(self._map)
+        page = mmap.PAGESIZE
+        for i in local_indices:
+            a, b = self._span(i)
+            start = (base + a) // page * page
+            try:
+                self._map.madvise(mmap.MADV_WILLNEED, start, base + b - start)
+            except (OSError, ValueError):  # advice only: never fail a read over it
+                return
+
+    def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
+        """Raw mode: one numpy gather from the mapped pixel array (sorted order), then checksums."""
+        payload, checksums = self._loaded()
+        idx = np.asarray(local_indices, dtype=np.int64)
+        h, w = self.storage.raw_hw()
+        pixels = payload.reshape(-1, h, w, 3)
+        order = np.argsort(idx, kind="stable")
+        out[order] = pixels[idx[order]]
+        for j, i in enumerate(idx.tolist()):
+            if checksum(out[j]) != int(checksums[i]):
+                raise CorruptRecordError(f"{self.path} record {i}: image checksum mismatch (the record is damaged)",
+                                         shard=self.path, index=i)
+
+    def close(self) -> None:
+        f, self.file = getattr(self, "file", None), None
+        self._payload = None
+        m, self._map = getattr(self, "_map", None), None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:  # a caller still holds a view; the GC unmaps it later
+                pass
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # closing a damaged file can raise; nothing left to release
+                pass

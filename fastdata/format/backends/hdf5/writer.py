@@ -1,0 +1,201 @@
+"""Write one HDF5 shard (layout in ``spec.py``)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+from collections.abc import Sequence
+
+import h5py
+import numpy as np
+
+from fastdata.common.writeback import Writeback
+from fastdata.format.backends.base import ShardWriter, StorageSpec
+from fastdata.format.backends.hdf5 import spec
+from fastdata.format.manifest import fsync_file
+from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex
+
+
+def _os_write(fh: io.FileIO, view: memoryview) -> int | None:
+    """One write of libhdf5's through its file object (a seam for fault-injection tests)."""
+    return io.FileIO.write(fh, view)
+
+
+class _SwallowingFile(io.FileIO):
+    """The file libhdf5 writes through (h5py's file-object driver).
+
+    The first write error is recorded and every later write is dropped, so the
+    library never sees it: HDF5 cannot close a file whose flush failed (e.g. on
+    ENOSPC), keeps it open and then crashes the interpreter at exit (SIGSEGV).
+    The writer raises the recorded error itself once the file is closed; the
+    half-written shard is then deleted by the pipeline and never trusted.
+    """
+
+    error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        while view and self.error is None:
+            try:
+                written = _os_write(self, view)
+            except OSError as err:
+                self.error = err
+                break
+            if not written:
+                self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+            view = view[written:]
+        return size
+
+    def truncate(self, size=None):
+        if self.error is None:
+            try:
+                return super().truncate(size)
+            except OSError as err:  # e.g. EFBIG past RLIMIT_FSIZE, or ENOSPC
+                self.error = err
+        return size
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                super().flush()
+            except OSError as err:
+                self.error = err
+
+
+class _AroundPayloadFile(_SwallowingFile):
+    """The shard file as libhdf5 must see it when creating the file around the
+    payload already written into it: empty, so its end is what libhdf5 itself
+    wrote (it refuses to create a file over one that looks non-empty)."""
+
+    written_end = 0
+
+    def seek(self, pos, whence=0):
+        if whence == os.SEEK_END:
+            return super().seek(self.written_end + pos)
+        return super().seek(pos, whence)
+
+    def write(self, data) -> int:
+        size = super().write(data)
+        self.written_end = max(self.written_end, self.tell())
+        return size
+
+    def truncate(self, size=None):
+        if size is not None:
+            self.written_end = size
+        return super().truncate(size)
+
+
+#: where the payload (image bytes, or raw pixels) starts in a shard file. The writer
+#: streams it there while the shard is written and builds the HDF5 structure around
+#: it at close: with 64 KiB alignment for allocations of 64 KiB or more, libhdf5
+#: places the contiguous payload dataset at the first aligned address, which is this
+#: one (the metadata allocated before it is about 1 KB). Smaller payloads are
+#: simply rewritten through h5py. Readers never assume this offset: they ask
+#: the dataset (``id.get_offset()``).
+PAYLOAD_OFFSET = 64 << 10
+
+
+class HDF5ShardWriter(ShardWriter):
+    """Streams image bytes (or raw pixels) into the shard file at
+    :data:`PAYLOAD_OFFSET` while the shard is written, then at close creates the
+    HDF5 structure around them: a *contiguous* payload dataset of the exact size,
+    allocated at that offset and never filled, plus offsets and index arrays.
+    Contiguous storage has a fixed file offset, so readers can map it and slice
+    samples without a per-read trip through the HDF5 library, and no image byte
+    is copied at close (a 190 MB shard took 0.7 s to copy in through h5py)."""
+
+    def __init__(self, path: str, storage: StorageSpec, **options):
+        super().__init__(path, storage, **options)
+        self.payload = open(path, "wb")
+        self.payload.seek(PAYLOAD_OFFSET)
+        self.writeback = Writeback(path)
+        self.index: IndexBuilder | SampleIndexBuilder = (
+            IndexBuilder() if self.schema is None else SampleIndexBuilder(self.schema))
+        self.offsets = [0]
+
+    def put(self, samples: Sequence) -> None:
+        if isinstance(self.index, SampleIndexBuilder):  # version 2: the payload is the records
+            data = b"".join(s.record for s in samples)
+            self.payload.write(data)
+            self.writeback.wrote(len(data))
+            for s in samples:
+                self.offsets.append(self.offsets[-1] + len(s.record))
+                self.index.add(s)
+            return
+        if self.storage.mode == "raw":
+            h, w = self.storage.raw_hw()
+            for s in samples:
+                if len(s.image) != h * w * 3:
+                    raise ValueError(f"raw sample {s.relpath!r} has {len(s.image)} bytes, expected {h * w * 3}")
+        data = b"".join(s.image for s in samples)
+        self.payload.write(data)
+        self.writeback.wrote(len(data))
+        for s in samples:
+            self.offsets.append(self.offsets[-1] + len(s.image))
+            self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
+                           nbytes=len(s.image), relpath=s.relpath)
+
+    def close(self) -> ShardIndex | SampleIndex:
+        index = self.index.build()
+        self.payload.close()
+        self.writeback.close()
+        total = self.offsets[-1]
+        in_place = total >= PAYLOAD_OFFSET
+        small = b""
+        if not in_place and total:
+            with open(self.path, "rb") as fh:
+                fh.seek(PAYLOAD_OFFSET)
+                small = fh.read(total)
+        raw = _AroundPayloadFile(self.path, "r+b")  # not "w": the payload is already in place
+        try:
+            align = {"alignment_threshold": PAYLOAD_OFFSET, "alignment_interval": PAYLOAD_OFFSET} if in_place else {}
+            with h5py.File(raw, "w", locking=False, **align) as f:
+                shape: tuple[int, ...]
+                if isinstance(index, SampleIndex):
+                    name, shape = spec.RECORDS, (total,)
+                elif self.storage.mode == "raw":
+                    h, w = self.storage.raw_hw()
+                    name, shape = spec.PIXELS, (len(index), h, w, 3)
+                else:
+                    name, shape = spec.IMAGES, (total,)
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+                data = f.create_dataset(name, shape=shape, dtype=np.uint8, dcpl=dcpl)
+                if in_place and data.id.get_offset() != PAYLOAD_OFFSET:
+                    raise RuntimeError(f"{self.path}: libhdf5 placed the payload at {data.id.get_offset()}, "
+                                       f"not {PAYLOAD_OFFSET}; this HDF5 version is not supported by fastdata's "
+                                       "writer (please report it)")
+                if small:
+                    data[...] = np.frombuffer(small, dtype=np.uint8).reshape(shape)
+                if self.storage.mode != "raw":
+                    f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
+                if isinstance(index, SampleIndex):
+                    for key, arr in index.arrays.items():
+                        f.create_dataset(key, data=np.asarray(arr, dtype=arr.dtype.newbyteorder("<")))
+                else:
+                    for key, dtype in spec.INDEX_ARRAYS.items():
+                        f.create_dataset(key, data=np.asarray(getattr(index, key), dtype=dtype))
+                f.attrs["layout"] = spec.LAYOUT
+                f.attrs["version"] = spec.VERSION if isinstance(index, ShardIndex) else spec.VERSION_2
+                f.attrs["count"] = len(index)
+        finally:
+            raw.close()
+        if raw.error is not None:
+            raise OSError(raw.error.errno, raw.error.strerror or str(raw.error), self.path) from raw.error
+        fsync_file(self.path)
+        return index
+
+    def abort(self) -> None:
+        """Close without finishing (the pipeline deletes the file)."""
+        try:
+            self.payload.close()
+        except OSError:
+            pass
+        try:
+            self.writeback.close()
+        except OSError:
+            pass

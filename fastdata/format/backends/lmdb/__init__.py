@@ -1,0 +1,1 @@
+"""The LMDB backend: layout constants (``spec``), shard writer and shard reader."""

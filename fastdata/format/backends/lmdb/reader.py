@@ -1,0 +1,247 @@
+"""Read one LMDB shard (layout in ``spec.py``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import lmdb
+import msgpack
+import numpy as np
+
+from fastdata.errors import CorruptRecordError, FormatError
+from fastdata.format.backends.base import ShardReader, StorageSpec
+from fastdata.format.backends.lmdb import spec
+from fastdata.format.record import (
+    Record,
+    SampleIndex,
+    ShardIndex,
+    checksum,
+    decode_record,
+    index_layout,
+    read_index_arrays,
+    record_image,
+)
+
+
+class _EnvCache:
+    """LMDB allows one Environment per file per process (py-lmdb raises on a
+    second open), so readers of the same shard in one process share it,
+    reference-counted.
+
+    After a fork the child inherits the parent's environments *and* py-lmdb's
+    registry of open files, so it could not open the shard itself. The child
+    never reads through an inherited environment; it closes its copy first.
+    For our ``readonly=True, lock=False`` environments that only unmaps the
+    child's mapping and closes the child's duplicate descriptor: there is no
+    reader-table slot or lock to release, and the parent is unaffected (the
+    fork tests check the parent keeps reading).
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.envs: dict[str, list] = {}
+
+    def acquire(self, path: str, readahead: bool):
+        if self.pid != os.getpid():
+            inherited, self.envs, self.pid = self.envs, {}, os.getpid()
+            for env, _dbs, _refs in inherited.values():
+                env.close()
+        key = os.path.realpath(path)
+        entry = self.envs.get(key)
+        if entry is None:
+            env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
+                            max_spare_txns=0, max_dbs=2)
+            try:
+                dbs = (env.open_db(spec.RECORDS_DB, create=False), env.open_db(spec.INDEX_DB, create=False))
+            except lmdb.Error:
+                env.close()
+                raise
+            entry = self.envs[key] = [env, dbs, 0]
+        entry[2] += 1
+        return key, entry[0], entry[1]
+
+    def release(self, key: str) -> None:
+        if self.pid != os.getpid():
+            return
+        entry = self.envs.get(key)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del self.envs[key]
+            entry[0].close()
+
+
+_ENVS = _EnvCache()
+
+
+class LMDBShardReader(ShardReader):
+    """Opens the environment read-only without a lock table and without spare
+    transactions: a parent holding a read transaction when workers fork makes them fail
+    later with MDB_BAD_RSLOT (py-lmdb#346), so nothing survives a fork."""
+
+    #: diagnose(): the handles held here are reopened per process (see the datasets)
+    __fastdata_fork_safe__ = True
+
+    def __init__(self, path: str, storage: StorageSpec, *, readahead: bool = False, **options):
+        super().__init__(path, storage, **options)
+        self._pid = os.getpid()
+        self._checksums: np.ndarray | None = None  # raw mode: loaded at the first batch
+        try:
+            self._key, self.env, (self.records, self.index_db) = _ENVS.acquire(path, readahead)
+        except lmdb.Error as err:
+            self.env = None
+            raise FormatError(f"{path}: cannot open LMDB shard ({err}); the file is missing or damaged; "
+                              "run 'fastdata verify' on the store") from None
+
+    def read_index(self) -> ShardIndex | SampleIndex:
+        expected = spec.VERSION if self.schema is None else spec.VERSION_2
+        try:
+            with self._open_env().begin(db=self.index_db) as txn:
+                header_raw = txn.get(spec.HEADER_KEY)
+                if self.schema is not None:
+                    stored = {key: txn.get(key.encode()) for key in (*index_layout(self.schema), "relpaths",
+                                                                      "relpath_offsets")}
+                else:
+                    raw = {name: txn.get(name.encode()) for name in spec.INDEX_ARRAYS}
+        except lmdb.Error as err:
+            raise CorruptRecordError(f"{self.path}: cannot read the shard index ({err})", shard=self.path) from None
+        try:
+            header = msgpack.unpackb(header_raw, raw=False, max_str_len=256, max_map_len=8)
+        except Exception:
+            header = None
+        if not isinstance(header, dict) or header.get("layout") != spec.LAYOUT:
+            raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
+        if header.get("version") != expected:
+            raise FormatError(f"{self.path}: LMDB shard layout version {header.get('version')!r} "
+                              f"is not supported (expects {expected})")
+        if self.schema is not None:
+            count = header.get("count")
+            if type(count) is not int or count < 0:
+                raise CorruptRecordError(f"{self.path}: damaged shard header (count)", shard=self.path)
+            try:
+                index_v2 = read_index_arrays(self.schema, stored.get, count, self.path)
+            except CorruptRecordError as err:
+                raise CorruptRecordError(str(err), shard=self.path) from None
+            self._checksums = index_v2.checksums
+            return index_v2
+        arrays = {}
+        for name, dtype in spec.INDEX_ARRAYS.items():
+            buf = raw[name]
+            if buf is None or len(buf) % np.dtype(dtype).itemsize:
+                raise CorruptRecordError(f"{self.path}: index array {name!r} missing or damaged", shard=self.path)
+            arrays[name] = np.frombuffer(buf, dtype=dtype).astype(np.dtype(dtype).newbyteorder("="))
+        index = ShardIndex(**arrays)
+        if len(index) != header.get("count"):
+            raise CorruptRecordError(f"{self.path}: index has {len(index)} entries, header says {header.get('count')}",
+                                     shard=self.path)
+        index.validate(self.path)
+        return index
+
+    def _decode(self, buf, local_index: int) -> bytes:
+        where = f"{self.path} record {local_index}"
+        if buf is None:
+            raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
+        if self.schema is not None:  # version 2: the whole record against the index's checksum
+            assert self._checksums is not None, "get()/get_many() load the checksums first"
+            if not 0 <= local_index < len(self._checksums) or checksum(buf) != int(self._checksums[local_index]):
+                raise CorruptRecordError(f"{where}: record checksum mismatch (the record is damaged)",
+                                         shard=self.path, index=local_index)
+            return bytes(buf)
+        try:
+            return record_image(buf, where=where)
+        except CorruptRecordError as err:  # decode_record knows no shard/index: attach them
+            raise CorruptRecordError(str(err), shard=self.path, index=local_index) from None
+
+    def _load_checksums(self) -> None:
+        """Version 2: the index's record checksums, read before a records transaction opens
+        (never a second transaction nested inside one)."""
+        if self.schema is not None and self._checksums is None:
+            self.read_index()
+
+    def get(self, local_index: int) -> bytes:
+        self._load_checksums()
+        try:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
+                return self._decode(txn.get(spec.encode_key(local_index)), local_index)
+        except lmdb.Error as err:  # a damaged page (LMDB keeps no page checksums)
+            raise self._damaged(err, local_index) from None
+
+    def _damaged(self, err: Exception, local_index: int) -> CorruptRecordError:
+        return CorruptRecordError(f"{self.path} record {local_index}: unreadable, the shard's internal "
+                                  f"structure is damaged ({err})", shard=self.path, index=local_index)
+
+    def get_record(self, local_index: int) -> Record:
+        """The whole validated record (image and its own metadata), for ``verify``."""
+        where = f"{self.path} record {local_index}"
+        try:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
+                buf = txn.get(spec.encode_key(local_index))
+                if buf is None:
+                    raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
+                return decode_record(buf, where=where)
+        except lmdb.Error as err:
+            raise self._damaged(err, local_index) from None
+
+    def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
+        """One read transaction for the whole batch; keys visited in sorted order (how
+        fast a cold record comes in is the environment's ``readahead``: py-lmdb faults in
+        every page of a value inside ``get``, so there is nothing to advise after it)."""
+        self._load_checksums()
+        order = np.argsort(np.asarray(local_indices), kind="stable")
+        out: list = [None] * len(local_indices)
+        i = -1
+        try:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
+                for j in order:
+                    i = int(local_indices[j])
+                    out[j] = self._decode(txn.get(spec.encode_key(i)), i)
+        except lmdb.Error as err:
+            raise self._damaged(err, i) from None
+        return out
+
+    def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
+        """Raw mode: one read transaction in key order, one copy into ``out``.
+
+        A raw record's pixels are its last H*W*3 bytes (``img`` is the record's
+        last field, of fixed size), so they are sliced without unpacking the
+        record (2.7 us a sample) and checked against the shard index's checksum
+        instead of the record's own copy of it.
+        """
+        if self._checksums is None:
+            self._checksums = self.read_index().checksums
+        idx = np.asarray(local_indices, dtype=np.int64)
+        nbytes = int(np.prod(out.shape[1:]))
+        order = np.argsort(idx, kind="stable")
+        sorted_idx = idx[order].tolist()
+        expected = self._checksums[idx[order]].tolist() if len(idx) else []
+        pieces = []
+        i = -1
+        try:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
+                for i, want in zip(sorted_idx, expected, strict=False):
+                    view = txn.get(spec.encode_key(i))
+                    if view is None or len(view) <= nbytes:
+                        raise CorruptRecordError(f"{self.path} record {i}: missing or too short for a raw image",
+                                                 shard=self.path, index=i)
+                    pixels = view[len(view) - nbytes:]
+                    if checksum(pixels) != want:
+                        raise CorruptRecordError(f"{self.path} record {i}: image checksum mismatch "
+                                                 "(the record is damaged)", shard=self.path, index=i)
+                    pieces.append(pixels)
+                block = b"".join(pieces)  # inside the transaction: the views die with it
+        except lmdb.Error as err:
+            raise self._damaged(err, i) from None
+        out[order] = np.frombuffer(block, dtype=np.uint8).reshape(out.shape)
+
+    def _open_env(self):
+        """The environment, or ValueError once the reader is closed."""
+        if self.env is None:
+            raise ValueError(f"{self.path}: the shard reader is closed")
+        return self.env
+
+    def close(self) -> None:
+        env, self.env = getattr(self, "env", None), None
+        if env is not None and self._pid == os.getpid():
+            _ENVS.release(self._key)

@@ -1,0 +1,63 @@
+"""LMDB shard layout, versions 1 (classification) and 2 (general samples).
+
+Each shard is one LMDB environment stored as a single file (``subdir=False``),
+e.g. ``shard-00000.lmdb``. It holds two named databases:
+
+``records``
+    key   = the sample's index *within the shard* as an 8-byte big-endian
+            unsigned integer (``struct.pack(">Q", i)``), so key order is sample
+            order and keys are 0 .. count-1 without gaps;
+    value = one msgpack record (schema in ``fastdata/record.py`` and
+            ``docs/FORMAT.md``).
+
+``index``
+    ``b"header"``  msgpack map ``{"layout": "fastdata-lmdb-shard", "version": 1, "count": n}``
+    ``b"labels"`` int64, ``b"checksums"`` uint64, ``b"widths"`` int32,
+    ``b"heights"`` int32, ``b"formats"`` uint8, ``b"nbytes"`` int64 (all
+    little-endian, ``n`` entries), ``b"relpaths"`` (concatenated path bytes)
+    and ``b"relpath_offsets"`` int64 (``n + 1`` entries).
+
+Version 2 (a store whose manifest has a ``schema`` other than the
+classification one) keeps the same two databases and keys; only the values differ:
+
+``records``
+    value = one version-2 msgpack record ``{"v": 2, "path": bin, <record field>: value, ...}``
+    (fields in schema order; see ``fastdata/record.py`` and ``docs/FORMAT.md``).
+
+``index``
+    ``b"header"`` with ``"version": 2``; ``b"checksums"`` uint64 (xxh3_64 of each
+    record's bytes), ``b"nbytes"`` int64 (record lengths), ``b"relpaths"`` /
+    ``b"relpath_offsets"`` as in version 1, and per field (``fastdata.format.record.index_layout``):
+    ``b"fields/<name>"`` for index-resident fields (the field's dtype, little-endian,
+    ``n * prod(shape)`` values, C order) and ``b"fields/<image>.format"`` uint8,
+    ``.width`` int32, ``.height`` int32 for each image field.
+
+The global index of a record is the shard's ``first_index`` (manifest) plus
+its key. Readers open with ``readonly=True, lock=False, max_spare_txns=0``
+(published stores are immutable; no reader-lock table) and ``readahead`` as
+:func:`fastdata.reader.dataset.wants_readahead` decides for the store.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from fastdata.format.record import INDEX_DTYPES
+
+LAYOUT = "fastdata-lmdb-shard"
+VERSION = 1
+#: layout version of general (schema) stores
+VERSION_2 = 2
+RECORDS_DB = b"records"
+INDEX_DB = b"index"
+HEADER_KEY = b"header"
+KEY = struct.Struct(">Q")
+#: index key -> numpy dtype string (explicit little-endian)
+INDEX_ARRAYS = INDEX_DTYPES
+#: first map size; it doubles on MapFullError, so users never see MDB_MAP_FULL
+DEFAULT_INITIAL_MAP_SIZE = 64 << 20
+
+
+def encode_key(local_index: int) -> bytes:
+    """Key of the record at ``local_index`` in its shard."""
+    return KEY.pack(local_index)

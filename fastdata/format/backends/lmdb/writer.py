@@ -1,0 +1,106 @@
+"""Write one LMDB shard (layout in ``spec.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lmdb
+import msgpack
+import numpy as np
+
+from fastdata.common.writeback import Writeback
+from fastdata.format.backends.base import ShardWriter, StorageSpec
+from fastdata.format.backends.lmdb import spec
+from fastdata.format.manifest import fsync_file
+from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex, encode_record
+
+
+class LMDBShardWriter(ShardWriter):
+    """Appends records with ``append=True`` in one write transaction per batch;
+    grows the map on ``MapFullError`` and retries the batch."""
+
+    io_errors = (lmdb.Error,)
+
+    def __init__(self, path: str, storage: StorageSpec, *, initial_map_size: int | None = None, **options):
+        super().__init__(path, storage, **options)
+        self.map_size = int(initial_map_size or spec.DEFAULT_INITIAL_MAP_SIZE)
+        # lock=False: the store-level lock already guarantees a single writer.
+        # sync=False: we sync once at close (env.sync + fsync) instead of per commit.
+        self.env = lmdb.open(path, subdir=False, map_size=self.map_size, max_dbs=2, lock=False,
+                             sync=False, metasync=False, readahead=False, meminit=True)
+        self.records = self.env.open_db(spec.RECORDS_DB)
+        self.index_db = self.env.open_db(spec.INDEX_DB)
+        self.index: IndexBuilder | SampleIndexBuilder = (
+            IndexBuilder() if self.schema is None else SampleIndexBuilder(self.schema))
+        self.map_growths = 0
+        self.writeback = Writeback(path)
+
+    def _commit(self, fill) -> None:
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    fill(txn)
+                return
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                self.map_growths += 1
+                self.env.set_mapsize(self.map_size)
+
+    def put(self, samples: Sequence) -> None:
+        start = len(self.index)
+        if self.schema is not None:  # version 2: the records are already packed
+            values = [s.record for s in samples]
+        else:
+            values = [
+                encode_record(s.image, label=s.label, width=s.width, height=s.height, fmt=s.fmt,
+                              relpath=s.relpath, xxh=s.xxh)
+                for s in samples
+            ]
+
+        def fill(txn):
+            for offset, value in enumerate(values):
+                if not txn.put(spec.encode_key(start + offset), value, db=self.records, append=True):
+                    raise RuntimeError(f"{self.path}: duplicate key {start + offset}")
+
+        self._commit(fill)
+        self.writeback.wrote(sum(len(v) for v in values))
+        if isinstance(self.index, SampleIndexBuilder):
+            for s in samples:
+                self.index.add(s)
+            return
+        for s in samples:
+            self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
+                           nbytes=len(s.image), relpath=s.relpath)
+
+    def close(self) -> ShardIndex | SampleIndex:
+        index = self.index.build()
+        version = spec.VERSION if self.schema is None else spec.VERSION_2
+        header = msgpack.packb({"layout": spec.LAYOUT, "version": version, "count": len(index)})
+        if isinstance(index, SampleIndex):
+            arrays = {key: np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")) for key, arr in
+                      index.arrays.items()}
+        else:
+            arrays = {name: np.ascontiguousarray(getattr(index, name), dtype=dtype)
+                      for name, dtype in spec.INDEX_ARRAYS.items()}
+
+        def fill(txn):
+            txn.put(spec.HEADER_KEY, header, db=self.index_db)
+            for name, arr in arrays.items():
+                txn.put(name.encode(), arr.tobytes(), db=self.index_db)
+
+        self._commit(fill)
+        self.writeback.close()
+        self.env.sync(True)
+        self.env.close()
+        fsync_file(self.path)
+        return index
+
+    def abort(self) -> None:
+        try:
+            self.env.close()
+        except lmdb.Error:
+            pass
+        try:
+            self.writeback.close()
+        except OSError:
+            pass

@@ -1,0 +1,280 @@
+"""The per-store manifest (``manifest.json``): schema, validation, atomic write.
+
+The manifest is written last, atomically (temp file, fsync, ``os.replace``,
+fsync of the directory): a store without it is an unfinished conversion. It
+carries its own checksum (``xxh3_64`` of the canonical JSON of every other
+field), so a hand edit or a flipped byte is detected on open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import xxhash
+
+from fastdata.errors import FormatError, IncompleteStoreError
+
+MANIFEST_NAME = "manifest.json"
+REJECTED_NAME = "rejected.tsv"
+STORE_FORMAT = "fastdata-store"
+STORE_VERSION = 1
+#: layout version of general stores (a ``schema`` other than the classification one)
+STORE_VERSION_2 = 2
+MAX_MANIFEST_BYTES = 256 << 20
+
+_REQUIRED = {
+    "format": str,
+    "version": int,
+    "backend": str,
+    "storage": dict,
+    "classes": list,
+    "num_samples": int,
+    "class_counts": list,
+    "shards": list,
+    "rejected": list,
+    "options": dict,
+}
+_SHARD_REQUIRED = {"name": str, "first_index": int, "count": int, "bytes": int, "xxh": str, "image_bytes": int}
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, no spaces) used for checksums."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _body_checksum(body: dict) -> str:
+    return xxhash.xxh3_64_hexdigest(canonical_json(body))
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix.
+
+    Sequence: write ``<path>.tmp-<pid>``, fsync it, ``os.replace`` it onto
+    ``path``, fsync the directory. On any ``OSError`` the temporary is removed,
+    and if the rename already happened ``path`` is removed too (a file whose
+    directory sync failed is not durable, so it must not be trusted); the
+    ``OSError`` raised names ``path`` and keeps the errno.
+    """
+    tmp = f"{path}.tmp-{os.getpid()}"
+    replaced = False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        replaced = True
+        fsync_dir(os.path.dirname(path) or ".")
+    except OSError as err:
+        for leftover in (tmp, path) if replaced else (tmp,):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+        raise OSError(err.errno, err.strerror or str(err), path) from err
+
+
+def fsync_file(path: str) -> None:
+    """fsync a file by path (after a library that owns the handle closed it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so a rename inside it survives power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(store_dir: str, body: dict) -> dict:
+    """Validate ``body``, add its checksum and publish it atomically. Returns the written dict."""
+    body = dict(body)
+    body.pop("checksum", None)
+    validate_manifest(body, where=store_dir, check_sum=False)
+    full = dict(body, checksum=_body_checksum(body))
+    atomic_write(os.path.join(store_dir, MANIFEST_NAME), json.dumps(full, indent=1, sort_keys=True).encode("ascii"))
+    return full
+
+
+def read_manifest(store_dir: str) -> dict:
+    """Load and validate a store's manifest.
+
+    Raises :class:`IncompleteStoreError` when there is none (an unfinished or
+    interrupted conversion), :class:`FormatError` for anything malformed, and
+    :class:`PathNotFoundError`/:class:`RemotePathError` for a missing path or a URL.
+    """
+    from fastdata.format.names import check_local_path  # local import: layout imports nothing heavy
+
+    check_local_path(store_dir, "store")  # a URL or a missing path is named as such, not as "not a store"
+    path = os.path.join(store_dir, MANIFEST_NAME)
+    if not os.path.isdir(store_dir):
+        raise FormatError(f"{store_dir}: not a fastdata store (not a directory)")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        hint = " (an interrupted conversion: rerun it with --resume)" if _has_staging(store_dir) else ""
+        raise IncompleteStoreError(f"{store_dir}: no {MANIFEST_NAME}: not a finished fastdata store{hint}") from None
+    return parse_manifest(raw, where=path)
+
+
+def _has_staging(store_dir: str) -> bool:
+    from fastdata.format.names import STAGING_DIR  # local import: layout imports nothing heavy
+
+    return os.path.isdir(os.path.join(store_dir, STAGING_DIR))
+
+
+def parse_manifest(raw: bytes, where: str = "manifest") -> dict:
+    """Parse manifest bytes; only ever raises :class:`FormatError`."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise FormatError(f"{where}: manifest is not valid JSON ({err}); the store is damaged") from None
+    if not isinstance(body, dict):
+        raise FormatError(f"{where}: manifest is not a JSON object")
+    validate_manifest(body, where=where, check_sum=True)
+    return body
+
+
+def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
+    """Check the manifest schema, version, internal consistency and (optionally) checksum."""
+    if body.get("format") != STORE_FORMAT:
+        raise FormatError(f"{where}: not a fastdata manifest (format={body.get('format')!r})")
+    if body.get("version") not in (STORE_VERSION, STORE_VERSION_2) or type(body.get("version")) is not int:
+        raise FormatError(
+            f"{where}: store layout version {body.get('version')!r} is not supported by this fastdata "
+            f"(expects {STORE_VERSION} or {STORE_VERSION_2}); convert the data again or install a matching fastdata"
+        )
+    for key, typ in _REQUIRED.items():
+        if type(body.get(key)) is not typ:
+            raise FormatError(f"{where}: manifest field {key!r} missing or not {typ.__name__}")
+    if check_sum:
+        stored = body.get("checksum")
+        rest = {k: v for k, v in body.items() if k != "checksum"}
+        if not isinstance(stored, str) or stored != _body_checksum(rest):
+            raise FormatError(f"{where}: manifest checksum mismatch: the manifest was edited or damaged")
+    from fastdata.format.backends.registry import BACKENDS  # local import: the registry imports the backends' base
+
+    if body["backend"] not in BACKENDS:
+        raise FormatError(f"{where}: unknown backend {body['backend']!r}")
+    if not all(isinstance(c, str) for c in body["classes"]):
+        raise FormatError(f"{where}: class names must be strings")
+    if len(body["class_counts"]) != len(body["classes"]) or not all(
+        type(c) is int and c >= 0 for c in body["class_counts"]
+    ):
+        raise FormatError(f"{where}: class_counts does not match classes")
+    _validate_storage(body["storage"], where)
+    for i, item in enumerate(body["rejected"]):
+        if not (isinstance(item, dict) and set(item) == {"path", "reason"}
+                and isinstance(item["path"], str) and isinstance(item["reason"], str)):
+            raise FormatError(f"{where}: rejected entry {i} is not {{'path': str, 'reason': str}}")
+    # optional (stores written before it existed have none): inputs kept with a remark
+    if type(body.get("warnings", [])) is not list:
+        raise FormatError(f"{where}: manifest field 'warnings' is not list")
+    for i, item in enumerate(body.get("warnings", [])):
+        if not (isinstance(item, dict) and set(item) == {"path", "warning"}
+                and isinstance(item["path"], str) and isinstance(item["warning"], str)):
+            raise FormatError(f"{where}: warnings entry {i} is not {{'path': str, 'warning': str}}")
+    expected_first = 0
+    names: set = set()
+    for i, shard in enumerate(body["shards"]):
+        if not isinstance(shard, dict):
+            raise FormatError(f"{where}: shard entry {i} is not an object")
+        for key, typ in _SHARD_REQUIRED.items():
+            if type(shard.get(key)) is not typ:
+                raise FormatError(f"{where}: shard entry {i}: field {key!r} missing or not {typ.__name__}")
+        name = shard["name"]
+        if (not name or os.path.basename(name) != name or name.startswith(".") or name in names
+                or name in (MANIFEST_NAME, REJECTED_NAME)):
+            raise FormatError(f"{where}: shard name {name!r} is not a plain, unique shard file name")
+        names.add(name)
+        if shard["first_index"] != expected_first or shard["count"] < 0:
+            raise FormatError(f"{where}: shard {name}: first_index/count inconsistent")
+        expected_first += shard["count"]
+    general = body["version"] == STORE_VERSION_2
+    if expected_first != body["num_samples"] or (
+            sum(body["class_counts"]) != body["num_samples"] and not (general and not body["classes"])):
+        raise FormatError(f"{where}: num_samples does not match the shard and class counts")
+    if general:
+        schema = schema_of(body, where)
+        _validate_class_tables(body, schema, where)
+    elif "schema" in body:
+        raise FormatError(f"{where}: a version-1 manifest has no schema (it is always image + label)")
+
+
+#: manifest key of a general store's class tables: ``{field name: [class names]}``
+CLASS_TABLES_KEY = "class_tables"
+
+
+def _validate_class_tables(body: dict, schema, where: str) -> None:
+    """``class_tables`` (optional, version 2): each key a field of the schema, each
+    value a list of class names; ``classes`` is the table of :func:`target_field`."""
+    tables = body.get(CLASS_TABLES_KEY)
+    if tables is None:
+        return
+    names = {name for name, _ in schema}
+    if not isinstance(tables, dict) or not all(
+            k in names and isinstance(v, list) and all(isinstance(c, str) for c in v) for k, v in tables.items()):
+        raise FormatError(f"{where}: {CLASS_TABLES_KEY} must map fields of the schema to lists of class names")
+    target = target_field(schema, tables)
+    if body["classes"] != (tables[target] if target is not None else []):
+        raise FormatError(f"{where}: classes must be the class table of the single-label class field")
+
+
+def target_field(schema, class_tables: dict) -> str | None:
+    """The field whose class indices are a general store's ``targets`` (and whose table
+    is its ``classes``): ``label`` when it is a single-label class field (an int),
+    else the only single-label class field, else None (e.g. multi-label only)."""
+    from fastdata.format.fields import Int
+
+    single = [name for name, f in schema if name in class_tables and isinstance(f, Int)]
+    if "label" in single:
+        return "label"
+    return single[0] if len(single) == 1 else None
+
+
+def schema_of(body: dict, where: str = "manifest"):
+    """The :class:`~fastdata.format.fields.Schema` of a (validated) manifest: its ``schema`` for
+    version 2, :data:`~fastdata.format.fields.CLASSIFICATION` for version 1 (which has none).
+    Raises :class:`FormatError` for a malformed or unknown schema."""
+    from fastdata.format.fields import CLASSIFICATION, Schema
+
+    if body.get("version") != STORE_VERSION_2:
+        return CLASSIFICATION
+    if "schema" not in body:
+        raise FormatError(f"{where}: a version-2 manifest needs a 'schema'")
+    return Schema.from_json(body["schema"], f"{where}: schema")
+
+
+def _validate_storage(storage: dict, where: str) -> None:
+    """The storage mode record: exactly the keys ``StorageSpec.to_json`` writes, consistent per mode."""
+    def positive_int(v) -> bool:
+        return type(v) is int and v > 0
+
+    keys = {"mode", "max_side", "quality", "raw_shape"}
+    mode = storage.get("mode")
+    shape = storage.get("raw_shape")
+    ok = set(storage) == keys and (
+        (mode == "original" and storage["max_side"] is None and storage["quality"] is None and shape is None)
+        or (mode == "reencode" and positive_int(storage["max_side"]) and type(storage["quality"]) is int
+            and 1 <= storage["quality"] <= 100 and shape is None)
+        or (mode == "raw" and storage["max_side"] is None and storage["quality"] is None
+            and isinstance(shape, list) and len(shape) == 2 and all(positive_int(v) for v in shape))
+    )
+    if not ok:
+        raise FormatError(f"{where}: manifest field 'storage' is not a valid storage mode: {storage!r}")

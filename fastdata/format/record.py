@@ -1,0 +1,410 @@
+"""The per-sample record: msgpack schema, checksums and the per-shard index.
+
+A record is one msgpack map (never pickle: a store must be safe to open even if
+it came from elsewhere). Field order is fixed and ``img`` comes last::
+
+    {"v": 1, "label": int, "w": int, "h": int, "fmt": str, "xxh": uint64,
+     "path": bin (source path relative to the converted root, raw bytes),
+     "img": bin (the stored image bytes, or raw RGB pixels when fmt == "RAW")}
+
+``xxh`` is ``xxhash.xxh3_64`` of ``img``. Every decoded record is validated
+(types, ranges, checksum) before anything is returned.
+
+The per-shard *index* holds the same per-sample metadata as numpy arrays so a
+reader can learn labels and sizes without touching the records (see
+:class:`ShardIndex`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from fastdata.errors import CorruptRecordError
+
+RECORD_VERSION = 1
+#: stored image format names and their 1-byte codes in the index
+FORMAT_CODES = {"JPEG": 0, "PNG": 1, "PPM": 2, "BMP": 3, "TIFF": 4, "WEBP": 5, "RAW": 6}
+FORMAT_NAMES = {v: k for k, v in FORMAT_CODES.items()}
+#: hard limit for one record: refuse to unpack anything larger (hostile input)
+MAX_RECORD_BYTES = 1 << 30
+_FIELDS = ("v", "label", "w", "h", "fmt", "xxh", "path", "img")
+_unpackb = msgpack.unpackb
+_UNPACK_LIMITS = dict(raw=False, use_list=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES,
+                      max_str_len=1 << 16, max_array_len=16, max_map_len=16, max_ext_len=0)
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """xxh3-64 of ``data`` as an unsigned int (the per-record checksum)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One decoded, validated record."""
+
+    label: int
+    width: int
+    height: int
+    fmt: str
+    xxh: int
+    relpath: bytes
+    image: bytes
+
+
+def encode_record(image: bytes, *, label: int, width: int, height: int, fmt: str,
+                  relpath: bytes, xxh: int | None = None) -> bytes:
+    """Pack one record. ``xxh`` is computed when not given."""
+    if fmt not in FORMAT_CODES:
+        raise ValueError(f"unknown image format {fmt!r}")
+    return msgpack.packb(
+        {
+            "v": RECORD_VERSION,
+            "label": int(label),
+            "w": int(width),
+            "h": int(height),
+            "fmt": fmt,
+            "xxh": checksum(image) if xxh is None else int(xxh),
+            "path": bytes(relpath),
+            "img": bytes(image),
+        },
+        use_bin_type=True,
+    )
+
+
+def _unpack_bounded(buf: bytes | memoryview, where: str, limits: dict) -> Any:
+    """msgpack-decode one stored record under ``limits`` (``msgpack.unpackb`` keyword arguments).
+
+    Raises:
+        CorruptRecordError: the record is larger than :data:`MAX_RECORD_BYTES` or is not
+            valid msgpack (named by ``where``).
+    """
+    if len(buf) > MAX_RECORD_BYTES:
+        raise CorruptRecordError(f"{where}: record of {len(buf)} bytes exceeds the {MAX_RECORD_BYTES} byte limit")
+    try:
+        return _unpackb(buf, **limits)
+    except Exception as err:  # msgpack raises several unrelated types on garbage
+        raise CorruptRecordError(f"{where}: record is not valid msgpack ({type(err).__name__}: {err})") from None
+
+
+def _unpack_record(buf: bytes | memoryview, where: str, verify: bool) -> dict:
+    obj = _unpack_bounded(buf, where, _UNPACK_LIMITS)
+    if type(obj) is not dict or tuple(obj) != _FIELDS:
+        raise CorruptRecordError(f"{where}: record does not have the fields {_FIELDS}")
+    if obj["v"] != RECORD_VERSION:
+        raise CorruptRecordError(f"{where}: record version {obj['v']!r} is not {RECORD_VERSION}")
+    label, w, h, xxh = obj["label"], obj["w"], obj["h"], obj["xxh"]
+    if not (type(label) is int and type(w) is int and type(h) is int and type(xxh) is int
+            and label >= 0 and w >= 0 and h >= 0 and xxh >= 0):
+        raise CorruptRecordError(f"{where}: fields 'label', 'w', 'h', 'xxh' must be non-negative integers")
+    if obj["fmt"] not in FORMAT_CODES:
+        raise CorruptRecordError(f"{where}: unknown image format {obj['fmt']!r}")
+    if type(obj["img"]) is not bytes or type(obj["path"]) is not bytes:
+        raise CorruptRecordError(f"{where}: 'img' and 'path' must be binary")
+    if verify and checksum(obj["img"]) != xxh:
+        raise CorruptRecordError(f"{where}: image checksum mismatch (the record is damaged)")
+    return obj
+
+
+def decode_record(buf: bytes | memoryview, *, where: str = "", verify: bool = True) -> Record:
+    """Unpack and validate one record.
+
+    Raises :class:`CorruptRecordError` (message prefixed with ``where``) for
+    anything that is not a well-formed record: bad msgpack, wrong types, a
+    version we do not know, or (with ``verify``) an image checksum mismatch.
+    """
+    obj = _unpack_record(buf, where, verify)
+    return Record(obj["label"], obj["w"], obj["h"], obj["fmt"], obj["xxh"], obj["path"], obj["img"])
+
+
+def record_image(buf: bytes | memoryview, *, where: str = "") -> bytes:
+    """The validated, checksum-verified image bytes of one record (the readers'
+    hot path: same checks as :func:`decode_record`, no :class:`Record` built)."""
+    return _unpack_record(buf, where, True)["img"]
+
+
+#: the per-shard index arrays and their on-disk dtypes (explicit little-endian);
+#: both backends store exactly these (see their spec modules and docs/FORMAT.md)
+INDEX_DTYPES = {
+    "labels": "<i8",
+    "checksums": "<u8",
+    "widths": "<i4",
+    "heights": "<i4",
+    "formats": "u1",
+    "nbytes": "<i8",
+    "relpaths": "u1",
+    "relpath_offsets": "<i8",
+}
+
+
+@dataclass
+class ShardIndex:
+    """Per-sample metadata of one shard as numpy arrays (no per-sample objects)."""
+
+    labels: np.ndarray          # int64 [n]
+    checksums: np.ndarray       # uint64 [n]
+    widths: np.ndarray          # int32 [n]
+    heights: np.ndarray         # int32 [n]
+    formats: np.ndarray         # uint8 [n], FORMAT_CODES
+    nbytes: np.ndarray          # int64 [n], stored image byte length
+    relpaths: np.ndarray        # uint8 [total], concatenated relpath bytes
+    relpath_offsets: np.ndarray  # int64 [n + 1]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def relpath(self, i: int) -> bytes:
+        return self.relpaths[self.relpath_offsets[i]:self.relpath_offsets[i + 1]].tobytes()
+
+    def validate(self, where: str) -> None:
+        """Raise :class:`CorruptRecordError` when the arrays are inconsistent."""
+        n = len(self.labels)
+        for name in ("checksums", "widths", "heights", "formats", "nbytes"):
+            if len(getattr(self, name)) != n:
+                raise CorruptRecordError(
+                    f"{where}: index array {name!r} has {len(getattr(self, name))} entries, expected {n}")
+        off = self.relpath_offsets
+        if len(off) != n + 1 or (n and (off[0] != 0 or off[-1] != len(self.relpaths) or np.any(np.diff(off) < 0))):
+            raise CorruptRecordError(f"{where}: relpath offsets are inconsistent")
+        if n and (self.labels.min() < 0 or self.nbytes.min() < 0):
+            raise CorruptRecordError(f"{where}: negative label or size in the index")
+        if n and not np.isin(self.formats, list(FORMAT_NAMES)).all():
+            raise CorruptRecordError(f"{where}: unknown format code in the index")
+
+
+class IndexBuilder:
+    """Accumulates a :class:`ShardIndex` while a shard is written."""
+
+    def __init__(self) -> None:
+        self._labels: list[int] = []
+        self._checksums: list[int] = []
+        self._widths: list[int] = []
+        self._heights: list[int] = []
+        self._formats: list[int] = []
+        self._nbytes: list[int] = []
+        self._paths = bytearray()
+        self._path_offsets = [0]
+
+    def add(self, *, label: int, xxh: int, width: int, height: int, fmt: str, nbytes: int, relpath: bytes) -> None:
+        self._labels.append(label)
+        self._checksums.append(xxh)
+        self._widths.append(width)
+        self._heights.append(height)
+        self._formats.append(FORMAT_CODES[fmt])
+        self._nbytes.append(nbytes)
+        self._paths += relpath
+        self._path_offsets.append(len(self._paths))
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def build(self) -> ShardIndex:
+        return ShardIndex(
+            labels=np.asarray(self._labels, dtype=np.int64),
+            checksums=np.asarray(self._checksums, dtype=np.uint64),
+            widths=np.asarray(self._widths, dtype=np.int32),
+            heights=np.asarray(self._heights, dtype=np.int32),
+            formats=np.asarray(self._formats, dtype=np.uint8),
+            nbytes=np.asarray(self._nbytes, dtype=np.int64),
+            relpaths=np.frombuffer(bytes(self._paths), dtype=np.uint8).copy(),
+            relpath_offsets=np.asarray(self._path_offsets, dtype=np.int64),
+        )
+
+
+# -- layout version 2: stores of general samples (any schema but the classification one) -------------------------
+
+#: version of general (schema) records and shards
+RECORD_VERSION_2 = 2
+#: index keys of layout version 2 besides the fields' own arrays
+INDEX_V2_COMMON = {"checksums": "<u8", "nbytes": "<i8", "relpaths": "u1", "relpath_offsets": "<i8"}
+#: per image field, what the writer learnt from its validation decode
+IMAGE_META = {"format": "u1", "width": "<i4", "height": "<i4"}
+#: prefix of a field's index arrays: a field may be called "checksums" without clashing with the layout's arrays
+FIELD_PREFIX = "fields/"
+#: use_list=True: json fields come back as the lists they were written as, without a rebuild
+_UNPACK_V2 = dict(raw=False, use_list=True, strict_map_key=True, max_ext_len=0)
+
+
+def index_layout(schema) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every index array of a version-2 shard of ``schema``: key -> (dtype, per-sample shape).
+
+    ``checksums`` (xxh3_64 of each record's bytes), ``nbytes`` (record length) and,
+    per field, ``fields/<name>`` for index-resident fields (ints, floats, small
+    fixed arrays) and ``fields/<image>.format|.width|.height`` for image fields.
+    ``relpaths``/``relpath_offsets`` are variable-length and not listed here.
+    """
+    out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+        "checksums": (np.dtype("<u8"), ()), "nbytes": (np.dtype("<i8"), ())}
+    for name, (dtype, shape) in schema.index_fields().items():
+        out[FIELD_PREFIX + name] = (dtype, shape)
+    for name in schema.image_fields():
+        for meta, dtype in IMAGE_META.items():
+            out[f"{FIELD_PREFIX}{name}.{meta}"] = (np.dtype(dtype), ())
+    return out
+
+
+@dataclass(frozen=True)
+class EncodedSample:
+    """One general sample ready to store: its record bytes and its index entries."""
+
+    record: bytes
+    xxh: int
+    relpath: bytes
+    #: index key (see :func:`index_layout`, without ``checksums``/``nbytes``) -> value
+    index: dict
+
+
+def encode_sample(schema, checked: dict, images: dict[str, tuple[str, int, int]], relpath: bytes) -> EncodedSample:
+    """Pack a checked sample (:meth:`Schema.check`) as a version-2 record.
+
+    ``images`` gives each image field's ``(format, width, height)`` from its
+    validation decode. The record is one msgpack map ``{"v": 2, "path": bin,
+    <record field>: Field.encode(value), ...}`` in schema order.
+    """
+    body: dict = {"v": RECORD_VERSION_2, "path": bytes(relpath)}
+    index: dict = {}
+    for name, field in schema.fields:
+        if field.index_shape is None:
+            body[name] = field.encode(checked[name])
+        else:
+            index[FIELD_PREFIX + name] = checked[name]
+    for name, (fmt, width, height) in images.items():
+        index[f"{FIELD_PREFIX}{name}.format"] = FORMAT_CODES[fmt]
+        index[f"{FIELD_PREFIX}{name}.width"] = width
+        index[f"{FIELD_PREFIX}{name}.height"] = height
+    record = msgpack.packb(body, use_bin_type=True)
+    return EncodedSample(record, checksum(record), bytes(relpath), index)
+
+
+def unpack_record_v2(buf: bytes | memoryview, *, where: str) -> dict:
+    """The raw msgpack map of a version-2 record (keys checked, values not decoded yet)."""
+    obj = _unpack_bounded(buf, where, _UNPACK_V2)
+    if type(obj) is not dict or obj.get("v") != RECORD_VERSION_2 or type(obj.get("path")) is not bytes:
+        raise CorruptRecordError(f"{where}: not a version-2 record (needs 'v': 2 and a binary 'path')")
+    return obj
+
+
+def decode_record_v2(buf: bytes | memoryview, schema, *, where: str) -> dict:
+    """Unpack a version-2 record and decode its record-resident fields (schema order).
+
+    Returns ``{"path": bytes, <field>: value}``. Raises :class:`CorruptRecordError`
+    for bad msgpack, a missing or unexpected key, or a value its field refuses.
+    """
+    from fastdata.errors import FormatError
+
+    obj = unpack_record_v2(buf, where=where)
+    names = schema.record_fields()
+    if tuple(obj) != ("v", "path", *names):
+        raise CorruptRecordError(f"{where}: record has the fields {list(obj)[2:]}, the schema says {list(names)}")
+    out = {"path": obj["path"]}
+    for name in names:
+        try:
+            out[name] = schema[name].decode(obj[name], f"{where} field {name!r}")
+        except FormatError as err:
+            raise CorruptRecordError(str(err)) from None
+    return out
+
+
+@dataclass
+class SampleIndex:
+    """The index of a version-2 shard: ``arrays`` keyed as :func:`index_layout` says,
+    plus ``relpaths``/``relpath_offsets``."""
+
+    arrays: dict
+
+    def __len__(self) -> int:
+        return len(self.arrays["checksums"])
+
+    @property
+    def checksums(self) -> np.ndarray:
+        return self.arrays["checksums"]
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self.arrays["nbytes"]
+
+    def relpath(self, i: int) -> bytes:
+        off = self.arrays["relpath_offsets"]
+        return self.arrays["relpaths"][off[i]:off[i + 1]].tobytes()
+
+    def validate(self, schema, where: str) -> None:
+        """Raise :class:`CorruptRecordError` when the arrays are inconsistent with each other or the schema."""
+        n = len(self)
+        for key, (_dtype, shape) in index_layout(schema).items():
+            arr = self.arrays.get(key)
+            if arr is None or arr.shape != (n, *shape):
+                raise CorruptRecordError(f"{where}: index array {key!r} is missing or not of shape {(n, *shape)}")
+        off = self.arrays["relpath_offsets"]
+        if len(off) != n + 1 or (n and (off[0] != 0 or off[-1] != len(self.arrays["relpaths"])
+                                        or np.any(np.diff(off) < 0))):
+            raise CorruptRecordError(f"{where}: relpath offsets are inconsistent")
+        if n and self.nbytes.min() < 0:
+            raise CorruptRecordError(f"{where}: negative record size in the index")
+        for name in schema.image_fields():
+            if n and not np.isin(self.arrays[f"{FIELD_PREFIX}{name}.format"], list(FORMAT_NAMES)).all():
+                raise CorruptRecordError(f"{where}: unknown format code in the index of image field {name!r}")
+
+
+def read_index_arrays(schema, get, count: int, where: str) -> SampleIndex:
+    """Build a :class:`SampleIndex` from ``get(key) -> bytes | np.ndarray | None`` (a backend's
+    stored arrays), converting to native byte order; damaged or missing arrays raise."""
+    arrays: dict = {}
+    layout = dict(index_layout(schema))
+    layout["relpaths"] = (np.dtype("u1"), ())
+    layout["relpath_offsets"] = (np.dtype("<i8"), ())
+    for key, (dtype, shape) in layout.items():
+        raw = get(key)
+        if raw is None:
+            raise CorruptRecordError(f"{where}: index array {key!r} is missing")
+        if isinstance(raw, np.ndarray):
+            arr = np.asarray(raw, dtype=dtype)
+        else:
+            if len(raw) % dtype.itemsize:
+                raise CorruptRecordError(f"{where}: index array {key!r} is damaged")
+            arr = np.frombuffer(raw, dtype=dtype)
+        per = int(np.prod(shape, dtype=np.int64))
+        if key not in ("relpaths", "relpath_offsets"):
+            if arr.size != count * per:
+                raise CorruptRecordError(f"{where}: index array {key!r} has {arr.size} values, expected {count * per}")
+            arr = arr.reshape((count, *shape))
+        arrays[key] = arr.astype(dtype.newbyteorder("="))
+    index = SampleIndex(arrays)
+    index.validate(schema, where)
+    return index
+
+
+class SampleIndexBuilder:
+    """Accumulates a :class:`SampleIndex` while a version-2 shard is written."""
+
+    def __init__(self, schema) -> None:
+        self.schema = schema
+        self.layout = index_layout(schema)
+        self._values: dict[str, list] = {key: [] for key in self.layout}
+        self._paths = bytearray()
+        self._path_offsets = [0]
+
+    def add(self, sample: EncodedSample) -> None:
+        self._values["checksums"].append(sample.xxh)
+        self._values["nbytes"].append(len(sample.record))
+        for key, value in sample.index.items():
+            self._values[key].append(value)
+        self._paths += sample.relpath
+        self._path_offsets.append(len(self._paths))
+
+    def __len__(self) -> int:
+        return len(self._values["checksums"])
+
+    def build(self) -> SampleIndex:
+        arrays = {}
+        n = len(self)
+        for key, (dtype, shape) in self.layout.items():
+            values = self._values[key]
+            arr = np.asarray(values, dtype=dtype) if values else np.zeros((0, *shape), dtype=dtype)
+            arrays[key] = arr.reshape((n, *shape))
+        arrays["relpaths"] = np.frombuffer(bytes(self._paths), dtype=np.uint8).copy()
+        arrays["relpath_offsets"] = np.asarray(self._path_offsets, dtype="<i8")
+        return SampleIndex(arrays)

@@ -1,1 +1,0 @@
-"""HDF5 backend: see ``spec.py`` for the layout."""

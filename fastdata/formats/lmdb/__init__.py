@@ -1,1 +1,0 @@
-"""LMDB backend: see ``spec.py`` for the layout."""

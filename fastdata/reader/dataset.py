@@ -1,0 +1,709 @@
+"""Map-style Datasets over fastdata stores, correct under any DataLoader setting.
+
+Rules this module follows (how LMDB, HDF5 and the DataLoader behave under fork/spawn):
+
+* The constructor reads the manifest and each shard's small index into numpy
+  arrays, then closes everything it opened: no OS handle survives ``__init__``.
+* Shard readers open lazily on first access *in each process* and are cached
+  per process id. A dataset used in the parent and then forked into workers
+  never touches the parent's handles in the child (they are parked, untouched,
+  so not even their destructors run there). ``__getstate__`` drops handles, so
+  spawn/forkserver pickles stay small (metadata arrays only, no image data).
+* Per-sample attributes are numpy arrays, never Python lists/dicts of objects,
+  so forked workers do not copy-on-write the index page by page
+  (pytorch/pytorch#13246).
+* Every record is checked against its checksum; a bad one raises
+  :class:`~fastdata.errors.CorruptRecordError` naming store, shard and index
+  (or, with ``on_error="skip"``, is replaced by the next readable sample and
+  counted in ``skipped``). Only storage damage counts: a checksum failure, or
+  stored bytes that fastdata's own decoders (the default decode, or an instance
+  of a class from :mod:`fastdata.reader.transforms`) cannot decode. Exceptions from the
+  user's ``decode=`` callable, ``transform`` or ``target_transform`` propagate
+  unchanged, whatever ``on_error`` says.
+* Random decode-time transforms get a generator that is a pure function of
+  ``(seed, epoch, index)`` (:func:`fastdata.reader.seeding.sample_rng`), so the same
+  epoch gives the same crops whatever the number of workers, the batch size,
+  the start method or the resume point.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fastdata.errors import CorruptRecordError, FastdataError, FormatError
+from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.registry import reader_class
+from fastdata.format.record import FORMAT_NAMES
+from fastdata.reader import transforms as fd_transforms
+from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch
+from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, to_pil
+from fastdata.reader.seeding import epoch_of, sample_rng
+from fastdata.remote.store import StoreLocation, locate_store
+
+OUTPUTS = ("pil", "numpy", "tensor")
+#: handles inherited from a parent process: kept referenced so that neither we
+#: nor the garbage collector ever touches them in the child
+_INHERITED_HANDLES: list = []
+
+
+#: records at least this large (mean) span several pages: read ahead whatever the store's size
+READAHEAD_RECORD_BYTES = 16 << 10
+
+
+def _memory_bytes() -> int:
+    """Physical memory, or the cgroup (v2) limit of this container when lower."""
+    import psutil
+
+    total = int(psutil.virtual_memory().total)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            limit = fh.read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def wants_readahead(manifest: Mapping[str, Any], memory_bytes: int | None = None) -> bool:
+    """Whether LMDB readers of this store let the OS read ahead (the default of
+    ``readahead=None``).
+
+    py-lmdb touches every page of a value inside ``get`` (its "preload"), so the pages of
+    a cold record are faulted in one by one; without readahead (LMDB's ``MADV_RANDOM``)
+    each fault is one synchronous 4 KiB read: a 60 KB image is 15 of them, and advice
+    given after ``get`` comes too late. With readahead the first fault brings in the
+    record and its neighbours, which a store that fits in memory reads later anyway.
+    Off only where it costs: small records (one or two pages each) in a store larger than
+    half the memory, where the neighbours would push out pages that are still wanted.
+
+    Args:
+        manifest: the store's manifest (its shards' ``bytes`` and ``count``).
+        memory_bytes: the machine's memory; None = measured (cgroup limit included).
+
+    Returns:
+        bool: True to open LMDB environments with ``readahead=True``.
+    """
+    shards = manifest.get("shards") or []
+    store_bytes = sum(int(s.get("bytes", 0)) for s in shards)
+    records = sum(int(s.get("count", 0)) for s in shards)
+    if records and store_bytes / records >= READAHEAD_RECORD_BYTES:
+        return True
+    memory = _memory_bytes() if memory_bytes is None else memory_bytes
+    return store_bytes <= memory // 2
+
+
+def _is_fastdata_decoder(decode: Callable) -> bool:
+    """Whether ``decode`` is fastdata's own code: an instance of a class defined in
+    :mod:`fastdata.reader.transforms` (not a subclass defined elsewhere) or a function
+    defined there (``full_decode``). Its failures on stored bytes mean damage."""
+    module = decode.__module__ if inspect.isfunction(decode) else type(decode).__module__
+    return module == fd_transforms.__name__
+
+
+class StoreDataset(Dataset):
+    """Shared implementation; use :class:`LMDBImageDataset`, :class:`HDF5ImageDataset`
+    or :func:`open_dataset`."""
+
+    backend: str = ""
+    #: the schema shard readers are opened with: None for classification (version-1) stores
+    _schema = None
+
+    def __init__(
+        self,
+        path: str | os.PathLike | StoreLocation,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        output: str = "pil",
+        decode: Callable | None = None,
+        *,
+        on_error: str = "raise",
+        readahead: bool | None = None,
+        seed: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | None = None,
+        cache_limit: int | str | None = None,
+        max_open_shards: int | None = None,
+    ):
+        """Open the store's metadata.
+
+        Args:
+            path: a store directory written by ``fastdata convert``, or its URL
+                (``s3://bucket/train.lmdb``, ``gs://``, ``az://``, ``https://``): a remote
+                store's shards are downloaded whole on first use into a shared local
+                cache, checked against the manifest's checksums (see :mod:`fastdata.remote`).
+            transform: applied to the image after decoding (torchvision-style).
+            target_transform: applied to the integer label.
+            output: ``"pil"`` (RGB PIL image), ``"numpy"`` (HWC uint8) or
+                ``"tensor"`` (CHW uint8 ``torch.Tensor``).
+            decode: a decode-time transform (``fastdata.reader.transforms``) mapping
+                encoded bytes to an HWC uint8 array; ``None`` = full decode. Any
+                other callable ``decode(bytes) -> array`` is user code: its
+                exceptions propagate unchanged.
+            on_error: ``"raise"`` (default) or ``"skip"``: replace a damaged record
+                (checksum failure, or stored bytes fastdata's decoders cannot decode)
+                by the next readable sample, warn, and count it in :attr:`skipped`.
+            readahead: let the OS read ahead of each page fault in an LMDB shard's map.
+                ``None`` (default) decides from the manifest (see :func:`wants_readahead`):
+                on unless the records are small and the store is larger than half the
+                machine's memory (then each read fetching its neighbours would only
+                crowd the page cache). HDF5 shards ignore it (their reads are advised
+                per batch). LMDB allows one environment per file per process, so when two
+                datasets of one process open the same shard, the first one's setting holds.
+            seed: seed of the per-sample random streams of ``decode`` transforms
+                (see :meth:`set_epoch`); ``None`` = ``torch.initial_seed()`` of the
+                process creating the dataset (``fastdata.loader(seed=...)`` overrides it).
+            storage_options: fsspec options of a remote store (endpoint, credentials...);
+                the standard environment variables (``AWS_ENDPOINT_URL``...) work too.
+            cache_dir: cache directory of a remote store's shards (default
+                ``$FASTDATA_CACHE_DIR`` or ``~/.cache/fastdata``), shared by every process.
+            cache_limit: most bytes that cache holds (an int or ``"50GiB"``); None = no limit.
+            max_open_shards: shards each process keeps open (and pinned in the cache) at once;
+                the least recently used one is closed beyond it. None = all for a local
+                store, 4 for a remote one (fewer under a ``cache_limit`` that could not hold
+                4 of the largest shards for every DataLoader worker and local rank; at least 1).
+        """
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError("on_error must be 'raise' or 'skip'")
+        store = path if isinstance(path, StoreLocation) else locate_store(
+            path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+        self._store = store
+        #: the store's directory, or its URL
+        self.root = store.root
+        manifest = store.manifest
+        if self.backend and manifest["backend"] != self.backend:
+            raise FormatError(f"{self.root} is a {manifest['backend']} store; open it with open_dataset() "
+                              f"or the matching class")
+        self.backend = manifest["backend"]
+        self.storage = StorageSpec.from_json(manifest["storage"])
+        if decode is not None and self.storage.mode == "raw":
+            raise ValueError(f"{self.root} stores raw pixels; decode-time transforms need encoded images")
+        self.transform = transform
+        self.target_transform = target_transform
+        self.output = output
+        self.decode = decode
+        # fastdata's own decoders: their failures on stored bytes mean a damaged record
+        self._decode_is_ours = decode is None or _is_fastdata_decoder(decode)
+        # DecodeTransform promises an ``rng`` argument: it gets the per-sample stream, except
+        # fastdata's deterministic ones (a generator costs ~15 us a sample for nothing there)
+        self._decode_takes_rng = isinstance(decode, fd_transforms.DecodeTransform) and type(decode) not in (
+            fd_transforms.CenterCrop, fd_transforms.Resize)
+        self.seed = int(torch.initial_seed() if seed is None else seed)
+        #: epoch of the per-sample crop streams; None until set_epoch: unkeyed per-process streams
+        self.epoch: int | None = None
+        self.on_error = on_error
+        self.readahead = wants_readahead(manifest) if readahead is None else bool(readahead)
+        self.classes: list[str] = list(manifest["classes"])
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self._shard_files: tuple[str, ...] = tuple(s["name"] for s in manifest["shards"])
+        self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
+        self._load_index(manifest)
+        self._source = (manifest.get("options") or {}).get("source")
+        store.slim()
+        self.max_open_shards = max_open_shards
+        self._open_cap: int | None = None  # this process's max_open_shards (the store's default when None)
+        self._pins: dict[int, Any] = {}
+        self._samples: list[tuple[str, int]] | None = None
+        self._skips = 0
+        # names this dataset's skip count in the main process (shared with its worker copies)
+        self._token = os.urandom(8).hex()
+        self._readers: dict[int, Any] = {}
+        self._pid: int | None = None
+
+    # -- epochs and counters ----------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose random crops the next reads use.
+
+        From then on, the generator a random ``decode`` transform draws from for sample
+        ``i`` is :func:`fastdata.reader.seeding.sample_rng` ``(self.seed, epoch, i)``, so crops
+        depend on nothing else (not on workers, batch size, start method or resume point).
+        Until an epoch is set (by this call or by indices that carry one), crops come from
+        :func:`fastdata.reader.seeding.get_rng`, a per-process stream: random in every epoch, as
+        with torchvision, but not reproducible.
+        :class:`~fastdata.DistributedShardSampler` ``.set_epoch`` and each new iteration of
+        :func:`fastdata.loader` call this for you. Worker processes learn the epoch from the
+        indices they are given (:func:`fastdata.loader` tags each batch's first index, a
+        :class:`fastdata.reader.seeding.EpochIndex`); with plain int indices they use their own copy
+        of ``epoch``, which is only current if the workers were started after this call
+        (another DataLoader with ``persistent_workers=False``).
+
+        Args:
+            epoch (int): a non-negative epoch number.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self.epoch = int(epoch)
+
+    @property
+    def skipped(self) -> int:
+        """Damaged samples replaced so far under ``on_error="skip"``.
+
+        Counts the skips made in this process plus those made in DataLoader workers
+        for batches the main process has received, when the loader's ``collate_fn`` is
+        :func:`fastdata.collate` (the default of :func:`fastdata.loader`), which carries
+        each batch's count along with it. A batch is counted when it arrives, which with
+        prefetching can be a little before the training loop sees it.
+        """
+        return self._skips + WORKER_SKIPS.get(self._token, 0)
+
+    # -- ImageFolder attributes -------------------------------------------------------------
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``[(path, target), ...]`` as ImageFolder's ``samples``, built on first access.
+
+        Paths are the absolute source paths recorded at conversion (the source folder,
+        or the list file's folder for a CSV/TSV list, joined with each record's stored
+        path); they need not exist on this machine. A store whose manifest records no
+        source gives the stored paths, relative to the converted root (:meth:`relpath`).
+        The list is never pickled: spawned workers do not receive it (forked ones inherit
+        it only if it was built before they started).
+        """
+        if self._samples is None:
+            base = self._source_base()
+            self._samples = [(os.path.join(base, self.relpath(i)) if base else self.relpath(i), int(t))
+                             for i, t in enumerate(self.targets.tolist())]
+        return self._samples
+
+    @property
+    def imgs(self) -> list[tuple[str, int]]:
+        """Alias of :attr:`samples`, as in ImageFolder."""
+        return self.samples
+
+    def _source_base(self) -> str | None:
+        source = self._source
+        if not source:
+            return None
+        if source.lower().endswith((".csv", ".tsv", ".jsonl", ".ndjson")):  # a list: paths relative to its folder
+            return os.path.dirname(source)
+        return source
+
+    def extra_repr(self) -> str:
+        """Lines :meth:`__repr__` adds after the root, as torchvision's ``extra_repr``."""
+        lines = [f"Backend: {self.backend}", f"Output: {self.output}"]
+        if self.decode is not None:
+            lines.append(f"Decode: {self.decode!r}")
+        if self.on_error != "raise":
+            lines.append(f"On error: {self.on_error}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        """torchvision's ``VisionDataset`` layout: name, size, root, extras, transforms."""
+        body = [f"Number of datapoints: {len(self)}", f"Root location: {self.root}"]
+        body += self.extra_repr().splitlines()
+        if self.transform is not None or self.target_transform is not None:
+            body.append(_standard_transform_repr(self.transform, self.target_transform))
+        return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in body])
+
+    # -- metadata ---------------------------------------------------------------------------
+    def _load_index(self, manifest: dict) -> None:
+        if manifest["version"] != 1:
+            raise FormatError(f"{self.root} is a general store (layout version {manifest['version']}, fields "
+                              f"{', '.join(f['name'] for f in manifest.get('schema', []))}): open it with "
+                              "fastdata.open_dataset(), which returns a SampleDataset")
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "nbytes", "widths", "heights")}
+        paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
+        indexes = self._store.shard_indexes(reader_class(self.backend), self.storage, None)
+        for shard, index in zip(manifest["shards"], indexes, strict=True):
+            if len(index) != shard["count"]:
+                raise CorruptRecordError(f"{self.root}/{shard['name']}: holds {len(index)} records, the manifest "
+                                         f"says {shard['count']}; run 'fastdata verify'", store=self.root,
+                                         shard=shard["name"])
+            for key in parts:
+                parts[key].append(getattr(index, key))
+            paths.append(index.relpaths)
+            path_offsets.append(index.relpath_offsets[1:] + base)
+            base += len(index.relpaths)
+        cat = lambda arrs, dt: np.concatenate(arrs).astype(dt) if arrs else np.zeros(0, dtype=dt)  # noqa: E731
+        #: ImageFolder-compatible labels, one per sample
+        self.targets = cat(parts["labels"], np.int64)
+        if len(self.targets) != manifest["num_samples"] or (
+                len(self.targets) and int(self.targets.max()) >= len(self.classes)):
+            raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",
+                                     store=self.root)
+        self._formats = cat(parts["formats"], np.uint8)
+        self._nbytes = cat(parts["nbytes"], np.int64)
+        widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
+        #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
+        self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
+            (widths == widths[0]).all() and (heights == heights[0]).all()) else None
+        self._relpaths = cat(paths, np.uint8)
+        self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def relpath(self, index: int) -> str:
+        """Source path of sample ``index`` relative to the converted root."""
+        index = self._check_index(index)
+        a, b = self._relpath_offsets[index], self._relpath_offsets[index + 1]
+        return os.fsdecode(self._relpaths[a:b].tobytes())
+
+    def _check_index(self, index) -> int:
+        n = len(self)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} samples")
+        return i
+
+    def _check_indices(self, indices: Sequence[int]) -> np.ndarray:
+        """Vectorised :meth:`_check_index` for a batch (negative indices wrap)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        idx = np.where(idx < 0, idx + n, idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = int(np.asarray(indices).reshape(-1)[np.flatnonzero((idx < 0) | (idx >= n))[0]])
+            raise IndexError(f"index {bad} out of range for a dataset of {n} samples")
+        return idx
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard number, index within that shard) of a global sample index."""
+        shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
+        return shard, index - int(self.shard_starts[shard])
+
+    # -- handles ----------------------------------------------------------------------------
+    def _reader(self, shard: int):
+        pid = os.getpid()
+        if self._pid != pid:
+            if self._readers:
+                # Inherited through fork: never use, close or even free them here. (Their cache
+                # pins are not held here: the cache closes a forked child's copies of its lock
+                # files, so the parent's release is what unpins a shard.)
+                _INHERITED_HANDLES.append((self._readers, self._pins))
+            self._readers = {}
+            self._pins = {}
+            self._pid = pid
+            self._open_cap = self.max_open_shards or self._store.open_shards_per_process()
+        reader = self._readers.get(shard)
+        if reader is not None:
+            if self._open_cap:  # moved last: dict order is the LRU order the cap closes by
+                self._readers[shard] = self._readers.pop(shard)
+            return reader
+        if self._open_cap and len(self._readers) >= self._open_cap:
+            self._close_shard(next(iter(self._readers)))  # the least recently used
+        path, pin = self._store.open_shard(shard, release_idle=self._close_all_shards)
+        try:
+            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
+        except BaseException:
+            pin.release()
+            raise
+        self._pins[shard] = pin
+        self._readers[shard] = reader
+        return reader
+
+    def _close_shard(self, shard: int) -> None:
+        reader = self._readers.pop(shard)
+        try:
+            reader.close()
+        finally:
+            pin = self._pins.pop(shard, None)
+            if pin is not None:
+                pin.release()
+
+    def _close_all_shards(self) -> None:
+        """Close this process's readers (and release their cache pins): called when a remote
+        shard finds no room in the cache, so idle pins of this process never block it."""
+        for shard in list(self._readers):
+            self._close_shard(shard)
+
+    def prefetch_shards(self, shards: Sequence[int], keep: Sequence[int] = ()) -> None:
+        """Start downloading ``shards`` (shard numbers) of a remote store in the background, so
+        they are cached when read; nothing for a local store. Samplers that know their next
+        shards call this (e.g. :class:`~fastdata.reader.sampler.DistributedShardSampler` with a
+        ``shard_window``). Making room for them never evicts ``shards`` or ``keep``."""
+        self._store.prefetch(shards, keep)
+
+    def close(self) -> None:
+        """Close this process's handles (they reopen lazily on next access)."""
+        if self._pid == os.getpid():
+            for shard in list(self._readers):
+                self._close_shard(shard)
+        self._readers = {}
+        self._pins = {}
+        self._pid = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_readers"] = {}
+        state["_pins"] = {}
+        state["_pid"] = None
+        state["_samples"] = None  # rebuilt on demand; workers should not carry a list per sample
+        return state
+
+    # -- reading ----------------------------------------------------------------------------
+    def _raw_bytes(self, index: int) -> bytes:
+        shard, local = self.locate(index)
+        try:
+            return self._reader(shard).get(local)
+        except CorruptRecordError as err:
+            raise self._named(err, shard, local, index) from None
+        except FormatError as err:
+            raise CorruptRecordError(f"{self.root} sample {index}: {err}", store=self.root,
+                                     shard=self._shard_files[shard], index=index) from None
+
+    def _named(self, err: CorruptRecordError, shard: int, local: int, index: int) -> CorruptRecordError:
+        return CorruptRecordError(
+            f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}) is damaged: {err}; "
+            "run 'fastdata verify' on the store", store=self.root, shard=self._shard_files[shard], index=index)
+
+    def _undecodable(self, index: int, err: Exception) -> CorruptRecordError:
+        shard, local = self.locate(index)
+        fmt = FORMAT_NAMES[int(self._formats[index])]
+        return CorruptRecordError(
+            f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
+            f"{fmt} image ({type(err).__name__}: {err}); run 'fastdata verify --decode' on the store",
+            store=self.root, shard=self._shard_files[shard], index=index)
+
+    def _run_decoder(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None):
+        """Decode stored ``data`` of sample ``index`` into ``out`` [H,W,3] or a new image."""
+        fmt = FORMAT_NAMES[int(self._formats[index])]
+        if self.decode is None:
+            if out is not None:
+                decode_numpy_into(data, fmt, out, self.storage.raw_shape)
+                return out
+            if self.output == "pil":
+                return decode_pil(data, fmt, self.storage.raw_shape)
+            return decode_numpy(data, fmt, self.storage.raw_shape)
+        if self._decode_takes_rng:
+            transform: fd_transforms.DecodeTransform = self.decode  # type: ignore[assignment]
+            rng = None if epoch is None else sample_rng(self.seed, epoch, index)
+            if out is not None:
+                transform.decode_into(data, out, rng)
+                return out
+            return transform(data, rng)
+        if out is not None and hasattr(self.decode, "decode_into"):
+            self.decode.decode_into(data, out)
+            return out
+        array = self.decode(data)
+        if out is not None:
+            out[...] = array
+            return out
+        return array
+
+    def _decode(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None = None):
+        """:meth:`_run_decoder`, with fastdata's own decoders' failures named as damage
+        (:class:`CorruptRecordError`) and a user's decode callable's left as they are."""
+        if not self._decode_is_ours:
+            return self._run_decoder(data, index, epoch, out)
+        try:
+            return self._run_decoder(data, index, epoch, out)
+        except FastdataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
+            raise self._undecodable(index, err) from err
+
+    def _image(self, index: int, epoch: int | None):
+        """The decoded image of sample ``index`` before ``transform``; damage raises CorruptRecordError."""
+        return self._as_pil_if_asked(self._decode(self._raw_bytes(index), index, epoch))
+
+    def _as_pil_if_asked(self, image):
+        if self.decode is not None and self.output == "pil":
+            return to_pil(image)
+        return image
+
+    def _finish(self, image, index: int):
+        if self.output == "tensor" and isinstance(image, np.ndarray):
+            image = torch.from_numpy(image).permute(2, 0, 1)
+        if self.transform is not None:
+            image = self.transform(image)
+        target = int(self.targets[index])
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+    def _load(self, epoch: int | None, index: int):
+        return self._finish(self._image(index, epoch), index)
+
+    def _load_into(self, out: np.ndarray, epoch: int | None, index: int) -> None:
+        self._decode(self._raw_bytes(index), index, epoch, out)
+
+    def __getitem__(self, index: int):
+        epoch = epoch_of(index, self.epoch)
+        index = self._check_index(index)
+        try:
+            image = self._image(index, epoch)
+        except CorruptRecordError as err:
+            return self._skip_to_next(index, err, functools.partial(self._load, epoch))[1]
+        return self._finish(image, index)
+
+    def _skip_to_next(self, index: int, err: CorruptRecordError, load: Callable[[int], Any]) -> tuple[int, Any]:
+        """The one ``on_error`` policy for a damaged sample, shared by every read path.
+
+        Raise ``err``; or (``"skip"``) count and warn, then return ``(k, load(k))`` for
+        the first readable ``k`` of the next 63 samples. ``load`` produces the
+        substitute in the caller's own form (an ``(image, target)`` pair, or pixels
+        written into a batch slot), so the substitute always has the shape the
+        caller's original would have had.
+        """
+        if self.on_error != "skip":
+            raise err
+        n = len(self)
+        self._skips += 1
+        warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=4)
+        for step in range(1, min(n, 64)):
+            k = (index + step) % n
+            try:
+                return k, load(k)
+            except CorruptRecordError:
+                continue
+        raise CorruptRecordError(f"{self.root}: sample {index} and the 63 after it are all damaged; "
+                                 "run 'fastdata verify'", store=self.root, index=index)
+
+    def __getitems__(self, indices: Sequence[int]):
+        """Fetch a whole batch (the DataLoader calls this with a batch of indices).
+
+        Storage is read shard by shard in key/offset order (one LMDB read
+        transaction per shard; contiguous HDF5 ranges merged), and samples come
+        back in the order asked. With a fixed output shape (raw stores, or a
+        ``decode`` transform with ``output_size``), ``output`` numpy/tensor and
+        no ``transform``, the images are decoded into one preallocated batch
+        array: a :class:`Batch`; otherwise a :class:`Samples` list. Both carry the
+        number of damaged samples replaced (``skips``) for :func:`collate`.
+        """
+        epoch = epoch_of(indices, self.epoch)
+        idx = self._check_indices(indices)
+        before = self._skips
+        shape = self._fixed_shape()
+        out = self._fixed_batch(idx, shape, epoch) if shape is not None else self._sample_list(idx, epoch)
+        out.skips, out.token = self._skips - before, self._token
+        return out
+
+    def _sample_list(self, idx: np.ndarray, epoch: int | None) -> Samples:
+        out = Samples()
+        load = functools.partial(self._load, epoch)
+        for i, data in zip(idx.tolist(), self._read_batch(idx), strict=False):
+            try:
+                if isinstance(data, CorruptRecordError):
+                    raise data
+                image = self._as_pil_if_asked(self._decode(data, i, epoch))
+            except CorruptRecordError as err:
+                out.append(self._skip_to_next(i, err, load)[1])
+                continue
+            out.append(self._finish(image, i))
+        return out
+
+    def _read_batch(self, idx: np.ndarray) -> list:
+        """Stored bytes for ``idx`` (CorruptRecordError objects in place of bad ones)."""
+        out: list = [None] * len(idx)
+        shards = np.searchsorted(self.shard_starts, idx, side="right") - 1
+        for shard in np.unique(shards).tolist():
+            pos = np.flatnonzero(shards == shard)
+            local = idx[pos] - self.shard_starts[shard]
+            try:
+                datas = self._reader(shard).get_many(local)
+            except CorruptRecordError:
+                datas = []
+                for p, loc in zip(pos.tolist(), local.tolist(), strict=False):
+                    try:
+                        datas.append(self._reader(shard).get(loc))
+                    except CorruptRecordError as err:
+                        datas.append(self._named(err, shard, loc, int(idx[p])))
+            for p, data in zip(pos.tolist(), datas, strict=False):
+                out[p] = data
+        return out
+
+    def _fixed_shape(self) -> tuple[int, int] | None:
+        if self.transform is not None or self.output == "pil":
+            return None
+        if self.storage.mode == "raw":
+            return self.storage.raw_hw()
+        if self.decode is None:
+            return self.uniform_shape
+        size = getattr(self.decode, "output_size", None)
+        return tuple(size) if size else None
+
+    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], epoch: int | None) -> Batch:
+        return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr, epoch),
+                           channels_first=self.output == "tensor", target_transform=self.target_transform)
+
+    def _fill(self, idx: np.ndarray, arr: np.ndarray, epoch: int | None) -> np.ndarray | None:
+        """Write the pixels of samples ``idx`` into the batch array ``arr`` [n,H,W,3].
+
+        Returns the targets of the samples actually written when a damaged one was
+        replaced (its substitute brings its own label), else None.
+        """
+        if self.storage.mode == "raw":
+            return self._fill_raw(idx, arr)
+        sources = None
+        for j, data in enumerate(self._read_batch(idx)):
+            i = int(idx[j])
+            try:
+                if isinstance(data, CorruptRecordError):
+                    raise data
+                self._decode(data, i, epoch, arr[j])
+            except CorruptRecordError as err:
+                k, _ = self._skip_to_next(i, err, functools.partial(self._load_into, arr[j], epoch))
+                sources = idx.copy() if sources is None else sources
+                sources[j] = k
+        return None if sources is None else self.targets[sources]
+
+    def _fill_raw(self, idx: np.ndarray, arr: np.ndarray) -> np.ndarray | None:
+        shards = np.searchsorted(self.shard_starts, idx, side="right") - 1
+        sources = None
+        for shard in np.unique(shards).tolist():
+            pos = np.flatnonzero(shards == shard)
+            local = idx[pos] - self.shard_starts[shard]
+            whole = len(pos) == len(idx)  # one shard (the common case): read straight into the batch
+            block = arr if whole else np.empty((len(pos),) + arr.shape[1:], dtype=np.uint8)
+            try:
+                self._reader(shard).get_raw_batch(local, block)
+            except CorruptRecordError:
+                # find the damaged record(s): per sample, raising or substituting as the policy says
+                for b, p in enumerate(pos.tolist()):
+                    i = int(idx[p])
+                    try:
+                        block[b] = self._raw_pixels(i)
+                    except CorruptRecordError as err:
+                        k, block[b] = self._skip_to_next(i, err, self._raw_pixels)
+                        sources = idx.copy() if sources is None else sources
+                        sources[p] = k
+            if not whole:
+                arr[pos] = block
+        return None if sources is None else self.targets[sources]
+
+    def _raw_pixels(self, index: int) -> np.ndarray:
+        return decode_numpy(self._raw_bytes(index), "RAW", self.storage.raw_shape)
+
+
+def _standard_transform_repr(transform: Callable | None, target_transform: Callable | None) -> str:
+    """torchvision's ``StandardTransform.__repr__``."""
+    body = ["StandardTransform"]
+    for head, fn in (("Transform: ", transform), ("Target transform: ", target_transform)):
+        if fn is not None:
+            lines = repr(fn).splitlines()
+            body += [head + lines[0]] + [" " * len(head) + line for line in lines[1:]]
+    return "\n".join(body)
+
+
+class LMDBImageDataset(StoreDataset):
+    """A fastdata LMDB store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
+
+    backend = "lmdb"
+
+
+class HDF5ImageDataset(StoreDataset):
+    """A fastdata HDF5 store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
+
+    backend = "hdf5"

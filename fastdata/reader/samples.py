@@ -1,0 +1,269 @@
+"""``SampleDataset``: a general (layout version 2) store as a map-style Dataset.
+
+``ds[i]`` is a dict of the stored fields in schema order: image fields decoded per
+``output`` (``"pil"``, ``"numpy"`` HWC uint8, ``"tensor"`` CHW uint8), ints and
+floats as Python scalars, fixed-shape arrays and ragged arrays as numpy arrays
+(tensors with ``output="tensor"``), strings and JSON values as they were written.
+``transform`` receives that dict.
+
+Everything about handles is shared with the classification datasets
+(:class:`fastdata.reader.dataset.StoreDataset`, the base class): readers open lazily once
+per process, nothing inherited through fork is touched, pickles carry no handle,
+and a damaged record raises :class:`~fastdata.errors.CorruptRecordError` naming
+store, shard and record, or is replaced under ``on_error="skip"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastdata.errors import CorruptRecordError, FastdataError
+from fastdata.format.fields import Float, Image, Int, NDArray, Ragged
+from fastdata.format.manifest import schema_of
+from fastdata.format.record import FIELD_PREFIX, FORMAT_NAMES, SampleIndex, decode_record_v2
+from fastdata.reader import batch_ring
+from fastdata.reader.batching import aligned, new_segment
+from fastdata.reader.dataset import StoreDataset
+from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, to_pil
+from fastdata.reader.seeding import epoch_of, sample_rng
+from fastdata.remote.store import StoreLocation
+
+
+class SampleList(list):
+    """What ``__getitems__`` returns: the batch's sample dicts, plus how many damaged
+    samples were replaced (``skips``) for :func:`fastdata.collate` to carry."""
+
+    skips: int = 0
+    token: str = ""
+    #: ``(image, target)`` detection samples: :func:`fastdata.collate` returns lists of both
+    detection: bool = False
+    #: the schema's ragged fields: always collated as lists (their lengths only
+    #: happen to agree in some batches; a batch's type must not depend on that)
+    ragged: tuple[str, ...] = ()
+
+
+class SampleDataset(StoreDataset):
+    """A general fastdata store (written by :func:`fastdata.write`); open it with
+    :func:`fastdata.open_dataset`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike | StoreLocation,
+        transform: Callable | None = None,
+        output: str = "pil",
+        decode: Callable | None = None,
+        *,
+        on_error: str = "raise",
+        readahead: bool | None = None,
+        seed: int | None = None,
+        **store_options: Any,
+    ):
+        """Open the store's metadata (see :class:`StoreDataset` for ``on_error``,
+        ``readahead`` and ``seed``).
+
+        Args:
+            path: a store directory written by :func:`fastdata.write`.
+            transform: called with each sample dict (after decoding); its result is returned.
+            output: ``"pil"``, ``"numpy"`` or ``"tensor"`` for image fields (tensor also
+                turns array fields into tensors).
+            decode: a decode-time transform for the image fields (``fastdata.reader.transforms``);
+                refused when the schema holds anything but images and index scalars, since a
+                fused crop would move the image but not, e.g., its boxes.
+            store_options: ``storage_options``, ``cache_dir``, ``cache_limit``, ``max_open_shards``
+                of a remote store (a URL ``path``), as :class:`StoreDataset`.
+        """
+        super().__init__(path, transform=transform, output=output, decode=decode, on_error=on_error,
+                         readahead=readahead, seed=seed, **store_options)
+
+    # -- metadata ---------------------------------------------------------------------------
+    def _load_index(self, manifest: dict) -> None:
+        self.schema = schema_of(manifest, self.root)
+        self._schema = self.schema
+        self._ragged_fields = tuple(name for name, f in self.schema if isinstance(f, Ragged))
+        others = [name for name, f in self.schema if not isinstance(f, Image | Int | Float)]
+        if self.decode is not None and others:
+            raise ValueError(
+                f"{self.root}: decode= is refused for a store with fields {', '.join(others)}: a fused crop "
+                "would move the image but not its boxes: use transform= with torchvision.transforms.v2")
+        parts: dict[str, list[np.ndarray]] = {}
+        paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
+        from fastdata.format.backends.registry import reader_class
+
+        indexes = self._store.shard_indexes(reader_class(self.backend), self.storage, self.schema)
+        for shard, index in zip(manifest["shards"], indexes, strict=True):
+            assert isinstance(index, SampleIndex)
+            if len(index) != shard["count"]:
+                raise CorruptRecordError(f"{self.root}/{shard['name']}: holds {len(index)} records, the manifest "
+                                         f"says {shard['count']}; run 'fastdata verify'", store=self.root,
+                                         shard=shard["name"])
+            for key, arr in index.arrays.items():
+                if key.startswith(FIELD_PREFIX):
+                    parts.setdefault(key, []).append(arr)
+            paths.append(index.arrays["relpaths"])
+            path_offsets.append(index.arrays["relpath_offsets"][1:] + base)
+            base += len(index.arrays["relpaths"])
+        self._count = int(manifest["num_samples"])
+        #: index-resident arrays by key (``fields/<name>``, ``fields/<image>.format``, ...)
+        self.index_arrays = {key: np.concatenate(arrs) for key, arrs in parts.items()}
+        if any(len(arr) != self._count for arr in self.index_arrays.values()):
+            raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",
+                                     store=self.root)
+        self._relpaths = np.concatenate(paths).astype(np.uint8) if paths else np.zeros(0, dtype=np.uint8)
+        self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+        self._load_class_tables(manifest)
+        self.uniform_shape = None
+
+    def _load_class_tables(self, manifest: dict) -> None:
+        """``class_tables`` (every class field's names, e.g. from a JSONL list), and
+        ``targets``: the single-label class field's indices (int64, one per sample, as
+        ImageFolder's), so samplers and class counts work; empty when there is none."""
+        from fastdata.format.manifest import CLASS_TABLES_KEY, target_field
+
+        #: field name -> class names, for each class field (``classes`` is the targets' table)
+        self.class_tables: dict[str, list[str]] = {k: list(v) for k, v in manifest.get(CLASS_TABLES_KEY, {}).items()}
+        target = target_field(self.schema, self.class_tables)
+        self.target_field = target
+        self.targets = (self.index_arrays[FIELD_PREFIX + target].astype(np.int64) if target is not None
+                        else np.zeros(0, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + "\nFields: " + ", ".join(f"{n} ({f.kind})" for n, f in self.schema)
+
+    # -- reading ----------------------------------------------------------------------------
+    def _decode_image(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None,
+                      into: np.ndarray | None = None):
+        """One image field decoded per ``output``/``decode`` (full decodes straight into
+        ``into`` when given: an HWC slot of the batch's shared segment); fastdata's own
+        decoders' failures become :class:`CorruptRecordError` (a user's decode callable's propagate)."""
+        try:
+            if self.decode is None:
+                if into is not None:
+                    decode_numpy_into(data, fmt, into)
+                    return into
+                return decode_pil(data, fmt, None) if self.output == "pil" else decode_numpy(data, fmt, None)
+            if self._decode_takes_rng:
+                rng = None if epoch is None else sample_rng(self.seed, epoch, index)
+                image = self.decode(data, rng)
+            else:
+                image = self.decode(data)
+            return to_pil(image) if self.output == "pil" else image
+        except FastdataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
+            if not self._decode_is_ours:
+                raise
+            shard, local = self.locate(index)
+            raise CorruptRecordError(
+                f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
+                f"{fmt} image field {name!r} ({type(err).__name__}: {err}); run 'fastdata verify --decode'",
+                store=self.root, shard=self._shard_files[shard], index=index) from err
+
+    def _as_output(self, value: Any):
+        if self.output == "tensor":
+            if isinstance(value, np.ndarray):
+                return torch.from_numpy(np.array(value))  # a writable copy
+        return value
+
+    def _build(self, data: bytes, index: int, epoch: int | None, slots: dict | None = None) -> dict:
+        """The sample dict of record ``data`` (sample ``index``), before ``transform``;
+        ``slots``: image field -> HWC uint8 tensor to decode that image into (see
+        :meth:`_image_slots`)."""
+        shard, local = self.locate(index)
+        where = f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index})"
+        record = decode_record_v2(data, self.schema, where=where)
+        out: dict[str, Any] = {}
+        for name, field in self.schema:
+            if isinstance(field, Image):
+                fmt = FORMAT_NAMES[int(self.index_arrays[f"{FIELD_PREFIX}{name}.format"][index])]
+                slot = slots.get(name) if slots else None
+                if slot is not None:
+                    self._decode_image(record[name], fmt, index, name, epoch, into=slot.numpy())
+                    out[name] = slot.permute(2, 0, 1)
+                    continue
+                image = self._decode_image(record[name], fmt, index, name, epoch)
+                if self.output == "tensor" and isinstance(image, np.ndarray):
+                    image = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+                out[name] = image
+            elif field.index_shape is not None:
+                value = self.index_arrays[FIELD_PREFIX + name][index]
+                out[name] = (field.decode(value, where) if not isinstance(field, NDArray)
+                             else self._as_output(np.array(value)))
+            elif isinstance(field, NDArray | Ragged):
+                out[name] = self._as_output(record[name])
+            else:
+                out[name] = record[name]
+        return out
+
+    def _finish_sample(self, sample: dict):
+        return self.transform(sample) if self.transform is not None else sample
+
+    def _load(self, epoch: int | None, index: int):
+        return self._finish_sample(self._build(self._raw_bytes(index), index, epoch))
+
+    def __getitem__(self, index: int):
+        epoch = epoch_of(index, self.epoch)
+        index = self._check_index(index)
+        try:
+            sample = self._build(self._raw_bytes(index), index, epoch)
+        except CorruptRecordError as err:
+            return self._skip_to_next(index, err, functools.partial(self._load, epoch))[1]
+        return self._finish_sample(sample)
+
+    def _image_slots(self, idx: np.ndarray) -> list[dict[str, torch.Tensor]] | None:
+        """In a DataLoader worker with ``output="tensor"`` and full decodes: one HWC uint8
+        slot per image of the batch, all in one piece of shared memory sized from the
+        index's widths and heights, so that images are decoded where they travel from
+        (:class:`fastdata.reader.batching.PackedBatch` sends it once). None otherwise."""
+        if self.output != "tensor" or self.decode is not None or torch.utils.data.get_worker_info() is None:
+            return None
+        names = [name for name, field in self.schema if isinstance(field, Image)]
+        if not names or not len(idx):
+            return None
+        shapes = [{name: (int(self.index_arrays[f"{FIELD_PREFIX}{name}.height"][i]),
+                          int(self.index_arrays[f"{FIELD_PREFIX}{name}.width"][i])) for name in names}
+                  for i in idx.tolist()]
+        total = max(1, sum(aligned(h * w * 3) for sample in shapes for h, w in sample.values()))
+        # a slot of the worker's ring: shared memory already mapped and touched by earlier
+        # batches; a new segment (its creation and first-touch faults cost ~0.4 ms an image
+        # of 400x350) only until the main process has mapped the ring, or when it is full
+        lent = batch_ring.lend(total)
+        flat = torch.from_numpy(lent) if lent is not None else new_segment(total)
+        slots, offset = [], 0
+        for sample in shapes:
+            mine = {}
+            for name, (h, w) in sample.items():
+                mine[name] = flat[offset:offset + h * w * 3].view(h, w, 3)
+                offset += aligned(h * w * 3)
+            slots.append(mine)
+        return slots
+
+    def __getitems__(self, indices: Sequence[int]):
+        """A batch of sample dicts, storage read shard by shard in key/offset order
+        (as :meth:`StoreDataset.__getitems__`), returned in the order asked."""
+        epoch = epoch_of(indices, self.epoch)
+        idx = self._check_indices(indices)
+        before = self._skips
+        out = SampleList()
+        load = functools.partial(self._load, epoch)
+        slots = self._image_slots(idx)
+        for k, (i, data) in enumerate(zip(idx.tolist(), self._read_batch(idx), strict=True)):
+            try:
+                if isinstance(data, CorruptRecordError):
+                    raise data
+                sample = self._build(data, i, epoch, slots[k] if slots else None)
+            except CorruptRecordError as err:
+                out.append(self._skip_to_next(i, err, load)[1])
+                continue
+            out.append(self._finish_sample(sample))
+        out.skips, out.token = self._skips - before, self._token
+        out.ragged = self._ragged_fields
+        return out

@@ -1,0 +1,500 @@
+"""``info`` and ``verify``: describe a store and check it end to end."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import shlex
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
+from fastdata.format.backends.base import ShardReader, StorageSpec
+from fastdata.format.backends.registry import reader_class
+from fastdata.format.manifest import MANIFEST_NAME, read_manifest
+from fastdata.format.names import STAGING_DIR, check_local_path
+from fastdata.format.record import FIELD_PREFIX, FORMAT_CODES, FORMAT_NAMES, SampleIndex, ShardIndex, decode_record_v2
+from fastdata.remote.store import RemoteStore, is_remote, locate_store
+from fastdata.writer.pipeline import WRITE_SOURCE, file_checksum
+
+
+def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None) -> dict:
+    """Describe a published store (from its manifest; no shard is opened or downloaded).
+
+    Args:
+        store (str): a store directory, or a URL (``s3://``, ``gs://``, ``az://``, ``https://``).
+        storage_options (Mapping | None): fsspec options for a URL (endpoint, credentials...).
+        cache_dir (str | None): the shard cache a URL's manifest is kept in (default: the user's).
+
+    Returns:
+        dict: JSON-serialisable: backend, version, storage mode, counts, classes with
+        per-class counts, shards with sizes, rejected inputs.
+    """
+    if is_remote(store):
+        m = locate_store(store, storage_options=storage_options, cache_dir=cache_dir).manifest
+        where = store.rstrip("/")
+    else:
+        if storage_options:
+            raise RemoteStoreError(f"{store}: storage_options apply to remote URLs only, not to a local path")
+        m = read_manifest(store)
+        where = os.path.abspath(store)
+    return {
+        "path": where,
+        "backend": m["backend"],
+        "version": m["version"],
+        "storage": m["storage"],
+        "num_samples": m["num_samples"],
+        "num_classes": len(m["classes"]),
+        "classes": [{"name": c, "index": i, "count": n}
+                    for i, (c, n) in enumerate(zip(m["classes"], m["class_counts"], strict=True))],
+        "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in m["shards"]],
+        "total_bytes": sum(s["bytes"] for s in m["shards"]),
+        "rejected": len(m["rejected"]),
+        "rejected_items": m["rejected"],
+        "options": m["options"],
+        "schema": m.get("schema"),
+    }
+
+
+#: :attr:`VerifyReport.status` values
+SOUND, DAMAGED, NOT_A_STORE, UNFINISHED = "ok", "damaged", "not_a_store", "unfinished"
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`. ``problems`` name the shard and record at fault.
+
+    ``status`` says which kind of result it is: ``"ok"``, ``"damaged"`` (a store
+    whose files or records are damaged), ``"not_a_store"`` (no ``manifest.json``
+    and no unfinished conversion) or ``"unfinished"`` (an interrupted conversion:
+    finish it with ``--resume``). Only ``"damaged"`` means damage.
+    """
+
+    store: str
+    ok: bool = True
+    records_checked: int = 0
+    shards_checked: int = 0
+    decoded: int = 0
+    problems: list[str] = field(default_factory=list)
+    status: str = SOUND
+
+    def fail(self, message: str) -> None:
+        self.ok = False
+        self.status = DAMAGED
+        self.problems.append(message)
+
+    def refuse(self, status: str, message: str) -> None:
+        """Not damage: the path is not a (finished) store; ``message`` says what it is and what to do."""
+        self.ok = False
+        self.status = status
+        self.problems.append(message)
+
+    def summary(self) -> str:
+        if self.status in (NOT_A_STORE, UNFINISHED):
+            return f"{self.store}: {self.problems[0]}"
+        if self.ok:
+            extra = f", {self.decoded} decoded" if self.decoded else ""
+            return f"{self.store}: OK ({self.shards_checked} shard(s), {self.records_checked} records verified{extra})"
+        head = f"{self.store}: DAMAGED ({len(self.problems)} problem(s))"
+        return "\n".join([head] + [f"  {p}" for p in self.problems[:50]] +
+                         ([f"  ... {len(self.problems) - 50} more"] if len(self.problems) > 50 else []))
+
+
+def _open_indexed(backend: str, path: str, storage: StorageSpec, schema, expected_count: int,
+                  name: str) -> tuple[ShardReader, ShardIndex | SampleIndex, list[str]] | str:
+    """Open shard ``path`` (named ``name`` in problems) and read its index, the first steps of
+    every shard check.
+
+    Args:
+        schema (Schema | None): the general store's schema; None for a version-1 shard.
+        expected_count (int): the record count the manifest gives the shard.
+
+    Returns:
+        ``(reader, index, problems)``, ``problems`` holding the count mismatch if any (the
+        caller closes ``reader``); or the problem, as a string, that stopped opening the shard
+        or reading its index (nothing is left open then).
+    """
+    try:
+        reader = reader_class(backend)(path, storage, schema=schema)
+    except FastdataError as err:
+        return f"{name}: {err}"
+    try:
+        index = reader.read_index()
+    except FastdataError as err:
+        reader.close()
+        return f"{name}: {err}"
+    problems = []
+    if len(index) != expected_count:
+        problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
+    return reader, index, problems
+
+
+def _check_records(backend: str, path: str, storage_json: dict, expected_count: int, num_classes: int,
+                   decode: bool, schema_json: list | None, name: str) -> tuple[int, int, list[str]]:
+    """Read every record of one shard. Returns (checked, decoded, problems).
+    ``schema_json`` is None for a version-1 shard, else the general store's schema."""
+    from fastdata.common.imageio import open_image  # imports Pillow: only when decoding
+
+    if schema_json is not None:
+        return _check_records_v2(backend, path, storage_json, expected_count, decode, schema_json, name)
+    storage = StorageSpec.from_json(storage_json)
+    checked = decoded = 0
+    opened = _open_indexed(backend, path, storage, None, expected_count, name)
+    if isinstance(opened, str):
+        return 0, 0, [opened]
+    reader, index, problems = opened
+    with reader:
+        assert isinstance(index, ShardIndex)
+        if len(index) and int(index.labels.max()) >= num_classes:
+            problems.append(f"{name}: a label is outside the {num_classes} classes")
+        problems.extend(_storage_mismatch(index, storage, name))
+        for i in range(len(index)):
+            try:
+                data = reader.get(i)
+            except FastdataError as err:
+                # the reader's message already starts with "<path> record <i>"; keep one prefix
+                problems.append(f"{name} record {i}: {str(err).removeprefix(f'{path} record {i}: ')}")
+                continue
+            checked += 1
+            mismatch = _record_vs_index(reader, index, i)
+            if mismatch:
+                problems.append(f"{name} record {i}: {mismatch}")
+                continue
+            if decode:
+                fmt = FORMAT_NAMES[int(index.formats[i])]
+                try:
+                    if fmt == "RAW":
+                        h, w = storage.raw_hw()
+                        np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
+                    else:
+                        open_image(data).close()  # the readers' policy: same verdict as ds[i]
+                    decoded += 1
+                except Exception as err:  # any decoder failure is a finding, not a crash
+                    problems.append(f"{name} record {i}: cannot decode {fmt} image ({type(err).__name__}: {err})")
+    return checked, decoded, problems
+
+
+def _check_records_v2(backend: str, path: str, storage_json: dict, expected_count: int, decode: bool,
+                      schema_json: list, name: str) -> tuple[int, int, list[str]]:
+    """A version-2 shard: every record against its checksum, decoded against the schema,
+    its path and size against the index; with ``decode`` every image field fully decoded
+    and its format and size compared with the index."""
+    from fastdata.common.imageio import open_image, stored_format
+    from fastdata.format.fields import Schema
+
+    schema = Schema.from_json(schema_json)
+    checked = decoded = 0
+    opened = _open_indexed(backend, path, StorageSpec.from_json(storage_json), schema, expected_count, name)
+    if isinstance(opened, str):
+        return 0, 0, [opened]
+    reader, index, problems = opened
+    with reader:
+        assert isinstance(index, SampleIndex)
+        for i in range(len(index)):
+            where = f"{name} record {i}"
+            try:
+                data = reader.get(i)
+                record = decode_record_v2(data, schema, where=where)
+            except FastdataError as err:
+                problems.append(f"{where}: {str(err).removeprefix(f'{path} record {i}: ').removeprefix(where + ': ')}")
+                continue
+            checked += 1
+            wrong = [k for k, ok in (("size", len(data) == int(index.nbytes[i])),
+                                     ("path", record["path"] == index.relpath(i))) if not ok]
+            if wrong:
+                problems.append(f"{where}: record disagrees with the shard index ({', '.join(wrong)}): "
+                                "the record or index is damaged")
+                continue
+            if not decode:
+                continue
+            for field in schema.image_fields():
+                meta = {k: int(index.arrays[f"{FIELD_PREFIX}{field}.{k}"][i]) for k in ("format", "width", "height")}
+                try:
+                    with open_image(record[field]) as im:
+                        actual = {"format": FORMAT_CODES.get(stored_format(im), -1), "width": im.width,
+                                  "height": im.height}
+                except Exception as err:  # any decoder failure is a finding, not a crash
+                    problems.append(f"{where}: cannot decode image field {field!r} ({type(err).__name__}: {err})")
+                    continue
+                if actual != meta:
+                    problems.append(f"{where}: image field {field!r} is {actual}, the index says {meta}")
+            decoded += 1
+    return checked, decoded, problems
+
+
+def _record_vs_index(reader, index, i: int) -> str | None:
+    """Backends whose records carry their own metadata (LMDB's msgpack records)
+    must agree with the shard index field by field, so a flipped byte in a
+    record's label/size/path is pinned to that record, not only to the file."""
+    get_record = getattr(reader, "get_record", None)
+    if get_record is None:
+        return None
+    try:
+        rec = get_record(i)
+    except FastdataError as err:
+        return str(err)
+    expected = {
+        "label": int(index.labels[i]), "width": int(index.widths[i]), "height": int(index.heights[i]),
+        "format": FORMAT_NAMES[int(index.formats[i])], "checksum": int(index.checksums[i]),
+        "size": int(index.nbytes[i]), "path": index.relpath(i),
+    }
+    actual = {"label": rec.label, "width": rec.width, "height": rec.height, "format": rec.fmt,
+              "checksum": rec.xxh, "size": len(rec.image), "path": rec.relpath}
+    wrong = [k for k in expected if expected[k] != actual[k]]
+    if wrong:
+        return f"record metadata disagrees with the shard index ({', '.join(wrong)}): the record or index is damaged"
+    return None
+
+
+def _storage_mismatch(index, storage: StorageSpec, name: str) -> list[str]:
+    """Records must match the manifest's storage mode (raw pixels iff mode 'raw'):
+    a manifest edited to say 'raw' would make readers reinterpret JPEG bytes as pixels."""
+    is_raw = index.formats == FORMAT_CODES["RAW"]
+    if storage.mode == "raw":
+        h, w = storage.raw_hw()
+        if len(index) and (not is_raw.all() or bool((index.nbytes != h * w * 3).any())):
+            return [f"{name}: records are not {h}x{w} raw pixels, as the manifest's storage mode says"]
+    elif is_raw.any():
+        return [f"{name}: holds raw-pixel records but the manifest's storage mode is {storage.mode!r}"]
+    return []
+
+
+def _check_in_child(conn, args) -> None:
+    try:
+        conn.send(_check_records(*args))
+    except BaseException as err:  # report anything to the parent rather than dying silently
+        conn.send((0, 0, [f"{args[-1]}: verification failed ({type(err).__name__}: {err})"]))
+    finally:
+        conn.close()
+
+
+def _check_records_isolated(args: tuple, timeout: float) -> tuple[int, int, list[str]]:
+    """Run :func:`_check_records` in a child: a damaged LMDB page can crash the
+    C library (LMDB keeps no page checksums), which must become a finding."""
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    parent, child = ctx.Pipe(duplex=False)
+    # typeshed: get_context(str) returns BaseContext, which declares no Process (every concrete context has one)
+    proc = ctx.Process(target=_check_in_child, args=(child, args), daemon=True)  # type: ignore[attr-defined]
+    proc.start()
+    child.close()
+    name = args[-1]
+    try:
+        if parent.poll(timeout):
+            return parent.recv()
+        return 0, 0, [f"{name}: verification did not finish within {timeout:.0f} s (damaged internal structure?)"]
+    except EOFError:
+        return 0, 0, [f"{name}: the reader crashed on this shard (exit code {proc.exitcode}): "
+                      "its internal structure is damaged; reconvert it"]
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        parent.close()
+
+
+def _is_store_candidate(store: str, report: VerifyReport) -> bool:
+    """False (with the reason in ``report``) when ``store`` is not a directory with a
+    manifest: an unfinished conversion, or something that is not a store at all."""
+    if not os.path.isdir(store):
+        report.refuse(NOT_A_STORE, "not a fastdata store: not a directory (a store is a directory holding "
+                                   f"{MANIFEST_NAME} and shard files)")
+        return False
+    if os.path.lexists(os.path.join(store, MANIFEST_NAME)):
+        return True
+    if os.path.isdir(os.path.join(store, STAGING_DIR)):
+        from fastdata.writer.resume import recorded_source
+
+        source = recorded_source(store) or "SRC"
+        if source == WRITE_SOURCE:
+            report.refuse(UNFINISHED, "unfinished fastdata.write(): finish it by calling it again with resume=True "
+                                      "(map-style samples), or start over with overwrite=True")
+            return False
+        report.refuse(UNFINISHED, f"unfinished conversion: finish it with fastdata convert {shlex.quote(source)} "
+                                  f"{shlex.quote(store)} --resume")
+        return False
+    report.refuse(NOT_A_STORE, f"not a fastdata store: no {MANIFEST_NAME}")
+    return False
+
+
+def verify(store: str, *, decode: bool = False, timeout: float = 600.0,
+           storage_options: Mapping[str, Any] | None = None, scratch_dir: str | None = None) -> VerifyReport:
+    """Check a store: manifest, shard files (size and whole-file checksum), every
+    record against its checksum, counts against the manifest; with ``decode``
+    also fully decode every image.
+
+    A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is checked the same way: its
+    manifest, its store index file, then each shard streamed from the server into one
+    temporary file under ``scratch_dir`` (default: the shard cache directory), its
+    checksum computed while it arrives, its records checked, the file deleted. The
+    shard cache is neither used nor evicted, so a store larger than the cache can be
+    verified, and what is checked is the server's copy, not a cached one.
+
+    Never raises for damage: every finding lands in ``report.problems``. A folder
+    that is not a store, or holds an unfinished conversion, is reported with
+    ``status`` ``"not_a_store"``/``"unfinished"``, not as damage.
+
+    Args:
+        store (str): a store directory or URL.
+        decode (bool): also fully decode every image.
+        timeout (float): seconds a damaged shard's isolated check may take.
+        storage_options (Mapping | None): fsspec options for a URL (endpoint, credentials...).
+        scratch_dir (str | None): where a URL's shard is downloaded while it is checked.
+
+    Raises:
+        PathNotFoundError: ``store`` does not exist.
+        RemoteStoreError: the server cannot be reached (after retries), or refuses access.
+    """
+    if is_remote(store):
+        return _verify_remote(store, decode, timeout, storage_options, scratch_dir)
+    if storage_options:
+        raise RemoteStoreError(f"{store}: storage_options apply to remote URLs only, not to a local path")
+    report = VerifyReport(store=os.path.abspath(store))
+    check_local_path(store, "store")
+    if not _is_store_candidate(store, report):
+        return report
+    try:
+        m = read_manifest(store)
+    except FormatError as err:
+        report.fail(str(err))
+        return report
+    seen_classes = np.zeros(len(m["classes"]), dtype=np.int64)
+    for shard in m["shards"]:
+        name = shard["name"]
+        path = os.path.join(store, name)
+        try:
+            size = os.path.getsize(path)
+        except OSError as err:
+            report.shards_checked += 1
+            report.fail(f"{name}: shard file missing or unreadable ({err.strerror})")
+            continue
+        checksum = functools.partial(file_checksum, path)  # computed only when the size is right
+        _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes)
+    _check_class_counts(report, m, seen_classes)
+    return report
+
+
+def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: int, checksum: Callable[[], str],
+                 decode: bool, timeout: float, seen_classes: np.ndarray) -> None:
+    """Check one shard file at ``path`` (``size`` bytes; ``checksum()`` its xxh3-64) against
+    manifest ``m``'s entry ``shard``, then its records; findings go to ``report``. A file that
+    is not what the manifest says has its records checked in a child process (it may crash
+    the reader); a version-1 shard adds its labels to ``seen_classes``."""
+    name = shard["name"]
+    report.shards_checked += 1
+    file_ok = size == shard["bytes"]
+    if not file_ok:
+        report.fail(f"{name}: file is {size} bytes, the manifest says {shard['bytes']} (truncated or replaced)")
+    elif checksum() != shard["xxh"]:
+        file_ok = False
+        report.fail(f"{name}: file checksum mismatch (the shard was modified or damaged)")
+    args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, m.get("schema"), name)
+    checked, decoded, problems = _check_records(*args) if file_ok else _check_records_isolated(args, timeout)
+    report.records_checked += checked
+    report.decoded += decoded
+    for p in problems:
+        report.fail(p)
+    if file_ok and not problems and m["version"] == 1:
+        with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
+            index = reader.read_index()
+            assert isinstance(index, ShardIndex)
+            labels = index.labels
+            seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
+
+
+def _check_class_counts(report: VerifyReport, m: dict, seen_classes: np.ndarray) -> None:
+    if report.ok and m["version"] == 1 and seen_classes.tolist() != m["class_counts"]:
+        report.fail(f"per-class counts {seen_classes.tolist()} differ from the manifest's {m['class_counts']}")
+
+
+def _verify_remote(url: str, decode: bool, timeout: float, storage_options: Mapping[str, Any] | None,
+                   scratch_dir: str | None) -> VerifyReport:
+    """:func:`verify` of a store at a URL (see there)."""
+    report = VerifyReport(store=url.rstrip("/"))
+    store = _open_remote_for_verify(url, storage_options, report)
+    if store is None:
+        return report
+    m = store.manifest
+    _check_remote_index(store, m, report)
+    seen_classes = np.zeros(len(m["classes"]), dtype=np.int64)
+    scratch = _scratch_root(scratch_dir)
+    with tempfile.TemporaryDirectory(prefix=".verify-", dir=scratch) as tmp:
+        for shard in m["shards"]:
+            name = shard["name"]
+            size = store.location.size(name)
+            if size is None:
+                report.shards_checked += 1
+                report.fail(f"{name}: shard object missing on the server ({store.location.child(name)})")
+                continue
+            path = os.path.join(tmp, name)
+            try:
+                digest = store.location.download(name, path, size)
+            except FileNotFoundError:  # deleted since it was looked up
+                report.shards_checked += 1
+                report.fail(f"{name}: shard object missing on the server ({store.location.child(name)})")
+                continue
+            try:
+                checksum = functools.partial(str, digest)  # computed while it downloaded
+                _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes)
+            finally:
+                os.unlink(path)
+    _check_class_counts(report, m, seen_classes)
+    return report
+
+
+def _open_remote_for_verify(url: str, storage_options: Mapping[str, Any] | None,
+                            report: VerifyReport) -> RemoteStore | None:
+    """The remote store, or None with why in ``report`` (not a store, unfinished, damaged manifest)."""
+    try:
+        store = locate_store(url, storage_options=storage_options)
+    except IncompleteStoreError as err:
+        report.refuse(UNFINISHED, str(err).removeprefix(f"{report.store}: "))
+        return None
+    except FormatError as err:
+        from fastdata.remote.location import RemoteLocation
+
+        if RemoteLocation(url, storage_options or {}).size(MANIFEST_NAME) is None:
+            report.refuse(NOT_A_STORE, f"not a fastdata store: no {MANIFEST_NAME} at this URL")
+        else:
+            report.fail(str(err))
+        return None
+    assert isinstance(store, RemoteStore)
+    return store
+
+
+def _check_remote_index(store: RemoteStore, m: dict, report: VerifyReport) -> None:
+    """The store index file (what readers use instead of opening every shard) against the manifest."""
+    from fastdata.format.store_index import MANIFEST_KEY, STORE_INDEX_NAME, parse_store_index
+
+    if MANIFEST_KEY not in m:
+        return  # an older store: readers cannot open it remotely, but its shards can still be verified
+    schema = None
+    if m.get("schema"):
+        from fastdata.format.fields import Schema
+
+        schema = Schema.from_json(m["schema"])
+    try:  # the server's copy, not the cache's: that is what a fresh reader would get
+        data = store.location.read_bytes(STORE_INDEX_NAME)
+        parse_store_index(data, m, schema, store.location.child(STORE_INDEX_NAME))
+    except FileNotFoundError:
+        report.fail(f"{STORE_INDEX_NAME}: missing on the server ({store.location.child(STORE_INDEX_NAME)})")
+    except FormatError as err:
+        report.fail(f"{STORE_INDEX_NAME}: {err}")
+
+
+def _scratch_root(scratch_dir: str | None) -> str:
+    """The folder a shard being verified is downloaded into (created if needed)."""
+    from fastdata.remote.cache import default_cache_dir
+
+    root = os.path.abspath(scratch_dir or default_cache_dir())
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as err:
+        raise RemoteStoreError(f"cannot create {root} to download shards into while verifying ({err.strerror}); "
+                               "choose another folder with --cache-dir") from None
+    return root

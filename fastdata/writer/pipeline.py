@@ -1,0 +1,783 @@
+"""THE writer pipeline, shared by both backends.
+
+Workflow for one destination (the caller holds the store lock):
+
+1. The plan (``plan.py``) splits the scan into shards; ``.fastdata-staging/plan.json``
+   records its fingerprint so ``--resume`` can refuse a changed source.
+2. A pool of worker processes reads, validates and encodes chunks of inputs.
+   What the inputs are is a :class:`ChunkSource`: :class:`FolderSource` for an
+   image folder or list file (``ingest.py``), the sources of ``writing.py`` for
+   ``fastdata.write`` (map-style datasets read by index range in the workers,
+   iterables chunked by the caller); everything below is shared by all of them.
+   ``workers=0`` runs the chunks in this process. The main process submits chunks in store order with a
+   bounded window (memory stays flat whatever the dataset size) and consumes
+   results in the same order, so the store order is the scan order for any
+   worker count. A worker that dies breaks the pool: we raise, never hang.
+3. Each shard is written by its own backend writer to ``<name>.tmp``; when its
+   last chunk is in, the writer syncs and closes, the file is renamed to its
+   final name, checksummed, and a sidecar ``<name>.json`` is written atomically
+   into staging. A sidecar is the only proof a shard is complete: a crash at any
+   earlier moment leaves a shard that resume rewrites.
+4. Publishing gathers the sidecars in shard order, writes ``rejected.tsv`` and
+   finally ``manifest.json`` (atomic rename + directory fsync), then removes staging.
+
+A :class:`ShardSink` installed with :func:`shard_sink` also receives each finished
+shard, decides which shards an earlier run finished, and publishes after the local
+manifest is written: a URL destination uploads through one (``remote/publish.py``).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import concurrent.futures as cf
+import contextlib
+import contextvars
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import xxhash
+
+from fastdata._version import __version__
+from fastdata.common.units import format_size
+from fastdata.errors import ConversionError, RejectedInputError, ResumeMismatchError
+from fastdata.format.backends.base import Sample, StorageSpec
+from fastdata.format.backends.registry import reader_class, writer_class
+from fastdata.format.fields import Schema
+from fastdata.format.manifest import (
+    MANIFEST_NAME,
+    REJECTED_NAME,
+    STORE_FORMAT,
+    STORE_VERSION,
+    STORE_VERSION_2,
+    atomic_write,
+    fsync_dir,
+    write_manifest,
+)
+from fastdata.format.names import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
+from fastdata.format.record import EncodedSample  # noqa: F401  (named in docstrings; what general sources produce)
+from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
+from fastdata.format.store_index import STORE_INDEX_NAME, build_store_index, encode_shard_index, sidecar_path
+from fastdata.format.store_index import manifest_entry as store_index_entry
+from fastdata.writer.ingest import (
+    EXTENSION_FORMATS,
+    SPILL_PREFIX,
+    SPILL_SUFFIX,
+    IngestedSample,
+    ingest_chunk,
+    starts_like_jpeg,
+    unspill,
+)
+from fastdata.writer.plan import ShardPlan
+from fastdata.writer.sources.folder import SourceScan
+
+PLAN_FILE = "plan.json"
+#: the "source" fastdata.write records (in the manifest's options and the staging plan)
+WRITE_SOURCE = "fastdata.write"
+
+
+@dataclass
+class ShardResult:
+    """What a finished shard contributes to the manifest (also its sidecar)."""
+
+    shard_id: int
+    name: str
+    count: int
+    bytes: int
+    xxh: str
+    image_bytes: int
+    input_bytes: int
+    class_counts: list[int]
+    rejected: list[list[str]]
+    #: [relpath, warning] for inputs kept with a remark (e.g. a PNG named .jpg);
+    #: a default so sidecars written before this field existed still load
+    warnings: list[list[str]] = field(default_factory=list)
+    resumed: bool = False
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("resumed")
+        return d
+
+
+@dataclass
+class PipelineStats:
+    """Counters the pipeline updates as it goes (for progress and the report)."""
+
+    images: int = 0
+    rejected: int = 0
+    input_bytes: int = 0
+    map_growths: int = 0
+    resumed_shards: int = 0
+    written_shards: int = 0
+    rejected_items: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+
+
+class ShardSink(Protocol):
+    """Where finished shards go besides the local destination directory (e.g. a remote store:
+    :class:`fastdata.writer.remote_sink.RemoteDestination`). Installed with :func:`shard_sink`, it
+    is called by :func:`run_shards`, :func:`load_finished` and :func:`publish`."""
+
+    def start(self, dst: str) -> None:
+        """The pipeline is about to write shards into ``dst`` (its staging plan is written)."""
+
+    def shard_finished(self, dst: str, result: ShardResult) -> None:
+        """Shard ``result.name`` and its sidecars are complete in ``dst`` (may block to bound
+        how many finished shards wait)."""
+
+    def drain(self) -> None:
+        """Wait until every finished shard is handled; raise the first failure."""
+
+    def abort(self) -> None:
+        """The run failed: stop handling shards (never raises)."""
+
+    def load_finished(self, dst: str, backend: str, plans: list[ShardPlan]) -> dict[int, ShardResult]:
+        """The shards of ``plans`` already finished where the sink keeps them (sidecars into ``dst``'s staging)."""
+
+    def publish(self, dst: str) -> None:
+        """``dst`` now holds the store index, rejected.tsv and manifest.json: make them visible."""
+
+
+_SINK: contextvars.ContextVar[ShardSink | None] = contextvars.ContextVar("fastdata_shard_sink", default=None)
+
+
+@contextlib.contextmanager
+def shard_sink(sink: ShardSink) -> Iterator[ShardSink]:
+    """Send the finished shards of the pipeline runs in this block to ``sink`` as well."""
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
+
+
+def file_checksum(path: str) -> str:
+    """xxh3-64 hex digest of a whole file."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(4 << 20)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def staging_path(dst: str, *parts: str) -> str:
+    return os.path.join(dst, STAGING_DIR, *parts)
+
+
+def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None = None) -> None:
+    """Create staging for a new run, or check it matches when resuming. ``source`` (if
+    given) is recorded next to the fingerprint, for messages about an unfinished run."""
+    plan_path = staging_path(dst, PLAN_FILE)
+    if resume and os.path.exists(plan_path):
+        with open(plan_path, "rb") as fh:
+            try:
+                previous = json.load(fh).get("fingerprint")
+            except ValueError:
+                previous = None
+        if previous != fingerprint:
+            raise ResumeMismatchError(
+                f"{dst}: cannot resume: the source files or options differ from the interrupted run "
+                "(a file was added, removed or changed, or an option differs); rerun with --overwrite to start over"
+            )
+        return
+    try:
+        os.makedirs(staging_path(dst), exist_ok=True)
+        plan = {"fingerprint": fingerprint, **({"source": source} if source else {})}
+        atomic_write(plan_path, json.dumps(plan).encode())
+    except OSError as err:
+        raise io_error(err, plan_path) from err
+
+
+def io_error(err: Exception, where: str) -> ConversionError:
+    """A :class:`ConversionError` naming the file, the cause of an I/O failure and
+    the free space left (LMDB reports a full disk as a short write, i.e. EIO)."""
+    path = getattr(err, "filename", None) or where
+    try:
+        st = os.statvfs(os.path.dirname(os.fsdecode(path)) or ".")
+        free = f" ({format_size(st.f_bavail * st.f_frsize)} free on that filesystem)"
+    except OSError:
+        free = ""
+    return ConversionError(
+        f"I/O error while writing {path}: {getattr(err, 'strerror', None) or err}{free}; "
+        "nothing incomplete was published: fix the cause (e.g. free disk space) and rerun with --resume"
+    )
+
+
+def remove_temporaries(dst: str) -> None:
+    """Delete half-written shards and manifests left by an interrupted run."""
+    for name in os.listdir(dst):
+        if name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock"):
+            os.unlink(os.path.join(dst, name))
+    staging = staging_path(dst)
+    if os.path.isdir(staging):
+        for name in os.listdir(staging):
+            if name.startswith(SPILL_PREFIX) and name.endswith(SPILL_SUFFIX):
+                os.unlink(os.path.join(staging, name))
+
+
+def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True) -> dict[int, ShardResult]:
+    """Shards whose sidecar exists and whose file still matches it (size, and the
+    whole-file checksum unless ``verify_files`` is False: for shards this run just wrote).
+    With a :func:`shard_sink` installed, the sink decides (e.g. the remote objects)."""
+    sink = _SINK.get()
+    if sink is not None:
+        return sink.load_finished(dst, backend, plans)
+    done: dict[int, ShardResult] = {}
+    for plan in plans:
+        name = shard_name(backend, plan.shard_id)
+        side = staging_path(dst, name + ".json")
+        path = os.path.join(dst, name)
+        try:
+            with open(side, "rb") as fh:
+                info = json.load(fh)
+            result = ShardResult(**info, resumed=True)
+            if os.path.getsize(path) == result.bytes and (not verify_files or file_checksum(path) == result.xxh):
+                done[plan.shard_id] = result
+                continue
+        except (OSError, ValueError, TypeError):
+            pass
+        for stale in (side, path):
+            if os.path.exists(stale):
+                os.unlink(stale)
+    return done
+
+
+class _ShardInProgress:
+    def __init__(self, dst: str, backend: str, plan: ShardPlan, storage: StorageSpec, num_classes: int,
+                 writer_options: dict, schema: Schema | None = None):
+        self.plan = plan
+        self.name = shard_name(backend, plan.shard_id)
+        self.final_path = os.path.join(dst, self.name)
+        self.tmp_path = self.final_path + TMP_SUFFIX
+        self.writer = writer_class(backend)(self.tmp_path, storage, schema=schema, **writer_options)
+        self.pending = 0
+        self.count = 0
+        self.image_bytes = 0
+        self.input_bytes = 0
+        self.class_counts = [0] * num_classes
+        self.rejected: list[list[str]] = []
+        self.warnings: list[list[str]] = []
+
+    def add(self, samples: list) -> None:
+        """Append :class:`Sample` objects (classification) or :class:`EncodedSample` objects (general)."""
+        self.writer.put(samples)
+        for s in samples:
+            if isinstance(s, Sample):
+                self.class_counts[s.label] += 1
+                self.image_bytes += len(s.image)
+            else:
+                self.image_bytes += len(s.record)
+        self.count += len(samples)
+
+    def finish(self, dst: str) -> ShardResult:
+        """Sync, close and rename the shard, then write its sidecars: its index (for the
+        store index file) and its result (the proof it is complete, written last)."""
+        index = self.writer.close()
+        os.replace(self.tmp_path, self.final_path)
+        sidecar = staging_path(dst, self.name + ".json")
+        index_sidecar = sidecar_path(staging_path(dst), self.name)
+        try:
+            fsync_dir(dst)
+            atomic_write(index_sidecar, encode_shard_index(index))
+            result = ShardResult(
+                shard_id=self.plan.shard_id, name=self.name, count=self.count,
+                bytes=os.path.getsize(self.final_path), xxh=file_checksum(self.final_path),
+                image_bytes=self.image_bytes, input_bytes=self.input_bytes,
+                class_counts=self.class_counts, rejected=self.rejected, warnings=self.warnings,
+            )
+            atomic_write(sidecar, json.dumps(result.to_json()).encode())
+        except BaseException:
+            # After a failed fsync the kernel may already have dropped the dirty pages
+            # ("fsyncgate"): never trust this shard; resume rewrites it from the source.
+            for path in (sidecar, index_sidecar, self.final_path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise
+        return result
+
+    def abort(self) -> None:
+        self.writer.abort()
+        for path in (self.tmp_path, self.tmp_path + "-lock"):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Inputs ``start .. stop-1`` (store order) of shard ``plan``; ``last`` when the shard
+    ends with it; ``args`` what the source's worker function receives for it."""
+
+    plan: ShardPlan
+    start: int
+    stop: int
+    last: bool
+    args: tuple
+
+
+class ChunkSource(abc.ABC):
+    """What feeds the pipeline: chunks of inputs in store order, and the module-level
+    function a worker process turns one chunk into stored items with.
+
+    ``worker(*chunk.args, spill_dir)`` returns ``(items, input_bytes)``, ``items`` one
+    per input: a :class:`Sample` or :class:`EncodedSample` to store, or a rejection
+    reason (``str``); with a ``spill_dir`` the list comes back spilled
+    (:func:`fastdata.writer.ingest.spill`). An error it raises stops the whole run.
+    """
+
+    #: the worker function (module level, so that it pickles by name)
+    worker: Callable
+    #: ``(function, args)`` run once in each worker process before any chunk, or None
+    worker_init: tuple[Callable, tuple] | None = None
+
+    @abc.abstractmethod
+    def chunks(self) -> Iterator[Chunk]:
+        """The chunks of every shard to write, in store order."""
+
+    @abc.abstractmethod
+    def describe(self, start: int, stop: int) -> str:
+        """Which inputs a chunk holds, for messages (e.g. the first and last file)."""
+
+    @abc.abstractmethod
+    def input_name(self, i: int) -> str:
+        """The name input ``i`` is reported under (rejected.tsv, warnings)."""
+
+    def runs_in_main_first(self, chunk: Chunk) -> bool:
+        """Whether the main process may ingest ``chunk`` itself while the pool starts."""
+        return False
+
+
+class FolderSource(ChunkSource):
+    """The inputs of a source scan (ImageFolder tree or list file), read and validated
+    by :func:`fastdata.writer.ingest.ingest_chunk`."""
+
+    worker = staticmethod(ingest_chunk)
+
+    def __init__(self, scan: SourceScan, plans: list[ShardPlan], storage: StorageSpec, chunk_size: int):
+        self.scan, self.plans, self.storage, self.chunk_size = scan, plans, storage, chunk_size
+
+    def chunks(self) -> Iterator[Chunk]:
+        scan = self.scan
+        for plan in self.plans:
+            for a in range(plan.start, plan.stop, self.chunk_size):
+                b = min(a + self.chunk_size, plan.stop)
+                yield Chunk(plan, a, b, b == plan.stop,
+                            (scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(), self.storage))
+
+    def describe(self, start: int, stop: int) -> str:
+        return f"{os.fsdecode(self.scan.paths[start])} .. {os.fsdecode(self.scan.paths[stop - 1])}"
+
+    def input_name(self, i: int) -> str:
+        return os.fsdecode(self.scan.relpaths[i])
+
+    def input_path(self, i: int) -> str:
+        return os.fsdecode(self.scan.paths[i])
+
+    def runs_in_main_first(self, chunk: Chunk) -> bool:
+        # JPEG chunks only: a decoder crash here would take the converter down instead of a
+        # worker, and libjpeg-turbo is the most hardened of the decoders. The content picks the
+        # decoder, so the names are not enough: the first bytes must be a JPEG's too.
+        return all(EXTENSION_FORMATS.get(os.path.splitext(os.fsdecode(p))[1].lower()) == "JPEG"
+                   and starts_like_jpeg(p) for p in self.scan.paths[chunk.start:chunk.stop])
+
+
+def _single_threaded() -> bool:
+    """True when this process has exactly one OS thread (Linux; counts native
+    threads too, e.g. a torch or OpenMP pool, which ``threading`` cannot see)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _mp_context():
+    """fork when that is safe, else forkserver (else spawn).
+
+    fork copies a lock held by another thread in a locked state forever, so it is
+    only safe in a single-threaded process; there it starts the pool in
+    milliseconds, where a forkserver first imports fastdata in a fresh
+    interpreter (~0.3 s, 8% of converting 3000 images with one worker). The pool
+    starts before any shard writer is open, so no LMDB/HDF5 handle is inherited,
+    and the store lock closes its descriptor in children (``lock.py``).
+    """
+    methods = multiprocessing.get_all_start_methods()
+    if sys.platform == "linux" and "fork" in methods and _single_threaded():
+        return multiprocessing.get_context("fork")
+    # forkserver: no inherited threads or handles from the (possibly threaded) caller
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["fastdata.writer.ingest", "psutil"])
+    return ctx
+
+
+def prestart_pool() -> None:
+    """Start the forkserver (if the pool will use one) without waiting for it, so
+    its ~0.3 s of imports overlap the source scan instead of following it."""
+    if _mp_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def _exit_with_converter(converter_pid: int, interval: float = 0.25) -> None:
+    """Worker initializer: exit as soon as the converter process is gone.
+
+    A converter killed with SIGKILL (or by the OOM killer) cannot stop its pool,
+    and an idle worker blocks on the task queue forever (it holds a write end of
+    that pipe itself, so it never sees EOF), keeping the forkserver alive too.
+    A daemon thread polls the converter and ends the worker instead.
+    """
+    import psutil
+
+    def watch() -> None:
+        try:
+            converter = psutil.Process(converter_pid)
+            while converter.is_running() and converter.status() != psutil.STATUS_ZOMBIE:
+                time.sleep(interval)
+        except psutil.Error:
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fastdata-converter-watch", daemon=True).start()
+
+
+def _init_worker(converter_pid: int, extra: tuple[Callable, tuple] | None) -> None:
+    """Worker initializer: the converter watchdog, then the source's own set-up."""
+    _exit_with_converter(converter_pid)
+    if extra is not None:
+        extra[0](*extra[1])
+
+
+def _start_in_background(executor: cf.ProcessPoolExecutor) -> threading.Thread:
+    """Start the pool's first worker from a thread: with forkserver, the first
+    ``submit`` blocks until the server has imported fastdata and forked (it forks,
+    not this process, so a thread here is safe). A broken pool is left for the
+    next ``submit`` to report."""
+    def warm_up() -> None:
+        try:
+            executor.submit(os.getpid).result()
+        except BaseException:
+            pass
+
+    thread = threading.Thread(target=warm_up, name="fastdata-pool-start", daemon=True)
+    thread.start()
+    return thread
+
+
+class _InProcess:
+    """An executor that runs each task at once in this process (``workers=0``)."""
+
+    def submit(self, fn: Callable, *args) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as err:  # re-raised by result(), as a pool would
+            fut.set_exception(err)
+        return fut
+
+
+def run_shards(
+    *,
+    dst: str,
+    backend: str,
+    scan: SourceScan | None = None,
+    plans: list[ShardPlan] | None = None,
+    storage: StorageSpec,
+    workers: int,
+    strict: bool,
+    writer_options: dict,
+    on_progress: Callable[[int, int, int], None] | None = None,
+    chunk_size: int = 32,
+    source: ChunkSource | None = None,
+    schema: Schema | None = None,
+) -> PipelineStats:
+    """Write the shards ``source`` feeds (default: the ``plans`` of ``scan``) into ``dst``.
+
+    ``schema`` is None for a classification (version-1) store, else the general
+    store's schema (its writers take :class:`EncodedSample` objects). ``workers=0``
+    runs every chunk in this process (no pool). ``on_progress(images, rejected,
+    input_bytes)`` is called after each chunk. Raises :class:`ConversionError` on a
+    dead worker or an I/O error, :class:`RejectedInputError` in strict mode, and any
+    error a worker raises (e.g. a :class:`~fastdata.format.fields.SchemaError`) as it is.
+    """
+    stats = PipelineStats()
+    if source is None:
+        assert scan is not None and plans is not None, "run_shards needs a source, or a scan and its plans"
+        todo = [p for p in plans if p.stop >= p.start]
+        if not todo:
+            return stats
+        source = FolderSource(scan, todo, storage, chunk_size)
+        empty_plans = [p for p in todo if p.start == p.stop]
+    else:
+        empty_plans = []
+    window = max(2, workers * 4)
+    spill_dir = staging_path(dst)
+    os.makedirs(spill_dir, exist_ok=True)
+    num_classes = len(scan.classes) if scan is not None else 0
+    open_shards: dict[int, _ShardInProgress] = {}
+    io_errors: tuple[type[Exception], ...] = (OSError, *writer_class(backend).io_errors)
+    ctx = _mp_context()
+    executor: cf.ProcessPoolExecutor | _InProcess
+    if workers == 0:
+        executor, spill_to = _InProcess(), None
+    else:
+        executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                          initargs=(os.getpid(), source.worker_init))
+        spill_to = spill_dir
+    inflight: collections.deque = collections.deque()
+    sink = _SINK.get()
+    if sink is not None:
+        sink.start(dst)
+    source_chunks = source.chunks()
+    current_files = ""
+    writing = dst  # the file being written when an I/O error strikes
+    starting: threading.Thread | None = None
+    try:
+        def submit_next() -> bool:
+            nxt = next(source_chunks, None)
+            if nxt is None:
+                return False
+            inflight.append((nxt, executor.submit(source.worker, *nxt.args, spill_to)))
+            return True
+
+        def consume(chunk: Chunk, results: list, read_bytes: int) -> None:
+            nonlocal writing
+            plan, a = chunk.plan, chunk.start
+            shard = open_shards.get(plan.shard_id)
+            if shard is None:
+                writing = os.path.join(dst, shard_name(backend, plan.shard_id)) + TMP_SUFFIX
+                shard = open_shards[plan.shard_id] = _ShardInProgress(
+                    dst, backend, plan, storage, num_classes, writer_options, schema)
+            writing = shard.tmp_path
+            samples = []
+            for offset, item in enumerate(results):
+                if not isinstance(item, str):
+                    samples.append(item)
+                    if isinstance(item, IngestedSample) and item.warning:
+                        shard.warnings.append([source.input_name(a + offset), item.warning])
+                    continue
+                rel = source.input_name(a + offset)
+                if strict:
+                    where = source.input_path(a + offset) if isinstance(source, FolderSource) else rel
+                    raise RejectedInputError(
+                        f"{where}: {item} "
+                        "(--strict stops at the first unusable input; without it such files are skipped and reported)")
+                shard.rejected.append([rel, item])
+                stats.rejected_items.append((rel, item))
+            shard.add(samples)
+            shard.input_bytes += read_bytes
+            stats.images += len(samples)
+            stats.rejected += len(results) - len(samples)
+            stats.input_bytes += read_bytes
+            if chunk.last:
+                stats.map_growths += getattr(shard.writer, "map_growths", 0)
+                # pop only after finish succeeds: a failed finish must still be aborted and named
+                stats.results.append(shard.finish(dst))
+                del open_shards[plan.shard_id]
+                stats.written_shards += 1
+                if sink is not None:
+                    sink.shard_finished(dst, stats.results[-1])
+            if on_progress:
+                on_progress(len(samples), len(results) - len(samples), read_bytes)
+
+        for plan in empty_plans:  # shards with no inputs at all (cannot come from the plan, but be safe)
+            open_shards[plan.shard_id] = _ShardInProgress(dst, backend, plan, storage, num_classes, writer_options,
+                                                          schema)
+            stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
+            if sink is not None:
+                sink.shard_finished(dst, stats.results[-1])
+        # While the pool starts (a fresh forkserver first imports fastdata: ~0.3 s),
+        # the converter ingests the first chunks itself instead of waiting, when the
+        # source says that is safe (see FolderSource.runs_in_main_first).
+        if isinstance(executor, cf.ProcessPoolExecutor) and ctx.get_start_method() != "fork":
+            starting = _start_in_background(executor)
+        while starting is not None and starting.is_alive():
+            nxt = next(source_chunks, None)
+            if nxt is None:
+                break
+            if not source.runs_in_main_first(nxt):
+                source_chunks = itertools.chain([nxt], source_chunks)  # the pool takes it first
+                break
+            current_files = source.describe(nxt.start, nxt.stop)
+            consume(nxt, *source.worker(*nxt.args, None))
+        if starting is not None:
+            starting.join()
+            starting = None
+        while len(inflight) < window and submit_next():
+            pass
+        while inflight:
+            chunk, fut = inflight.popleft()
+            current_files = source.describe(chunk.start, chunk.stop) if chunk.stop > chunk.start else ""
+            results, read_bytes = fut.result()
+            if spill_to is not None:
+                results = unspill(results)
+            submit_next()
+            consume(chunk, results, read_bytes)
+        if sink is not None:
+            sink.drain()
+            sink = None  # drained: nothing to abort
+    except BrokenProcessPool:
+        raise ConversionError(
+            f"a conversion worker died unexpectedly (killed, or out of memory?) "
+            f"{f'while reading {current_files}' if current_files else 'while starting'}; "
+            "finished shards are kept: rerun the same command with --resume. (Calling fastdata.writer.convert from a "
+            "script? Workers start with forkserver and import your main module: put the call under "
+            "`if __name__ == \"__main__\":`.)"
+        ) from None
+    except io_errors as err:
+        raise io_error(err, writing) from err
+    finally:
+        if sink is not None:
+            sink.abort()
+        for shard in open_shards.values():
+            shard.abort()
+        if starting is not None:
+            # stopping early: let it finish starting what it started, but never wait
+            # long (a worker it starts after this is still ended by its watchdog
+            # when the converter exits)
+            starting.join(timeout=10)
+        if isinstance(executor, cf.ProcessPoolExecutor):
+            _stop_pool(executor)
+    return stats
+
+
+def _stop_pool(executor: cf.ProcessPoolExecutor) -> None:
+    """Shut the pool down without waiting on work we no longer want, and without hanging.
+
+    A worker terminated while sending a result leaves a partial message in the
+    result pipe: the executor's manager thread then blocks in ``recv`` forever,
+    and so does the interpreter at exit, when it joins that thread. Closing the
+    parent's copy of that pipe's write end once the workers are gone turns the
+    read into EOF, which the manager handles as a broken pool and exits.
+    """
+    # shutdown() drops these references: take them first
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    writer = getattr(getattr(executor, "_result_queue", None), "_writer", None)
+    manager = getattr(executor, "_executor_manager_thread", None)
+    executor.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    if writer is not None:
+        try:
+            writer.close()
+        except OSError:
+            pass
+    if manager is not None:
+        manager.join(timeout=10)
+
+
+def publish(*, dst: str, backend: str, scan: SourceScan | None, storage: StorageSpec, results: list[ShardResult],
+            options: dict, schema: Schema | None = None, extra: dict | None = None) -> dict:
+    """Write ``rejected.tsv`` and then ``manifest.json`` (last); remove staging.
+
+    ``schema`` None publishes a classification store (layout version 1, classes from
+    ``scan``); a schema publishes a general store (version 2, classes from ``scan``
+    when it has any). ``extra`` adds top-level manifest keys (e.g. ``class_tables``)."""
+    results = sorted(results, key=lambda r: r.shard_id)
+    shards, first = [], 0
+    classes = list(scan.classes) if scan is not None else []
+    class_counts = [0] * len(classes)
+    rejected: list[dict[str, str]] = []
+    # scan-level remarks first (empty class folders, folders named like splits, ...), then per-input ones
+    warnings = [{"path": p, "warning": why} for p, why in (scan.walk_problems if scan is not None else [])]
+    for r in results:
+        shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
+                       "xxh": r.xxh, "image_bytes": r.image_bytes})
+        first += r.count
+        class_counts = [x + y for x, y in zip(class_counts, r.class_counts, strict=False)]
+        rejected.extend({"path": p, "reason": why} for p, why in r.rejected)
+        warnings.extend({"path": p, "warning": why} for p, why in r.warnings)
+    tsv = "path\treason\n" + "".join(
+        f"{_tsv_field(item['path'])}\t{_tsv_field(item['reason'])}\n" for item in rejected)
+    body = {
+        "format": STORE_FORMAT,
+        "version": STORE_VERSION if schema is None else STORE_VERSION_2,
+        "backend": backend,
+        "storage": storage.to_json(),
+        "classes": classes,
+        "num_samples": first,
+        "class_counts": class_counts,
+        "shards": shards,
+        "rejected": rejected,
+        "warnings": warnings,
+        "options": dict(options, fastdata_version=__version__),
+    }
+    if schema is not None:
+        body["schema"] = schema.to_json()
+    body.update(extra or {})
+    try:
+        index_file = build_store_index((r.name, shard_index_bytes(dst, backend, r.name, schema)) for r in results)
+        atomic_write(os.path.join(dst, STORE_INDEX_NAME), index_file)
+        body[STORE_INDEX_KEY] = store_index_entry(index_file)
+        atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
+        manifest = write_manifest(dst, body)
+    except OSError as err:
+        raise io_error(err, os.path.join(dst, MANIFEST_NAME)) from err
+    sink = _SINK.get()
+    if sink is not None:
+        sink.publish(dst)
+    shutil.rmtree(staging_path(dst), ignore_errors=True)
+    return manifest
+
+
+def shard_index_bytes(dst: str, backend: str, name: str, schema: Schema | None) -> bytes:
+    """A finished shard's index for the store index file: its staging sidecar, or (a shard
+    finished by an older fastdata, which wrote none) read back from the shard itself."""
+    try:
+        with open(sidecar_path(staging_path(dst), name), "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        with reader_class(backend)(os.path.join(dst, name), StorageSpec(), schema=schema) as reader:
+            return encode_shard_index(reader.read_index())
+
+
+def _tsv_field(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def store_entries(dst: str) -> list[str]:
+    """Names in ``dst`` that a conversion may create (and ``--overwrite`` may delete)."""
+    names = []
+    for name in os.listdir(dst):
+        if (name in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, STAGING_DIR) or name.startswith("shard-")
+                or ATOMIC_TMP_MARK in name):
+            names.append(name)
+    return names
+
+
+def clear_store(dst: str) -> None:
+    """Delete a previous store's files (``--overwrite``); refuses on foreign files.
+
+    The manifest goes first, durably (directory synced), so a run killed part-way
+    through leaves an unfinished conversion, never a published store whose shards
+    are gone."""
+    manifest = os.path.join(dst, MANIFEST_NAME)
+    if os.path.lexists(manifest):
+        os.unlink(manifest)
+        fsync_dir(dst)
+    for name in store_entries(dst):
+        path = os.path.join(dst, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)

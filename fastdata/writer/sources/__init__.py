@@ -1,0 +1,8 @@
+"""Conversion inputs: each module turns one kind of input into the chunks of work the
+write session's pipeline runs (never one Python object per sample kept around):
+
+- :mod:`~fastdata.writer.sources.folder`: ImageFolder trees and ``path,label`` lists.
+- :mod:`~fastdata.writer.sources.table`: JSONL and CSV/TSV lists with typed fields.
+- :mod:`~fastdata.writer.sources.coco`: a COCO instances annotation file and its image folder.
+- :mod:`~fastdata.writer.sources.python`: samples from Python (map-style datasets and iterables).
+"""

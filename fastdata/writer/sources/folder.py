@@ -1,0 +1,318 @@
+"""Scan the conversion input: an ImageFolder tree or a CSV/TSV list file.
+
+Pure functions. For a folder the classes, class indices and sample order are the
+ones ``torchvision.datasets.ImageFolder(root, allow_empty=True)`` produces:
+classes are the sorted names of the root's subdirectories (hidden ones included,
+as ImageFolder does, but reported so the caller can warn), files are found with
+``os.walk(followlinks=True)`` in sorted order, and the extension test is a
+case-insensitive suffix match over :data:`IMG_EXTENSIONS`.
+
+Like ImageFolder, a tree with no image file at all is an error (:class:`SourceError`
+naming the folder and the extensions searched), while a class folder without
+images is kept as a class with no samples (``allow_empty=True``) and reported in
+``walk_problems`` so the caller can warn, as are class folders named like dataset
+splits (``train``, ``val``...: the user almost certainly meant ``root/train``).
+
+One deliberate difference: a directory symlink that points back to a directory
+already being walked (a symlink loop) would make ``os.walk`` recurse until the
+path is too long. We walk each real directory once per class and report the loop.
+
+Paths are kept as ``bytes`` (``os.fsencode``) so non-UTF-8 file names survive.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fastdata.errors import SourceError
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+#: class folder names that are really dataset splits (compared lower-case)
+SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing"})
+#: at most this many bad list rows are quoted in one error
+MAX_ROW_ERRORS = 20
+#: integer labels are class indices; a larger one is refused (it would make millions of classes)
+MAX_INTEGER_LABEL = 1_000_000
+
+
+@dataclass
+class SourceScan:
+    """The result of a scan.
+
+    ``paths`` are absolute file paths (bytes), ``relpaths`` the same relative to
+    ``root`` (bytes), ``labels`` class indices (int64), ``sizes`` file sizes at
+    scan time (int64, -1 when stat failed; the reader will reject such files).
+    """
+
+    root: str
+    classes: list[str]
+    paths: list[bytes]
+    relpaths: list[bytes]
+    labels: np.ndarray
+    sizes: np.ndarray
+    hidden_classes: list[str] = field(default_factory=list)
+    #: True when the scan came from a CSV/TSV list file (``root`` is its folder)
+    is_list: bool = False
+    #: (path, problem) pairs the caller reports as warnings: unreadable directories,
+    #: symlink loops, empty class folders, class folders named like splits
+    walk_problems: list[tuple[str, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {c: i for i, c in enumerate(self.classes)}
+
+
+def has_image_extension(name: str | bytes) -> bool:
+    """True when ``name`` ends with one of :data:`IMG_EXTENSIONS`, ignoring case."""
+    if isinstance(name, bytes):
+        name = os.fsdecode(name)
+    return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def find_classes(root: str) -> list[str]:
+    """Sorted names of the subdirectories of ``root`` (symlinks to dirs count)."""
+    try:
+        with os.scandir(root) as it:
+            return sorted(entry.name for entry in it if entry.is_dir())
+    except FileNotFoundError:
+        raise SourceError(f"source folder not found: {root}") from None
+    except NotADirectoryError:
+        raise SourceError(f"source is not a folder or a .csv/.tsv list: {root}") from None
+    except PermissionError:
+        raise SourceError(f"cannot list source folder (permission denied): {root}") from None
+
+
+def _walk_class_dir(class_dir: str, problems: list[tuple[str, str]]) -> list[str]:
+    """Files under ``class_dir`` in ImageFolder's order, each real directory once."""
+    found: list[str] = []
+    seen_dirs: set[tuple[int, int]] = set()
+
+    def onerror(err: OSError) -> None:
+        problems.append((str(err.filename), f"cannot list directory: {err.strerror}"))
+
+    # Sorting os.walk's whole output (as ImageFolder does) needs the walk to end;
+    # a symlink loop would never end, so prune revisited directories while walking.
+    entries = []
+    for root, dirs, files in os.walk(class_dir, followlinks=True, onerror=onerror):
+        try:
+            st = os.stat(root)
+            key = (st.st_dev, st.st_ino)
+        except OSError as err:
+            problems.append((root, f"cannot stat directory: {err.strerror}"))
+            dirs[:] = []
+            continue
+        if key in seen_dirs:
+            problems.append((root, "directory symlink loop: already walked, skipped"))
+            dirs[:] = []
+            continue
+        seen_dirs.add(key)
+        entries.append((root, dirs[:], files))
+    for root, _dirs, files in sorted(entries):
+        for name in sorted(files):
+            found.append(os.path.join(root, name))
+    return found
+
+
+def scan_folder(root: str) -> SourceScan:
+    """Scan an ImageFolder-layout tree. See the module docstring for the rules.
+
+    Raises:
+        SourceError: ``root`` is missing or unreadable, or its class folders hold
+            no image file at all.
+    """
+    root = os.path.abspath(root)
+    classes = find_classes(root)
+    paths: list[bytes] = []
+    relpaths: list[bytes] = []
+    labels: list[int] = []
+    problems: list[tuple[str, str]] = []
+    empty: list[str] = []
+    prefix = os.path.join(root, "")  # every walked path starts with it (os.path.relpath is 20 us a file)
+    for idx, cls in enumerate(classes):
+        found = 0
+        for path in _walk_class_dir(os.path.join(root, cls), problems):
+            if has_image_extension(path):
+                paths.append(os.fsencode(path))
+                relpaths.append(os.fsencode(path[len(prefix):]))
+                labels.append(idx)
+                found += 1
+        if not found:
+            empty.append(cls)
+    if classes and not paths:
+        raise SourceError(
+            f"{root}: no image files found in its {len(classes)} class folder(s) "
+            f"(searched for {_extensions_text()}, any case); ImageFolder refuses such a tree too")
+    problems.extend(_class_warnings(root, classes, empty))
+    hidden = [c for c in classes if c.startswith(".")]
+    return SourceScan(
+        root=root,
+        classes=classes,
+        paths=paths,
+        relpaths=relpaths,
+        labels=np.asarray(labels, dtype=np.int64),
+        sizes=_stat_sizes(paths),
+        hidden_classes=hidden,
+        walk_problems=problems,
+    )
+
+
+def _extensions_text() -> str:
+    return " ".join(IMG_EXTENSIONS)
+
+
+def _class_warnings(root: str, classes: list[str], empty: list[str]) -> list[tuple[str, str]]:
+    """Warnings about the class folders themselves: empty ones, and split-like names."""
+    out = []
+    if empty:
+        names = ", ".join(empty[:20]) + (" ..." if len(empty) > 20 else "")
+        warning = (f"{len(empty)} class folder(s) hold no image file ({_extensions_text()}): {names}; "
+                   "kept as classes with 0 samples, as ImageFolder(allow_empty=True) does")
+        out.append((root, warning))
+    splits = [c for c in classes if c.lower() in SPLIT_NAMES]
+    # one such name among real classes can be a genuine class; all of them, or two, are splits
+    if splits and (len(splits) >= 2 or len(splits) == len(classes)):
+        hint = (f"class folder(s) named like dataset splits ({', '.join(splits)}): the classes should be the "
+                f"folders inside one split; did you mean {os.path.join(root, splits[0])}?")
+        out.append((root, hint))
+    return out
+
+
+def check_destination_outside(scan: SourceScan, dst: str) -> None:
+    """Refuse a destination inside a source folder: the next scan of that folder
+    would take the store for a class (its shard files are not images, so the class
+    would be empty or the files rejected).
+
+    Compared after resolving symlinks (``os.path.realpath``). For a list file the
+    root is the list's folder, whose files are never scanned, so any destination
+    is fine.
+
+    Raises:
+        SourceError: ``dst`` is ``scan.root`` or lies inside it (folder sources).
+    """
+    if scan.is_list:
+        return
+    root, target = os.path.realpath(scan.root), os.path.realpath(dst)
+    if target == root or target.startswith(os.path.join(root, "")):
+        raise SourceError(
+            f"the destination {dst} is inside the source folder {scan.root}: the store would become a class of "
+            "the next conversion of that folder; choose a destination outside it")
+
+
+def scan_list(list_file: str) -> SourceScan:
+    """Scan a CSV (``path,label``) or TSV (``path<TAB>label``) list file.
+
+    Relative paths are taken relative to the list file's folder. A first row
+    ``path,label`` is treated as a header. Order is the file's.
+
+    Labels: when every label is a non-negative integer (``0``, ``7``, ``10``), the
+    label *is* the target, and the classes are ``'0'`` .. ``str(max label)`` (so
+    ``10`` is target 10, not the third class in string order). Otherwise labels are
+    class names, and the classes are their sorted unique values (as ImageFolder
+    sorts folder names).
+
+    Raises:
+        SourceError: the file is missing, lists nothing, or has bad rows (all of
+            them are listed, up to :data:`MAX_ROW_ERRORS`, with line numbers).
+    """
+    list_file = os.path.abspath(list_file)
+    base = os.path.dirname(list_file)
+    rows = _read_rows(list_file)
+    if not rows:
+        raise SourceError(f"{list_file}: the list names no image files (expected rows of path,label)")
+    classes, labels = _list_labels(list_file, rows)
+    paths = [os.fsencode(p if os.path.isabs(p) else os.path.join(base, p)) for p, _, _ in rows]
+    relpaths = [os.fsencode(os.path.normpath(p)) for p, _, _ in rows]
+    return SourceScan(
+        root=base,
+        classes=classes,
+        paths=paths,
+        relpaths=relpaths,
+        labels=labels,
+        sizes=_stat_sizes(paths),
+        is_list=True,
+    )
+
+
+def _read_rows(list_file: str) -> list[tuple[str, str, int]]:
+    """``(path, label, line number)`` of every data row; every malformed row is
+    collected and reported in one :class:`SourceError`."""
+    delimiter = "\t" if list_file.lower().endswith(".tsv") else ","
+    rows: list[tuple[str, str, int]] = []
+    bad: list[tuple[int, str]] = []  # (line number, problem)
+    try:
+        # utf-8-sig: spreadsheet exports often start with a BOM, which would hide the header row
+        with open(list_file, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+            reader = csv.reader(fh, delimiter=delimiter)
+            try:
+                for row in reader:
+                    _check_row(row, reader.line_num, delimiter, rows, bad)
+            except csv.Error as err:  # e.g. a NUL byte: csv cannot read past it
+                bad.append((reader.line_num, f"{err}; the rest of the file was not read"))
+    except FileNotFoundError:
+        raise SourceError(f"list file not found: {list_file}") from None
+    if len(bad) == 1:
+        raise SourceError(f"{list_file}:{bad[0][0]}: {bad[0][1]}")
+    if bad:
+        # one line (the CLI prints errors as one line), every bad row up to the limit
+        shown = "; ".join(f"line {n}: {why}" for n, why in bad[:MAX_ROW_ERRORS])
+        more = f"; ... and {len(bad) - MAX_ROW_ERRORS} more" if len(bad) > MAX_ROW_ERRORS else ""
+        raise SourceError(f"{list_file}: {len(bad)} bad rows (fix them all, then convert again): {shown}{more}")
+    return rows
+
+
+def _check_row(row: list[str], lineno: int, delimiter: str, rows: list, bad: list[tuple[int, str]]) -> None:
+    """Append a good row to ``rows`` or ``(lineno, problem)`` to ``bad``; skip blank
+    lines and a ``path,label`` header on line 1."""
+    if not row or (len(row) == 1 and not row[0].strip()):
+        return
+    if len(row) != 2:
+        bad.append((lineno, f"expected 2 columns (path{delimiter}label), got {len(row)}"))
+        return
+    path, label = row[0].strip(), row[1].strip()
+    if lineno == 1 and (path.lower(), label.lower()) == ("path", "label"):
+        return
+    if not path or not label:
+        bad.append((lineno, "empty path or label"))
+        return
+    rows.append((path, label, lineno))
+
+
+def _list_labels(list_file: str, rows: list[tuple[str, str, int]]) -> tuple[list[str], np.ndarray]:
+    """Classes and per-row targets from the label column (rule: see :func:`scan_list`)."""
+    if all(label.isascii() and label.isdigit() for _, label, _ in rows):
+        targets = [int(label) for _, label, _ in rows]
+        top = max(targets)
+        if top >= MAX_INTEGER_LABEL:
+            lineno = next(n for (_, _, n), t in zip(rows, targets, strict=False) if t == top)
+            raise SourceError(
+                f"{list_file}:{lineno}: integer label {top} is taken as a class index and would make {top + 1} "
+                f"classes (limit {MAX_INTEGER_LABEL}); renumber the labels from 0, or use class names")
+        return [str(i) for i in range(top + 1)], np.asarray(targets, dtype=np.int64)
+    classes = sorted({label for _, label, _ in rows})
+    class_to_idx = {c: i for i, c in enumerate(classes)}
+    return classes, np.asarray([class_to_idx[label] for _, label, _ in rows], dtype=np.int64)
+
+
+def scan(src: str | os.PathLike) -> SourceScan:
+    """Scan ``src``: a ``.csv``/``.tsv`` list file or an ImageFolder tree."""
+    src = os.fspath(src)
+    if src.lower().endswith((".csv", ".tsv")) and not os.path.isdir(src):
+        return scan_list(src)
+    return scan_folder(src)
+
+
+def _stat_sizes(paths: list[bytes]) -> np.ndarray:
+    sizes = np.empty(len(paths), dtype=np.int64)
+    for i, p in enumerate(paths):
+        try:
+            sizes[i] = os.stat(p).st_size
+        except OSError:
+            sizes[i] = -1
+    return sizes
