@@ -1,0 +1,45 @@
+"""Subprocesses the tests start: reaped when a test ends, SIGKILLed mid-write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+
+@contextmanager
+def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Run the block, then make sure the subprocess ``proc`` is gone: if the block left it
+    running (a failed check, an exception), it is killed and waited for, so no test leaves a
+    converter behind. Yields ``proc``."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def sigkill_once_a_shard_is_staged(proc: subprocess.Popen, dst: str | os.PathLike, what: str) -> None:
+    """SIGKILL ``proc``, which is writing the store ``dst``, as soon as it has finished a shard
+    (the shard's sidecar is in the staging folder), and wait for it: an interrupted run that
+    ``--resume`` / ``resume=True`` has something to keep from.
+
+    Fails the test when ``proc`` ends first (``what``, e.g. ``"writer"``, names it).
+    """
+    from fastdata.format.names import STAGING_DIR
+
+    staging = Path(dst) / STAGING_DIR
+    with reaped(proc):
+        while not (staging.exists() and any(staging.glob("shard-*.json"))):
+            if proc.poll() is not None:
+                pytest.fail(f"the {what} finished before it could be killed: {proc.communicate()}")
+            time.sleep(0.002)  # polling for the sidecar, not waiting for an outcome
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
