@@ -33,7 +33,7 @@ def _import_file(path: str) -> Any:
     The folder goes on ``sys.path`` so the file's own sibling imports work, and so
     spawn/forkserver workers (which re-import the module by name) find it too.
     """
-    from fastdata.format.names import check_local_path
+    from fastdata.common.paths import check_local_path
 
     check_local_path(path, "doctor target file")
     if os.path.isdir(path) or not path.endswith(".py"):

@@ -16,9 +16,10 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 
+from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError
+from fastdata.format.backends.registry import backend_for_path
 from fastdata.format.manifest import read_manifest
-from fastdata.format.names import backend_for_path, check_local_path
 from fastdata.remote.store import is_remote
 
 KINDS = ("folder", "lmdb", "hdf5")

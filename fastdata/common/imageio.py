@@ -172,3 +172,4 @@ def decode_rgb_array(data: Buffer) -> np.ndarray:
         return np.array(im.convert("RGB"))
     finally:
         im.close()
+

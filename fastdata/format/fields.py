@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fastdata.common.extensions import has_image_extension
 from fastdata.errors import FastdataError, FormatError
 
 
@@ -525,10 +526,7 @@ def infer_field(value: Any, where: str) -> Field:
         return Int()
     if isinstance(value, float | np.floating):
         return Float(allow_nan=isinstance(value, float) and math.isnan(value))
-    if isinstance(value, str):
-        from fastdata.writer.sources.folder import has_image_extension
-
-        # a path to an image file is the common way to give an image; text never names one
+    if isinstance(value, str):  # a path to an image file is how an image is given; text never names one
         return Image() if has_image_extension(value) and os.path.isfile(value) else String()
     array = _as_array(value)
     if array is None and isinstance(value, list | tuple) and value and all(

@@ -14,10 +14,10 @@ from typing import Any
 
 import xxhash
 
+from fastdata.common.fileio import atomic_write
 from fastdata.errors import FormatError, IncompleteStoreError
+from fastdata.format.names import MANIFEST_NAME, REJECTED_NAME
 
-MANIFEST_NAME = "manifest.json"
-REJECTED_NAME = "rejected.tsv"
 STORE_FORMAT = "fastdata-store"
 STORE_VERSION = 1
 #: layout version of general stores (a ``schema`` other than the classification one)
@@ -48,57 +48,6 @@ def _body_checksum(body: dict) -> str:
     return xxhash.xxh3_64_hexdigest(canonical_json(body))
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix.
-
-    Sequence: write ``<path>.tmp-<pid>``, fsync it, ``os.replace`` it onto
-    ``path``, fsync the directory. On any ``OSError`` the temporary is removed,
-    and if the rename already happened ``path`` is removed too (a file whose
-    directory sync failed is not durable, so it must not be trusted); the
-    ``OSError`` raised names ``path`` and keeps the errno.
-    """
-    tmp = f"{path}.tmp-{os.getpid()}"
-    replaced = False
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        replaced = True
-        fsync_dir(os.path.dirname(path) or ".")
-    except OSError as err:
-        for leftover in (tmp, path) if replaced else (tmp,):
-            try:
-                os.unlink(leftover)
-            except OSError:
-                pass
-        raise OSError(err.errno, err.strerror or str(err), path) from err
-
-
-def fsync_file(path: str) -> None:
-    """fsync a file by path (after a library that owns the handle closed it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so a rename inside it survives power loss."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(store_dir: str, body: dict) -> dict:
     """Validate ``body``, add its checksum and publish it atomically. Returns the written dict."""
     body = dict(body)
@@ -116,7 +65,7 @@ def read_manifest(store_dir: str) -> dict:
     interrupted conversion), :class:`FormatError` for anything malformed, and
     :class:`PathNotFoundError`/:class:`RemotePathError` for a missing path or a URL.
     """
-    from fastdata.format.names import check_local_path  # local import: layout imports nothing heavy
+    from fastdata.common.paths import check_local_path
 
     check_local_path(store_dir, "store")  # a URL or a missing path is named as such, not as "not a store"
     path = os.path.join(store_dir, MANIFEST_NAME)

@@ -15,14 +15,29 @@
 
 from __future__ import annotations
 
-import os
-import re
+from fastdata.common.fileio import ATOMIC_TMP_MARK
 
+#: the store's manifest: published last, its presence means "finished store"
+MANIFEST_NAME = "manifest.json"
+#: inputs that were skipped, one per line with the reason
+REJECTED_NAME = "rejected.tsv"
+#: every shard's index arrays in one file (see docs/FORMAT.md)
+STORE_INDEX_NAME = "index.fdi"
+#: only while writing: the staging folder, and in it ...
 STAGING_DIR = ".fastdata-staging"
+#: ... the run's plan fingerprint and options (what --resume reuses and compares)
+PLAN_FILE = "plan.json"
+#: ... the source listing of a folder conversion (what --resume compares the source with)
+LISTING_FILE = "listing.npz"
+#: ... and one index sidecar per finished shard (``<shard>.index``)
+SIDECAR_SUFFIX = ".index"
+#: only while writing: flock'ed by the live converter
 LOCK_NAME = ".fastdata.lock"
+#: only while writing: a shard being written is ``<shard>.tmp``
 TMP_SUFFIX = ".tmp"
-#: atomic_write() names its temporary file "<target>.tmp-<pid>"
-ATOMIC_TMP_MARK = ".tmp-"
+
+__all__ = ["ATOMIC_TMP_MARK", "LISTING_FILE", "LOCK_NAME", "MANIFEST_NAME", "PLAN_FILE", "REJECTED_NAME",
+           "SIDECAR_SUFFIX", "STAGING_DIR", "STORE_INDEX_NAME", "TMP_SUFFIX", "shard_name"]
 
 
 def shard_name(backend: str, shard_id: int) -> str:
@@ -30,42 +45,3 @@ def shard_name(backend: str, shard_id: int) -> str:
     from fastdata.format.backends.registry import get_backend  # local import: layout is imported by light modules
 
     return f"shard-{shard_id:05d}{get_backend(backend).shard_suffix}"
-
-
-def backend_for_path(path: str) -> str | None:
-    """Backend implied by a destination suffix (see :mod:`fastdata.format.backends.registry`), or None."""
-    from fastdata.format.backends.registry import backend_for_path as lookup
-
-    return lookup(path)
-
-
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def remote_scheme(path: str | os.PathLike) -> str | None:
-    """``"s3"`` for ``s3://bucket/x`` (any ``scheme://`` URL), None for a local path."""
-    m = _URL.match(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
-    return m.group(1).lower() if m else None
-
-
-def check_local_path(path: str | os.PathLike, what: str, must_exist: bool = True) -> None:
-    """Refuse a remote URL, and (with ``must_exist``) a path that does not exist.
-
-    Args:
-        path: what the user gave.
-        what: how messages name it ("source", "store", ...).
-        must_exist: also require the path to exist.
-
-    Raises:
-        RemotePathError: ``path`` is a URL (``s3://``, ``gs://``, ``https://``, ``az://``...).
-        PathNotFoundError: ``must_exist`` and nothing is at ``path``.
-    """
-    from fastdata.errors import PathNotFoundError, RemotePathError
-
-    scheme = remote_scheme(path)
-    if scheme is not None:
-        raise RemotePathError(
-            f"{what} {os.fspath(path)}: remote stores ({scheme}://) are not supported yet: "
-            "copy the data to a local or mounted filesystem and give that path")
-    if must_exist and not os.path.exists(path):
-        raise PathNotFoundError(f"{what} {os.fspath(path)} does not exist")

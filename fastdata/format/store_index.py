@@ -27,15 +27,14 @@ import numpy as np
 import xxhash
 
 from fastdata.errors import CorruptRecordError, FormatError
+from fastdata.format.names import SIDECAR_SUFFIX, STORE_INDEX_NAME
 from fastdata.format.record import INDEX_DTYPES, SampleIndex, ShardIndex, read_index_arrays
 
-STORE_INDEX_NAME = "index.fdi"
 #: manifest key: {"name": STORE_INDEX_NAME, "bytes": int, "xxh": str}
 MANIFEST_KEY = "store_index"
 _FORMAT = "fastdata-store-index"
 _VERSION = 1
 #: per-shard index sidecar in the staging directory, written when the shard finishes
-SIDECAR_SUFFIX = ".index"
 _MAX_BYTES = 4 << 30
 
 

@@ -45,9 +45,9 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from fastdata.common.fileio import atomic_write, fsync_dir
 from fastdata.common.units import format_size, parse_size
 from fastdata.errors import CacheFullError, CorruptRecordError, RemoteStoreError
-from fastdata.format.manifest import atomic_write, fsync_dir
 
 SPACE_LOCK = ".space.lock"
 SHARDS, LOCKS, PINS = "shards", "locks", "pins"

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastdata.common.units import format_size
-from fastdata.format.manifest import MANIFEST_NAME
+from fastdata.format.names import MANIFEST_NAME
 from fastdata.remote.cache import STORE_INFO, ShardCache, resolve_limit
 
 

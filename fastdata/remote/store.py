@@ -14,10 +14,12 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from fastdata.common.fileio import atomic_write
+from fastdata.common.paths import remote_scheme
 from fastdata.errors import CorruptRecordError, FormatError, IncompleteStoreError, RemoteStoreError
-from fastdata.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, atomic_write, parse_manifest, read_manifest
-from fastdata.format.names import remote_scheme
-from fastdata.format.store_index import MANIFEST_KEY, STORE_INDEX_NAME, parse_store_index
+from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest, read_manifest
+from fastdata.format.names import MANIFEST_NAME, STORE_INDEX_NAME
+from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
 from fastdata.remote.cache import Pin, ShardCache, store_key
 from fastdata.remote.location import RemoteLocation
 

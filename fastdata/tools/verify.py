@@ -13,14 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from fastdata.common.fileio import file_checksum
+from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
 from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.registry import reader_class
-from fastdata.format.manifest import MANIFEST_NAME, read_manifest
-from fastdata.format.names import STAGING_DIR, check_local_path
+from fastdata.format.manifest import read_manifest
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
 from fastdata.format.record import FIELD_PREFIX, FORMAT_CODES, FORMAT_NAMES, SampleIndex, ShardIndex, decode_record_v2
 from fastdata.remote.store import RemoteStore, is_remote, locate_store
-from fastdata.writer.pipeline import WRITE_SOURCE, file_checksum
+from fastdata.writer.pipeline import WRITE_SOURCE
 
 
 def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None) -> dict:
@@ -469,7 +471,8 @@ def _open_remote_for_verify(url: str, storage_options: Mapping[str, Any] | None,
 
 def _check_remote_index(store: RemoteStore, m: dict, report: VerifyReport) -> None:
     """The store index file (what readers use instead of opening every shard) against the manifest."""
-    from fastdata.format.store_index import MANIFEST_KEY, STORE_INDEX_NAME, parse_store_index
+    from fastdata.format.names import STORE_INDEX_NAME
+    from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
 
     if MANIFEST_KEY not in m:
         return  # an older store: readers cannot open it remotely, but its shards can still be verified

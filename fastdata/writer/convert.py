@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from fastdata.common.paths import check_local_path
 from fastdata.common.units import Size, describe_size, format_size, parse_size, parse_size_spec
 from fastdata.errors import FastdataError, ResumeMismatchError, SourceError, StoreExistsError
 from fastdata.format.backends.base import StorageSpec
-from fastdata.format.manifest import MANIFEST_NAME, read_manifest
-from fastdata.format.names import STAGING_DIR, backend_for_path, check_local_path
+from fastdata.format.backends.registry import backend_for_path
+from fastdata.format.manifest import read_manifest
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
 from fastdata.writer.distributed import current_group
 from fastdata.writer.lock import StoreLock, raise_if_locked
 from fastdata.writer.pipeline import (
@@ -585,8 +587,9 @@ def _record_table_run(dst: str, run: RunOptions, src: str, fingerprint: str) -> 
     """What a later ``--resume`` reuses (the options) and compares against (the fingerprint)."""
     import json
 
-    from fastdata.format.manifest import atomic_write
-    from fastdata.writer.pipeline import PLAN_FILE, io_error
+    from fastdata.common.fileio import atomic_write
+    from fastdata.format.names import PLAN_FILE
+    from fastdata.writer.pipeline import io_error
 
     path = os.path.join(dst, STAGING_DIR, PLAN_FILE)
     body = {"source": os.path.abspath(src), "fingerprint": fingerprint, "options": run.to_json()}

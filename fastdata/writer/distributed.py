@@ -112,7 +112,8 @@ def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, run, reco
     ``resume``, options not given were taken from ``recorded``, the interrupted run's record),
     ``plans`` the shard plan every rank computed from the same scan.
     """
-    from fastdata.format.manifest import MANIFEST_NAME, read_manifest
+    from fastdata.format.manifest import read_manifest
+    from fastdata.format.names import MANIFEST_NAME
     from fastdata.writer.convert import _check_destination, _fill_report, check_resume
     from fastdata.writer.lock import StoreLock, raise_if_locked
     from fastdata.writer.pipeline import (

@@ -18,17 +18,11 @@ import tempfile
 
 from PIL import Image
 
+from fastdata.common.extensions import EXTENSION_FORMATS
 from fastdata.common.imageio import ImageDecodeError, open_image, stored_format, validate_image
 from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.record import MAX_RECORD_BYTES, EncodedSample, checksum
 
-#: extension -> the Pillow format a file with that name normally holds. The content,
-#: not the name, decides the decoder (as for ImageFolder's loader); a file whose
-#: content differs is kept and reported as a warning (see :class:`IngestedSample`).
-EXTENSION_FORMATS = {
-    ".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".ppm": "PPM", ".pgm": "PPM",
-    ".bmp": "BMP", ".tif": "TIFF", ".tiff": "TIFF", ".webp": "WEBP",
-}
 DEFAULT_REENCODE_QUALITY = 90
 #: names of the per-chunk files workers hand image bytes back through (in staging)
 SPILL_PREFIX, SPILL_SUFFIX = "chunk-", ".spill"

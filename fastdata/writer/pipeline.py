@@ -46,42 +46,32 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import xxhash
-
 from fastdata._version import __version__
+from fastdata.common.extensions import EXTENSION_FORMATS
+from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write, file_checksum, fsync_dir
 from fastdata.common.units import format_size
 from fastdata.errors import ConversionError, RejectedInputError, ResumeMismatchError
 from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.backends.registry import reader_class, writer_class
 from fastdata.format.fields import Schema
-from fastdata.format.manifest import (
+from fastdata.format.manifest import STORE_FORMAT, STORE_VERSION, STORE_VERSION_2, write_manifest
+from fastdata.format.names import (
     MANIFEST_NAME,
+    PLAN_FILE,
     REJECTED_NAME,
-    STORE_FORMAT,
-    STORE_VERSION,
-    STORE_VERSION_2,
-    atomic_write,
-    fsync_dir,
-    write_manifest,
+    STAGING_DIR,
+    STORE_INDEX_NAME,
+    TMP_SUFFIX,
+    shard_name,
 )
-from fastdata.format.names import ATOMIC_TMP_MARK, STAGING_DIR, TMP_SUFFIX, shard_name
 from fastdata.format.record import EncodedSample  # noqa: F401  (named in docstrings; what general sources produce)
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
-from fastdata.format.store_index import STORE_INDEX_NAME, build_store_index, encode_shard_index, sidecar_path
+from fastdata.format.store_index import build_store_index, encode_shard_index, sidecar_path
 from fastdata.format.store_index import manifest_entry as store_index_entry
-from fastdata.writer.ingest import (
-    EXTENSION_FORMATS,
-    SPILL_PREFIX,
-    SPILL_SUFFIX,
-    IngestedSample,
-    ingest_chunk,
-    starts_like_jpeg,
-    unspill,
-)
+from fastdata.writer.ingest import SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, ingest_chunk, starts_like_jpeg, unspill
 from fastdata.writer.plan import ShardPlan
 from fastdata.writer.sources.folder import SourceScan
 
-PLAN_FILE = "plan.json"
 #: the "source" fastdata.write records (in the manifest's options and the staging plan)
 WRITE_SOURCE = "fastdata.write"
 
@@ -160,17 +150,6 @@ def shard_sink(sink: ShardSink) -> Iterator[ShardSink]:
         yield sink
     finally:
         _SINK.reset(token)
-
-
-def file_checksum(path: str) -> str:
-    """xxh3-64 hex digest of a whole file."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as fh:
-        while True:
-            block = fh.read(4 << 20)
-            if not block:
-                return h.hexdigest()
-            h.update(block)
 
 
 def staging_path(dst: str, *parts: str) -> str:

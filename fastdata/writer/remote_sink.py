@@ -55,10 +55,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write
+from fastdata.common.paths import remote_scheme
 from fastdata.errors import FastdataError, RemotePathError, RemoteStoreError, StoreExistsError, StoreLockedError
-from fastdata.format.manifest import MANIFEST_NAME, REJECTED_NAME, atomic_write
-from fastdata.format.names import ATOMIC_TMP_MARK, LOCK_NAME, STAGING_DIR, TMP_SUFFIX, remote_scheme, shard_name
-from fastdata.format.store_index import SIDECAR_SUFFIX, STORE_INDEX_NAME
+from fastdata.format.names import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    REJECTED_NAME,
+    SIDECAR_SUFFIX,
+    STAGING_DIR,
+    STORE_INDEX_NAME,
+    TMP_SUFFIX,
+    shard_name,
+)
 from fastdata.remote.cache import default_cache_dir
 from fastdata.remote.location import RemoteLocation
 

@@ -25,15 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fastdata.common.fileio import atomic_write
 from fastdata.common.units import Size, exact_unit
 from fastdata.format.backends.base import StorageSpec
-from fastdata.format.manifest import MANIFEST_NAME, atomic_write, read_manifest
-from fastdata.format.names import STAGING_DIR
-from fastdata.writer.pipeline import PLAN_FILE, io_error
+from fastdata.format.manifest import read_manifest
+from fastdata.format.names import LISTING_FILE, MANIFEST_NAME, PLAN_FILE, STAGING_DIR
+from fastdata.writer.pipeline import io_error
 from fastdata.writer.sources.folder import SourceScan
 
-RUN_FILE = PLAN_FILE  # the options live next to the fingerprint they produced
-LISTING_FILE = "listing.npz"
 #: at most this many folders are named in a "files added under ..." line
 MAX_FOLDERS_NAMED = 3
 
@@ -101,7 +100,7 @@ def record_run(dst: str, options: RunOptions, src: str, fingerprint: str, scan: 
              sizes=np.asarray(scan.sizes, dtype=np.int64), labels=np.asarray(scan.labels, dtype=np.int64))
     run = {"source": os.path.abspath(src), "fingerprint": fingerprint, "options": options.to_json(),
            "classes": list(scan.classes)}
-    for name, data in ((LISTING_FILE, buf.getvalue()), (RUN_FILE, json.dumps(run).encode())):
+    for name, data in ((LISTING_FILE, buf.getvalue()), (PLAN_FILE, json.dumps(run).encode())):
         try:
             atomic_write(_staging(dst, name), data)
         except OSError as err:
@@ -114,7 +113,7 @@ def read_recorded_run(dst: str) -> RecordedRun | None:
     if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
         return _from_manifest(dst)
     try:
-        with open(_staging(dst, RUN_FILE), "rb") as fh:
+        with open(_staging(dst, PLAN_FILE), "rb") as fh:
             run = json.load(fh)
         return RecordedRun(options=RunOptions.from_json(run["options"]), source=run.get("source"),
                            fingerprint=run.get("fingerprint"), complete=False,
@@ -126,7 +125,7 @@ def read_recorded_run(dst: str) -> RecordedRun | None:
 def recorded_source(dst: str) -> str | None:
     """The source path an unfinished conversion at ``dst`` was started from, if recorded."""
     try:
-        with open(_staging(dst, RUN_FILE), "rb") as fh:
+        with open(_staging(dst, PLAN_FILE), "rb") as fh:
             source = json.load(fh).get("source")
         return source if isinstance(source, str) else None
     except (OSError, ValueError, AttributeError):

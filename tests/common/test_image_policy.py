@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 import fastdata
+from fastdata.common.fileio import file_checksum
 from fastdata.common.imageio import ALLOWED_FORMATS, ImageDecodeError, open_image
 from fastdata.errors import CorruptRecordError
 from fastdata.format.backends.base import Sample, StorageSpec
@@ -32,7 +33,7 @@ from fastdata.format.names import shard_name
 from fastdata.format.record import checksum
 from fastdata.reader.open import open_dataset
 from fastdata.transforms import CenterCrop, RandomResizedCrop, Resize, full_decode
-from fastdata.writer.pipeline import ShardResult, file_checksum, publish
+from fastdata.writer.pipeline import ShardResult, publish
 from fastdata.writer.sources.folder import SourceScan
 
 pytestmark = pytest.mark.timeout(120)

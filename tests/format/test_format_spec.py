@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import xxhash
 from helpers.images import make_jpeg, make_tree
-from PIL import Image
 from helpers.reference import ref_image_folder
+from PIL import Image
 
 import fastdata
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import fastdata
 from fastdata.errors import CorruptRecordError, FormatError
-from fastdata.format.manifest import MANIFEST_NAME, canonical_json, parse_manifest
+from fastdata.format.manifest import canonical_json, parse_manifest
+from fastdata.format.names import MANIFEST_NAME
 from fastdata.format.record import FORMAT_CODES, decode_record, encode_record
 
 pytestmark = pytest.mark.timeout(120)

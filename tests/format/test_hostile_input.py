@@ -33,7 +33,7 @@ from helpers.stores import store_records
 from PIL import Image
 
 import fastdata
-from fastdata.format.manifest import REJECTED_NAME
+from fastdata.format.names import REJECTED_NAME
 from fastdata.writer.ingest import MAX_INPUT_BYTES
 
 convert_module = importlib.import_module("fastdata.writer.convert")  # the module, not the function

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from fastdata.writer.sources.folder import IMG_EXTENSIONS
+from fastdata.common.extensions import IMG_EXTENSIONS
 
 
 def ref_find_classes(directory: str) -> tuple[list[str], dict[str, int]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 from helpers.samples import jpeg
+from torch.utils.data import DataLoader
 
 import fastdata
 from fastdata.reader import batching

@@ -21,13 +21,14 @@ import sys
 import numpy as np
 import pytest
 from helpers.images import make_jpeg, photo_array
-from PIL import Image
 from helpers.reference import ref_image_folder
+from PIL import Image
 
 import fastdata
+from fastdata.common.extensions import IMG_EXTENSIONS
 from fastdata.errors import SourceError
 from fastdata.reader.open import open_dataset
-from fastdata.writer.sources.folder import IMG_EXTENSIONS, scan
+from fastdata.writer.sources.folder import scan
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -37,7 +37,8 @@ from fastdata.errors import CorruptRecordError, FastdataError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.lmdb import spec as lmdb_spec
 from fastdata.format.backends.registry import reader_class
-from fastdata.format.manifest import MANIFEST_NAME, canonical_json
+from fastdata.format.manifest import canonical_json
+from fastdata.format.names import MANIFEST_NAME
 from fastdata.format.record import decode_record
 
 NIGHTLY = os.environ.get("FASTDATA_NIGHTLY") == "1"

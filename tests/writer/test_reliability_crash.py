@@ -42,9 +42,7 @@ from helpers.images import make_tree
 from helpers.stores import store_records
 
 import fastdata
-from fastdata.format.manifest import MANIFEST_NAME, REJECTED_NAME
-from fastdata.format.names import LOCK_NAME, STAGING_DIR
-from fastdata.format.store_index import STORE_INDEX_NAME
+from fastdata.format.names import LOCK_NAME, MANIFEST_NAME, REJECTED_NAME, STAGING_DIR, STORE_INDEX_NAME
 from fastdata.writer.sources.folder import scan
 
 BAD_INPUTS = {"b/zero.jpg": b"", "c/garbage.jpg": b"\xff\xd8not a jpeg at all" * 20}

@@ -34,7 +34,7 @@ import pytest
 
 import fastdata
 from fastdata.errors import ConversionError
-from fastdata.format.manifest import MANIFEST_NAME
+from fastdata.format.names import MANIFEST_NAME
 from fastdata.writer import pipeline
 
 NIGHTLY = os.environ.get("FASTDATA_NIGHTLY") == "1"
@@ -44,7 +44,6 @@ CAUSES = {errno.ENOSPC: "No space left on device", errno.EIO: "Input/output erro
 pytestmark = pytest.mark.timeout(180)
 
 from helpers.images import make_tree  # noqa: E402
-
 from helpers.stores import store_records  # noqa: E402
 
 # ----------------------------------------------------------------------------- injection

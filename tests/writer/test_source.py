@@ -9,8 +9,10 @@ import pytest
 from helpers.images import make_jpeg
 from helpers.reference import ref_image_folder
 
+from fastdata.common.extensions import IMG_EXTENSIONS, has_image_extension
 from fastdata.errors import SourceError
-from fastdata.writer.sources.folder import IMG_EXTENSIONS, has_image_extension, scan, scan_folder
+from fastdata.writer.sources.folder import scan, scan_folder
+
 
 def assert_same_as_image_folder(root: str) -> None:
     root = os.path.abspath(root)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastdata.common.extensions import IMG_EXTENSIONS, has_image_extension
 from fastdata.errors import SourceError
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 #: class folder names that are really dataset splits (compared lower-case)
 SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing"})
 #: at most this many bad list rows are quoted in one error
@@ -67,13 +67,6 @@ class SourceScan:
     @property
     def class_to_idx(self) -> dict[str, int]:
         return {c: i for i, c in enumerate(self.classes)}
-
-
-def has_image_extension(name: str | bytes) -> bool:
-    """True when ``name`` ends with one of :data:`IMG_EXTENSIONS`, ignoring case."""
-    if isinstance(name, bytes):
-        name = os.fsdecode(name)
-    return name.lower().endswith(IMG_EXTENSIONS)
 
 
 def find_classes(root: str) -> list[str]:

@@ -290,9 +290,9 @@ def write(
         RejectedInputError: an image value is unreadable or not a usable image.
         FastdataError subclasses for the destination (exists, locked, I/O).
     """
+    from fastdata.common.paths import check_local_path
     from fastdata.common.units import parse_size_spec
-    from fastdata.format.manifest import MANIFEST_NAME
-    from fastdata.format.names import check_local_path
+    from fastdata.format.names import MANIFEST_NAME
     from fastdata.writer.convert import (
         DEFAULT_SHARD_SIZE,
         _check_all_finished,

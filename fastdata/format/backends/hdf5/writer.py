@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import h5py
 import numpy as np
 
+from fastdata.common.fileio import fsync_file
 from fastdata.common.writeback import Writeback
 from fastdata.format.backends.base import ShardWriter, StorageSpec
 from fastdata.format.backends.hdf5 import spec
-from fastdata.format.manifest import fsync_file
 from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex
 
 

@@ -8,10 +8,10 @@ import lmdb
 import msgpack
 import numpy as np
 
+from fastdata.common.fileio import fsync_file
 from fastdata.common.writeback import Writeback
 from fastdata.format.backends.base import ShardWriter, StorageSpec
 from fastdata.format.backends.lmdb import spec
-from fastdata.format.manifest import fsync_file
 from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex, encode_record
 
 
