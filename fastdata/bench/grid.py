@@ -277,3 +277,12 @@ def expand_grid(
             seen.add(cfg)
             out.append(cfg)
     return out
+
+
+# -- the protocol between the harness and the runner process it starts for each configuration
+
+#: the remote-store options (storage_options, cache_dir, cache_limit) of a URL target, as JSON, for
+#: the runner process: kept out of the configuration so credentials never reach results.json
+STORE_OPTIONS_ENV = "FASTDATA_BENCH_STORE_OPTIONS"
+#: the line prefix of the runner's result (one JSON object) on its standard output
+RESULT_MARK = "FASTDATA_RESULT "

@@ -23,17 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastdata.bench.envcheck import check_environment
-from fastdata.bench.grid import BenchConfig
+from fastdata.bench.grid import RESULT_MARK, STORE_OPTIONS_ENV, BenchConfig
 from fastdata.bench.report import complete_row, fingerprint, format_table, write_csv, write_json
-from fastdata.bench.runner import RESULT_MARK
 
 DEFAULT_TIMEOUT_S = 900.0
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-#: the remote-store options (storage_options, cache_dir, cache_limit) of a URL target, as JSON, for
-#: the runner process: kept out of the configuration so credentials never reach results.json
-STORE_OPTIONS_ENV = "FASTDATA_BENCH_STORE_OPTIONS"
 
 
 def _child_env(store_options: dict | None = None) -> dict:

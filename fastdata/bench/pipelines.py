@@ -61,7 +61,7 @@ def store_options_from_env() -> dict:
     """The remote-store options the harness passed for a URL target (see ``harness.STORE_OPTIONS_ENV``)."""
     import json
 
-    from fastdata.bench.harness import STORE_OPTIONS_ENV
+    from fastdata.bench.grid import STORE_OPTIONS_ENV
 
     text = os.environ.get(STORE_OPTIONS_ENV)
     return json.loads(text) if text else {}

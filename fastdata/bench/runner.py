@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 import psutil
 
-RESULT_MARK = "FASTDATA_RESULT "
+from fastdata.bench.grid import RESULT_MARK
 
 
 class SubsetShuffle:

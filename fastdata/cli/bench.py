@@ -12,6 +12,8 @@ import os
 import sys
 import textwrap
 
+from fastdata.cli.options import add_remote_options, remote_options
+
 EXIT_OK, EXIT_FAILED_CHECK = 0, 1
 
 _GRID_EPILOG = """\
@@ -143,16 +145,13 @@ def add_commands(subparsers) -> None:
 
 
 def _add_remote_options(p: argparse.ArgumentParser) -> None:
-    from fastdata.cli.main import _add_remote_options as add
-
-    add(p, "shard cache directory for a URL target (default: $FASTDATA_CACHE_DIR, else ~/.cache/fastdata); "
-           "a warm cache measures warm epochs: empty it first (fastdata cache clear URL) for a cold first read")
+    add_remote_options(p, "shard cache directory for a URL target (default: $FASTDATA_CACHE_DIR, else "
+                          "~/.cache/fastdata); a warm cache measures warm epochs: empty it first (fastdata cache "
+                          "clear URL) for a cold first read")
 
 
 def _store_options(args) -> dict:
-    from fastdata.cli.main import _remote_options
-
-    return _remote_options(args)
+    return remote_options(args)
 
 
 def _pin(value):

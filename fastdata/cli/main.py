@@ -14,6 +14,7 @@ import os
 import sys
 
 from fastdata._version import __version__
+from fastdata.cli.options import add_remote_options, remote_options
 from fastdata.errors import FastdataError
 
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -64,7 +65,7 @@ def _cmd_info(args) -> int:
     from fastdata.common.units import format_size
     from fastdata.tools.verify import info
 
-    data = info(args.store, **_remote_options(args, limit=False))
+    data = info(args.store, **remote_options(args, limit=False))
     if args.json:
         print(json.dumps(data, indent=2))
         return EXIT_OK
@@ -96,7 +97,7 @@ def _cmd_info(args) -> int:
 def _cmd_verify(args) -> int:
     from fastdata.tools.verify import verify
 
-    remote = _remote_options(args, limit=False)
+    remote = remote_options(args, limit=False)
     report = verify(args.store, decode=args.decode, storage_options=remote.get("storage_options"),
                     scratch_dir=remote.get("cache_dir"))
     if args.json:
@@ -107,40 +108,13 @@ def _cmd_verify(args) -> int:
         report.status, EXIT_FAILED_CHECK)
 
 
-def _add_remote_options(p: argparse.ArgumentParser, cache_dir_help: str, limit: bool = True) -> None:
-    """``--storage-option``, ``--cache-dir`` (and ``--cache-limit``) for commands that read URLs."""
-    p.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_option",
-                   help="fsspec option for a URL store, repeatable (e.g. endpoint_url=http://host:9000, anon=true; "
-                        "a value that parses as JSON takes that type); credentials and endpoints also come from "
-                        "the usual variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
-    p.add_argument("--cache-dir", default=None, metavar="DIR", help=cache_dir_help)
-    if limit:
-        p.add_argument("--cache-limit", default=None, metavar="SIZE",
-                       help="most bytes of shards the cache keeps, e.g. 50GiB (default: $FASTDATA_CACHE_LIMIT, "
-                            "else no limit)")
-
-
-def _remote_options(args, limit: bool = True) -> dict:
-    """The remote-store options given on the command line, as keyword arguments (only those given)."""
-    from fastdata.remote.location import parse_storage_options
-
-    out: dict = {}
-    if args.storage_option:
-        out["storage_options"] = parse_storage_options(args.storage_option)
-    if args.cache_dir:
-        out["cache_dir"] = args.cache_dir
-    if limit and getattr(args, "cache_limit", None):
-        out["cache_limit"] = args.cache_limit
-    return out
-
-
 _CACHE_DIR_HELP = "shard cache directory (default: $FASTDATA_CACHE_DIR, else ~/.cache/fastdata)"
 
 
 def _cmd_cache_list(args) -> int:
     from fastdata.remote.inventory import cache_report
 
-    report = cache_report(args.cache_dir, check=args.check, storage_options=_remote_options(args).get(
+    report = cache_report(args.cache_dir, check=args.check, storage_options=remote_options(args).get(
         "storage_options"))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -253,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "downloaded.")
     i.add_argument("store", metavar="STORE")
     i.add_argument("--json", action="store_true", help="print JSON")
-    _add_remote_options(i, "where a URL's manifest is kept (the shard cache; default: $FASTDATA_CACHE_DIR, else "
+    add_remote_options(i, "where a URL's manifest is kept (the shard cache; default: $FASTDATA_CACHE_DIR, else "
                            "~/.cache/fastdata)", limit=False)
     i.set_defaults(func=_cmd_info)
 
@@ -273,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("store", metavar="STORE")
     v.add_argument("--decode", action="store_true", help="also fully decode every image")
     v.add_argument("--json", action="store_true", help="print JSON")
-    _add_remote_options(v, "folder a URL's shard is downloaded into while it is checked (one shard at a time; "
+    add_remote_options(v, "folder a URL's shard is downloaded into while it is checked (one shard at a time; "
                            "default: the shard cache directory)", limit=False)
     v.set_defaults(func=_cmd_verify)
 
