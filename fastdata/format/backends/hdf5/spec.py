@@ -13,7 +13,7 @@ Datasets (all 1-D unless noted; ``n`` = samples in the shard):
                                    decoded RGB pixels, contiguous
 ``labels`` int64, ``checksums`` uint64 (xxh3_64 of the sample's bytes),
 ``widths`` int32, ``heights`` int32, ``formats`` uint8 (codes in
-``fastdata/record.py``), ``nbytes`` int64, ``relpaths`` uint8 (concatenated
+``fastdata/format/record.py``), ``nbytes`` int64, ``relpaths`` uint8 (concatenated
 source paths) with ``relpath_offsets`` int64 [n + 1].
 
 Version 2 (a store whose manifest has a ``schema`` other than the classification

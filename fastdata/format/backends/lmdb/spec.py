@@ -7,7 +7,7 @@ e.g. ``shard-00000.lmdb``. It holds two named databases:
     key   = the sample's index *within the shard* as an 8-byte big-endian
             unsigned integer (``struct.pack(">Q", i)``), so key order is sample
             order and keys are 0 .. count-1 without gaps;
-    value = one msgpack record (schema in ``fastdata/record.py`` and
+    value = one msgpack record (schema in ``fastdata/format/record.py`` and
             ``docs/FORMAT.md``).
 
 ``index``
@@ -22,7 +22,7 @@ classification one) keeps the same two databases and keys; only the values diffe
 
 ``records``
     value = one version-2 msgpack record ``{"v": 2, "path": bin, <record field>: value, ...}``
-    (fields in schema order; see ``fastdata/record.py`` and ``docs/FORMAT.md``).
+    (fields in schema order; see ``fastdata/format/record.py`` and ``docs/FORMAT.md``).
 
 ``index``
     ``b"header"`` with ``"version": 2``; ``b"checksums"`` uint64 (xxh3_64 of each
