@@ -46,7 +46,7 @@ def test_dataset_resolves_the_default_once_and_keeps_an_explicit_choice(tmp_path
     assert fastdata.open_dataset(store, readahead=True).readahead is True
     ds = fastdata.open_dataset(store, readahead=False)
     ds[0]
-    assert next(iter(ds._readers.values())).env.flags()["readahead"] is False
+    assert next(iter(ds._shards.open_readers().values())).env.flags()["readahead"] is False
     ds.close()
 
 
