@@ -58,8 +58,9 @@ OUTPUTS = ("pil", "numpy", "tensor")
 READAHEAD_RECORD_BYTES = 16 << 10
 
 
-def _memory_bytes() -> int:
-    """Physical memory, or the cgroup (v2) limit of this container when lower."""
+def machine_memory() -> int:
+    """This machine's physical memory in bytes, or the cgroup (v2) limit of this container
+    when lower: what :func:`wants_readahead` compares a store's size with."""
     import psutil
 
     total = int(psutil.virtual_memory().total)
@@ -95,7 +96,7 @@ def wants_readahead(manifest: Mapping[str, Any], memory_bytes: int | None = None
     records = sum(int(s.get("count", 0)) for s in shards)
     if records and store_bytes / records >= READAHEAD_RECORD_BYTES:
         return True
-    memory = _memory_bytes() if memory_bytes is None else memory_bytes
+    memory = machine_memory() if memory_bytes is None else memory_bytes
     return store_bytes <= memory // 2
 
 
