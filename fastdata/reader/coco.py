@@ -31,7 +31,8 @@ import numpy as np
 
 from fastdata.errors import FormatError
 from fastdata.format.record import FIELD_PREFIX
-from fastdata.reader.samples import SampleDataset, SampleList
+from fastdata.reader.batching import Samples
+from fastdata.reader.samples import SampleDataset
 from fastdata.remote.store import StoreLocation
 
 __all__ = ["CocoStoreDataset", "CocoIds", "TARGET_FORMATS", "is_coco_manifest"]
@@ -222,7 +223,7 @@ class CocoStoreDataset(SampleDataset):
             return self.transforms(image, target)
         return image, target
 
-    def __getitems__(self, indices: Sequence[int]) -> SampleList:
+    def __getitems__(self, indices: Sequence[int]) -> Samples:
         """A batch of ``(image, target)`` samples, marked for :func:`fastdata.collate`
         to collate as lists (see the module docstring)."""
         batch = super().__getitems__(indices)
