@@ -161,10 +161,10 @@ class CocoStoreDataset(SampleDataset):
             raise ValueError("target_keys applies to target_format='v2' (the annotation dicts are returned whole)")
         self.target_keys: frozenset[str] | None = None
         if target_format == "v2":
-            from fastdata.reader.targets import _tv_tensors, coco_target_keys
+            from fastdata.reader.targets import coco_target_keys, tv_tensors_module
 
             self.target_keys = coco_target_keys(target_keys)
-            _tv_tensors()  # say now, not at the first sample, that torchvision is missing
+            tv_tensors_module()  # say now, not at the first sample, that torchvision is missing
         super().__init__(path, output=output, on_error=on_error, readahead=readahead, seed=seed, **store_options)
         self.target_format = target_format
         self.transform = transform

@@ -59,7 +59,6 @@ def run_demo(size: str = "full", out: str | None = None, keep: bool = False, qui
         quiet: no progress bars, only the results.
         bench: run the loading comparison.
     """
-    import fastdata
     from fastdata.common.extras import require
 
     # Before any work: the demo's images and plots come with the bench extra.
@@ -67,6 +66,8 @@ def run_demo(size: str = "full", out: str | None = None, keep: bool = False, qui
     if bench:
         require("matplotlib", "fastdata demo (its plots)")
     from fastdata.tools.synth import make_image_folder
+    from fastdata.tools.verify import verify
+    from fastdata.writer.api import convert
 
     sizes = _sizes()
     if size not in sizes:
@@ -93,14 +94,14 @@ def run_demo(size: str = "full", out: str | None = None, keep: bool = False, qui
         for step, (backend, name) in enumerate((("lmdb", "train.lmdb"), ("hdf5", "train.h5")), start=2):
             dst = os.path.join(work, name)
             say(f"[{step}/{steps}] converting to {backend.upper()}: {dst}")
-            report = fastdata.convert(src, dst, workers=cores, progress=False if quiet else None)
+            report = convert(src, dst, workers=cores, progress=False if quiet else None)
             for line in report.summary().splitlines():
                 say(f"      {line}")
             stores[backend] = dst
 
         say(f"[4/{steps}] verifying both stores (every record against its checksum, every image decoded)")
         for dst in stores.values():
-            result = fastdata.verify(dst, decode=True)
+            result = verify(dst, decode=True)
             say(f"      {result.summary()}")
             if not result.ok:
                 print(result.summary(), file=sys.stderr)
