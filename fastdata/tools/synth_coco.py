@@ -32,7 +32,6 @@ __all__ = ["CocoSynthSummary", "make_coco", "DEFAULT_CATEGORY_IDS", "rle_encode"
 
 #: a spread of COCO's own category ids: gaps where COCO has them (12, 26, 29, 30, 45, 66, 68...)
 DEFAULT_CATEGORY_IDS = (1, 2, 3, 4, 6, 8, 11, 13, 18, 25, 27, 31, 44, 46, 62, 67, 70, 90)
-_SHAPES = ("blob", "box", "star", "ring")
 
 
 @dataclass(frozen=True)
