@@ -219,8 +219,6 @@ class IndexBuilder:
 
 #: version of general (schema) records and shards
 RECORD_VERSION_2 = 2
-#: index keys of layout version 2 besides the fields' own arrays
-INDEX_V2_COMMON = {"checksums": "<u8", "nbytes": "<i8", "relpaths": "u1", "relpath_offsets": "<i8"}
 #: per image field, what the writer learnt from its validation decode
 IMAGE_META = {"format": "u1", "width": "<i4", "height": "<i4"}
 #: prefix of a field's index arrays: a field may be called "checksums" without clashing with the layout's arrays

@@ -47,12 +47,18 @@ class Batch(list):
 
 
 class Samples(list):
-    """What ``__getitems__`` returns otherwise: a plain list of ``(image, target)``
-    pairs that also says how many damaged samples it replaced (``skips``), so that
-    :func:`collate` can carry that count from a worker to the main process."""
+    """What ``__getitems__`` returns otherwise: a plain list of samples (``(image, target)``
+    pairs, or a general store's sample dicts) that also says how many damaged samples it
+    replaced (``skips``), so that :func:`collate` can carry that count from a worker to the
+    main process, and how :func:`collate` should collate it."""
 
     skips: int = 0
-    token: str = ""
+    token: str = ""  # the dataset's skip-counter token (see StoreDataset.skipped)
+    #: ``(image, target)`` detection samples: :func:`collate` returns lists of both
+    detection: bool = False
+    #: the schema's ragged fields: always collated as lists (their lengths only
+    #: happen to agree in some batches; a batch's type must not depend on that)
+    ragged: tuple[str, ...] = ()
 
 
 #: batches up to this size cross the worker queue as an :class:`_InlineBatch`

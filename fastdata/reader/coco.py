@@ -31,7 +31,8 @@ import numpy as np
 
 from fastdata.errors import FormatError
 from fastdata.format.record import FIELD_PREFIX
-from fastdata.reader.samples import SampleDataset, SampleList
+from fastdata.reader.batching import Samples
+from fastdata.reader.samples import SampleDataset
 from fastdata.remote.store import StoreLocation
 
 __all__ = ["CocoStoreDataset", "CocoIds", "TARGET_FORMATS", "is_coco_manifest"]
@@ -160,10 +161,10 @@ class CocoStoreDataset(SampleDataset):
             raise ValueError("target_keys applies to target_format='v2' (the annotation dicts are returned whole)")
         self.target_keys: frozenset[str] | None = None
         if target_format == "v2":
-            from fastdata.reader.targets import _tv_tensors, coco_target_keys
+            from fastdata.reader.targets import coco_target_keys, tv_tensors_module
 
             self.target_keys = coco_target_keys(target_keys)
-            _tv_tensors()  # say now, not at the first sample, that torchvision is missing
+            tv_tensors_module()  # say now, not at the first sample, that torchvision is missing
         super().__init__(path, output=output, on_error=on_error, readahead=readahead, seed=seed, **store_options)
         self.target_format = target_format
         self.transform = transform
@@ -222,7 +223,7 @@ class CocoStoreDataset(SampleDataset):
             return self.transforms(image, target)
         return image, target
 
-    def __getitems__(self, indices: Sequence[int]) -> SampleList:
+    def __getitems__(self, indices: Sequence[int]) -> Samples:
         """A batch of ``(image, target)`` samples, marked for :func:`fastdata.collate`
         to collate as lists (see the module docstring)."""
         batch = super().__getitems__(indices)

@@ -5,10 +5,11 @@ Rules this module follows (how LMDB, HDF5 and the DataLoader behave under fork/s
 * The constructor reads the manifest and each shard's small index into numpy
   arrays, then closes everything it opened: no OS handle survives ``__init__``.
 * Shard readers open lazily on first access *in each process* and are cached
-  per process id. A dataset used in the parent and then forked into workers
-  never touches the parent's handles in the child (they are parked, untouched,
-  so not even their destructors run there). ``__getstate__`` drops handles, so
-  spawn/forkserver pickles stay small (metadata arrays only, no image data).
+  per process id, by :class:`fastdata.reader.shards.ShardHandles`. A dataset used
+  in the parent and then forked into workers never touches the parent's handles in
+  the child (they are parked, untouched, so not even their destructors run there).
+  Pickling drops handles, so spawn/forkserver pickles stay small (metadata arrays
+  only, no image data).
 * Per-sample attributes are numpy arrays, never Python lists/dicts of objects,
   so forked workers do not copy-on-write the index page by page
   (pytorch/pytorch#13246).
@@ -47,20 +48,19 @@ from fastdata.reader import transforms as fd_transforms
 from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, to_pil
 from fastdata.reader.seeding import epoch_of, sample_rng
+from fastdata.reader.shards import ShardHandles
 from fastdata.remote.store import StoreLocation, locate_store
 
 OUTPUTS = ("pil", "numpy", "tensor")
-#: handles inherited from a parent process: kept referenced so that neither we
-#: nor the garbage collector ever touches them in the child
-_INHERITED_HANDLES: list = []
 
 
 #: records at least this large (mean) span several pages: read ahead whatever the store's size
 READAHEAD_RECORD_BYTES = 16 << 10
 
 
-def _memory_bytes() -> int:
-    """Physical memory, or the cgroup (v2) limit of this container when lower."""
+def machine_memory() -> int:
+    """This machine's physical memory in bytes, or the cgroup (v2) limit of this container
+    when lower: what :func:`wants_readahead` compares a store's size with."""
     import psutil
 
     total = int(psutil.virtual_memory().total)
@@ -96,7 +96,7 @@ def wants_readahead(manifest: Mapping[str, Any], memory_bytes: int | None = None
     records = sum(int(s.get("count", 0)) for s in shards)
     if records and store_bytes / records >= READAHEAD_RECORD_BYTES:
         return True
-    memory = _memory_bytes() if memory_bytes is None else memory_bytes
+    memory = machine_memory() if memory_bytes is None else memory_bytes
     return store_bytes <= memory // 2
 
 
@@ -201,23 +201,19 @@ class StoreDataset(Dataset):
         #: epoch of the per-sample crop streams; None until set_epoch: unkeyed per-process streams
         self.epoch: int | None = None
         self.on_error = on_error
-        self.readahead = wants_readahead(manifest) if readahead is None else bool(readahead)
         self.classes: list[str] = list(manifest["classes"])
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._shard_files: tuple[str, ...] = tuple(s["name"] for s in manifest["shards"])
         self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
         self._load_index(manifest)
         self._source = (manifest.get("options") or {}).get("source")
+        self._shards = ShardHandles(store, self.backend, self.storage, schema=self._schema, max_open=max_open_shards,
+                                    readahead=wants_readahead(manifest) if readahead is None else bool(readahead))
         store.slim()
-        self.max_open_shards = max_open_shards
-        self._open_cap: int | None = None  # this process's max_open_shards (the store's default when None)
-        self._pins: dict[int, Any] = {}
         self._samples: list[tuple[str, int]] | None = None
         self._skips = 0
         # names this dataset's skip count in the main process (shared with its worker copies)
         self._token = os.urandom(8).hex()
-        self._readers: dict[int, Any] = {}
-        self._pid: int | None = None
 
     # -- epochs and counters ----------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -372,49 +368,29 @@ class StoreDataset(Dataset):
         return shard, index - int(self.shard_starts[shard])
 
     # -- handles ----------------------------------------------------------------------------
+    @property
+    def readahead(self) -> bool:
+        """Whether LMDB shards open with the OS's readahead (see ``readahead=``); a change
+        applies to the shards opened after it."""
+        return self._shards.readahead
+
+    @readahead.setter
+    def readahead(self, value: bool) -> None:
+        self._shards.readahead = value
+
+    @property
+    def max_open_shards(self) -> int | None:
+        """Shards each process keeps open at once, as given (None = the store's default); a
+        change applies from a process's first read after a fork or :meth:`close`."""
+        return self._shards.max_open
+
+    @max_open_shards.setter
+    def max_open_shards(self, value: int | None) -> None:
+        self._shards.max_open = value
+
     def _reader(self, shard: int):
-        pid = os.getpid()
-        if self._pid != pid:
-            if self._readers:
-                # Inherited through fork: never use, close or even free them here. (Their cache
-                # pins are not held here: the cache closes a forked child's copies of its lock
-                # files, so the parent's release is what unpins a shard.)
-                _INHERITED_HANDLES.append((self._readers, self._pins))
-            self._readers = {}
-            self._pins = {}
-            self._pid = pid
-            self._open_cap = self.max_open_shards or self._store.open_shards_per_process()
-        reader = self._readers.get(shard)
-        if reader is not None:
-            if self._open_cap:  # moved last: dict order is the LRU order the cap closes by
-                self._readers[shard] = self._readers.pop(shard)
-            return reader
-        if self._open_cap and len(self._readers) >= self._open_cap:
-            self._close_shard(next(iter(self._readers)))  # the least recently used
-        path, pin = self._store.open_shard(shard, release_idle=self._close_all_shards)
-        try:
-            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self._schema)
-        except BaseException:
-            pin.release()
-            raise
-        self._pins[shard] = pin
-        self._readers[shard] = reader
-        return reader
-
-    def _close_shard(self, shard: int) -> None:
-        reader = self._readers.pop(shard)
-        try:
-            reader.close()
-        finally:
-            pin = self._pins.pop(shard, None)
-            if pin is not None:
-                pin.release()
-
-    def _close_all_shards(self) -> None:
-        """Close this process's readers (and release their cache pins): called when a remote
-        shard finds no room in the cache, so idle pins of this process never block it."""
-        for shard in list(self._readers):
-            self._close_shard(shard)
+        """This process's reader of shard ``shard`` (opened now if need be)."""
+        return self._shards.get(shard)
 
     def prefetch_shards(self, shards: Sequence[int], keep: Sequence[int] = ()) -> None:
         """Start downloading ``shards`` (shard numbers) of a remote store in the background, so
@@ -425,12 +401,7 @@ class StoreDataset(Dataset):
 
     def close(self) -> None:
         """Close this process's handles (they reopen lazily on next access)."""
-        if self._pid == os.getpid():
-            for shard in list(self._readers):
-                self._close_shard(shard)
-        self._readers = {}
-        self._pins = {}
-        self._pid = None
+        self._shards.close()
 
     def __enter__(self):
         return self
@@ -446,9 +417,6 @@ class StoreDataset(Dataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_readers"] = {}
-        state["_pins"] = {}
-        state["_pid"] = None
         state["_samples"] = None  # rebuilt on demand; workers should not carry a list per sample
         return state
 
@@ -456,7 +424,7 @@ class StoreDataset(Dataset):
     def _raw_bytes(self, index: int) -> bytes:
         shard, local = self.locate(index)
         try:
-            return self._reader(shard).get(local)
+            return self._shards.get(shard).get(local)
         except CorruptRecordError as err:
             raise self._named(err, shard, local, index) from None
         except FormatError as err:
@@ -612,12 +580,12 @@ class StoreDataset(Dataset):
             pos = np.flatnonzero(shards == shard)
             local = idx[pos] - self.shard_starts[shard]
             try:
-                datas = self._reader(shard).get_many(local)
+                datas = self._shards.get(shard).get_many(local)
             except CorruptRecordError:
                 datas = []
                 for p, loc in zip(pos.tolist(), local.tolist(), strict=False):
                     try:
-                        datas.append(self._reader(shard).get(loc))
+                        datas.append(self._shards.get(shard).get(loc))
                     except CorruptRecordError as err:
                         datas.append(self._named(err, shard, loc, int(idx[p])))
             for p, data in zip(pos.tolist(), datas, strict=False):
@@ -668,7 +636,7 @@ class StoreDataset(Dataset):
             whole = len(pos) == len(idx)  # one shard (the common case): read straight into the batch
             block = arr if whole else np.empty((len(pos),) + arr.shape[1:], dtype=np.uint8)
             try:
-                self._reader(shard).get_raw_batch(local, block)
+                self._shards.get(shard).get_raw_batch(local, block)
             except CorruptRecordError:
                 # find the damaged record(s): per sample, raising or substituting as the policy says
                 for b, p in enumerate(pos.tolist()):

@@ -28,24 +28,11 @@ from fastdata.format.fields import Float, Image, Int, NDArray, Ragged
 from fastdata.format.manifest import schema_of
 from fastdata.format.record import FIELD_PREFIX, FORMAT_NAMES, SampleIndex, decode_record_v2
 from fastdata.reader import batch_ring
-from fastdata.reader.batching import aligned, new_segment
+from fastdata.reader.batching import Samples, aligned, new_segment
 from fastdata.reader.dataset import StoreDataset
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, to_pil
 from fastdata.reader.seeding import epoch_of, sample_rng
 from fastdata.remote.store import StoreLocation
-
-
-class SampleList(list):
-    """What ``__getitems__`` returns: the batch's sample dicts, plus how many damaged
-    samples were replaced (``skips``) for :func:`fastdata.collate` to carry."""
-
-    skips: int = 0
-    token: str = ""
-    #: ``(image, target)`` detection samples: :func:`fastdata.collate` returns lists of both
-    detection: bool = False
-    #: the schema's ragged fields: always collated as lists (their lengths only
-    #: happen to agree in some batches; a batch's type must not depend on that)
-    ragged: tuple[str, ...] = ()
 
 
 class SampleDataset(StoreDataset):
@@ -246,13 +233,13 @@ class SampleDataset(StoreDataset):
             slots.append(mine)
         return slots
 
-    def __getitems__(self, indices: Sequence[int]):
+    def __getitems__(self, indices: Sequence[int]) -> Samples:
         """A batch of sample dicts, storage read shard by shard in key/offset order
         (as :meth:`StoreDataset.__getitems__`), returned in the order asked."""
         epoch = epoch_of(indices, self.epoch)
         idx = self._check_indices(indices)
         before = self._skips
-        out = SampleList()
+        out = Samples()
         load = functools.partial(self._load, epoch)
         slots = self._image_slots(idx)
         for k, (i, data) in enumerate(zip(idx.tolist(), self._read_batch(idx), strict=True)):

@@ -173,7 +173,7 @@ def coco_to_v2(image: Any, annotations: Sequence[Mapping[str, Any]], image_id: A
     size = canvas_size(image)
     target = coco_target(annotations, image_id, size, target_keys)
     if "boxes" in target or "masks" in target:
-        tv_tensors = _tv_tensors()
+        tv_tensors = tv_tensors_module()
         if "boxes" in target:
             target["boxes"] = tv_tensors.BoundingBoxes(target["boxes"], format=tv_tensors.BoundingBoxFormat.XYXY,
                                                        canvas_size=size)
@@ -195,7 +195,7 @@ class AddEmptyBoxes:
     def __call__(self, image: Any, target: dict) -> tuple[Any, dict]:
         if "boxes" in target:
             return image, target
-        tv_tensors = _tv_tensors()
+        tv_tensors = tv_tensors_module()
         empty = tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=canvas_size(image))
         return image, dict(target, boxes=empty, labels=torch.zeros(0, dtype=torch.int64))
 
@@ -242,7 +242,12 @@ def _pycocotools_mask() -> Any:
     return mask
 
 
-def _tv_tensors() -> Any:
+def tv_tensors_module() -> Any:
+    """``torchvision.tv_tensors``, imported now; call it early to say up front that torchvision is missing.
+
+    Raises:
+        MissingExtraError: torchvision cannot be imported (not installed, or built for another torch).
+    """
     try:
         from torchvision import tv_tensors
     except ImportError as err:

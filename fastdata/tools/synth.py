@@ -106,8 +106,18 @@ def _class_tint(seed: int, class_index: int) -> np.ndarray:
     return np.random.default_rng([seed, class_index, 0xC1A55]).uniform(-55.0, 55.0, 3)
 
 
-def _render(rng: np.random.Generator, h: int, w: int, tint: np.ndarray) -> np.ndarray:
-    """One photo-like RGB uint8 image of shape (h, w, 3)."""
+def render_photo(rng: np.random.Generator, h: int, w: int, tint: np.ndarray) -> np.ndarray:
+    """One photo-like image: smooth noise octaves, a few hard-edged shapes, texture and grain,
+    so that JPEG compresses it as it does a photograph.
+
+    Args:
+        rng: the only source of randomness (the image is a pure function of its state).
+        h, w: the image's height and width in pixels.
+        tint: an RGB offset (three floats, about -55..55) added to the base colour.
+
+    Returns:
+        np.ndarray: RGB uint8, shape (h, w, 3).
+    """
     grain_tile, detail_tile = _tiles()
     # Low octaves are summed at quarter resolution, then upscaled once: cheap and smooth.
     lh, lw = max(4, h // 4), max(4, w // 4)
@@ -159,7 +169,9 @@ def _geometry(rng: np.random.Generator, size: SizeSpec) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
-def _auto_quality(rng: np.random.Generator, h: int, w: int) -> int:
+def jpeg_quality_for(rng: np.random.Generator, h: int, w: int) -> int:
+    """The JPEG quality (85-95) for an (h, w) image: lower for more pixels, so that file sizes
+    stay in a narrow band, with a random step of -1, 0 or +1 drawn from ``rng``."""
     lo_q, hi_q = _QUALITY_RANGE
     lo_px, hi_px = _QUALITY_PIXELS
     frac = (h * w - lo_px) / (hi_px - lo_px)
@@ -167,7 +179,8 @@ def _auto_quality(rng: np.random.Generator, h: int, w: int) -> int:
     return int(min(hi_q, max(lo_q, q)))
 
 
-def _encode(img_rgb: np.ndarray, quality: int) -> bytes:
+def encode_jpeg(img_rgb: np.ndarray, quality: int) -> bytes:
+    """Baseline JPEG bytes (OpenCV's encoder) of an RGB uint8 (h, w, 3) image at ``quality`` (1-100)."""
     ok, buf = cv2.imencode(".jpg", img_rgb[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:  # cv2 reports failure by return value, not exception
         raise RuntimeError("cv2.imencode failed to encode a synthetic image")
@@ -195,9 +208,9 @@ def synth_jpeg(
     """
     rng = np.random.default_rng([seed, class_index, image_index])
     h, w = _geometry(rng, size)
-    img = _render(rng, h, w, _class_tint(seed, class_index))
-    q = _auto_quality(rng, h, w) if quality is None else int(quality)
-    return _encode(img, q)
+    img = render_photo(rng, h, w, _class_tint(seed, class_index))
+    q = jpeg_quality_for(rng, h, w) if quality is None else int(quality)
+    return encode_jpeg(img, q)
 
 
 def _write_one(task) -> int:

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdata.tools.synth import _auto_quality, _encode, _render, cv2
+from fastdata.tools.synth import cv2, encode_jpeg, jpeg_quality_for, render_photo
 
 __all__ = ["CocoSynthSummary", "make_coco", "DEFAULT_CATEGORY_IDS", "rle_encode"]
 
 #: a spread of COCO's own category ids: gaps where COCO has them (12, 26, 29, 30, 45, 66, 68...)
 DEFAULT_CATEGORY_IDS = (1, 2, 3, 4, 6, 8, 11, 13, 18, 25, 27, 31, 44, 46, 62, 67, 70, 90)
-_SHAPES = ("blob", "box", "star", "ring")
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,7 @@ def _paint_task(task: tuple) -> int:
     """Render one image with its objects painted in, write it, return its size in bytes."""
     path, seed, index, h, w, polygons, crowds, quality = task
     rng = np.random.default_rng([seed, index, 0x1AA6E])
-    img = _render(rng, h, w, rng.uniform(-40.0, 40.0, 3))
+    img = render_photo(rng, h, w, rng.uniform(-40.0, 40.0, 3))
     for category_id, parts in polygons:
         pts = [np.round(np.asarray(p, np.float64).reshape(-1, 2)).astype(np.int32) for p in parts]
         cv2.fillPoly(img, pts, _category_colour(category_id), cv2.LINE_AA)
@@ -161,8 +160,8 @@ def _paint_task(task: tuple) -> int:
         colour = _category_colour(category_id)
         for cx, cy, r in circles:
             cv2.circle(img, (cx, cy), r, colour, -1)
-    q = _auto_quality(rng, h, w) if quality is None else int(quality)
-    data = _encode(np.clip(img, 0, 255).astype(np.uint8), q)
+    q = jpeg_quality_for(rng, h, w) if quality is None else int(quality)
+    data = encode_jpeg(np.clip(img, 0, 255).astype(np.uint8), q)
     with open(path, "wb") as fh:
         fh.write(data)
     return len(data)

@@ -37,7 +37,7 @@ def test_v1_store_reads_bit_exact(v1_store):
     assert ds.classes == ["cat", "dog"] and len(ds) == len(EXPECTED) == 5
     for i, want in enumerate(EXPECTED):
         shard, local = ds.locate(i)
-        stored = ds._reader(shard).get(local)
+        stored = ds._shards.get(shard).get(local)
         assert xxhash.xxh3_64_hexdigest(stored) == want["bytes_xxh3"] and len(stored) == want["nbytes"]
         image, label = ds[i]
         assert label == want["label"] and ds.relpath(i) == want["relpath"]

@@ -124,7 +124,7 @@ class HandleProbe(Dataset):
 
     def __getitem__(self, i):
         image, label = self.ds[i]
-        reader = self.ds._readers[self.ds.locate(i)[0]]
+        reader = self.ds._shards.open_readers()[self.ds.locate(i)[0]]
         return pixel_key(image.permute(1, 2, 0).numpy()), label, os.getpid(), (id(reader), id(_handle(reader)))
 
 
@@ -137,7 +137,7 @@ def test_parent_handles_are_not_used_by_forked_workers(stores, source_multiset, 
     ds = fastdata.open_dataset(stores[backend], output="tensor")
     for i in range(len(ds)):  # every shard open in the parent before the fork
         ds[i]
-    parent_readers = dict(ds._readers)  # keeps them referenced, so ids stay unique
+    parent_readers = ds._shards.open_readers()  # keeps them referenced, so ids stay unique
     assert len(parent_readers) == len(ds.shard_starts)
     parent_ids = {id(r) for r in parent_readers.values()} | {id(_handle(r)) for r in parent_readers.values()}
 
@@ -152,7 +152,7 @@ def test_parent_handles_are_not_used_by_forked_workers(stores, source_multiset, 
     assert not child_ids & parent_ids  # every child read through readers and handles it opened itself
 
     # the parent still reads everything correctly, through its own original readers
-    assert all(ds._readers[k] is r for k, r in parent_readers.items())
+    assert all(ds._shards.open_readers()[k] is r for k, r in parent_readers.items())
     got = Counter()
     for i in range(len(ds)):
         image, label = ds[i]

@@ -41,12 +41,12 @@ def test_dataset_resolves_the_default_once_and_keeps_an_explicit_choice(tmp_path
     store = str(tmp_path / "s.lmdb")
     fastdata.convert(str(tmp_path / "src"), store, workers=1, progress=False)
     assert fastdata.open_dataset(store).readahead is True  # a few KB store: fits in memory
-    monkeypatch.setattr("fastdata.reader.dataset._memory_bytes", lambda: 1000)
+    monkeypatch.setattr("fastdata.reader.dataset.machine_memory", lambda: 1000)
     assert fastdata.open_dataset(store).readahead is False  # small records, store > memory / 2
     assert fastdata.open_dataset(store, readahead=True).readahead is True
     ds = fastdata.open_dataset(store, readahead=False)
     ds[0]
-    assert next(iter(ds._readers.values())).env.flags()["readahead"] is False
+    assert next(iter(ds._shards.open_readers().values())).env.flags()["readahead"] is False
     ds.close()
 
 

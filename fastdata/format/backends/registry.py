@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,9 +48,6 @@ class Backend:
 
     def reader_class(self) -> type[ShardReader]:
         return _load(self.reader)
-
-    def spec_module(self) -> ModuleType:
-        return importlib.import_module(self.spec)
 
 
 #: name -> backend, in registration order

@@ -1,0 +1,128 @@
+"""``ShardHandles``: the shard readers one process has open on one store.
+
+A dataset keeps one of these; it is the only thing in a dataset that holds OS handles
+(LMDB environments, HDF5 files, cache pins of a remote store's shards), and it follows
+the rules that make a dataset safe under any DataLoader setting:
+
+* Nothing is open until :meth:`ShardHandles.get` asks for a shard, in each process: a
+  new instance, and one just unpickled, hold no handle.
+* Handles belong to the process that opened them (its pid). After a fork the child's
+  copy sees another pid and opens its own; the parent's are parked, untouched (not
+  closed, not even freed, so that no destructor runs on them in the child).
+* Pickling (spawn/forkserver workers) drops the handles: the pickle holds the
+  settings only.
+* At most ``max_open`` readers stay open per process (least recently used closed
+  first); ``None`` takes the store's default (all for a local store, a few for a
+  remote one, see :meth:`fastdata.remote.store.StoreLocation.open_shards_per_process`).
+"""
+
+from __future__ import annotations
+
+from os import getpid
+from typing import Any
+
+from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.registry import reader_class
+from fastdata.remote.store import StoreLocation
+
+#: handles inherited from a parent process: kept referenced so that neither we
+#: nor the garbage collector ever touches them in the child
+_INHERITED_HANDLES: list = []
+
+
+class ShardHandles:
+    """Lazily opened, per-process, LRU-capped shard readers of one store.
+
+    Args:
+        store: where the store lives (gives each shard's local path and cache pin).
+        backend: the store's backend name (``"lmdb"``, ``"hdf5"``).
+        storage: the store's storage spec, passed to each reader.
+        readahead: the readers' ``readahead`` (LMDB only).
+        schema: the schema of a general (version-2) store; None for a classification store.
+        max_open: readers kept open at once in a process; None = the store's default.
+    """
+
+    def __init__(self, store: StoreLocation, backend: str, storage: StorageSpec, *, readahead: bool,
+                 schema: Any = None, max_open: int | None = None):
+        self.store = store
+        self.backend = backend
+        self.storage = storage
+        self.readahead = readahead
+        self.schema = schema
+        self.max_open = max_open
+        self._cap: int | None = None  # this process's max_open (the store's default when None)
+        self._readers: dict[int, Any] = {}  # in LRU order when capped: least recently used first
+        self._pins: dict[int, Any] = {}
+        self._pid: int | None = None
+
+    def get(self, shard: int):
+        """This process's reader of shard number ``shard``, opened now if it is not open
+        (closing the least recently used one first when ``max_open`` are open)."""
+        if self._pid != getpid():
+            self._adopt_process()
+        reader = self._readers.get(shard)
+        if reader is not None:
+            if self._cap:  # moved last: dict order is the LRU order the cap closes by
+                self._readers[shard] = self._readers.pop(shard)
+            return reader
+        return self._open(shard)
+
+    def _adopt_process(self) -> None:
+        if self._readers:
+            # Inherited through fork: never use, close or even free them here. (Their cache
+            # pins are not held here: the cache closes a forked child's copies of its lock
+            # files, so the parent's release is what unpins a shard.)
+            _INHERITED_HANDLES.append((self._readers, self._pins))
+        self._readers = {}
+        self._pins = {}
+        self._pid = getpid()
+        self._cap = self.max_open or self.store.open_shards_per_process()
+
+    def _open(self, shard: int):
+        if self._cap and len(self._readers) >= self._cap:
+            self._close(next(iter(self._readers)))  # the least recently used
+        path, pin = self.store.open_shard(shard, release_idle=self._close_all)
+        try:
+            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self.schema)
+        except BaseException:
+            pin.release()
+            raise
+        self._pins[shard] = pin
+        self._readers[shard] = reader
+        return reader
+
+    def open_readers(self) -> dict[int, Any]:
+        """Shard number -> reader for the readers this process has open, least recently used
+        first (a new dict; empty in a process that has opened none, e.g. a forked child)."""
+        return dict(self._readers) if self._pid == getpid() else {}
+
+    def _close(self, shard: int) -> None:
+        reader = self._readers.pop(shard)
+        try:
+            reader.close()
+        finally:
+            pin = self._pins.pop(shard, None)
+            if pin is not None:
+                pin.release()
+
+    def _close_all(self) -> None:
+        """Close this process's readers (and release their cache pins): also called when a
+        remote shard finds no room in the cache, so idle pins of this process never block it."""
+        for shard in list(self._readers):
+            self._close(shard)
+
+    def close(self) -> None:
+        """Close this process's readers (handles inherited through fork are left alone);
+        the next :meth:`get` opens again."""
+        if self._pid == getpid():
+            self._close_all()
+        self._readers = {}
+        self._pins = {}
+        self._pid = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_readers"] = {}
+        state["_pins"] = {}
+        state["_pid"] = None
+        return state
