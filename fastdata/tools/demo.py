@@ -68,8 +68,6 @@ def run_demo(size: str = "full", out: str | None = None, keep: bool = False, qui
     if bench:
         require("matplotlib", "fastdata demo (its plots)")
     from fastdata.tools.synth import make_image_folder
-    from fastdata.tools.verify import verify
-    from fastdata.writer.api import convert
 
     sizes = _sizes()
     if size not in sizes:
