@@ -52,14 +52,11 @@ class WriteSource(abc.ABC):
     #: the general store's schema (set by :meth:`plan`); None for a classification (version-1) store
     schema: Schema | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, recorded_source: str) -> None:
+        #: what the manifest's ``options.source`` names (an absolute path, or ``fastdata.write``)
+        self.recorded_source = recorded_source
         #: remarks about the input for the report, set by :meth:`plan` (e.g. hidden class folders)
         self.warnings: list[str] = []
-
-    @property
-    @abc.abstractmethod
-    def recorded_source(self) -> str:
-        """What the manifest's ``options.source`` names (an absolute path, or ``fastdata.write``)."""
 
     @abc.abstractmethod
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan] | None:

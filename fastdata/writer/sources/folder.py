@@ -399,14 +399,10 @@ class FolderInput(WriteSource):
     splits_across_ranks = True
 
     def __init__(self, src: str, *, max_side: int | None = None, quality: int | None = None, raw=None):
-        super().__init__()
+        super().__init__(os.path.abspath(src))
         self.src = src
         self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw}
         self.scan: SourceScan | None = None
-
-    @property
-    def recorded_source(self) -> str:
-        return os.path.abspath(self.src)
 
     def _scan(self) -> SourceScan:
         assert self.scan is not None, "FolderInput.plan scans the source first"

@@ -251,13 +251,9 @@ class _SamplesInput(WriteSource):
 
     def __init__(self, samples: Any, schema: Schema | Mapping[str, Any] | None = None,
                  metadata: Mapping[str, Any] | None = None):
-        super().__init__()
+        super().__init__(WRITE_SOURCE)
         self.samples, self.declared, self.metadata = samples, schema, metadata
         self.per_shard = 1
-
-    @property
-    def recorded_source(self) -> str:
-        return WRITE_SOURCE
 
     def _schema(self, first: list) -> Schema:
         if self.declared is not None:

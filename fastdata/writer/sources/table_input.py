@@ -133,14 +133,10 @@ class TableInput(WriteSource):
     torchrun_refusal = "a list with more fields than path,label converts on one machine: run it without torchrun"
 
     def __init__(self, src: str, schema=None):
-        super().__init__()
+        super().__init__(os.path.abspath(src))
         self.src, self.declared = src, schema
         self.table: TableSource | None = None
         self.target: str | None = None
-
-    @property
-    def recorded_source(self) -> str:
-        return os.path.abspath(self.src)
 
     def _table(self) -> TableSource:
         assert self.table is not None, "TableInput.plan parses the list first"
