@@ -61,9 +61,6 @@ class RankGroup:
         dist.all_gather_object(out, obj)
         return out
 
-    def barrier(self) -> None:
-        self.all_gather(None)
-
     def on_rank0(self, fn: Callable[[], Any], failed: Callable[[BaseException], str]) -> Any:
         """``fn()`` run on rank 0, its (picklable) result returned on every rank.
 

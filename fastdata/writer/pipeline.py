@@ -100,15 +100,9 @@ class ShardResult:
 
 @dataclass
 class PipelineStats:
-    """Counters the pipeline updates as it goes (for progress and the report)."""
+    """What a pipeline run gives the report: the bytes it read and the results of the shards it wrote."""
 
-    images: int = 0
-    rejected: int = 0
     input_bytes: int = 0
-    map_growths: int = 0
-    resumed_shards: int = 0
-    written_shards: int = 0
-    rejected_items: list = field(default_factory=list)
     results: list = field(default_factory=list)
 
 
@@ -544,18 +538,13 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
                         f"{where}: {item} "
                         "(--strict stops at the first unusable input; without it such files are skipped and reported)")
                 shard.rejected.append([rel, item])
-                stats.rejected_items.append((rel, item))
             shard.add(samples)
             shard.input_bytes += read_bytes
-            stats.images += len(samples)
-            stats.rejected += len(results) - len(samples)
             stats.input_bytes += read_bytes
             if chunk.last:
-                stats.map_growths += getattr(shard.writer, "map_growths", 0)
                 # pop only after finish succeeds: a failed finish must still be aborted and named
                 stats.results.append(shard.finish(dst))
                 del open_shards[plan.shard_id]
-                stats.written_shards += 1
                 if sink is not None:
                     sink.shard_finished(dst, stats.results[-1])
             if on_progress:
