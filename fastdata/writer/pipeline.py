@@ -11,8 +11,8 @@ Workflow for one destination (the caller holds the store lock):
    iterables chunked by the caller); everything below is shared by all of them.
    ``workers=0`` runs the chunks in this process (no worker process at all). The main
    process submits chunks in store order with a bounded window (memory stays flat
-   whatever the dataset size) and consumes results in the same order, so the store order is the scan order for any
-   worker count. A worker that dies breaks the pool: we raise, never hang.
+   whatever the dataset size) and consumes results in the same order, so the store
+   order is the input order for any worker count. A worker that dies breaks the pool: we raise, never hang.
 3. Each shard is written by its own backend writer to ``<name>.tmp``; when its
    last chunk is in, the writer syncs and closes, the file is renamed to its
    final name, checksummed, and a sidecar ``<name>.json`` is written atomically
@@ -23,7 +23,7 @@ Workflow for one destination (the caller holds the store lock):
 
 A :class:`ShardSink` installed with :func:`shard_sink` also receives each finished
 shard, decides which shards an earlier run finished, and publishes after the local
-manifest is written: a URL destination uploads through one (``remote/publish.py``).
+manifest is written: a URL destination uploads through one (:mod:`fastdata.writer.remote_sink`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import numpy as np
 
 from fastdata.common.fileio import atomic_write
 from fastdata.common.units import Size, exact_unit
+from fastdata.errors import FastdataError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.manifest import read_manifest
 from fastdata.format.names import LISTING_FILE, MANIFEST_NAME, PLAN_FILE, STAGING_DIR
@@ -133,8 +134,6 @@ def recorded_source(dst: str) -> str | None:
 
 
 def _from_manifest(dst: str) -> RecordedRun | None:
-    from fastdata.errors import FastdataError
-
     try:
         m = read_manifest(dst)
         opts = m["options"]
