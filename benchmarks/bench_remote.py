@@ -243,8 +243,8 @@ def convert_rounds(src: str, work: str, base_url: str, server: S3Server, args) -
               f"the server used {server_share[-1]:.2f} cores meanwhile", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"  convert remote / local  {med['remote'] / med['local']:.2f}  (target >= 0.8; "
-          f"{args.convert_workers or 'all'} converter workers; the server used a median "
-          f"{statistics.median(server_share):.2f} of this machine's {os.cpu_count()} cores)")
+          f"{'all' if args.convert_workers is None else args.convert_workers} converter workers; the server used a "
+          f"median {statistics.median(server_share):.2f} of this machine's {os.cpu_count()} cores)")
     cpu = {k: statistics.median(v) for k, v in client_cpu.items()}
     print(f"  converter CPU seconds (process + workers): local {cpu['local']:.1f}, remote {cpu['remote']:.1f} "
           f"({cpu['remote'] / cpu['local']:.2f}x)")
@@ -260,8 +260,9 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--convert", action="store_true", help="also time conversion to local vs to S3")
-    p.add_argument("--convert-workers", type=int, default=0,
-                   help="converter workers (0: all cores; 1 leaves a core to the S3 server running here)")
+    p.add_argument("--convert-workers", type=int, default=None,
+                   help="converter workers (default: all cores; 0: none, in this process; 1 leaves a core to the "
+                        "S3 server running here)")
     p.add_argument("--skip-read", action="store_true", help="only the conversion rows (with --convert)")
     p.add_argument("--pin", action="store_true",
                    help="run the S3 server on the last core and everything else on the others (the server "

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "default: a temporary folder, deleted at the end")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--with-convert", action="store_true",
-                   help="also time fastdata.writer.convert of the same images' folder in each round")
+                   help="also time fastdata.convert of the same images' folder in each round")
     args = p.parse_args(argv)
     n, rounds = (60, 2) if args.quick else (args.n, args.rounds)
 

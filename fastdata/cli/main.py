@@ -23,7 +23,7 @@ EXIT_NOT_A_STORE, EXIT_UNFINISHED = 3, 4
 
 
 def _cmd_convert(args) -> int:
-    from fastdata.writer.convert import convert
+    from fastdata.writer.api import convert
     from fastdata.writer.distributed import current_group, init_from_env, shutdown
 
     created = init_from_env()  # under torchrun: join the job's process group (gloo)
@@ -188,11 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
                    "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     from fastdata.format.backends.registry import format_choices
+    from fastdata.writer.options import WORKERS_HELP
 
     c.add_argument("--format", choices=format_choices(), help="backend (overrides DST's suffix)")
-    c.add_argument("--workers", type=int, default=None,
-                   help="reader/validator processes (default or 0: all cores; more than 4x the cores is allowed "
-                        "with a warning)")
+    c.add_argument("--workers", type=int, default=None, help=WORKERS_HELP)
     c.add_argument("--shard-size", default=None, metavar="SIZE",
                    help="target shard file size, at least 1MiB and at most 10,000 shards (default 1GiB); "
                         "kB/MB/GB and k/M/G are decimal (2G = 2GB = 2,000,000,000 bytes), KiB/MiB/GiB binary")
@@ -304,7 +303,7 @@ def _add_list_arguments(c) -> None:
 
 
 def _list_options(args) -> dict:
-    """The list options given, as keywords of :func:`fastdata.writer.convert.convert`."""
+    """The list options given, as keywords of :func:`fastdata.writer.api.convert`."""
     schema = getattr(args, "schema", None)
     return {"schema": schema} if schema is not None else {}
 
@@ -322,7 +321,7 @@ def _add_coco_argument(c) -> None:
 
 def _run_coco(args):
     """``convert --coco``: the COCO options checked, then :func:`fastdata.convert_coco`."""
-    from fastdata.writer.coco import convert_coco
+    from fastdata.writer.api import convert_coco
     from fastdata.writer.distributed import current_group
 
     group = current_group()

@@ -1,7 +1,290 @@
-"""The public entry points of the writer (``fastdata.convert``, ``fastdata.write``, ...)."""
+"""The public entry points of the writer (``fastdata.convert``, ``convert_table``, ``write``,
+``convert_coco``; the CLI's ``convert`` is a thin layer over them).
 
-from fastdata.writer.coco import convert_coco
-from fastdata.writer.convert import convert, convert_table
-from fastdata.writer.sources.python import write
+Each one checks its own arguments, builds the write source of its input
+(:mod:`fastdata.writer.sources`) and runs the one write session
+(:class:`~fastdata.writer.session.WriteSession`), which owns everything else: the
+destination checks, the lock, resume/overwrite, staging, progress, torchrun ranks, URL
+destinations, publishing and the report.
+
+``workers`` means the same everywhere (:mod:`fastdata.writer.options`): None (the default)
+is all cores; 0 is no worker process, everything runs in this process (as PyTorch's
+``DataLoader(num_workers=0)``; useful for debugging); N > 0 is N worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fastdata.common.paths import check_local_path
+from fastdata.format.fields import Schema
+from fastdata.writer.remote_sink import refuse_remote_source
+from fastdata.writer.report import ConvertReport
+from fastdata.writer.session import WriteOptions, WriteSession
+from fastdata.writer.sources.base import WriteSource
+from fastdata.writer.sources.coco import CocoInput
+from fastdata.writer.sources.folder import FolderInput
+from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
+from fastdata.writer.sources.table_input import TableInput, is_general_list
 
 __all__ = ["convert", "convert_coco", "convert_table", "write"]
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    format: str | None = None,
+    workers: int | None = None,
+    shard_size: int | str | None = None,
+    max_side: int | None = None,
+    quality: int | None = None,
+    raw=None,
+    strict: bool | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    lmdb_map_size: int | str | None = None,
+    chunk_size: int = 32,
+    schema=None,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
+) -> ConvertReport:
+    """Convert an ImageFolder tree or a CSV/TSV list file into a fastdata store.
+
+    Under ``torchrun`` (an initialised process group of several ranks) an image folder or
+    ``path,label`` list is converted by all ranks together, shard ``k`` by rank ``k % world_size``
+    (see :mod:`fastdata.writer.distributed`); the store is identical to a single-process one.
+
+    Args:
+        src: image folder (class subfolders) or a ``.csv``/``.tsv`` list of ``path,label``
+            (a classification store, layout version 1); or a JSONL list, or a CSV/TSV list
+            whose header names more columns than ``path,label`` (a general store, layout
+            version 2, written by :func:`convert_table`).
+        dst: destination directory, or a URL (``s3://bucket/train.lmdb``, ``gs://``, ``az://``: shards
+            are staged locally and uploaded as each finishes, manifest last; see
+            :mod:`fastdata.writer.remote_sink`); its suffix picks the backend unless ``format`` is given.
+        format: ``"lmdb"`` or ``"hdf5"``.
+        workers: worker processes that read, validate and encode the images (default None: all cores;
+            0: none, everything runs in this process, e.g. for debugging; negative is an error; more
+            than 4x the cores is allowed with a warning).
+        shard_size: target bytes per shard file (``int`` or e.g. ``"512MiB"``, ``"2GB"``; default 1GiB).
+            At least 1 MiB, and at most 10,000 shards per store.
+        max_side, quality: re-encode images whose longer side exceeds ``max_side`` as JPEG.
+        raw: ``"HxW"``: store decoded RGB pixels resized to that shape.
+        strict: stop at the first unusable input instead of skipping and reporting it (default False).
+        resume: finish an interrupted conversion, keeping its completed shards. The content options
+            (``format``, ``shard_size``, ``max_side``/``quality``/``raw``, ``strict``) left as None take
+            the values the interrupted run recorded; one given that differs refuses the resume, naming it.
+        overwrite: replace an existing store at ``dst``.
+        progress: show a progress bar (default: when stderr is a terminal).
+        lmdb_map_size: initial LMDB map size (it grows automatically).
+        chunk_size: inputs per worker task.
+        schema: declared fields of a list file (``--schema``: an inline spec, a JSON file, or a
+            loaded JSON value; see :func:`fastdata.writer.sources.table.parse_schema`); makes ``src``
+            a general list (:func:`convert_table`).
+        storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
+        staging_dir: local directory shards of a URL ``dst`` are written in before upload
+            (default: under the cache directory).
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        ValueError: conflicting or invalid options (e.g. ``resume`` with ``overwrite``, a negative ``workers``).
+        FastdataError subclasses, each naming the file or store at fault.
+    """
+    src = os.fspath(src)
+    refuse_remote_source(src)
+    if is_general_list(src, schema):
+        if any(v is not None for v in (max_side, quality, raw)):
+            raise ValueError(f"{src}: --max-side/--quality/--raw apply to image folders and path,label lists; a "
+                             "list with more fields keeps each image's bytes as they are (leave them out)")
+        return convert_table(src, dst, schema=schema, format=format, workers=workers, shard_size=shard_size,
+                             strict=strict, resume=resume, overwrite=overwrite, progress=progress,
+                             lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
+                             staging_dir=staging_dir)
+    check_local_path(src, "source")
+    return WriteSession(FolderInput(src, max_side=max_side, quality=quality, raw=raw), dst, WriteOptions(
+        format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
+        progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
+        staging_dir=staging_dir)).run()
+
+
+def convert_table(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    schema=None,
+    format: str | None = None,
+    workers: int | None = None,
+    shard_size: int | str | None = None,
+    strict: bool | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    lmdb_map_size: int | str | None = None,
+    chunk_size: int = 32,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
+) -> ConvertReport:
+    """Convert a JSONL or CSV/TSV list with any fields into a general (layout version 2) store.
+
+    The list is parsed by :func:`fastdata.writer.sources.table.scan_table` (fields typed by
+    inference or by ``schema``); workers read and fully decode each row's image and
+    encode the row (:mod:`fastdata.writer.sources.table_input`), through the same write
+    session, lock, resume and atomic publish as :func:`convert`. Records keep the
+    image path as written in the list. Unreadable images are rejected and reported
+    (``strict`` stops at the first). The manifest holds every class field's table under
+    ``class_tables`` and the single-label one's under ``classes``, with ``class_counts``.
+    It converts in one process (and its workers): not under ``torchrun``.
+
+    Args: as :func:`convert` (``workers``: None, the default, all cores; 0: everything in this
+        process; N: N worker processes); ``schema`` as :func:`fastdata.writer.sources.table.parse_schema`.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        SourceError: the list is missing or has bad rows (all named with line numbers).
+        SchemaError: the schema spec is malformed.
+        ValueError: ``src`` is a folder, or the call runs under ``torchrun``, or an option is invalid.
+        FastdataError subclasses for the destination, resume and I/O, as :func:`convert`.
+    """
+    src = os.fspath(src)
+    refuse_remote_source(src)
+    check_local_path(src, "source")
+    if os.path.isdir(src):
+        raise ValueError(f"{src} is a folder: --schema applies to a JSONL/CSV/TSV list file (path plus fields)")
+    return WriteSession(TableInput(src, schema), dst, WriteOptions(
+        format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
+        progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
+        staging_dir=staging_dir)).run()
+
+
+def write(
+    samples: Iterable[Mapping[str, Any]] | MapStyle,
+    dst: str | os.PathLike,
+    schema: Schema | Mapping[str, Any] | None = None,
+    *,
+    format: str | None = None,
+    workers: int | None = None,
+    shard_size: int | str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    chunk_size: int = 32,
+    strict: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
+) -> ConvertReport:
+    """Write ``samples`` (dicts of field name -> value) into a general fastdata store.
+
+    Args:
+        samples: a map-style dataset (``__len__`` + ``__getitem__``: a list, a torch
+            ``Dataset``) or any iterable of dicts. Image values may be encoded bytes, a
+            path (read in a worker), a PIL image or an HWC uint8 array (both stored as PNG).
+        dst: destination directory, or a URL (``s3://bucket/x.lmdb``: shards are staged locally
+            and uploaded as each finishes, manifest last; see :mod:`fastdata.writer.remote_sink`);
+            its suffix picks the backend unless ``format`` is given.
+        schema: a :class:`~fastdata.format.fields.Schema` or ``{name: Field}``; inferred from the
+            first sample when None (:meth:`Schema.infer`).
+        format: a backend name (``"lmdb"``, ``"hdf5"``).
+        workers: worker processes (None, the default: all cores; 0: none, everything runs in this
+            process, e.g. for debugging or a dataset that cannot be pickled; negative is an error;
+            more than 4x the cores is allowed with a warning).
+        shard_size: target bytes per shard (``int`` or e.g. ``"512MiB"``; default 1GiB);
+            samples per shard are estimated from a few encoded samples.
+        resume: finish an interrupted write of the same map-style dataset (same length,
+            schema and sampled contents, see :class:`~fastdata.writer.sources.python.MapInput`),
+            keeping its finished shards. An iterable cannot be resumed: it is refused (rerun with
+            ``overwrite``).
+        overwrite: replace an existing store at ``dst``.
+        progress: show a progress bar (default: when stderr is a terminal).
+        chunk_size: samples per worker task.
+        strict: True (default): an unusable image value (unreadable file, not an image) stops
+            the write; False: that sample is skipped and reported (``report.rejected_items``,
+            the manifest's ``rejected`` list and ``rejected.tsv``, named ``sample <index>``).
+            Map-style inputs only; an iterable is always strict.
+        metadata: a JSON object stored in the manifest under ``"metadata"`` (e.g. class
+            names, a COCO file's categories); part of what ``resume`` compares.
+        storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
+        staging_dir: local directory shards of a URL ``dst`` are written in before upload
+            (default: under the cache directory).
+
+    Returns:
+        A :class:`~fastdata.writer.report.ConvertReport` (``images`` counts samples).
+
+    Raises:
+        SchemaError: a sample does not match the schema (names the sample and field); nothing is published.
+        RejectedInputError: an image value is unreadable or not a usable image.
+        ValueError: ``resume`` with an iterable, or an invalid option.
+        FastdataError subclasses for the destination (exists, locked, I/O).
+    """
+    source: WriteSource = (MapInput(samples, schema, metadata) if is_map_style(samples)
+                           else IterInput(samples, schema, metadata))
+    return WriteSession(source, dst, WriteOptions(
+        format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
+        progress=progress, chunk_size=chunk_size, storage_options=storage_options, staging_dir=staging_dir)).run()
+
+
+def convert_coco(
+    ann_file: str | os.PathLike,
+    image_dir: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    format: str | None = None,
+    workers: int | None = None,
+    shard_size: int | str | None = None,
+    strict: bool | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    chunk_size: int = 32,
+    storage_options: dict | None = None,
+    staging_dir: str | os.PathLike | None = None,
+) -> ConvertReport:
+    """Convert a COCO instances annotation file and its image folder into a store.
+
+    One sample per image, in ``torchvision.datasets.CocoDetection``'s order, with the fields
+    of :data:`~fastdata.writer.sources.coco.COCO_SCHEMA` (see :mod:`fastdata.writer.sources.coco`).
+
+    Args:
+        ann_file (str | os.PathLike): the COCO annotation JSON (``instances_*.json``).
+        image_dir (str | os.PathLike): the folder the images' ``file_name`` is relative to.
+        dst (str | os.PathLike): destination directory, or a URL (``s3://bucket/coco.lmdb``, uploaded as
+            :func:`fastdata.write` does); its suffix picks the backend unless ``format`` is given.
+        format (str | None): ``"lmdb"`` or ``"hdf5"``.
+        workers (int | None): worker processes that read and validate the images (None, the default:
+            all cores; 0: none, everything runs in this process; negative is an error; more than 4x
+            the cores is allowed with a warning), as for ``convert``.
+        shard_size (int | str | None): target bytes per shard (e.g. ``"512MiB"``; default 1GiB).
+        strict (bool | None): stop, before writing anything, at any problem of the annotation
+            file or a missing image (and at an unusable image while writing); default False:
+            skip and report them.
+        resume (bool): finish an interrupted conversion of the same file, keeping its finished shards.
+        overwrite (bool): replace an existing store at ``dst``.
+        progress (bool | None): show a progress bar (default: when stderr is a terminal).
+        chunk_size (int): images per worker task.
+        storage_options (dict | None): fsspec options for a URL ``dst``.
+        staging_dir (str | os.PathLike | None): local directory shards of a URL ``dst`` are written in first.
+
+    Returns:
+        ConvertReport: counts, rejected images (``rejected_items``) and the annotation file's
+        problems (``warnings``).
+
+    Raises:
+        SourceError: the annotation file is unusable (names the file and entry).
+        RejectedInputError: ``strict`` and a problem was found (names the first ones).
+        ValueError: an invalid option (e.g. a negative ``workers``).
+        FastdataError subclasses for the destination (exists, locked, I/O).
+    """
+    refuse_remote_source(ann_file, "annotation file")
+    refuse_remote_source(image_dir, "image folder")
+    return WriteSession(CocoInput(ann_file, image_dir), dst, WriteOptions(
+        format=format, shard_size=shard_size, strict=bool(strict), workers=workers, resume=resume,
+        overwrite=overwrite, progress=progress, chunk_size=chunk_size, storage_options=storage_options,
+        staging_dir=staging_dir)).run()

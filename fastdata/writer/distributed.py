@@ -1,19 +1,20 @@
-"""Distributed conversion over ``torch.distributed`` (gloo; no GPU needed).
+"""The ranks a write runs on: one process, or every rank of a ``torch.distributed`` job (gloo; no GPU needed).
 
 ``torchrun --nnodes N --nproc-per-node P -m fastdata convert SRC DST`` (or
-``fastdata.writer.convert`` called inside an initialised process group) splits the
-work across ranks:
+``fastdata.convert`` called inside an initialised process group) runs the one write
+session (:mod:`fastdata.writer.session`) on every rank, as a :class:`RankGroup`; a run
+outside torchrun is the same session on a group of one, whose collectives are trivial:
 
 1. every rank scans SRC (a path every node sees) and computes the same
    deterministic plan; the ranks compare plan fingerprints and stop if any
    rank sees different inputs;
 2. rank 0 takes the store lock, checks/clears the destination and prepares
-   staging; the others wait;
-3. shard ``k`` is converted by rank ``k % world_size`` with that rank's local
-   parallel writer; sidecars land in the shared staging folder;
-4. the ranks exchange their outcome; if any rank failed, every rank raises a
-   :class:`~fastdata.errors.ConversionError` naming it; otherwise rank 0
-   publishes the manifest after all ranks are done.
+   staging; the others wait (:meth:`RankGroup.on_rank0`);
+3. shard ``k`` is converted by rank ``k % world_size`` (:func:`shards_for_rank`) with
+   that rank's local parallel writer; sidecars land in the shared staging folder;
+4. the ranks exchange their outcome (:meth:`RankGroup.on_every_rank`); if any rank
+   failed, every rank raises a :class:`~fastdata.errors.ConversionError` naming it;
+   otherwise rank 0 publishes the manifest after all ranks are done, and sends it to the others.
 
 The result is identical to a single-machine conversion with the same options,
 because the plan does not depend on who converts which shard. ``--resume``
@@ -32,8 +33,9 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastdata.errors import ConversionError, FastdataError
 
@@ -43,20 +45,65 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass
 class RankGroup:
-    """The current process group as seen by fastdata."""
+    """The processes one write runs on: ``RankGroup(0, 1)`` for a single process (no torch needed),
+    else the current ``torch.distributed`` process group as seen by fastdata."""
 
-    rank: int
-    world_size: int
+    rank: int = 0
+    world_size: int = 1
 
     def all_gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (a group of one: ``[obj]``)."""
+        if self.world_size == 1:
+            return [obj]
         import torch.distributed as dist
 
         out = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
 
-    def barrier(self) -> None:
-        self.all_gather(None)
+    def on_rank0(self, fn: Callable[[], Any], failed: Callable[[BaseException], str]) -> Any:
+        """``fn()`` run on rank 0, its (picklable) result returned on every rank.
+
+        A group of one runs ``fn`` and lets its errors through as they are. In a larger group
+        a :class:`FastdataError` or :class:`OSError` on rank 0 makes every rank raise
+        :class:`ConversionError` saying ``failed(error)``, so that all ranks stop together.
+        """
+        if self.world_size == 1:
+            return fn()
+        outcome: tuple[str | None, Any] = (None, None)
+        if self.rank == 0:
+            try:
+                outcome = (None, fn())
+            except (FastdataError, OSError) as err:
+                outcome = (failed(err), None)
+        error, result = self.all_gather(outcome)[0]
+        if error is not None:
+            raise ConversionError(error)
+        return result
+
+    def on_every_rank(self, fn: Callable[[], Any], failed: Callable[[str], str]) -> list:
+        """``fn()`` run on every rank; the results of all ranks, in rank order.
+
+        A group of one lets the errors of ``fn`` through as they are. In a larger group a
+        :class:`FastdataError` or :class:`OSError` on any rank makes every rank raise
+        :class:`ConversionError` saying ``failed("rank 1 failed: ...; ...")``; any other error
+        (e.g. a Ctrl-C) is told to the other ranks before it is raised, so none waits for the timeout.
+        """
+        if self.world_size == 1:
+            return [fn()]
+        outcome: tuple[str | None, Any] = (None, None)
+        try:
+            outcome = (None, fn())
+        except (FastdataError, OSError) as err:
+            outcome = (error_text(err), None)
+        except BaseException as err:
+            self.all_gather((error_text(err), None))
+            raise
+        outcomes = self.all_gather(outcome)
+        failures = [f"rank {r} failed: {error}" for r, (error, _) in enumerate(outcomes) if error]
+        if failures:
+            raise ConversionError(failed("; ".join(failures)))
+        return [result for _, result in outcomes]
 
 
 def current_group() -> RankGroup | None:
@@ -100,130 +147,6 @@ def shards_for_rank(plans: list, rank: int, world_size: int) -> list:
     return [p for p in plans if p.shard_id % world_size == rank]
 
 
-def _error_text(err: BaseException) -> str:
+def error_text(err: BaseException) -> str:
+    """``"ConversionError: ..."``: an error as one rank tells the others."""
     return f"{type(err).__name__}: {err}"
-
-
-def convert_distributed(group: RankGroup, *, scan, dst: str, src: str, run, recorded, plans: list, workers: int,
-                        resume: bool, overwrite: bool, progress, writer_options: dict, chunk_size: int, report):
-    """Run one conversion across all ranks of ``group`` (see the module docstring).
-
-    ``run`` holds the resolved content options (a :class:`~fastdata.writer.resume.RunOptions`; with
-    ``resume``, options not given were taken from ``recorded``, the interrupted run's record),
-    ``plans`` the shard plan every rank computed from the same scan.
-    """
-    from fastdata.format.manifest import read_manifest
-    from fastdata.format.names import MANIFEST_NAME
-    from fastdata.writer.convert import _check_destination, _fill_report, check_resume
-    from fastdata.writer.lock import StoreLock, raise_if_locked
-    from fastdata.writer.pipeline import (
-        PipelineStats,
-        clear_store,
-        load_finished,
-        prepare_staging,
-        publish,
-        remove_temporaries,
-        run_shards,
-    )
-    from fastdata.writer.plan import plan_fingerprint
-    from fastdata.writer.report import ProgressBar
-    from fastdata.writer.resume import record_run
-
-    backend, storage, shard_bytes, strict = run.backend, run.storage, run.shard_size.bytes, run.strict
-    started = time.perf_counter()
-    rank, world = group.rank, group.world_size
-    fingerprint = plan_fingerprint(scan, backend, storage, shard_bytes)
-    fingerprints = group.all_gather(fingerprint)
-    differing = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
-    if differing:
-        raise ConversionError(f"rank(s) {differing} see different input files or options than rank 0; "
-                              "SRC must be the same shared folder on every node")
-
-    # rank 0 prepares the destination; the others wait for its verdict
-    lock = None
-    verdict = None
-    if rank == 0:
-        try:
-            raise_if_locked(dst)  # a live writer is named before any other complaint about DST
-            _check_destination(dst, resume, overwrite)
-            os.makedirs(dst, exist_ok=True)
-            lock = StoreLock(dst).acquire()
-            if lock.stale_pid:
-                report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, "
-                                       "which is no longer running")
-            if overwrite:
-                clear_store(dst)
-            if resume:
-                check_resume(dst, src, recorded, run, fingerprint, scan)
-            if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-                manifest = read_manifest(dst)
-                verdict = ("complete", manifest["num_samples"]) if manifest["options"].get(
-                    "fingerprint") == fingerprint else ("error", f"{dst} is a complete store made from different "
-                                                                 "inputs or options; use --overwrite to replace it")
-            else:
-                prepare_staging(dst, fingerprint, resume)
-                if recorded is None or recorded.fingerprint != fingerprint:
-                    record_run(dst, run, src, fingerprint, scan)  # what a later --resume reuses and compares
-                remove_temporaries(dst)
-                verdict = ("go", None)
-        except (FastdataError, OSError) as err:
-            verdict = ("error", str(err))
-    verdict = group.all_gather(verdict)[0]
-    try:
-        if verdict[0] == "error":
-            raise ConversionError(f"rank 0: {verdict[1]}")
-        if verdict[0] == "complete":
-            report.already_complete = True
-            report.images = verdict[1]
-            report.elapsed = time.perf_counter() - started
-            return report
-
-        mine = shards_for_rank(plans, rank, world)
-        status, stats, finished = None, PipelineStats(), {}
-        try:
-            finished = load_finished(dst, backend, mine) if resume else {}
-            todo = [p for p in mine if p.shard_id not in finished]
-            with ProgressBar(sum(p.stop - p.start for p in todo), progress, desc=f"rank {rank}") as bar:
-                stats = run_shards(dst=dst, backend=backend, scan=scan, plans=todo, storage=storage, workers=workers,
-                                   strict=strict, writer_options=writer_options, on_progress=bar.update_counts,
-                                   chunk_size=chunk_size)
-        except (FastdataError, OSError) as err:
-            status = _error_text(err)
-        except BaseException as err:  # tell the other ranks before dying, or they wait for the timeout
-            group.all_gather((f"{_error_text(err)}", 0, 0))
-            raise
-        outcomes = group.all_gather((status, stats.input_bytes + sum(r.input_bytes for r in finished.values()),
-                                     len(finished)))
-        failed = [(r, s) for r, (s, _, _) in enumerate(outcomes) if s]
-        if failed:
-            raise ConversionError("distributed conversion failed: " + "; ".join(
-                f"rank {r} failed: {s}" for r, s in failed) + " (finished shards are kept: rerun with --resume)")
-
-        published: tuple[str, dict | None] = ("", None)
-        if rank == 0:
-            try:
-                results = load_finished(dst, backend, plans, verify_files=False)
-                missing = sorted({p.shard_id for p in plans} - set(results))
-                if missing:
-                    raise ConversionError(f"{dst}: shard(s) {missing} have no completion record; rerun with --resume")
-                options = {"source": os.path.abspath(src), "shard_size": shard_bytes,
-                           "shard_size_unit": run.shard_size.unit, "strict": strict, "fingerprint": fingerprint}
-                manifest = publish(dst=dst, backend=backend, scan=scan, storage=storage,
-                                   results=list(results.values()), options=options)
-                published = ("ok", manifest)
-            except (FastdataError, OSError) as err:
-                published = (_error_text(err), None)
-        # rank 0 sends the manifest: the other ranks' DST may be their own staging folder (a URL destination)
-        published = group.all_gather(published)[0]
-        if published[0] != "ok":
-            raise ConversionError(f"rank 0 could not publish the store: {published[0]}")
-        shared = published[1]
-        assert shared is not None, "rank 0 sends the manifest with its ok"
-        manifest = shared
-        stats.input_bytes = sum(b for _, b, _ in outcomes)
-        _fill_report(report, manifest, stats, {}, started)
-        report.resumed_shards = sum(k for _, _, k in outcomes)
-        return report
-    finally:
-        if lock is not None:
-            lock.release()

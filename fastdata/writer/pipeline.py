@@ -2,17 +2,17 @@
 
 Workflow for one destination (the caller holds the store lock):
 
-1. The plan (``plan.py``) splits the scan into shards; ``.fastdata-staging/plan.json``
+1. The plan (``plan.py``) splits the input into shards; ``.fastdata-staging/plan.json``
    records its fingerprint so ``--resume`` can refuse a changed source.
 2. A pool of worker processes reads, validates and encodes chunks of inputs.
-   What the inputs are is a :class:`ChunkSource`: :class:`FolderSource` for an
-   image folder or list file (``ingest.py``), the sources of ``writing.py`` for
-   ``fastdata.write`` (map-style datasets read by index range in the workers,
+   What the inputs are is a :class:`ChunkSource`, which each input kind of
+   :mod:`fastdata.writer.sources` provides (image folders and ``path,label`` lists,
+   JSONL/CSV tables, map-style datasets read by index range in the workers,
    iterables chunked by the caller); everything below is shared by all of them.
-   ``workers=0`` runs the chunks in this process. The main process submits chunks in store order with a
-   bounded window (memory stays flat whatever the dataset size) and consumes
-   results in the same order, so the store order is the scan order for any
-   worker count. A worker that dies breaks the pool: we raise, never hang.
+   ``workers=0`` runs the chunks in this process (no worker process at all). The main
+   process submits chunks in store order with a bounded window (memory stays flat
+   whatever the dataset size) and consumes results in the same order, so the store
+   order is the input order for any worker count. A worker that dies breaks the pool: we raise, never hang.
 3. Each shard is written by its own backend writer to ``<name>.tmp``; when its
    last chunk is in, the writer syncs and closes, the file is renamed to its
    final name, checksummed, and a sidecar ``<name>.json`` is written atomically
@@ -23,7 +23,7 @@ Workflow for one destination (the caller holds the store lock):
 
 A :class:`ShardSink` installed with :func:`shard_sink` also receives each finished
 shard, decides which shards an earlier run finished, and publishes after the local
-manifest is written: a URL destination uploads through one (``remote/publish.py``).
+manifest is written: a URL destination uploads through one (:mod:`fastdata.writer.remote_sink`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastdata._version import __version__
-from fastdata.common.extensions import EXTENSION_FORMATS
 from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write, file_checksum, fsync_dir
 from fastdata.common.units import format_size
 from fastdata.errors import ConversionError, RejectedInputError, ResumeMismatchError
@@ -68,9 +67,8 @@ from fastdata.format.record import EncodedSample  # noqa: F401  (named in docstr
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import build_store_index, encode_shard_index, sidecar_path
 from fastdata.format.store_index import manifest_entry as store_index_entry
-from fastdata.writer.ingest import SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, ingest_chunk, starts_like_jpeg, unspill
+from fastdata.writer.ingest import SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, unspill
 from fastdata.writer.plan import ShardPlan
-from fastdata.writer.sources.folder import SourceScan
 
 #: the "source" fastdata.write records (in the manifest's options and the staging plan)
 WRITE_SOURCE = "fastdata.write"
@@ -102,15 +100,9 @@ class ShardResult:
 
 @dataclass
 class PipelineStats:
-    """Counters the pipeline updates as it goes (for progress and the report)."""
+    """What a pipeline run gives the report: the bytes it read and the results of the shards it wrote."""
 
-    images: int = 0
-    rejected: int = 0
     input_bytes: int = 0
-    map_growths: int = 0
-    resumed_shards: int = 0
-    written_shards: int = 0
-    rejected_items: list = field(default_factory=list)
     results: list = field(default_factory=list)
 
 
@@ -320,12 +312,14 @@ class ChunkSource(abc.ABC):
 
     #: the worker function (module level, so that it pickles by name)
     worker: Callable
-    #: ``(function, args)`` run once in each worker process before any chunk, or None
+    #: ``(function, args)`` run once in each worker process before any chunk, or None; with
+    #: ``workers=0`` it runs in this process, and afterwards again with every argument None
+    #: (so that the function lets go of what it was given)
     worker_init: tuple[Callable, tuple] | None = None
 
     @abc.abstractmethod
-    def chunks(self) -> Iterator[Chunk]:
-        """The chunks of every shard to write, in store order."""
+    def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
+        """The chunks of the shards ``plans`` (None: a source that makes its shards as it goes), in store order."""
 
     @abc.abstractmethod
     def describe(self, start: int, stop: int) -> str:
@@ -335,43 +329,27 @@ class ChunkSource(abc.ABC):
     def input_name(self, i: int) -> str:
         """The name input ``i`` is reported under (rejected.tsv, warnings)."""
 
+    def input_path(self, i: int) -> str:
+        """Where input ``i`` is, for the message that stops a ``--strict`` run (default: its name)."""
+        return self.input_name(i)
+
     def runs_in_main_first(self, chunk: Chunk) -> bool:
         """Whether the main process may ingest ``chunk`` itself while the pool starts."""
         return False
 
-
-class FolderSource(ChunkSource):
-    """The inputs of a source scan (ImageFolder tree or list file), read and validated
-    by :func:`fastdata.writer.ingest.ingest_chunk`."""
-
-    worker = staticmethod(ingest_chunk)
-
-    def __init__(self, scan: SourceScan, plans: list[ShardPlan], storage: StorageSpec, chunk_size: int):
-        self.scan, self.plans, self.storage, self.chunk_size = scan, plans, storage, chunk_size
-
-    def chunks(self) -> Iterator[Chunk]:
-        scan = self.scan
-        for plan in self.plans:
-            for a in range(plan.start, plan.stop, self.chunk_size):
-                b = min(a + self.chunk_size, plan.stop)
-                yield Chunk(plan, a, b, b == plan.stop,
-                            (scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(), self.storage))
-
-    def describe(self, start: int, stop: int) -> str:
-        return f"{os.fsdecode(self.scan.paths[start])} .. {os.fsdecode(self.scan.paths[stop - 1])}"
-
-    def input_name(self, i: int) -> str:
-        return os.fsdecode(self.scan.relpaths[i])
-
-    def input_path(self, i: int) -> str:
-        return os.fsdecode(self.scan.paths[i])
-
-    def runs_in_main_first(self, chunk: Chunk) -> bool:
-        # JPEG chunks only: a decoder crash here would take the converter down instead of a
-        # worker, and libjpeg-turbo is the most hardened of the decoders. The content picks the
-        # decoder, so the names are not enough: the first bytes must be a JPEG's too.
-        return all(EXTENSION_FORMATS.get(os.path.splitext(os.fsdecode(p))[1].lower()) == "JPEG"
-                   and starts_like_jpeg(p) for p in self.scan.paths[chunk.start:chunk.stop])
+    @contextlib.contextmanager
+    def in_this_process(self) -> Iterator[None]:
+        """Make this process a worker for the block (``workers=0``): :attr:`worker_init` runs
+        here first, and again with every argument None when the block ends."""
+        if self.worker_init is None:
+            yield
+            return
+        init, args = self.worker_init
+        init(*args)
+        try:
+            yield
+        finally:
+            init(*(None for _ in args))
 
 
 def _single_threaded() -> bool:
@@ -473,40 +451,44 @@ def run_shards(
     *,
     dst: str,
     backend: str,
-    scan: SourceScan | None = None,
-    plans: list[ShardPlan] | None = None,
+    source: ChunkSource,
+    plans: list[ShardPlan] | None,
     storage: StorageSpec,
     workers: int,
     strict: bool,
     writer_options: dict,
     on_progress: Callable[[int, int, int], None] | None = None,
-    chunk_size: int = 32,
-    source: ChunkSource | None = None,
     schema: Schema | None = None,
+    num_classes: int = 0,
 ) -> PipelineStats:
-    """Write the shards ``source`` feeds (default: the ``plans`` of ``scan``) into ``dst``.
+    """Write the shards ``plans`` (None: those ``source`` makes as it goes) that ``source`` feeds into ``dst``.
 
-    ``schema`` is None for a classification (version-1) store, else the general
-    store's schema (its writers take :class:`EncodedSample` objects). ``workers=0``
-    runs every chunk in this process (no pool). ``on_progress(images, rejected,
-    input_bytes)`` is called after each chunk. Raises :class:`ConversionError` on a
-    dead worker or an I/O error, :class:`RejectedInputError` in strict mode, and any
-    error a worker raises (e.g. a :class:`~fastdata.format.fields.SchemaError`) as it is.
+    ``schema`` is None for a classification (version-1) store of ``num_classes`` classes,
+    else the general store's schema (its writers take :class:`EncodedSample` objects).
+    ``workers=0`` runs every chunk in this process (no worker process is started).
+    ``on_progress(images, rejected, input_bytes)`` is called after each chunk. Raises
+    :class:`ConversionError` on a dead worker or an I/O error, :class:`RejectedInputError`
+    in strict mode, and any error a worker raises (e.g. a
+    :class:`~fastdata.format.fields.SchemaError`) as it is.
     """
+    if plans is not None and not plans:
+        return PipelineStats()  # nothing left to write (a resume of finished shards): no pool to start
+    if workers == 0:
+        with source.in_this_process():
+            return _run_shards(dst, backend, source, plans, storage, 0, strict, writer_options, on_progress, schema,
+                               num_classes)
+    return _run_shards(dst, backend, source, plans, storage, workers, strict, writer_options, on_progress, schema,
+                       num_classes)
+
+
+def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPlan] | None, storage: StorageSpec,
+                workers: int, strict: bool, writer_options: dict,
+                on_progress: Callable[[int, int, int], None] | None, schema: Schema | None,
+                num_classes: int) -> PipelineStats:
     stats = PipelineStats()
-    if source is None:
-        assert scan is not None and plans is not None, "run_shards needs a source, or a scan and its plans"
-        todo = [p for p in plans if p.stop >= p.start]
-        if not todo:
-            return stats
-        source = FolderSource(scan, todo, storage, chunk_size)
-        empty_plans = [p for p in todo if p.start == p.stop]
-    else:
-        empty_plans = []
     window = max(2, workers * 4)
     spill_dir = staging_path(dst)
     os.makedirs(spill_dir, exist_ok=True)
-    num_classes = len(scan.classes) if scan is not None else 0
     open_shards: dict[int, _ShardInProgress] = {}
     io_errors: tuple[type[Exception], ...] = (OSError, *writer_class(backend).io_errors)
     ctx = _mp_context()
@@ -521,7 +503,7 @@ def run_shards(
     sink = _SINK.get()
     if sink is not None:
         sink.start(dst)
-    source_chunks = source.chunks()
+    source_chunks = source.chunks(plans)
     current_files = ""
     writing = dst  # the file being written when an I/O error strikes
     starting: threading.Thread | None = None
@@ -551,37 +533,26 @@ def run_shards(
                     continue
                 rel = source.input_name(a + offset)
                 if strict:
-                    where = source.input_path(a + offset) if isinstance(source, FolderSource) else rel
+                    where = source.input_path(a + offset)
                     raise RejectedInputError(
                         f"{where}: {item} "
                         "(--strict stops at the first unusable input; without it such files are skipped and reported)")
                 shard.rejected.append([rel, item])
-                stats.rejected_items.append((rel, item))
             shard.add(samples)
             shard.input_bytes += read_bytes
-            stats.images += len(samples)
-            stats.rejected += len(results) - len(samples)
             stats.input_bytes += read_bytes
             if chunk.last:
-                stats.map_growths += getattr(shard.writer, "map_growths", 0)
                 # pop only after finish succeeds: a failed finish must still be aborted and named
                 stats.results.append(shard.finish(dst))
                 del open_shards[plan.shard_id]
-                stats.written_shards += 1
                 if sink is not None:
                     sink.shard_finished(dst, stats.results[-1])
             if on_progress:
                 on_progress(len(samples), len(results) - len(samples), read_bytes)
 
-        for plan in empty_plans:  # shards with no inputs at all (cannot come from the plan, but be safe)
-            open_shards[plan.shard_id] = _ShardInProgress(dst, backend, plan, storage, num_classes, writer_options,
-                                                          schema)
-            stats.results.append(open_shards.pop(plan.shard_id).finish(dst))
-            if sink is not None:
-                sink.shard_finished(dst, stats.results[-1])
         # While the pool starts (a fresh forkserver first imports fastdata: ~0.3 s),
         # the converter ingests the first chunks itself instead of waiting, when the
-        # source says that is safe (see FolderSource.runs_in_main_first).
+        # source says that is safe (see ChunkSource.runs_in_main_first).
         if isinstance(executor, cf.ProcessPoolExecutor) and ctx.get_start_method() != "fork":
             starting = _start_in_background(executor)
         while starting is not None and starting.is_alive():
@@ -613,7 +584,7 @@ def run_shards(
         raise ConversionError(
             f"a conversion worker died unexpectedly (killed, or out of memory?) "
             f"{f'while reading {current_files}' if current_files else 'while starting'}; "
-            "finished shards are kept: rerun the same command with --resume. (Calling fastdata.writer.convert from a "
+            "finished shards are kept: rerun the same command with --resume. (Calling fastdata.convert from a "
             "script? Workers start with forkserver and import your main module: put the call under "
             "`if __name__ == \"__main__\":`.)"
         ) from None
@@ -665,20 +636,21 @@ def _stop_pool(executor: cf.ProcessPoolExecutor) -> None:
         manager.join(timeout=10)
 
 
-def publish(*, dst: str, backend: str, scan: SourceScan | None, storage: StorageSpec, results: list[ShardResult],
-            options: dict, schema: Schema | None = None, extra: dict | None = None) -> dict:
+def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[str, str]], storage: StorageSpec,
+            results: list[ShardResult], options: dict, schema: Schema | None = None, extra: dict | None = None) -> dict:
     """Write ``rejected.tsv`` and then ``manifest.json`` (last); remove staging.
 
-    ``schema`` None publishes a classification store (layout version 1, classes from
-    ``scan``); a schema publishes a general store (version 2, classes from ``scan``
-    when it has any). ``extra`` adds top-level manifest keys (e.g. ``class_tables``)."""
+    ``schema`` None publishes a classification store (layout version 1) of ``classes``; a
+    schema publishes a general store (version 2; ``classes``: its single-label field's table,
+    or empty). ``remarks`` are ``(path, warning)`` pairs about the input as a whole (empty class
+    folders, folders named like splits, ...), listed before the per-input warnings of the shards.
+    ``extra`` adds top-level manifest keys (e.g. ``class_tables``)."""
     results = sorted(results, key=lambda r: r.shard_id)
     shards, first = [], 0
-    classes = list(scan.classes) if scan is not None else []
+    classes = list(classes)
     class_counts = [0] * len(classes)
     rejected: list[dict[str, str]] = []
-    # scan-level remarks first (empty class folders, folders named like splits, ...), then per-input ones
-    warnings = [{"path": p, "warning": why} for p, why in (scan.walk_problems if scan is not None else [])]
+    warnings = [{"path": p, "warning": why} for p, why in remarks]
     for r in results:
         shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
                        "xxh": r.xxh, "image_bytes": r.image_bytes})

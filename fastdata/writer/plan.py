@@ -9,12 +9,24 @@ and every rank of a distributed conversion computes the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
 
 from fastdata.format.backends.base import StorageSpec
-from fastdata.writer.sources.folder import SourceScan
+
+
+class Listing(Protocol):
+    """What planning and ``--resume`` read of a folder or ``path,label`` list scan
+    (a :class:`fastdata.writer.sources.folder.SourceScan`)."""
+
+    classes: list[str]
+    relpaths: list[bytes]
+    labels: np.ndarray
+    sizes: np.ndarray
+
+    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +38,7 @@ class ShardPlan:
     stop: int
 
 
-def estimated_sizes(scan: SourceScan, storage: StorageSpec) -> np.ndarray:
+def estimated_sizes(scan: Listing, storage: StorageSpec) -> np.ndarray:
     """Bytes each input is expected to take in the store (for rotation)."""
     if storage.mode == "raw":
         h, w = storage.raw_hw()
@@ -49,7 +61,7 @@ def plan_shards(sizes: np.ndarray, shard_size: int) -> list[ShardPlan]:
     return plans
 
 
-def plan_fingerprint(scan: SourceScan, backend: str, storage: StorageSpec, shard_size: int) -> str:
+def plan_fingerprint(scan: Listing, backend: str, storage: StorageSpec, shard_size: int) -> str:
     """A hash of everything that determines the store's content, used to refuse
     a ``--resume`` whose source or options differ from the interrupted run."""
     h = xxhash.xxh3_128()

@@ -70,6 +70,8 @@ from fastdata.format.names import (
 )
 from fastdata.remote.cache import default_cache_dir
 from fastdata.remote.location import RemoteLocation
+from fastdata.writer.lock import raise_if_locked
+from fastdata.writer.pipeline import ShardResult, shard_sink
 
 #: finished shards that may wait for (or be in) upload before the pipeline blocks
 MAX_WAITING = 2
@@ -285,8 +287,6 @@ def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int],
     """Empty the local staging directory ``local`` (refusing while a live run holds its lock),
     then, for a resume, download what the local pipeline reads first: the manifest of a store
     already published, else the run's record (plan.json, listing.npz) from the remote staging."""
-    from fastdata.writer.lock import raise_if_locked
-
     if os.path.isdir(local):
         raise_if_locked(local)
         shutil.rmtree(local)
@@ -364,8 +364,6 @@ class RemoteDestination:
         """Shards of ``plans`` uploaded and checked by an earlier run (or by another rank):
         a result sidecar in the remote staging and an object of the size it records. Their
         sidecars are downloaded into ``dst``'s staging; stale local sidecars are deleted."""
-        from fastdata.writer.pipeline import ShardResult
-
         objects = self.location.listing()
         done: dict[int, ShardResult] = {}
         staging = os.path.join(dst, STAGING_DIR)
@@ -439,24 +437,20 @@ class RemoteDestination:
 
 
 def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_dir: str | os.PathLike | None, *,
-                 resume: bool, overwrite: bool, run: Callable[[str], Any]) -> Any:
+                 resume: bool, overwrite: bool, run: Callable[[str], Any], rank: int | None = None) -> Any:
     """Run a conversion into ``url``: ``run(local_dir)`` is the local conversion (called with
     ``overwrite`` off: the remote store is cleared here), with a :class:`RemoteDestination`
     installed as its shard sink. Returns ``run``'s report with ``dst`` set to the URL.
+    ``rank``: this process's rank in a torchrun job (rank 0 clears and publishes), None outside one.
 
     Raises:
         RemoteStoreError: the URL is read-only (``https://``), unreachable, or an upload failed
             its check. StoreExistsError: as for a local destination.
     """
-    from fastdata.writer.distributed import current_group
-    from fastdata.writer.pipeline import shard_sink
-
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are exclusive")
     location = RemoteLocation(url, storage_options or {})
     location._writable()
-    group = current_group()
-    rank = group.rank if group is not None else None
     local = local_staging_dir(location.url, staging_dir, rank)
     lock = RemoteLock(location)
     lock.check()  # a live writer is named before any other complaint (every rank sees the same)

@@ -27,11 +27,12 @@ import numpy as np
 
 from fastdata.common.fileio import atomic_write
 from fastdata.common.units import Size, exact_unit
+from fastdata.errors import FastdataError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.manifest import read_manifest
 from fastdata.format.names import LISTING_FILE, MANIFEST_NAME, PLAN_FILE, STAGING_DIR
 from fastdata.writer.pipeline import io_error
-from fastdata.writer.sources.folder import SourceScan
+from fastdata.writer.plan import Listing
 
 #: at most this many folders are named in a "files added under ..." line
 MAX_FOLDERS_NAMED = 3
@@ -88,7 +89,7 @@ def _staging(dst: str, name: str) -> str:
     return os.path.join(dst, STAGING_DIR, name)
 
 
-def record_run(dst: str, options: RunOptions, src: str, fingerprint: str, scan: SourceScan) -> None:
+def record_run(dst: str, options: RunOptions, src: str, fingerprint: str, scan: Listing) -> None:
     """Write the options into ``plan.json`` and the listing into ``listing.npz`` in ``dst``'s
     staging folder (each atomically; the listing first, so a record never lacks it).
 
@@ -133,8 +134,6 @@ def recorded_source(dst: str) -> str | None:
 
 
 def _from_manifest(dst: str) -> RecordedRun | None:
-    from fastdata.errors import FastdataError
-
     try:
         m = read_manifest(dst)
         opts = m["options"]
@@ -183,7 +182,7 @@ def _under(paths: list[bytes]) -> str:
     return " under " + ", ".join(named) + (f" and {more} more folder(s)" if more > 0 else "")
 
 
-def source_differences(listing: tuple, scan: SourceScan) -> list[str]:
+def source_differences(listing: tuple, scan: Listing) -> list[str]:
     """What changed in the source since it was recorded: classes added/removed,
     files added/removed (with the folders), files whose size or label changed."""
     old_paths, old_sizes, old_labels, old_classes = listing

@@ -20,7 +20,8 @@ from fastdata.errors import FastdataError, PathNotFoundError
 from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset
 from fastdata.tools.verify import verify
 
-convert_module = importlib.import_module("fastdata.writer.convert")
+options_module = importlib.import_module("fastdata.writer.options")
+session_module = importlib.import_module("fastdata.writer.session")
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_shard_size_below_1_MiB_is_refused_saying_what_to_pick(src, tmp_path, ca
 
 def test_more_than_10k_shards_is_refused_with_a_size_that_fits(src, tmp_path, capsys, monkeypatch):
     # a real 10,001-shard conversion needs over 10 GB; the limit is lowered to 2 shards here
-    monkeypatch.setattr(convert_module, "MAX_SHARDS", 2)
+    monkeypatch.setattr(options_module, "MAX_SHARDS", 2)
     assert main(["convert", src, str(tmp_path / "o.lmdb"), "--shard-size", "2kB"]) == 2
     err = one_line_error(capsys)
     assert "shard size 2 kB (2,000 bytes) would split" in err and "more than 2)" in err
@@ -100,7 +101,8 @@ def test_more_than_10k_shards_is_refused_with_a_size_that_fits(src, tmp_path, ca
 
 def test_negative_workers_is_an_error(src, tmp_path, capsys):
     assert main(["convert", src, str(tmp_path / "o.lmdb"), "--workers", "-2"]) == 2
-    assert "--workers must be 0 (all cores) or a positive number" in one_line_error(capsys)
+    assert "--workers must be 0 (no worker processes: everything runs in this process) or a positive number" in \
+        one_line_error(capsys)
     assert not (tmp_path / "o.lmdb").exists()
 
 
@@ -188,7 +190,7 @@ def test_verify_on_an_unfinished_conversion_says_how_to_finish_it(src, tmp_path,
     def ctrl_c(**kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_module, "run_shards", ctrl_c)
+    monkeypatch.setattr(session_module, "run_shards", ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         fastdata.convert(src, str(dst), workers=1, progress=False)
     monkeypatch.undo()

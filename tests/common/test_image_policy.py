@@ -34,7 +34,6 @@ from fastdata.format.record import checksum
 from fastdata.reader.open import open_dataset
 from fastdata.transforms import CenterCrop, RandomResizedCrop, Resize, full_decode
 from fastdata.writer.pipeline import ShardResult, publish
-from fastdata.writer.sources.folder import SourceScan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,9 +62,7 @@ def _write_store(dst: str, backend: str, records: list[tuple[bytes, str]]) -> st
     result = ShardResult(shard_id=0, name=name, count=len(samples), bytes=os.path.getsize(path),
                          xxh=file_checksum(path), image_bytes=sum(len(s.image) for s in samples), input_bytes=0,
                          class_counts=[len(samples)], rejected=[])
-    scan = SourceScan(root=dst, classes=["a"], paths=[], relpaths=[], labels=np.zeros(0, np.int64),
-                      sizes=np.zeros(0, np.int64))
-    publish(dst=dst, backend=backend, scan=scan, storage=storage, results=[result],
+    publish(dst=dst, backend=backend, classes=["a"], remarks=[], storage=storage, results=[result],
             options={"source": dst, "shard_size": 1 << 20, "strict": False, "fingerprint": "test"})
     return dst
 

@@ -36,7 +36,7 @@ import fastdata
 from fastdata.format.names import REJECTED_NAME
 from fastdata.writer.ingest import MAX_INPUT_BYTES
 
-convert_module = importlib.import_module("fastdata.writer.convert")  # the module, not the function
+folder_module = importlib.import_module("fastdata.writer.sources.folder")  # the module, not the function
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +122,7 @@ def hostile_tree(tmp_path):
 @pytest.fixture
 def delete_after_scan(monkeypatch):
     """Delete ``b/vanishes.jpg`` right after the scan saw it (a file removed mid-run)."""
-    real_scan = convert_module.scan_source
+    real_scan = folder_module.scan
 
     def scan_then_delete(src):
         result = real_scan(src)
@@ -130,7 +130,7 @@ def delete_after_scan(monkeypatch):
         os.unlink(os.path.join(src, "b", "vanishes.jpg"))
         return result
 
-    monkeypatch.setattr(convert_module, "scan_source", scan_then_delete)
+    monkeypatch.setattr(folder_module, "scan", scan_then_delete)
 
 
 @pytest.mark.parametrize("suffix", [".lmdb", ".h5"])

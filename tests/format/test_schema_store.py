@@ -17,7 +17,7 @@ from fastdata.format.backends.registry import (
     unregister_backend,
     writer_class,
 )
-from fastdata.writer.convert import choose_backend
+from fastdata.writer.options import choose_backend
 
 FORMAT_MD = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "FORMAT.md")
 

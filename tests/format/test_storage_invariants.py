@@ -17,7 +17,7 @@ from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.manifest import read_manifest
 from fastdata.reader.decode import decode_numpy
-from fastdata.writer.convert import convert
+from fastdata.writer.api import convert
 
 
 def test_raw_hw_is_the_raw_shape_of_a_raw_store():

@@ -23,8 +23,9 @@ from fastdata.format.names import STAGING_DIR
 from fastdata.format.record import decode_record_v2
 from fastdata.reader.samples import SampleDataset
 from fastdata.tools.verify import verify
+from fastdata.writer.report import ProgressBar
 
-convert_module = importlib.import_module("fastdata.writer.convert")
+api_module = importlib.import_module("fastdata.writer.api")
 BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
 
 
@@ -143,7 +144,7 @@ def test_plain_path_label_lists_keep_making_version_1_stores(tmp_path, monkeypat
         stores[lst.name] = store_records(fastdata.convert(lst, tmp_path / f"{lst.name}.lmdb", workers=1,
                                                           progress=False).dst)
     # the same lists forced through the classification code path alone give the same stores
-    monkeypatch.setattr(convert_module, "_is_general_list", lambda src, schema: False)
+    monkeypatch.setattr(api_module, "is_general_list", lambda src, schema: False)
     for lst in (with_header, headerless):
         classic = store_records(fastdata.convert(lst, tmp_path / f"{lst.name}.classic.lmdb", workers=1,
                                                  progress=False).dst)
@@ -185,7 +186,7 @@ def test_missing_images_are_rejected_and_strict_stops(tmp_path, capsys):
 
 def _interrupt_after(monkeypatch, chunks: int) -> None:
     """Make the converter stop like a Ctrl-C after ``chunks`` chunks are written."""
-    real = convert_module._progress_bar.update_counts
+    real = ProgressBar.update_counts
     seen = [0]
 
     def update_counts(self, *args):
@@ -194,7 +195,7 @@ def _interrupt_after(monkeypatch, chunks: int) -> None:
         if seen[0] == chunks:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_module._progress_bar, "update_counts", update_counts)
+    monkeypatch.setattr(ProgressBar, "update_counts", update_counts)
 
 
 def test_resume_after_an_interrupted_list_conversion_equals_a_clean_run(tmp_path, monkeypatch, capsys):

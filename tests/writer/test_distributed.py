@@ -143,17 +143,17 @@ def test_resume_across_ranks_reuses_the_recorded_options(tmp_path, monkeypatch):
 
     import fastdata
 
-    convert_module = importlib.import_module("fastdata.writer.convert")
+    session_module = importlib.import_module("fastdata.writer.session")
     src, dst = tmp_path / "src", tmp_path / "out.lmdb"
     make_tree(src, {"a": 20, "b": 20}, size=(96, 72))
     single(src, tmp_path / "ref.lmdb", "--shard-size", "30kB")
-    real = convert_module.run_shards
+    real = session_module.run_shards
 
     def first_shard_then_ctrl_c(**kwargs):
         real(**dict(kwargs, plans=kwargs["plans"][:1]))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_module, "run_shards", first_shard_then_ctrl_c)
+    monkeypatch.setattr(session_module, "run_shards", first_shard_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         fastdata.convert(str(src), str(dst), shard_size="30kB", workers=1, progress=False)
     monkeypatch.undo()

@@ -15,7 +15,7 @@ from fastdata.cli.main import main
 from fastdata.errors import ResumeMismatchError
 from fastdata.format.names import STAGING_DIR
 
-convert_module = importlib.import_module("fastdata.writer.convert")  # the module, not the function fastdata re-exports
+session_module = importlib.import_module("fastdata.writer.session")  # the module, not the function fastdata re-exports
 
 SHARD = "30kB"
 
@@ -29,14 +29,14 @@ def src(tmp_path) -> Path:
 def interrupt_after_first_shard(monkeypatch, src, dst, **options) -> None:
     """Convert, with a Ctrl-C once the first shard is finished: the state a user's Ctrl-C leaves
     (staging with one finished shard, no manifest)."""
-    real = convert_module.run_shards
+    real = session_module.run_shards
 
     def first_shard_then_ctrl_c(**kwargs):
         real(**dict(kwargs, plans=kwargs["plans"][:1]))
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(convert_module, "run_shards", first_shard_then_ctrl_c)
+        m.setattr(session_module, "run_shards", first_shard_then_ctrl_c)
         with pytest.raises(KeyboardInterrupt):
             fastdata.convert(str(src), str(dst), workers=1, progress=False, **options)
     assert (dst / STAGING_DIR).is_dir() and not (dst / "manifest.json").exists()

@@ -1,8 +1,12 @@
-"""Conversion inputs: each module turns one kind of input into the chunks of work the
-write session's pipeline runs (never one Python object per sample kept around):
+"""Conversion inputs: each module turns one kind of input into a write source
+(:class:`~fastdata.writer.sources.base.WriteSource`) that plugs into the write session,
+and into the chunks of work the session's pipeline runs (never one Python object per
+sample kept around):
 
+- :mod:`~fastdata.writer.sources.base`: what a source gives the session.
 - :mod:`~fastdata.writer.sources.folder`: ImageFolder trees and ``path,label`` lists.
-- :mod:`~fastdata.writer.sources.table`: JSONL and CSV/TSV lists with typed fields.
+- :mod:`~fastdata.writer.sources.table` (parsing) and :mod:`~fastdata.writer.sources.table_input`
+  (the source): JSONL and CSV/TSV lists with typed fields.
 - :mod:`~fastdata.writer.sources.coco`: a COCO instances annotation file and its image folder.
 - :mod:`~fastdata.writer.sources.python`: samples from Python (map-style datasets and iterables).
 """

@@ -25,6 +25,26 @@ rejected inputs of an ImageFolder conversion (a strict conversion stops on any o
 A file that cannot be used at all (not JSON, not an object, no ``images`` list, an image or
 annotation without a required key or with one of the wrong type) raises one
 :class:`~fastdata.errors.SourceError` naming the file and the entry's position.
+
+:class:`CocoInput` is the write source of ``fastdata convert --coco ANNOTATIONS.json IMAGE_DIR DST``
+(:func:`fastdata.convert_coco`): one sample per image of the annotation file, in
+``CocoDetection``'s order, images without annotations included, each holding the fields of
+:data:`COCO_SCHEMA`:
+
+* ``image``: the image file's bytes, bit-exact (decoded when read);
+* ``image_id``: the image's id (``CocoDetection.ids[i]``), in the shard index;
+* ``width``, ``height``: the sizes the file lists (-1 when absent or not an integer), in the index;
+* ``annotations``: the image's annotation dicts exactly as ``json.load`` gave them (same keys,
+  key order, values and types: msgpack keeps ints apart from floats and bools), in file order.
+
+The file's ``categories``, ``info`` and ``licenses`` go into the manifest
+(``metadata.coco``), where :class:`fastdata.reader.coco.CocoStoreDataset` finds them. The
+samples are a map-style input whose items name the image file (:class:`CocoSamples`), so
+the files are read and validated in the worker processes, and ``resume`` finishes an
+interrupted conversion. An image file that is missing or not a usable image is skipped and
+reported as rejected (the image ids of the others do not move: each sample stores its own);
+the annotation file's problems are reported as warnings. With ``strict`` any of them stops
+the conversion before anything is written, naming them.
 """
 
 from __future__ import annotations
@@ -32,16 +52,20 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from fastdata.errors import SourceError
+from fastdata.errors import RejectedInputError, SourceError
+from fastdata.format.fields import JSON, Image, Int, Schema
+from fastdata.writer.plan import ShardPlan
+from fastdata.writer.resume import RunOptions
+from fastdata.writer.sources.python import MapInput
 
-__all__ = ["CocoIndex", "load_coco", "Problem"]
+__all__ = ["COCO_SCHEMA", "CocoIndex", "CocoInput", "CocoSamples", "load_coco", "Problem"]
 
 #: ``(where, reason)``: where names the file, or the annotation file and the entry's position
 Problem = tuple[str, str]
@@ -531,3 +555,96 @@ def _count_more(problems: list[Problem], total: int, what: str, where: str) -> N
     if total > MAX_LISTED_PROBLEMS:
         problems.append((where, f"... and {total - MAX_LISTED_PROBLEMS} more {what} (the first "
                                 f"{MAX_LISTED_PROBLEMS} are listed)"))
+
+
+# --------------------------------------------------------------------------- the write source
+
+#: the fields of a store converted from a COCO annotation file
+COCO_SCHEMA = Schema.of({
+    "image": Image(),
+    "image_id": Int("int64"),
+    "width": Int("int32"),
+    "height": Int("int32"),
+    "annotations": JSON(),
+})
+#: problems named in a --strict error (the rest are counted)
+_STRICT_LISTED = 5
+
+
+class CocoSamples:
+    """A :class:`CocoIndex` as a map-style dataset of sample dicts: ``samples[i]`` names image
+    ``i``'s file (read by the writer's worker) and carries its id, listed size and annotation dicts."""
+
+    def __init__(self, index: CocoIndex):
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        index = self.index
+        return {
+            "image": index.path(i),
+            "image_id": int(index.ids[i]),
+            "width": int(index.width[i]),
+            "height": int(index.height[i]),
+            "annotations": index.annotations(i),
+        }
+
+    def input_name(self, i: int) -> str:
+        """Image ``i``'s ``file_name``: what the rejected list names it by."""
+        return self.index.file_name(i)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[i] for i in range(len(self)))
+
+
+def _missing_files(index: CocoIndex) -> set[str]:
+    """Paths of the images :func:`load_coco` could not find (they come back as rejected inputs)."""
+    return {index.path(i) for i in (index.sizes < 0).nonzero()[0].tolist()}
+
+
+def _strict_error(ann_file: str, problems: list[Problem]) -> RejectedInputError:
+    listed = "; ".join(f"{where}: {why}" for where, why in problems[:_STRICT_LISTED])
+    more = f" (and {len(problems) - _STRICT_LISTED} more)" if len(problems) > _STRICT_LISTED else ""
+    return RejectedInputError(
+        f"{ann_file}: {len(problems)} problem(s) with the COCO data: {listed}{more}. --strict stops at any of "
+        "them; without it, missing or unusable images are skipped and reported, and the rest are warnings")
+
+
+def coco_metadata(index: CocoIndex, warnings: list[Problem]) -> dict:
+    """What the manifest keeps of the annotation file (``metadata.coco``)."""
+    return {"coco": {
+        "annotation_file": index.ann_file,
+        "image_dir": index.image_dir,
+        "categories": index.categories,
+        "info": index.info,
+        "licenses": index.licenses,
+        "problems": [{"path": where, "warning": why} for where, why in warnings],
+    }}
+
+
+class CocoInput(MapInput):
+    """A COCO instances annotation file and the folder its images' ``file_name`` is relative to,
+    as a map-style input of :class:`CocoSamples` with :data:`COCO_SCHEMA` (see the module docstring)."""
+
+    unit = "images"
+
+    def __init__(self, ann_file: str | os.PathLike, image_dir: str | os.PathLike):
+        super().__init__(None, COCO_SCHEMA)
+        self.ann_file, self.image_dir = ann_file, image_dir
+        self.index: CocoIndex | None = None
+
+    def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
+        index = self.index = load_coco(self.ann_file, self.image_dir)
+        if run.strict and index.problems:
+            raise _strict_error(index.ann_file, index.problems)
+        missing = _missing_files(index)
+        problems = [(where, why) for where, why in index.problems if where not in missing]
+        self.samples, self.metadata = CocoSamples(index), coco_metadata(index, problems)
+        self.warnings.extend(f"{where}: {why}" for where, why in problems)
+        return super().plan(run, dst)
+
+    def options_text(self, run: RunOptions) -> str:
+        assert self.index is not None, "CocoInput.plan loads the annotation file first"
+        return f"COCO {self.index.ann_file}, images in {self.index.image_dir}; {super().options_text(run)}"

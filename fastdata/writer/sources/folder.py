@@ -1,6 +1,10 @@
-"""Scan the conversion input: an ImageFolder tree or a CSV/TSV list file.
+"""An ImageFolder tree or a CSV/TSV ``path,label`` list file as a write source.
 
-Pure functions. For a folder the classes, class indices and sample order are the
+The scan (:func:`scan`) is pure functions; :class:`FolderInput` is the input for the
+write session (classification stores, layout version 1, split across torchrun's ranks),
+:class:`FolderSource` the pipeline's feed of its chunks.
+
+For a folder the classes, class indices and sample order are the
 ones ``torchvision.datasets.ImageFolder(root, allow_empty=True)`` produces:
 classes are the sorted names of the root's subdirectories (hidden ones included,
 as ImageFolder does, but reported so the caller can warn), files are found with
@@ -24,12 +28,20 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastdata.common.extensions import IMG_EXTENSIONS, has_image_extension
-from fastdata.errors import SourceError
+from fastdata.common.extensions import EXTENSION_FORMATS, IMG_EXTENSIONS, has_image_extension
+from fastdata.errors import ResumeMismatchError, SourceError
+from fastdata.format.backends.base import StorageSpec
+from fastdata.writer.ingest import ingest_chunk, starts_like_jpeg
+from fastdata.writer.options import check_shard_count
+from fastdata.writer.pipeline import Chunk, ChunkSource
+from fastdata.writer.plan import ShardPlan, estimated_sizes, plan_fingerprint, plan_shards
+from fastdata.writer.resume import RecordedRun, RunOptions, option_differences, record_run, source_differences
+from fastdata.writer.sources.base import WriteSource
 
 #: class folder names that are really dataset splits (compared lower-case)
 SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing"})
@@ -309,3 +321,121 @@ def _stat_sizes(paths: list[bytes]) -> np.ndarray:
         except OSError:
             sizes[i] = -1
     return sizes
+
+
+# --------------------------------------------------------------------------- the write source
+
+
+class FolderSource(ChunkSource):
+    """The inputs of a source scan (ImageFolder tree or list file), read and validated
+    by :func:`fastdata.writer.ingest.ingest_chunk`."""
+
+    worker = staticmethod(ingest_chunk)
+
+    def __init__(self, scan: SourceScan, storage: StorageSpec, chunk_size: int):
+        self.scan, self.storage, self.chunk_size = scan, storage, chunk_size
+
+    def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
+        scan = self.scan
+        for plan in plans or []:
+            if plan.start == plan.stop:  # (an empty plan cannot come from a scan, but be safe)
+                yield Chunk(plan, plan.start, plan.stop, True, ([], [], [], self.storage))
+            for a in range(plan.start, plan.stop, self.chunk_size):
+                b = min(a + self.chunk_size, plan.stop)
+                yield Chunk(plan, a, b, b == plan.stop,
+                            (scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(), self.storage))
+
+    def describe(self, start: int, stop: int) -> str:
+        return f"{os.fsdecode(self.scan.paths[start])} .. {os.fsdecode(self.scan.paths[stop - 1])}"
+
+    def input_name(self, i: int) -> str:
+        return os.fsdecode(self.scan.relpaths[i])
+
+    def input_path(self, i: int) -> str:
+        return os.fsdecode(self.scan.paths[i])
+
+    def runs_in_main_first(self, chunk: Chunk) -> bool:
+        # JPEG chunks only: a decoder crash here would take the converter down instead of a
+        # worker, and libjpeg-turbo is the most hardened of the decoders. The content picks the
+        # decoder, so the names are not enough: the first bytes must be a JPEG's too.
+        return all(EXTENSION_FORMATS.get(os.path.splitext(os.fsdecode(p))[1].lower()) == "JPEG"
+                   and starts_like_jpeg(p) for p in self.scan.paths[chunk.start:chunk.stop])
+
+
+def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str,
+                 scan: SourceScan) -> None:
+    """Refuse a resume whose options or source differ from the recorded run, naming each difference.
+
+    Without a record (a run from an older fastdata) the staging fingerprint check decides.
+
+    Raises:
+        ResumeMismatchError: listing every differing option (was/now) and the source changes.
+    """
+    if recorded is None or recorded.fingerprint == fingerprint:
+        return
+    diffs = option_differences(recorded.options, run)
+    if recorded.listing is not None:
+        changes = source_differences(recorded.listing, scan)
+    else:  # a published store keeps no listing: tell whether the source (not only the options) changed
+        same = plan_fingerprint(scan, recorded.options.backend, recorded.options.storage,
+                                recorded.options.shard_size.bytes) == recorded.fingerprint
+        changes = [] if same else ["the source files differ (files added, removed or changed)"]
+    if changes and recorded.source and os.path.abspath(src) != recorded.source:
+        changes.append(f"source: was {recorded.source}, now {os.path.abspath(src)}")
+    what = "; ".join(diffs + changes) or "the inputs differ"
+    if recorded.complete:
+        raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
+                                  "use --overwrite to replace it")
+    hint = (" Leave out the differing options: --resume reuses the recorded ones "
+            f"({recorded.options.describe()})." if diffs else "")
+    raise ResumeMismatchError(f"cannot resume {dst}: {what}.{hint} Or start over with --overwrite "
+                              "(this discards the finished shards)")
+
+
+class FolderInput(WriteSource):
+    """An ImageFolder tree or a ``path,label`` list (``src``) as a classification store (layout
+    version 1); ``max_side``/``quality``/``raw`` pick the storage mode (see :func:`fastdata.convert`)."""
+
+    splits_across_ranks = True
+
+    def __init__(self, src: str, *, max_side: int | None = None, quality: int | None = None, raw=None):
+        super().__init__(os.path.abspath(src))
+        self.src = src
+        self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw}
+        self.scan: SourceScan | None = None
+
+    def _scan(self) -> SourceScan:
+        assert self.scan is not None, "FolderInput.plan scans the source first"
+        return self.scan
+
+    def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
+        found = self.scan = scan(self.src)
+        if not found.classes:
+            raise SourceError(f"{self.src}: no class folders found (expected SRC/<class>/<image files>)")
+        if found.hidden_classes:
+            self.warnings.append("hidden folder(s) taken as classes, as ImageFolder does: "
+                                 f"{', '.join(found.hidden_classes)} (remove them if they are not classes)")
+        self.warnings.extend(f"{path}: {problem}" for path, problem in found.walk_problems)
+        check_destination_outside(found, dst)
+        sizes = estimated_sizes(found, run.storage)
+        plans = plan_shards(sizes, run.shard_size.bytes)
+        check_shard_count(plans, int(sizes.sum()), run.shard_size)
+        return plans
+
+    def fingerprint(self, run: RunOptions) -> str:
+        return plan_fingerprint(self._scan(), run.backend, run.storage, run.shard_size.bytes)
+
+    def chunks(self, run: RunOptions, chunk_size: int) -> FolderSource:
+        return FolderSource(self._scan(), run.storage, chunk_size)
+
+    def check_resume(self, dst: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str) -> None:
+        check_resume(dst, self.src, recorded, run, fingerprint, self._scan())
+
+    def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
+        record_run(dst, run, self.src, fingerprint, self._scan())
+
+    def classes(self) -> list[str]:
+        return list(self._scan().classes)
+
+    def remarks(self) -> list[tuple[str, str]]:
+        return list(self._scan().walk_problems)

@@ -1,18 +1,18 @@
-"""``fastdata.write``: store any samples (dicts of typed fields) from Python.
+"""Samples (dicts of typed fields) from Python as write sources (``fastdata.write``).
 
-The samples feed the same writer pipeline as ``fastdata convert`` (``pipeline.py``:
-worker pool, bounded window, one writer per shard, sidecars, lock, atomic
-publish, manifest last) through a :class:`~fastdata.writer.pipeline.ChunkSource`:
+The samples go through the same write session and pipeline as ``fastdata convert``
+(worker pool, bounded window, one writer per shard, sidecars, lock, atomic
+publish, manifest last) as one of two inputs:
 
 * a *map-style* input (``__len__`` and ``__getitem__``: a list, a
   ``torch.utils.data.Dataset``) is handed to every worker once (pickled like a
   DataLoader's dataset, or inherited through fork); workers receive index ranges
   and call ``samples[i]`` themselves, so reading, image validation and encoding
   all run in parallel, and the plan (shards as index ranges) is known up front,
-  which makes ``resume=True`` possible;
+  which makes ``resume=True`` possible (:class:`MapInput`);
 * any other *iterable* is iterated in this process and sent to the workers in
   chunks; it cannot be resumed (an iterator cannot be re-read from where it
-  stopped): ``resume=True`` refuses it, rerun with ``overwrite=True``.
+  stopped): ``resume=True`` refuses it, rerun with ``overwrite=True`` (:class:`IterInput`).
 
 Every sample is checked against the schema (inferred from the first sample when
 not given); the first mismatch stops the write with a :class:`SchemaError`
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import io
 import os
-import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,12 +31,14 @@ import xxhash
 
 from fastdata.common.imageio import ImageDecodeError, validate_image
 from fastdata.errors import RejectedInputError
-from fastdata.format.backends.base import StorageSpec
 from fastdata.format.fields import Schema, SchemaError
 from fastdata.format.record import EncodedSample, encode_sample
-from fastdata.writer.ingest import Rejected, read_bytes
-from fastdata.writer.pipeline import Chunk, ChunkSource
+from fastdata.format.manifest import canonical_json
+from fastdata.writer.ingest import Rejected, read_bytes, spill
+from fastdata.writer.pipeline import WRITE_SOURCE, Chunk, ChunkSource
 from fastdata.writer.plan import ShardPlan
+from fastdata.writer.resume import RunOptions
+from fastdata.writer.sources.base import WriteSource
 
 
 class MapStyle(Protocol):
@@ -48,14 +49,12 @@ class MapStyle(Protocol):
     def __getitem__(self, index: int) -> Mapping[str, Any]: ...
 
 
-#: samples whose encodings the resume fingerprint hashes (spread over the dataset)
-FINGERPRINT_SAMPLES = 5
 #: the map-style dataset of this worker process (set by the pool initializer)
 _SAMPLES: Any = None
 
 
-def _set_samples(samples: Any) -> None:
-    """Worker initializer: keep the map-style dataset for :func:`encode_chunk`."""
+def set_samples(samples: Any) -> None:
+    """Worker initializer: keep the map-style dataset for :func:`encode_chunk` (None: let it go)."""
     global _SAMPLES
     _SAMPLES = samples
 
@@ -137,8 +136,6 @@ def encode_chunk(schema: Schema, start: int, stop: int, items: list | None, stri
     """Worker entry point: samples ``start .. stop-1`` (``items``, or from the map-style
     dataset given to this worker) as :class:`EncodedSample` objects (or rejection reasons
     when not ``strict``); see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value."""
-    from fastdata.writer.ingest import spill
-
     if items is None:
         items = [_SAMPLES[i] for i in range(start, stop)]
     results = [prepare_or_reject(schema, item, start + k, strict) for k, item in enumerate(items)]
@@ -157,19 +154,19 @@ class _SampleSource(ChunkSource):
 
 
 class MapSource(_SampleSource):
-    """A map-style dataset, split into index ranges (``plans``) the workers read themselves."""
+    """A map-style dataset, split into index ranges (the plans) the workers read themselves."""
 
-    def __init__(self, samples: Any, schema: Schema, plans: list[ShardPlan], chunk_size: int, strict: bool = True):
-        self.schema, self.plans, self.chunk_size, self.strict = schema, plans, chunk_size, strict
-        self.worker_init = (_set_samples, (samples,))
+    def __init__(self, samples: Any, schema: Schema, chunk_size: int, strict: bool = True):
+        self.schema, self.chunk_size, self.strict = schema, chunk_size, strict
+        self.worker_init = (set_samples, (samples,))
         # a dataset may name its inputs (e.g. a COCO image's file name) for rejected.tsv
         self._names = getattr(samples, "input_name", None)
 
     def input_name(self, i: int) -> str:
         return str(self._names(i)) if callable(self._names) else super().input_name(i)
 
-    def chunks(self) -> Iterator[Chunk]:
-        for plan in self.plans:
+    def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
+        for plan in plans or []:
             if plan.start == plan.stop:
                 yield Chunk(plan, plan.start, plan.stop, True, (self.schema, plan.start, plan.stop, None, self.strict))
             for a in range(plan.start, plan.stop, self.chunk_size):
@@ -178,12 +175,13 @@ class MapSource(_SampleSource):
 
 
 class IterSource(_SampleSource):
-    """An iterable, iterated here; shards of ``per_shard`` samples, the last one shorter."""
+    """An iterable, iterated here; shards of ``per_shard`` samples, the last one shorter (it
+    makes its shards as it goes: given no plans)."""
 
     def __init__(self, iterator: Iterator, schema: Schema, per_shard: int, chunk_size: int):
         self.iterator, self.schema, self.per_shard, self.chunk_size = iterator, schema, per_shard, chunk_size
 
-    def chunks(self) -> Iterator[Chunk]:
+    def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
         end = object()
         nxt = next(self.iterator, end)
         if nxt is end:
@@ -204,7 +202,8 @@ class IterSource(_SampleSource):
             shard += 1
 
 
-def _is_map_style(samples: Any) -> bool:
+def is_map_style(samples: Any) -> bool:
+    """Whether ``samples`` is a map-style dataset (``__len__`` and ``__getitem__``, not a dict or a string)."""
     return (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")
             and not isinstance(samples, Mapping | str | bytes))
 
@@ -225,8 +224,6 @@ def _fingerprint(backend: str, shard_bytes: int, count: int, schema: Schema, enc
     h = xxhash.xxh3_128()
     h.update(repr((backend, shard_bytes, count, schema.to_json())).encode())
     if metadata is not None:
-        from fastdata.format.manifest import canonical_json
-
         h.update(canonical_json(dict(metadata)))
     for e in encoded:
         h.update(e.record)
@@ -234,170 +231,96 @@ def _fingerprint(backend: str, shard_bytes: int, count: int, schema: Schema, enc
     return h.hexdigest()
 
 
-def write(
-    samples: Iterable[Mapping[str, Any]] | MapStyle,
-    dst: str | os.PathLike,
-    schema: Schema | Mapping[str, Any] | None = None,
-    *,
-    format: str | None = None,
-    workers: int | None = None,
-    shard_size: int | str | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool | None = None,
-    chunk_size: int = 32,
-    strict: bool = True,
-    metadata: Mapping[str, Any] | None = None,
-    storage_options: dict | None = None,
-    staging_dir: str | os.PathLike | None = None,
-):
-    """Write ``samples`` (dicts of field name -> value) into a general fastdata store.
-
-    Args:
-        samples: a map-style dataset (``__len__`` + ``__getitem__``: a list, a torch
-            ``Dataset``) or any iterable of dicts. Image values may be encoded bytes, a
-            path (read in a worker), a PIL image or an HWC uint8 array (both stored as PNG).
-        dst: destination directory, or a URL (``s3://bucket/x.lmdb``: shards are staged locally
-            and uploaded as each finishes, manifest last; see :mod:`fastdata.writer.remote_sink`);
-            its suffix picks the backend unless ``format`` is given.
-        schema: a :class:`~fastdata.format.fields.Schema` or ``{name: Field}``; inferred from the
-            first sample when None (:meth:`Schema.infer`).
-        format: a backend name (``"lmdb"``, ``"hdf5"``).
-        workers: worker processes (None: all cores; 0: everything in this process).
-        shard_size: target bytes per shard (``int`` or e.g. ``"512MiB"``; default 1GiB);
-            samples per shard are estimated from a few encoded samples.
-        resume: finish an interrupted write of the same map-style dataset (same length,
-            schema and sampled contents, see :func:`_fingerprint`), keeping its finished
-            shards. An iterable cannot be resumed: it is refused (rerun with ``overwrite``).
-        overwrite: replace an existing store at ``dst``.
-        progress: show a progress bar (default: when stderr is a terminal).
-        chunk_size: samples per worker task.
-        strict: True (default): an unusable image value (unreadable file, not an image) stops
-            the write; False: that sample is skipped and reported (``report.rejected_items``,
-            the manifest's ``rejected`` list and ``rejected.tsv``, named ``sample <index>``).
-            Map-style inputs only; an iterable is always strict.
-        metadata: a JSON object stored in the manifest under ``"metadata"`` (e.g. class
-            names, a COCO file's categories); part of what ``resume`` compares.
-        storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
-        staging_dir: local directory shards of a URL ``dst`` are written in before upload
-            (default: under the cache directory).
-
-    Returns:
-        A :class:`~fastdata.writer.convert.ConvertReport` (``images`` counts samples).
-
-    Raises:
-        SchemaError: a sample does not match the schema (names the sample and field); nothing is published.
-        RejectedInputError: an image value is unreadable or not a usable image.
-        FastdataError subclasses for the destination (exists, locked, I/O).
-    """
-    from fastdata.common.paths import check_local_path
-    from fastdata.common.units import parse_size_spec
-    from fastdata.format.names import MANIFEST_NAME
-    from fastdata.writer.convert import (
-        DEFAULT_SHARD_SIZE,
-        _check_all_finished,
-        _fill_report,
-        _locked_destination,
-        _remote_destination,
-        _resume_published,
-        _shards_to_do,
-        check_shard_size,
-        choose_backend,
-    )
-    from fastdata.writer.lock import raise_if_locked
-    from fastdata.writer.pipeline import WRITE_SOURCE, prepare_staging, publish, remove_temporaries, run_shards
-    from fastdata.writer.report import ConvertReport, ProgressBar
-
-    dst = os.fspath(dst)
-    remote = _remote_destination("", dst, storage_options, staging_dir, resume=resume, overwrite=overwrite)
-    if remote is not None:
-        return remote(lambda local: write(
-            samples, local, schema, format=format, workers=workers,
-            shard_size=shard_size, resume=resume, progress=progress, chunk_size=chunk_size, strict=strict,
-            metadata=metadata))
-    check_local_path(dst, "destination", must_exist=False)
-    raise_if_locked(dst)
-    backend = choose_backend(dst, format)
-    size = check_shard_size(parse_size_spec(shard_size if shard_size is not None else DEFAULT_SHARD_SIZE))
-    if workers is None:
-        workers = os.cpu_count() or 1
-    if int(workers) < 0:
-        raise ValueError(f"workers must be 0 (in this process) or a positive number of processes, got {workers}")
-    workers = int(workers)
-    started = time.perf_counter()
-    dst = os.path.abspath(dst)
-    map_style = _is_map_style(samples)
-    if resume and not map_style:
-        raise ValueError("resume=True needs a map-style dataset (__len__ and __getitem__): an iterable cannot be "
-                         "re-read from where it stopped; rerun with overwrite=True to write it from scratch")
-    iterator: Iterator | None = None
-    first: list = []
-    if map_style:
-        count = len(samples)  # type: ignore[arg-type]
-        if count and schema is None:
-            first = [samples[0]]  # type: ignore[index]
-    else:
-        iterator = iter(samples)
-        first = [s for s in [next(iterator, None)] if s is not None]
-        iterator = _chain(first, iterator)
-    if schema is None:
-        if not first:
-            raise SchemaError("cannot infer a schema from no samples: pass schema=")
-        schema = Schema.infer(first[0], "sample 0")
-    schema = Schema.of(schema)
-    if map_style:
-        picks = sorted({0, count // 4, count // 2, 3 * count // 4, count - 1}) if count else []
-        prepared = [prepare_or_reject(schema, samples[i], i, strict) for i in picks]  # type: ignore[index]
-        probe = [p for p in prepared if not isinstance(p, str)]
-    else:
-        probe = [prepare_sample(schema, first[0], 0)] if first else []
-    per_shard = max(1, size.bytes // _estimate(probe))
-    fingerprint = (_fingerprint(backend, size.bytes, count, schema, probe, metadata) if map_style
-                   else os.urandom(16).hex())
-    report = ConvertReport(dst=dst, backend=backend, options=f"{backend}, shard size {size}", unit="samples")
-    with _locked_destination(dst, report, resume=resume, overwrite=overwrite):
-        if resume and os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-            return _resume_published(report, dst, started, fingerprint=fingerprint,
-                                     mismatch=f"{dst} is a complete store written from other samples or options; "
-                                              "use overwrite=True to replace it")
-        prepare_staging(dst, fingerprint, resume, WRITE_SOURCE)
-        remove_temporaries(dst)
-        source: ChunkSource
-        finished: dict = {}
-        if map_style:
-            plans = [ShardPlan(k, a, min(a + per_shard, count)) for k, a in enumerate(range(0, count, per_shard))]
-            plans = plans or [ShardPlan(0, 0, 0)]
-            finished, todo = _shards_to_do(dst, backend, plans, resume)
-            source = MapSource(samples, schema, todo, chunk_size, strict)
-            total = sum(p.stop - p.start for p in todo)
-            if workers == 0:
-                _set_samples(samples)
-        else:
-            assert iterator is not None
-            source = IterSource(iterator, schema, per_shard, chunk_size)
-            total = None
-        try:
-            with ProgressBar(total or 0, progress, desc="write") as bar:
-                stats = run_shards(dst=dst, backend=backend, storage=StorageSpec(), workers=workers, strict=strict,
-                                   writer_options={}, on_progress=bar.update_counts, chunk_size=chunk_size,
-                                   source=source, schema=schema)
-        finally:
-            _set_samples(None)
-        results = list(finished.values()) + stats.results
-        if map_style:
-            _check_all_finished(dst, plans, results, rerun="resume=True")
-        options = {"source": WRITE_SOURCE, "shard_size": size.bytes, "shard_size_unit": size.unit,
-                   "strict": True, "fingerprint": fingerprint, "resumable": map_style}
-        manifest = publish(dst=dst, backend=backend, scan=None, storage=StorageSpec(), results=results,
-                           options=options, schema=schema,
-                           extra={"metadata": dict(metadata)} if metadata is not None else None)
-    _fill_report(report, manifest, stats, finished, started)
-    return report
-
-
 def _chain(first: list, rest: Iterator) -> Iterator:
     yield from first
     yield from rest
 
 
-__all__ = ["write", "prepare_sample"]
+class _SamplesInput(WriteSource):
+    """What both Python inputs share: a general store of ``schema`` (inferred from the first
+    sample when None), ``metadata`` kept in the manifest, the Python spelling of the flags."""
+
+    unit = "samples"
+    progress_label = "write"
+    resume_flag, overwrite_flag = "resume=True", "overwrite=True"
+    made_from = "written from other samples or options"
+    reuses_recorded_options = False
+    staging_source = WRITE_SOURCE
+    #: whether the manifest says a resume is possible
+    resumable = True
+
+    def __init__(self, samples: Any, schema: Schema | Mapping[str, Any] | None = None,
+                 metadata: Mapping[str, Any] | None = None):
+        super().__init__(WRITE_SOURCE)
+        self.samples, self.declared, self.metadata = samples, schema, metadata
+        self.per_shard = 1
+
+    def _schema(self, first: list) -> Schema:
+        if self.declared is not None:
+            return Schema.of(self.declared)
+        if not first:
+            raise SchemaError("cannot infer a schema from no samples: pass schema=")
+        return Schema.of(Schema.infer(first[0], "sample 0"))
+
+    def _checked_schema(self) -> Schema:
+        assert self.schema is not None, "the schema is known once planned"
+        return self.schema
+
+    def options_text(self, run: RunOptions) -> str:
+        return f"{run.backend}, shard size {run.shard_size}"
+
+    def manifest_options(self) -> dict[str, Any]:
+        return {"resumable": self.resumable}
+
+    def manifest_extra(self) -> dict[str, Any] | None:
+        return {"metadata": dict(self.metadata)} if self.metadata is not None else None
+
+
+class MapInput(_SamplesInput):
+    """A map-style dataset (``samples[i]`` for ``i < len(samples)``): planned up front as index
+    ranges of about ``shard_size`` bytes (estimated from a few encoded samples), resumable."""
+
+    def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
+        samples = self.samples
+        count = self.count = len(samples)
+        schema = self.schema = self._schema([samples[0]] if count and self.declared is None else [])
+        picks = sorted({0, count // 4, count // 2, 3 * count // 4, count - 1}) if count else []
+        prepared = [prepare_or_reject(schema, samples[i], i, run.strict) for i in picks]
+        self.probe = [p for p in prepared if not isinstance(p, str)]
+        per_shard = max(1, run.shard_size.bytes // _estimate(self.probe))
+        plans = [ShardPlan(k, a, min(a + per_shard, count)) for k, a in enumerate(range(0, count, per_shard))]
+        return plans or [ShardPlan(0, 0, 0)]
+
+    def fingerprint(self, run: RunOptions) -> str:
+        return _fingerprint(run.backend, run.shard_size.bytes, self.count, self._checked_schema(), self.probe,
+                            self.metadata)
+
+    def chunks(self, run: RunOptions, chunk_size: int) -> MapSource:
+        return MapSource(self.samples, self._checked_schema(), chunk_size, run.strict)
+
+
+class IterInput(_SamplesInput):
+    """An iterable, iterated in this process: shards of about ``shard_size`` bytes (estimated
+    from the first sample) made as it goes; not resumable."""
+
+    resume_refusal = ("resume=True needs a map-style dataset (__len__ and __getitem__): an iterable cannot be "
+                      "re-read from where it stopped; rerun with overwrite=True to write it from scratch")
+    resumable = False
+
+    def plan(self, run: RunOptions, dst: str) -> None:
+        iterator = iter(self.samples)
+        first = [s for s in [next(iterator, None)] if s is not None]
+        self.iterator = _chain(first, iterator)
+        schema = self.schema = self._schema(first)
+        probe = [prepare_sample(schema, first[0], 0)] if first else []
+        self.per_shard = max(1, run.shard_size.bytes // _estimate(probe))
+        return None
+
+    def fingerprint(self, run: RunOptions) -> str:
+        return os.urandom(16).hex()  # an iterable is never resumed: no run matches another
+
+    def chunks(self, run: RunOptions, chunk_size: int) -> IterSource:
+        return IterSource(self.iterator, self._checked_schema(), self.per_shard, chunk_size)
+
+
+__all__ = ["IterInput", "MapInput", "is_map_style", "prepare_sample"]

@@ -1,0 +1,149 @@
+"""The options every write entry point shares, checked and resolved in one place: the
+storage mode, the backend, the shard size (and the shard count it gives), the content
+options a ``--resume`` reuses, and what ``workers`` means.
+
+``workers`` means the same for ``fastdata.convert``, ``convert_table``, ``write``,
+``convert_coco`` and the CLI's ``--workers`` (PyTorch ``DataLoader(num_workers=...)``'s
+convention): None (the default) is all cores; 0 is no worker process at all, everything
+runs in this process (useful for debugging); N > 0 is N worker processes; a negative
+number is an error; more than :data:`WORKERS_PER_CORE_WARNING` times the cores is
+allowed (slow network storage can use it) with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from fastdata.common.units import Size, describe_size, format_size, parse_size, parse_size_spec
+from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.registry import backend_for_path, get_backend, suffix_hint
+from fastdata.writer.plan import ShardPlan
+from fastdata.writer.resume import RunOptions
+
+DEFAULT_SHARD_SIZE = "1GiB"
+#: smallest --shard-size accepted: below it a store is thousands of tiny files to open and check.
+#: FASTDATA_MIN_SHARD_SIZE lowers it (the test suite converts kilobyte-sized trees into several shards).
+MIN_SHARD_SIZE = 1 << 20
+#: most shards one conversion may make (each shard is a file a reader opens and maps)
+MAX_SHARDS = 10_000
+#: --workers above this many times the core count gets a warning
+WORKERS_PER_CORE_WARNING = 4
+#: the ``workers`` rule, as each entry point's docstring and the CLI help say it
+WORKERS_HELP = ("worker processes that read, validate and encode the inputs (default: all cores; 0: none, "
+                "everything runs in this process, e.g. for debugging; more than 4x the cores is allowed with a "
+                "warning)")
+
+
+def parse_raw_shape(value) -> tuple[int, int]:
+    """``"32x32"`` / ``"32"`` / ``(32, 32)`` -> (H, W)."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        h, w = int(value[0]), int(value[1])
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*", str(value))
+        if not m:
+            raise ValueError(f"raw shape must look like HxW (e.g. 32x32), got {value!r}")
+        h = int(m.group(1))
+        w = int(m.group(2) or h)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"raw shape must be positive, got {value!r}")
+    return h, w
+
+
+def storage_spec(max_side: int | None = None, quality: int | None = None, raw=None) -> StorageSpec:
+    """Build the :class:`StorageSpec` for the chosen storage mode."""
+    if raw is not None and max_side is not None:
+        raise ValueError("--raw and --max-side are exclusive: choose one storage mode")
+    if raw is not None:
+        return StorageSpec(mode="raw", raw_shape=parse_raw_shape(raw))
+    if max_side is not None:
+        if int(max_side) <= 0:
+            raise ValueError("--max-side must be a positive number of pixels")
+        if quality is not None and not 1 <= int(quality) <= 100:
+            raise ValueError("--quality must be within 1..100")
+        return StorageSpec(mode="reencode", max_side=int(max_side), quality=int(quality or 90))
+    if quality is not None:
+        raise ValueError("--quality only applies with --max-side (original mode keeps the bytes unchanged)")
+    return StorageSpec()
+
+
+def choose_backend(dst: str, fmt: str | None) -> str:
+    """Backend from ``--format`` or from DST's suffix."""
+    if fmt:
+        return get_backend(fmt).name
+    backend = backend_for_path(dst)
+    if backend is None:
+        raise ValueError(f"cannot tell the backend from {dst!r}: name it {suffix_hint()}, or pass --format")
+    return backend
+
+
+def min_shard_size() -> int:
+    """The smallest shard size accepted (``FASTDATA_MIN_SHARD_SIZE`` lowers the 1 MiB floor)."""
+    override = os.environ.get("FASTDATA_MIN_SHARD_SIZE")
+    return parse_size(override) if override else MIN_SHARD_SIZE
+
+
+def check_shard_size(size: Size) -> Size:
+    """Refuse a shard size below :func:`min_shard_size`, saying what to pick."""
+    floor = min_shard_size()
+    if size.bytes < floor:
+        raise ValueError(f"shard size {size} is below the {describe_size(floor)} minimum (tiny shards make a store "
+                         "of thousands of files to open and check): pick e.g. --shard-size 256MiB, or leave the "
+                         f"default {DEFAULT_SHARD_SIZE}")
+    return size
+
+
+def check_shard_count(plans: list[ShardPlan], sizes_total: int, size: Size) -> None:
+    """Refuse a plan of more than :data:`MAX_SHARDS` shards, suggesting a shard size that fits."""
+    if len(plans) <= MAX_SHARDS:
+        return
+    suggest = MIN_SHARD_SIZE  # a power of two MiB with room for greedy packing's slack
+    while suggest * MAX_SHARDS < 2 * sizes_total:
+        suggest *= 2
+    raise ValueError(f"shard size {size} would split {format_size(sizes_total)} of images into {len(plans):,} shards "
+                     f"(more than {MAX_SHARDS:,}): pick at least --shard-size {suggest >> 20}MiB")
+
+
+def resolve_workers(workers: int | None) -> tuple[int, str | None]:
+    """``(processes, warning or None)`` for ``workers`` (see the module docstring): None is all
+    cores, 0 is none (everything in this process), N > 0 is N.
+
+    Raises:
+        ValueError: ``workers`` is negative.
+    """
+    cores = os.cpu_count() or 1
+    if workers is None:
+        return cores, None
+    workers = int(workers)
+    if workers < 0:
+        raise ValueError(f"--workers must be 0 (no worker processes: everything runs in this process) or a positive "
+                         f"number of processes, got {workers}")
+    if workers > WORKERS_PER_CORE_WARNING * cores:
+        return workers, (f"--workers {workers} is more than {WORKERS_PER_CORE_WARNING}x the {cores} core(s) here: "
+                         "each worker is a process with its own memory, and past the core count they mostly wait; "
+                         f"{cores} is usually fastest for local disks")
+    return workers, None
+
+
+def resolve_options(dst: str, recorded: RunOptions | None, *, format: str | None, shard_size,
+                    max_side: int | None = None, quality: int | None = None, raw=None,
+                    strict: bool | None) -> RunOptions:
+    """The content options of this run.
+
+    Each option given (not None) is used as given; each one not given takes the
+    value recorded by the run being resumed (``recorded``), else its default.
+    The storage options (``max_side``, ``quality``, ``raw``) count as one: giving
+    any of them replaces the recorded storage mode.
+
+    Raises:
+        ValueError: an option is invalid (the message says what to give instead).
+    """
+    backend = choose_backend(dst, format) if format is not None or recorded is None else recorded.backend
+    storage_given = any(v is not None for v in (max_side, quality, raw))
+    storage = storage_spec(max_side, quality, raw) if storage_given or recorded is None else recorded.storage
+    if shard_size is not None:
+        size = check_shard_size(parse_size_spec(shard_size))
+    else:
+        size = recorded.shard_size if recorded is not None else parse_size_spec(DEFAULT_SHARD_SIZE)
+    strict = bool(strict) if strict is not None else (recorded.strict if recorded is not None else False)
+    return RunOptions(backend=backend, storage=storage, shard_size=size, strict=strict)

@@ -1,0 +1,276 @@
+"""THE write session: the one lifecycle behind ``fastdata.convert``, ``convert_table``,
+``write``, ``convert_coco`` and the CLI's ``convert``, for every input kind.
+
+An entry point checks its own arguments, builds a :class:`~fastdata.writer.sources.base.WriteSource`
+for its input and runs ``WriteSession(source, dst, WriteOptions(...)).run()``. The session does
+the rest, in this order:
+
+1. ``resume`` and ``overwrite`` are exclusive; a URL destination runs the steps below into a
+   local staging folder uploaded as it goes (:func:`fastdata.writer.remote_sink.write_to_url`);
+2. a live writer holding the destination's lock is named before any other complaint;
+3. the content options are resolved (with ``resume``, those not given again come from the
+   interrupted run's record), ``workers`` is checked (:func:`fastdata.writer.options.resolve_workers`);
+4. the source plans its shards (scan, parse, infer the schema) and fingerprints them;
+5. rank 0 checks the destination (a file, foreign files, a complete store, an unfinished
+   conversion), takes the lock, clears it for ``overwrite``, compares a resume with the
+   recorded run (the source names the differences), prepares staging, records the run's
+   options for a later ``--resume`` and removes an interrupted run's temporaries;
+6. every rank loads the shards it finished before (``resume``) and writes the others
+   through the pipeline (:func:`fastdata.writer.pipeline.run_shards`) behind a progress bar;
+7. rank 0 checks every planned shard is finished and publishes the manifest (its
+   ``options`` are built here, and only here); the report is filled from it.
+
+A run outside torchrun is the group of one (:class:`~fastdata.writer.distributed.RankGroup`
+``(0, 1)``, whose collectives are trivial); under torchrun a source that splits across ranks
+runs the same steps on every rank (shard ``k`` on rank ``k % world_size``).
+
+Never imports :mod:`fastdata.reader`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+from fastdata.common.paths import check_local_path
+from fastdata.common.units import parse_size
+from fastdata.errors import ConversionError, FastdataError, ResumeMismatchError, StoreExistsError
+from fastdata.format.manifest import read_manifest
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
+from fastdata.remote.store import is_remote
+from fastdata.writer.distributed import RankGroup, current_group, error_text, shards_for_rank
+from fastdata.writer.lock import StoreLock, raise_if_locked
+from fastdata.writer.options import resolve_options, resolve_workers
+from fastdata.writer.pipeline import (
+    clear_store,
+    load_finished,
+    prepare_staging,
+    prestart_pool,
+    publish,
+    remove_temporaries,
+    run_shards,
+    store_entries,
+)
+from fastdata.writer.plan import ShardPlan
+from fastdata.writer.remote_sink import write_to_url
+from fastdata.writer.report import ConvertReport, ProgressBar
+from fastdata.writer.resume import RecordedRun, RunOptions, read_recorded_run
+from fastdata.writer.sources.base import WriteSource
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How to write, as every entry point takes it (see :func:`fastdata.convert` for each option)."""
+
+    format: str | None = None
+    shard_size: int | str | None = None
+    strict: bool | None = None
+    workers: int | None = None
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool | None = None
+    lmdb_map_size: int | str | None = None
+    chunk_size: int = 32
+    storage_options: dict | None = None
+    staging_dir: str | os.PathLike | None = None
+
+
+def check_destination(dst: str, resume: bool, overwrite: bool) -> None:
+    """Refuse ``dst`` when it is a file, holds files that are not a store's, or holds a store
+    (complete or unfinished) and neither ``resume`` nor ``overwrite`` is given.
+
+    Raises:
+        StoreExistsError: saying which, and what to pass or choose instead.
+    """
+    if not os.path.exists(dst):
+        return
+    if not os.path.isdir(dst):
+        raise StoreExistsError(f"{dst} exists and is not a directory; choose another destination")
+    ours = set(store_entries(dst))
+    foreign = [n for n in os.listdir(dst) if n not in ours and not n.startswith(".fastdata")]
+    if foreign:
+        raise StoreExistsError(
+            f"{dst} exists and holds files that are not part of a fastdata store (e.g. {foreign[0]!r}); "
+            "refusing to write there: choose an empty or new destination")
+    if resume or overwrite or not ours:
+        return
+    if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
+        raise StoreExistsError(f"{dst} already holds a fastdata store; pass --overwrite to replace it "
+                               "or choose another destination")
+    raise StoreExistsError(f"{dst} holds an unfinished conversion; pass --resume to finish it "
+                           "or --overwrite to start again")
+
+
+class WriteSession:
+    """One write of ``source`` into ``dst`` (a directory or a URL) with ``options``; :meth:`run` does it.
+
+    Args:
+        source (WriteSource): the input.
+        dst (str | os.PathLike): the destination directory, or a URL (``s3://``, ``gs://``, ``az://``).
+        options (WriteOptions): how to write.
+    """
+
+    def __init__(self, source: WriteSource, dst: str | os.PathLike, options: WriteOptions):
+        self.source = source
+        self.dst = os.fspath(dst)
+        self.options = options
+        self.group = RankGroup()
+        #: this rank's shard results (those kept from an interrupted run first)
+        self._results: list = []
+
+    def run(self) -> ConvertReport:
+        """Write the store; see the module docstring for the steps.
+
+        Returns:
+            ConvertReport: what was written (or ``already_complete`` for a resume of a published store).
+
+        Raises:
+            ValueError: conflicting or invalid options. FastdataError subclasses: the destination
+                (exists, locked, a different store), the resume (:class:`ResumeMismatchError`),
+                the input, I/O; under torchrun a :class:`ConversionError` naming the failed rank.
+        """
+        o, source = self.options, self.source
+        if o.resume and o.overwrite:
+            raise ValueError("resume and overwrite (--resume, --overwrite) are exclusive")
+        if o.resume and source.resume_refusal:
+            raise ValueError(source.resume_refusal)
+        group = current_group()
+        if group is not None and source.torchrun_refusal:
+            raise ValueError(source.torchrun_refusal)
+        if group is not None and source.splits_across_ranks:
+            self.group = group
+        if is_remote(self.dst):
+            rank = self.group.rank if self.group.world_size > 1 else None
+            return write_to_url(self.dst, o.storage_options, o.staging_dir, resume=o.resume, overwrite=o.overwrite,
+                                rank=rank, run=lambda local: self._write(local, overwrite=False))
+        if o.storage_options or o.staging_dir is not None:
+            raise ValueError(f"{self.dst}: storage_options and staging_dir apply to a URL destination only "
+                             "(s3://, gs://, az://), not to a local path")
+        return self._write(self.dst, overwrite=o.overwrite)
+
+    def _write(self, dst: str, overwrite: bool) -> ConvertReport:
+        o, source, group = self.options, self.source, self.group
+        check_local_path(dst, "destination", must_exist=False)
+        if group.world_size == 1:  # (ranks: rank 0 checks it while preparing, so that all ranks stop together)
+            raise_if_locked(dst)  # a live writer is named before any other complaint about DST
+        dst = os.path.abspath(dst)
+        recorded = read_recorded_run(dst) if o.resume and source.reuses_recorded_options else None
+        run = resolve_options(dst, recorded.options if recorded else None, format=o.format, shard_size=o.shard_size,
+                              strict=o.strict, **source.storage_request)
+        workers, workers_warning = resolve_workers(o.workers)
+        writer_options = {"initial_map_size": parse_size(o.lmdb_map_size)} if o.lmdb_map_size else {}
+        started = time.perf_counter()
+        if workers:
+            prestart_pool()  # the forkserver's imports overlap the scan
+        plans = source.plan(run, dst)
+        report = ConvertReport(dst=dst, backend=run.backend, unit=source.unit, options=source.options_text(run) + (
+            " (recorded by the interrupted run)" if recorded and not recorded.complete else ""))
+        report.warnings.extend(source.warnings + ([workers_warning] if workers_warning else []))
+        fingerprint = source.fingerprint(run)
+        fingerprints = group.all_gather(fingerprint)
+        differing = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
+        if differing:
+            raise ConversionError(f"rank(s) {differing} see different input files or options than rank 0; "
+                                  "SRC must be the same shared folder on every node")
+        with contextlib.ExitStack() as held:
+            published = group.on_rank0(lambda: self._prepare(held, dst, run, recorded, fingerprint, report, overwrite),
+                                       failed=lambda err: f"rank 0: {err}")
+            if published is not None:
+                report.already_complete = True
+                report.images = published
+                report.elapsed = time.perf_counter() - started
+                return report
+            counts = group.on_every_rank(
+                lambda: self._write_shards(dst, run, plans, workers, writer_options),
+                failed=lambda text: f"distributed conversion failed: {text} (finished shards are kept: rerun with "
+                                    "--resume)")
+            manifest = group.on_rank0(lambda: self._publish(dst, run, plans, fingerprint),
+                                      failed=lambda err: f"rank 0 could not publish the store: {error_text(err)}")
+        report.images = manifest["num_samples"]
+        report.rejected = len(manifest["rejected"])
+        report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
+        # inputs kept with a remark (the source's own remarks are already in the report)
+        report.warnings.extend(w for w in (f"{x['path']}: {x['warning']}" for x in manifest.get("warnings", []))
+                               if w not in report.warnings)
+        report.input_bytes = sum(nbytes for nbytes, _ in counts)
+        report.output_bytes = sum(s["bytes"] for s in manifest["shards"])
+        report.shards = len(manifest["shards"])
+        report.resumed_shards = sum(kept for _, kept in counts)
+        report.elapsed = time.perf_counter() - started
+        return report
+
+    def _prepare(self, held: contextlib.ExitStack, dst: str, run: RunOptions, recorded: RecordedRun | None,
+                 fingerprint: str, report: ConvertReport, overwrite: bool) -> int | None:
+        """Rank 0's steps before any shard is written: check the destination, lock it (the lock
+        joins ``held``), clear it (``overwrite``), check a resume, prepare staging and record the run.
+
+        Returns:
+            int | None: the sample count of the store a resume finds already published (nothing
+            is to be written), else None.
+        """
+        source, resume = self.source, self.options.resume
+        raise_if_locked(dst)  # (a group of one checked it first thing; ranks check it here)
+        check_destination(dst, resume, overwrite)
+        os.makedirs(dst, exist_ok=True)
+        lock = held.enter_context(StoreLock(dst))
+        if lock.stale_pid:
+            report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
+        if overwrite:
+            clear_store(dst)
+        if resume:
+            source.check_resume(dst, recorded, run, fingerprint)
+            if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
+                return self._already_published(dst, fingerprint)
+        prepare_staging(dst, fingerprint, resume, source.staging_source)
+        if recorded is None or recorded.fingerprint != fingerprint:
+            source.record(dst, run, fingerprint)  # what a later --resume reuses and compares against
+        remove_temporaries(dst)
+        return None
+
+    def _already_published(self, dst: str, fingerprint: str) -> int:
+        """A resume that finds ``dst`` published: refuse it when made from other inputs, else
+        remove what a run killed right after publishing may have left (staging, temporaries)."""
+        manifest = read_manifest(dst)
+        if manifest["options"].get("fingerprint") != fingerprint:
+            raise ResumeMismatchError(f"{dst} is a complete store {self.source.made_from}; "
+                                      f"use {self.source.overwrite_flag} to replace it")
+        shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
+        remove_temporaries(dst)
+        return manifest["num_samples"]
+
+    def _write_shards(self, dst: str, run: RunOptions, plans: list[ShardPlan] | None, workers: int,
+                      writer_options: dict) -> tuple[int, int]:
+        """This rank's shards: those an interrupted run finished are kept (``resume``), the others
+        written. Returns ``(input bytes, shards kept)`` for the report."""
+        source, group, o = self.source, self.group, self.options
+        mine = shards_for_rank(plans, group.rank, group.world_size) if plans is not None else None
+        finished = load_finished(dst, run.backend, mine) if o.resume and mine is not None else {}
+        todo = [p for p in mine if p.shard_id not in finished] if mine is not None else None
+        label = source.progress_label if group.world_size == 1 else f"rank {group.rank}"
+        with ProgressBar(sum(p.stop - p.start for p in todo) if todo is not None else 0, o.progress,
+                         desc=label) as bar:
+            stats = run_shards(dst=dst, backend=run.backend, source=source.chunks(run, o.chunk_size), plans=todo,
+                               storage=run.storage, workers=workers, strict=run.strict, writer_options=writer_options,
+                               on_progress=bar.update_counts, schema=source.schema,
+                               num_classes=len(source.classes()) if source.schema is None else 0)
+        self._results = list(finished.values()) + stats.results
+        return stats.input_bytes + sum(r.input_bytes for r in finished.values()), len(finished)
+
+    def _publish(self, dst: str, run: RunOptions, plans: list[ShardPlan] | None, fingerprint: str) -> dict:
+        """Rank 0, once every rank is done: check every planned shard is finished, publish; the manifest."""
+        source = self.source
+        results = (self._results if self.group.world_size == 1  # (the other ranks' shards: from their sidecars)
+                   else list(load_finished(dst, run.backend, plans or [], verify_files=False).values()))
+        missing = sorted({p.shard_id for p in plans or []} - {r.shard_id for r in results})
+        if missing:
+            raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with {source.resume_flag}")
+        source.finish_results(dst, run.backend, results)
+        options = {"source": source.recorded_source, "shard_size": run.shard_size.bytes,
+                   "shard_size_unit": run.shard_size.unit, "strict": run.strict, "fingerprint": fingerprint,
+                   **source.manifest_options()}
+        return publish(dst=dst, backend=run.backend, classes=source.classes(), remarks=source.remarks(),
+                       storage=run.storage, results=results, options=options, schema=source.schema,
+                       extra=source.manifest_extra())

@@ -1,0 +1,109 @@
+"""What a kind of input gives the write session (:mod:`fastdata.writer.session`).
+
+A :class:`WriteSource` is everything the session needs to know about one input, and
+nothing about destinations, locks, resume or publishing: adding an input kind (a
+Hugging Face dataset, Parquet files, WebDataset shards) is one module with one
+subclass, and no change to the session.
+
+The session calls, in this order: :meth:`~WriteSource.plan` (on every rank, before the
+destination is locked), :meth:`~WriteSource.fingerprint`, then on the rank that prepares
+the destination :meth:`~WriteSource.check_resume` and :meth:`~WriteSource.record`,
+:meth:`~WriteSource.chunks` for the shards left to write, and on the publishing rank
+:meth:`~WriteSource.finish_results` before the manifest is written.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from fastdata.format.fields import Schema
+from fastdata.writer.pipeline import ChunkSource, ShardResult
+from fastdata.writer.plan import ShardPlan
+from fastdata.writer.resume import RecordedRun, RunOptions
+
+
+class WriteSource(abc.ABC):
+    """One input, as the write session sees it (see the module docstring)."""
+
+    #: what the report counts ("images", "samples")
+    unit: str = "images"
+    #: the progress bar's label
+    progress_label: str = "convert"
+    #: how the user resumes / overwrites, in messages ("--resume" for the CLI's inputs, "resume=True" from Python)
+    resume_flag: str = "--resume"
+    overwrite_flag: str = "--overwrite"
+    #: how a published store made from other inputs is described ("<dst> is a complete store <made_from>; ...")
+    made_from: str = "made from different inputs or options"
+    #: whether ``resume`` takes the content options not given again from the interrupted run's record
+    reuses_recorded_options: bool = True
+    #: None: ``resume=True`` is possible; else why not (raised as a ValueError)
+    resume_refusal: str | None = None
+    #: whether the shards are split across torchrun's ranks (every rank computes the same plan);
+    #: False: under torchrun each calling process writes the store alone, as outside torchrun
+    splits_across_ranks: bool = False
+    #: None, or why this input refuses to run under torchrun (raised as a ValueError)
+    torchrun_refusal: str | None = None
+    #: keyword arguments for :func:`fastdata.writer.options.resolve_options` that pick the storage
+    #: mode (``max_side``, ``quality``, ``raw``): only for inputs whose images may be re-encoded
+    storage_request: dict[str, Any] = {}
+    #: recorded in ``plan.json`` next to the fingerprint by :func:`~fastdata.writer.pipeline.prepare_staging`
+    staging_source: str | None = None
+    #: the general store's schema (set by :meth:`plan`); None for a classification (version-1) store
+    schema: Schema | None = None
+
+    def __init__(self, recorded_source: str) -> None:
+        #: what the manifest's ``options.source`` names (an absolute path, or ``fastdata.write``)
+        self.recorded_source = recorded_source
+        #: remarks about the input for the report, set by :meth:`plan` (e.g. hidden class folders)
+        self.warnings: list[str] = []
+
+    @abc.abstractmethod
+    def plan(self, run: RunOptions, dst: str) -> list[ShardPlan] | None:
+        """Read the input (scan, parse, infer the schema) and split it into shards for ``run``'s
+        options; None when the shards are only known while writing (an iterable). ``dst`` is the
+        absolute destination directory (e.g. to refuse one inside a source folder)."""
+
+    @abc.abstractmethod
+    def fingerprint(self, run: RunOptions) -> str:
+        """A hash of what decides the store's content, for ``resume`` (after :meth:`plan`)."""
+
+    @abc.abstractmethod
+    def chunks(self, run: RunOptions, chunk_size: int) -> ChunkSource:
+        """The pipeline's feed of ``chunk_size`` inputs per task (:meth:`ChunkSource.chunks` is
+        given the plans left to write)."""
+
+    def options_text(self, run: RunOptions) -> str:
+        """The content options used, for the report (``ConvertReport.options``)."""
+        return run.describe()
+
+    def check_resume(self, dst: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str) -> None:
+        """Refuse a resume whose options or input differ from the run ``recorded`` (None: no
+        record), naming the differences (raises :class:`~fastdata.errors.ResumeMismatchError`).
+        By default the staging fingerprint alone decides."""
+        return None  # (by default nothing to do)
+
+    def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
+        """Write what a later ``resume`` reuses and compares against into ``dst``'s staging
+        (called once staging is prepared, unless the record there is this run's already)."""
+        return None  # (by default nothing to do)
+
+    def classes(self) -> list[str]:
+        """The manifest's ``classes`` (a classification store's, or a general store's single-label field's)."""
+        return []
+
+    def remarks(self) -> list[tuple[str, str]]:
+        """``(path, warning)`` pairs about the whole input, for the manifest's ``warnings``."""
+        return []
+
+    def manifest_options(self) -> dict[str, Any]:
+        """Keys the manifest's ``options`` holds for this input, after the common ones."""
+        return {}
+
+    def manifest_extra(self) -> dict[str, Any] | None:
+        """Top-level manifest keys of this input (e.g. ``class_tables``, ``metadata``)."""
+        return None
+
+    def finish_results(self, dst: str, backend: str, results: list[ShardResult]) -> None:
+        """Complete the shard results before publishing (e.g. per-shard class counts from the index sidecars)."""
+        return None  # (by default nothing to do)
