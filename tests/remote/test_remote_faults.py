@@ -344,16 +344,20 @@ def test_enospc_while_downloading_is_a_prompt_cache_full_error(s3, tmp_path, mon
     local = make_store(tmp_path, "small", {"a": 6, "b": 6})
     url = f"{bucket}/small.lmdb"
     upload_store(local, url)
-    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "6")  # ~16 s of backoff if it were retried
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "6")
     ds = fastdata.open_dataset(url, output="numpy")
     real_open = open
+    failing = {"errno": errno.ENOSPC, "left": 1 << 30}  # every write fails with ENOSPC
 
     class FullDisk:
         def __init__(self, fh):
             self._fh = fh
 
         def write(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if failing["left"]:
+                failing["left"] -= 1
+                raise OSError(failing["errno"], os.strerror(failing["errno"]))
+            return self._fh.write(data)
 
         def __enter__(self):
             return self
@@ -364,16 +368,27 @@ def test_enospc_while_downloading_is_a_prompt_cache_full_error(s3, tmp_path, mon
         def __getattr__(self, name):
             return getattr(self._fh, name)
 
+    attempts: list[str] = []
+
     def open_full(path, mode="r", *args, **kw):
         fh = real_open(path, mode, *args, **kw)
-        return FullDisk(fh) if ".part-" in str(path) else fh
+        if ".part-" not in str(path):
+            return fh
+        attempts.append(os.path.basename(str(path)))
+        return FullDisk(fh)
     monkeypatch.setattr(location_module, "open", open_full, raising=False)
-    t0 = time.monotonic()
+    backoffs: list[int] = []  # the retry loop's sleeps, recorded instead of slept
+    monkeypatch.setattr(location_module, "_backoff", backoffs.append)
     with pytest.raises(CacheFullError) as info:
         ds[0]
-    assert time.monotonic() - t0 < 5, "a full local disk was retried like a network error"
+    assert backoffs == [] and len(attempts) == 1, f"a full local disk was retried like a network error: {attempts}"
     assert os.environ["FASTDATA_CACHE_DIR"] in str(info.value) and "shard-00000.lmdb" in str(info.value)
     assert list(shard_files(os.environ["FASTDATA_CACHE_DIR"]).values()) == [[]]
+    # control: another error on the same write is retried, and the counters see it
+    failing.update(errno=errno.EIO, left=1)
+    attempts.clear()
+    assert samples(ds) == samples(fastdata.open_dataset(local, output="numpy"))
+    assert backoffs == [0] and len(attempts) == 2, (backoffs, attempts)
 
 
 # -- processes racing for one shard ---------------------------------------------------------------
