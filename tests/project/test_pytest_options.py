@@ -57,12 +57,12 @@ def test_only_marked_tests_are_rerun_and_reruns_are_reported(tmp_path):
 
 
 @pytest.mark.parametrize("path, name", [
-    ("test_reader_stress.py", "test_killed_workers_then_fresh_loader_works_and_nothing_accumulates"),
-    ("test_reliability_crash.py", "test_crash_loop_sigkill_and_ctrl_c_then_resume"),
-    ("test_reliability_crash.py", "test_dataloader_workers_sigkilled_repeatedly"),
+    ("reader/test_reader_stress.py", "test_killed_workers_then_fresh_loader_works_and_nothing_accumulates"),
+    ("writer/test_reliability_crash.py", "test_crash_loop_sigkill_and_ctrl_c_then_resume"),
+    ("writer/test_reliability_crash.py", "test_dataloader_workers_sigkilled_repeatedly"),
 ])
 def test_each_flaky_marker_says_why(path, name):
-    source = (Path(__file__).parent / path).read_text().splitlines()
+    source = (Path(__file__).parents[1] / path).read_text().splitlines()
     line = next(i for i, text in enumerate(source) if text.startswith(f"def {name}("))
     decorators = source[:line]
     start = max(i for i, text in enumerate(decorators) if not text.startswith("@")) + 1
