@@ -18,8 +18,8 @@ Every name is imported on first use: ``import fastdata`` loads neither the write
 nor torch, h5py or lmdb (nor ``fcntl``, so the readers work where it is missing),
 and the converter's worker processes start without importing torch.
 
-The package is layered, imports flowing one way (``tests/test_architecture.py``
-checks it)::
+The package is layered, imports flowing one way (``tests/project/test_architecture.py``
+checks it, and lint-imports in CI)::
 
     common <- format <- remote <- writer | reader <- tools, bench, cli
 """

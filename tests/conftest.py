@@ -22,6 +22,13 @@ from pathlib import Path  # noqa: E402
 
 from helpers.images import make_jpeg, make_tree  # noqa: E402
 
+def pytest_configure(config):
+    """``FASTDATA_NIGHTLY=1`` runs the ``slow`` (nightly) tests too: it lifts pyproject's default
+    ``-m 'not slow'``; an ``-m`` given on the command line still wins."""
+    if os.environ.get("FASTDATA_NIGHTLY") == "1" and config.option.markexpr == "not slow":
+        config.option.markexpr = ""
+
+
 # The tests convert kilobyte-sized trees into several shards, below the 1 MiB shard-size
 # floor real conversions keep; converters started as subprocesses inherit this too.
 # (The tests of the floor itself remove it.)

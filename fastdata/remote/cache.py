@@ -35,7 +35,6 @@ Rules (docs/RELIABILITY.md, "Remote stores"):
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -48,6 +47,11 @@ from dataclasses import dataclass
 from fastdata.common.fileio import atomic_write, fsync_dir
 from fastdata.common.units import format_size, parse_size
 from fastdata.errors import CacheFullError, CorruptRecordError, RemoteStoreError
+
+try:
+    import fcntl
+except ImportError:  # no flock on this platform: local stores still read (every reader imports this
+    fcntl = None  # type: ignore[assignment]  # module); a remote store's cache says it cannot run
 
 SPACE_LOCK = ".space.lock"
 SHARDS, LOCKS, PINS = "shards", "locks", "pins"
@@ -203,6 +207,9 @@ class ShardCache:
     """
 
     def __init__(self, root: str | None = None, limit: int | str | None = None, wait_s: float | None = None):
+        if fcntl is None:
+            raise RemoteStoreError("the remote shard cache needs flock (the fcntl module), which this platform "
+                                   "lacks: copy the store to a local disk and open it there")
         self.root = os.path.abspath(root or default_cache_dir())
         self.limit = resolve_limit(limit)
         self.wait_s = float(os.environ.get("FASTDATA_CACHE_WAIT_S", DEFAULT_WAIT_S)) if wait_s is None else wait_s

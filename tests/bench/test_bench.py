@@ -127,11 +127,51 @@ def test_bench_cli_tiny_grid_writes_every_field_and_survives_failures(data, tmp_
     assert "img/s" in captured.out and "[4/4]" in captured.err
 
 
-def test_timeout_kills_the_run_and_its_workers(data):
+# A runner that never finishes, with a worker process of its own (its pid written to argv[1]).
+_HUNG_RUNNER = """
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(sys.argv[1] + ".tmp", "w") as fh:
+    fh.write(str(worker.pid))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(300)
+"""
+
+
+def test_timeout_kills_the_run_and_its_workers(data, tmp_path, monkeypatch):
+    """A run that does not finish in time is killed with its workers. The run here never
+    finishes (whatever the machine's speed, the timeout fires), and the timeout starts once
+    its worker exists."""
+    import psutil
+
     cfg = expand_grid([data["folder"]], workers="1", batch_size="4", max_batches=2)[0]
+    pidfile = tmp_path / "worker.pid"
+    real = subprocess.Popen
+    runners = []
+
+    def popen(_args, **kwargs):
+        proc = real([sys.executable, "-c", _HUNG_RUNNER, str(pidfile)], **kwargs)
+        runners.append(proc)
+        deadline = time.monotonic() + 60  # a watchdog for the runner's start-up
+        while not pidfile.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return proc
+    monkeypatch.setattr(subprocess, "Popen", popen)
     row = run_isolated(cfg, timeout=0.5)
     assert row["status"] == "failed" and "timed out" in row["error"]
     assert set(FIELDS) <= set(row)
+    assert runners[0].poll() is not None
+    worker = int(pidfile.read_text())  # the worker was started before the timeout began
+    deadline = time.monotonic() + 10  # a watchdog: SIGKILL takes effect at once
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(worker).status() == psutil.STATUS_ZOMBIE:
+                break  # dead, not yet reaped by whoever adopted it
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the run's worker outlived the timeout")
 
 
 def test_killed_runner_is_reported_as_failed(data, monkeypatch):
@@ -171,14 +211,64 @@ def test_tree_cpu_seconds_counts_live_and_finished_children():
     assert tree_cpu_seconds() - mid >= 0.25  # and so is one that has exited and been reaped
 
 
-def test_step_ms_measures_the_data_wait_fraction(data):
-    cfg = expand_grid([data["hdf5"]], workers="0", batch_size="4", max_batches=3, epochs=1)[0]
-    busy = measure(cfg)
-    stepped = measure(BenchConfig.from_json({**cfg.to_json(), "step_ms": 60.0}))
-    # no step: the loop does nothing but wait for data; a 60 ms step per batch hides most of it
-    assert busy["data_wait_fraction"] > 0.9
-    assert stepped["data_wait_fraction"] < 0.6
-    assert stepped["epoch_s"][0] >= 3 * 0.060
+class _FakeClock:
+    """The runner's ``time`` module on a clock of its own: time passes only when a batch is
+    loaded (``load_s`` each) or a training step sleeps, so every figure has an exact value."""
+
+    def __init__(self, load_s: float):
+        self.now, self.load_s = 0.0, load_s
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def loader(self, real):
+        """Wrap ``runner._loader``: each batch its DataLoader yields costs ``load_s``."""
+        clock = self
+
+        class Timed:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __iter__(self):
+                for batch in self.inner:
+                    clock.now += clock.load_s
+                    yield batch
+        return lambda *args, **kwargs: Timed(real(*args, **kwargs))
+
+
+def test_step_ms_measures_the_data_wait_fraction(data, monkeypatch):
+    """The figures follow from the times measured: on a fake clock (10 ms per batch loaded,
+    ``step_ms`` per batch stepped) each has one exact value. Only bounds that hold under any
+    load are checked on the real clock (a busy machine once read 0.877 for an expected > 0.9)."""
+    import types
+
+    cfg = expand_grid([data["hdf5"]], workers="0", batch_size="4", max_batches=3, epochs=2)[0]
+    stepped_cfg = BenchConfig.from_json({**cfg.to_json(), "step_ms": 60.0})
+
+    # the real clock: a 60 ms step per batch is time not spent waiting for data, however slow the machine
+    real = measure(stepped_cfg)
+    assert 0 <= real["data_wait_fraction"] <= 1
+    for epoch_s in real["epoch_s"]:
+        assert epoch_s >= 3 * 0.060
+    assert sum(real["epoch_s"]) * (1 - real["data_wait_fraction"]) >= 2 * 3 * 0.060 - 1e-9
+
+    # a fake clock: the formulas
+    clock = _FakeClock(load_s=0.010)
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep))
+    monkeypatch.setattr(runner, "_loader", clock.loader(runner._loader))
+    busy, stepped = measure(cfg), measure(stepped_cfg)
+    # no step: the loop does nothing but wait for data
+    assert busy["data_wait_fraction"] == pytest.approx(1.0)
+    assert busy["epoch_s"] == pytest.approx([3 * 0.010] * 2)
+    assert busy["images_per_s"] == pytest.approx(12 / 0.030)
+    assert busy["time_to_first_batch_s"] == pytest.approx(0.010)
+    # a 60 ms step per 10 ms batch: the loader waits 1/7 of the time
+    assert stepped["data_wait_fraction"] == pytest.approx(0.010 / 0.070)
+    assert stepped["epoch_s"] == pytest.approx([3 * 0.070] * 2)
+    assert stepped["images_per_s"] == pytest.approx(12 / 0.210)
 
 
 def test_failure_reason_names_the_worker_error():

@@ -435,6 +435,26 @@ def test_pick_is_within_ten_percent_of_the_bench_best(mixed_store):
         assert median[pick] >= (1 - max(0.1, noise)) * median[best], (pick.label(), shown)
 
 
+def test_memory_prediction_never_under_the_measured_peak(deep_mixed_store):
+    """The CI form of the test below (nightly: 8 fresh-process runs): the prediction the budget
+    rests on is at most 20% under the peak measured at the heaviest setting. A PSS sampler can
+    only miss a peak, never invent one, so a loaded machine cannot fail this side of the bound."""
+    from fastdata.bench.grid import expand_grid
+    from fastdata.bench.tune import harness_measure, harness_probe
+
+    store, _src = deep_mixed_store
+    base = replace(expand_grid([store], workers=[0], batch_size="32", transform="none", epochs=2, warmup_epochs=1,
+                               max_batches=6)[0], start_method="fork")
+    probe = harness_probe(base)()
+    s = Settings(2, 32)
+    peak = harness_measure(base)(s).peak_pss
+    assert peak > 0
+    assert estimate_memory(s, probe) >= 0.8 * peak, (estimate_memory(s, probe), peak)
+
+
+# Two-sided, over four settings, twice each (the sampler's misses on a loaded machine make the
+# upper side fail now and then): nightly; the side the budget rests on runs in CI above.
+@pytest.mark.slow
 def test_memory_prediction_within_20_percent_of_measured_peak(deep_mixed_store):
     """Predicted peak PSS vs the peak measured in a fresh process, on a real store of mixed sizes.
 

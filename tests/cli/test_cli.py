@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.backends import NAME_SUFFIXES, NAMES
 from helpers.images import make_jpeg, make_tree
 from helpers.stores import store_records
 
@@ -28,7 +29,8 @@ def stores(tmp_path_factory):
     make_jpeg(Path(root) / "dog" / "zz_bad.jpg", size=(8, 8))
     Path(root, "dog", "zz_bad.jpg").write_bytes(b"")  # one rejected input
     out = {"src": root}
-    for backend, name in (("lmdb", "s.lmdb"), ("hdf5", "s.h5")):
+    for backend, suffix in NAME_SUFFIXES:
+        name = "s" + suffix
         assert main(["convert", root, str(base / name), "--workers", "2", "--shard-size", "10KB", "--quiet"]) == 0
         out[backend] = str(base / name)
     return out
@@ -145,7 +147,7 @@ def test_format_flag_overrides_suffix(stores, tmp_path):
 
 # --- info ---
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_info_json_and_text(stores, backend, capsys):
     store = stores[backend]
     assert main(["info", store, "--json"]) == 0
@@ -181,7 +183,7 @@ def test_info_on_a_non_store_is_one_line_exit_2(tmp_path, capsys):
 
 # --- verify ---
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_verify_sound_store(stores, backend, capsys):
     assert main(["verify", stores[backend]]) == 0
     assert "OK" in capsys.readouterr().out
@@ -210,7 +212,7 @@ def _flip_image_byte(store: str, record_no: int) -> tuple[str, int]:
     return rec["shard"], rec["local"]
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 @pytest.mark.parametrize("record_no", [0, 7, 11])
 def test_verify_names_the_shard_and_record_of_a_flipped_byte(stores, backend, record_no, tmp_path, capsys):
     store = _copy(stores[backend], tmp_path)

@@ -21,6 +21,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers.backends import NAME_SUFFIXES
 from PIL import Image
 
 import fastdata
@@ -88,7 +89,7 @@ def _read_paths(store: str, index: int):
     return paths
 
 
-@pytest.mark.parametrize("backend,suffix", [("lmdb", ".lmdb"), ("hdf5", ".h5")])
+@pytest.mark.parametrize("backend,suffix", NAME_SUFFIXES)
 def test_a_record_in_a_format_outside_the_allow_list_is_refused_on_every_read_path(tmp_path, backend, suffix):
     assert "GIF" not in ALLOWED_FORMATS
     store = _write_store(str(tmp_path / ("s" + suffix)), backend,
@@ -110,7 +111,7 @@ def test_a_record_in_a_format_outside_the_allow_list_is_refused_on_every_read_pa
         full_decode(GIF)
 
 
-@pytest.mark.parametrize("backend,suffix", [("lmdb", ".lmdb"), ("hdf5", ".h5")])
+@pytest.mark.parametrize("backend,suffix", NAME_SUFFIXES)
 def test_decompression_bombs_are_refused_on_every_read_path(tmp_path, backend, suffix, monkeypatch):
     store = _write_store(str(tmp_path / ("s" + suffix)), backend, [(GOOD_JPEG, "JPEG"), (GOOD_PNG, "PNG")])
     # control: under the default limit everything reads
@@ -143,7 +144,7 @@ def _reference(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
-@pytest.mark.parametrize("backend,suffix", [("lmdb", ".lmdb"), ("hdf5", ".h5")])
+@pytest.mark.parametrize("backend,suffix", NAME_SUFFIXES)
 def test_a_record_labelled_jpeg_holding_png_bytes_decodes_by_content_on_every_path(tmp_path, backend, suffix):
     """The format field never picks the decoder: the same bytes give the same pixels
     whatever the record says, on every path (before, ds[i] refused what decode= read)."""

@@ -20,11 +20,13 @@ import msgpack
 import numpy as np
 import pytest
 import xxhash
+from helpers.backends import SUFFIXES
 from helpers.images import make_jpeg, make_tree
 from helpers.reference import ref_image_folder
 from PIL import Image
 
 import fastdata
+from fastdata.format.backends.registry import backend_for_path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md"
 FORMAT_CODES = {"JPEG": 0, "PNG": 1, "PPM": 2, "BMP": 3, "TIFF": 4, "WEBP": 5, "RAW": 6}  # section 4
@@ -213,12 +215,12 @@ def _expected_samples(root: Path):
     return classes, [(os.fsencode(os.path.relpath(p, root)), c) for p, c in samples]
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_original_mode_store_read_by_the_spec(source, tmp_path, suffix):
     dst = tmp_path / f"store{suffix}"
     fastdata.convert(str(source), str(dst), workers=2, shard_size="8KB", progress=False)
     m, records = read_store_by_spec(dst)
-    assert m["backend"] == {".lmdb": "lmdb", ".h5": "hdf5"}[suffix]
+    assert m["backend"] == backend_for_path(suffix)
     assert [s["name"] for s in m["shards"]] == [f"shard-{i:05d}{suffix}" for i in range(len(m["shards"]))]
     assert len(m["shards"]) > 2
     assert sorted(os.listdir(dst)) == sorted(["manifest.json", "rejected.tsv", "index.fdi"]
@@ -244,7 +246,7 @@ def test_original_mode_store_read_by_the_spec(source, tmp_path, suffix):
     assert [os.fsencode(r["path"]) for r in rejected] == [p for p, _ in samples if p in rejected_paths]
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_raw_mode_store_read_by_the_spec(source, tmp_path, suffix):
     dst = tmp_path / f"raw{suffix}"
     fastdata.convert(str(source), str(dst), raw="12x10", workers=1, progress=False)
@@ -261,7 +263,7 @@ def test_raw_mode_store_read_by_the_spec(source, tmp_path, suffix):
         assert np.array_equal(pixels, np.asarray(ref))
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_reencode_mode_store_read_by_the_spec(source, tmp_path, suffix):
     dst = tmp_path / f"re{suffix}"
     fastdata.convert(str(source), str(dst), max_side=24, quality=70, workers=1, progress=False)

@@ -18,6 +18,7 @@ import time
 import msgpack
 import pytest
 import xxhash
+from helpers.backends import NAME_SUFFIXES, NAMES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.timeout(120)
 
 NIGHTLY = os.environ.get("FASTDATA_NIGHTLY") == "1"
 EXAMPLES = 5000 if NIGHTLY else 250
-#: one parse of a few KB must never take long; generous for a loaded 2-core machine
+#: one parse of a few KB must never take long (a blow-up, not a slow machine): CPU seconds of
+#: the parsing thread, which other load on the machine does not inflate as it does wall time
 PARSE_BUDGET_S = 0.5
 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not NIGHTLY,
@@ -39,11 +41,11 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not NIGHTLY,
 
 
 def _timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     try:
         return fn(*args, **kwargs)
     finally:
-        assert time.perf_counter() - t0 < PARSE_BUDGET_S, f"{fn.__name__} took too long"
+        assert time.thread_time() - t0 < PARSE_BUDGET_S, f"{fn.__name__} took too long"
 
 
 # ----------------------------------------------------------------------------- records
@@ -221,11 +223,11 @@ def _paths(obj, prefix=()):
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory, jpeg_tree_module):
-    """One small published LMDB store and one HDF5 store (2 shards each)."""
+    """One small published store per backend (2 shards each)."""
     root = tmp_path_factory.mktemp("fuzz")
     src = jpeg_tree_module(root / "src", classes={"cat": 4, "dog": 3}, size=(24, 16))
     stores = {}
-    for backend, suffix in (("lmdb", ".lmdb"), ("hdf5", ".h5")):
+    for backend, suffix in NAME_SUFFIXES:
         dst = str(root / f"store{suffix}")
         fastdata.convert(src, dst, workers=1, shard_size=2500, progress=False)
         stores[backend] = dst
@@ -241,7 +243,7 @@ def jpeg_tree_module():
 
 @settings(max_examples=600 if NIGHTLY else 120, deadline=None, derandomize=not NIGHTLY,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(data=st.data(), backend=st.sampled_from(["lmdb", "hdf5"]))
+@given(data=st.data(), backend=st.sampled_from(NAMES))
 def test_checksum_valid_crafted_manifest_never_crashes_verify_or_info(published, data, backend):
     store = published[backend]
     path = os.path.join(store, MANIFEST_NAME)

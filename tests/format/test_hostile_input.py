@@ -28,6 +28,7 @@ import sys
 import zlib
 
 import pytest
+from helpers.backends import SUFFIXES
 from helpers.images import make_jpeg
 from helpers.stores import store_records
 from PIL import Image
@@ -133,7 +134,7 @@ def delete_after_scan(monkeypatch):
     monkeypatch.setattr(folder_module, "scan", scan_then_delete)
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_every_hostile_input_is_rejected_with_a_reason_and_the_conversion_completes(
         hostile_tree, delete_after_scan, tmp_path, suffix):
     src, valid, outside = hostile_tree

@@ -5,18 +5,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from helpers.backends import dummy_backend
 
 import fastdata
 from fastdata.fields import kinds_markdown
 from fastdata.format.backends.lmdb.reader import LMDBShardReader
-from fastdata.format.backends.registry import (
-    Backend,
-    get_backend,
-    reader_class,
-    register_backend,
-    unregister_backend,
-    writer_class,
-)
+from fastdata.format.backends.registry import backend_for_path, reader_class, writer_class
 from fastdata.writer.options import choose_backend
 
 FORMAT_MD = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "FORMAT.md")
@@ -28,9 +22,7 @@ def test_format_md_holds_the_generated_table_of_field_kinds():
 
 def test_a_backend_registered_in_one_call_is_selectable_and_readable(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
-    lmdb = get_backend("lmdb")
-    register_backend(Backend("dummy", (".dmy",), lmdb.writer, lmdb.reader, lmdb.spec))
-    try:
+    with dummy_backend("dummy", (".dmy",), like="lmdb"):
         assert choose_backend(str(tmp_path / "x.dmy"), None) == "dummy"
         assert choose_backend("x.lmdb", "DUMMY") == "dummy"
         assert reader_class("dummy") is LMDBShardReader and writer_class("dummy") is writer_class("lmdb")
@@ -39,8 +31,7 @@ def test_a_backend_registered_in_one_call_is_selectable_and_readable(tmp_path, m
         assert sorted(p.name for p in dst.glob("shard-*")) == ["shard-00000.dmy"]
         assert fastdata.open_dataset(dst)[4]["x"].tolist() == [0, 1, 2, 3]
         assert fastdata.verify(str(dst)).ok
-    finally:
-        unregister_backend("dummy")
+    assert backend_for_path(str(tmp_path / "x.dmy")) is None  # unregistered after the block
 
 
 # -- hostile version-2 records: only ever CorruptRecordError ---------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from helpers.backends import SUFFIXES
 
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
@@ -65,7 +66,7 @@ def test_hdf5_reader_used_after_close_says_it_is_closed(small_tree, tmp_path, st
             reader.get_raw_batch(np.array([0]), np.empty((1, 8, 8, 3), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_a_closed_shard_reader_says_so_on_every_read(small_tree, tmp_path, suffix):
     """Every read method of a closed reader raises ValueError naming the shard, not an
     AttributeError from deep inside the backend."""

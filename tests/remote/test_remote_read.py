@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from helpers.backends import SUFFIXES
 
 import fastdata
 from fastdata.remote.location import RemoteLocation
@@ -20,12 +21,12 @@ def upload_store(local: str, url: str) -> None:
             loc.upload(path, name)
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
-def test_remote_store_reads_like_the_local_one(s3, small_tree, tmp_path, fmt):
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_remote_store_reads_like_the_local_one(s3, small_tree, tmp_path, suffix):
     server, bucket = s3
-    local = str(tmp_path / f"train.{fmt}")
+    local = str(tmp_path / f"train{suffix}")
     fastdata.convert(small_tree, local, shard_size="20kB", progress=False)
-    url = f"{bucket}/train.{fmt}"
+    url = f"{bucket}/train{suffix}"
     upload_store(local, url)
     assert len(fastdata.open_dataset(local).shard_starts) > 1
     same_samples(url, local)
