@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 
 from helpers.images import make_jpeg, make_tree  # noqa: E402
 
+
 def pytest_configure(config):
     """``FASTDATA_NIGHTLY=1`` runs the ``slow`` (nightly) tests too: it lifts pyproject's default
     ``-m 'not slow'``; an ``-m`` given on the command line still wins."""

@@ -64,8 +64,9 @@ def test_plain_import_loads_no_fcntl_torch_h5py_lmdb_or_writer():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    import fastdata
     from helpers.images import make_tree
+
+    import fastdata
 
     root = tmp_path_factory.mktemp("no-fcntl")
     src = make_tree(root / "src", {"a": 2, "b": 2}, size=(16, 12))

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers.backends import SUFFIXES
 from helpers.images import make_tree
 from torch.utils.data import DataLoader
 
@@ -29,7 +30,7 @@ def raw_stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("ring")
     src = make_tree(root / "src", classes={"a": N // 2, "b": N // 2}, size=(20, 12))
     out = {}
-    for suffix in (".lmdb", ".h5"):
+    for suffix in SUFFIXES:
         out[suffix] = str(root / f"raw{suffix}")
         fastdata.convert(src, out[suffix], workers=1, raw="16x16", progress=False)
     return out
@@ -50,7 +51,7 @@ def _held_epoch(loader):
     return torch.cat([h[0] for h in held]), torch.cat([h[1] for h in held]), held
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_batches_travel_through_the_ring_and_held_ones_stay_intact(raw_stores, suffix):
     ds = fastdata.open_dataset(raw_stores[suffix], output="tensor")
     images_truth, labels_truth = _truth(ds)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from helpers.backends import NAME_SUFFIXES
 from helpers.images import make_tree
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
@@ -27,7 +28,7 @@ from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.manifest import read_manifest
 from fastdata.reader.batching import Batch
 
-BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
+BACKENDS = dict(NAME_SUFFIXES)
 OUTPUTS = ("pil", "numpy", "tensor")
 #: torchvision.datasets.folder.IMG_EXTENSIONS, spelled out so the reference does not use ours
 TV_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

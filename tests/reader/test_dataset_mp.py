@@ -32,6 +32,7 @@ import psutil
 import pytest
 import torch
 import xxhash
+from helpers.backends import NAME_SUFFIXES
 from helpers.images import make_tree
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 import fastdata
 from fastdata.format.manifest import read_manifest
 
-BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
+BACKENDS = dict(NAME_SUFFIXES)
 
 
 def pixel_key(hwc: np.ndarray) -> str:

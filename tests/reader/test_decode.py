@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import simplejpeg
 import torch
+from helpers.backends import NAMES
 from helpers.images import photo_array
 from PIL import Image
 
@@ -167,7 +168,7 @@ def test_damaged_jpeg_raises_instead_of_returning_garbage():
 
 
 @pytest.mark.parametrize("output", ["pil", "numpy", "tensor"])
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_store_outputs_match_pillow(odd_tree, odd_stores, backend, output):
     ds = fastdata.open_dataset(odd_stores[backend], output=output)
     assert len(ds) == 2 * len(CASES)

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import psutil
 import pytest
+from helpers.backends import SUFFIXES
 from helpers.images import make_tree
 
 import fastdata
@@ -99,7 +100,7 @@ def test_dataset_keeps_per_sample_data_in_numpy(tmp_path):
     """No attribute of a real dataset is a Python container that grows with the
     number of samples: every per-sample attribute is a numpy array."""
     src = make_tree(tmp_path / "src", {"a": 30, "b": 30}, size=(16, 16))
-    for sfx in (".lmdb", ".h5"):
+    for sfx in SUFFIXES:
         store = str(tmp_path / f"s{sfx}")
         fastdata.convert(src, store, workers=1, progress=False)
         ds = fastdata.open_dataset(store)

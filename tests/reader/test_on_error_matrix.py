@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers.backends import NAME_SUFFIXES
 from helpers.images import make_tree
 from test_dataset import _flip_payload_byte
 
@@ -22,7 +23,7 @@ import fastdata
 from fastdata import transforms
 from fastdata.errors import CorruptRecordError
 
-BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
+BACKENDS = dict(NAME_SUFFIXES)
 FIRST, MIDDLE = 4, 9  # damaged samples
 BATCHES = [[FIRST, 0, 1, 2], [5, MIDDLE, 6, 7]]  # one at a batch's first position, one in the middle
 #: what skipping reads instead: the next readable sample

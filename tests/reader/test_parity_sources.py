@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.backends import SUFFIXES
 from helpers.images import make_jpeg, photo_array
 from helpers.reference import ref_image_folder
 from PIL import Image
@@ -76,7 +77,7 @@ def _reference_samples(root: str):
     return classes, [(np.asarray(Image.open(path).convert("RGB")), target) for path, target in samples]
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_every_file_image_folder_loads_is_kept_with_the_same_pixels(real_photo_tree, tmp_path, suffix):
     dst = str(tmp_path / ("s" + suffix))
     report = fastdata.convert(real_photo_tree, dst, workers=2, progress=False, strict=True)
@@ -137,7 +138,7 @@ def test_an_empty_list_file_is_an_error(tmp_path):
         scan(str(lst))
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_empty_class_folders_are_kept_and_warned_about(tmp_path, suffix):
     src = tmp_path / "src"
     make_jpeg(src / "ant" / "a.jpg", size=(16, 12))

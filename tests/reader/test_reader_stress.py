@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 import torch
+from helpers.backends import SUFFIXES
 from helpers.images import make_tree
 from torch.utils.data import ConcatDataset, DataLoader
 
@@ -33,7 +34,7 @@ def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("stress")
     src = make_tree(root / "src", {"a": 12, "b": 12, "c": 8}, size=(40, 32))
     out = {}
-    for suffix in (".lmdb", ".h5"):
+    for suffix in SUFFIXES:
         out[suffix] = str(root / f"s{suffix}")
         fastdata.convert(src, out[suffix], workers=1, shard_size="20KB", progress=False)
     return out
@@ -105,7 +106,7 @@ def _kill_one_worker(before: set) -> None:
 
 # Rerun once: SIGKILLs race the DataLoader's own worker start-up and shutdown on a loaded 2-core machine.
 @pytest.mark.flaky(reruns=1)
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_killed_workers_then_fresh_loader_works_and_nothing_accumulates(stores, suffix):
     """The DataLoader raises when a worker is SIGKILLed (as PyTorch does); a new
     loader on the same dataset then works. After repeated kills the main

@@ -30,6 +30,7 @@ import lmdb
 import numpy as np
 import pytest
 import xxhash
+from helpers.backends import NAMES
 
 import fastdata
 from fastdata.cli import main as cli
@@ -207,7 +208,7 @@ def _read_in_child(backend: str, path: str, count: int):
 
 # ----------------------------------------------------------------------------- byte flips in shards
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_random_flip_anywhere_in_a_shard_is_reported_naming_the_shard(stores, tmp_path, backend):
     rng = random.Random(f"anywhere-{backend}")
     store = stores[backend]
@@ -246,7 +247,7 @@ def test_random_flip_anywhere_in_a_shard_is_reported_naming_the_shard(stores, tm
     print(f"{backend}: {outcomes}")
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_flip_in_record_image_bytes_names_shard_and_record(stores, tmp_path, backend):
     rng = random.Random(f"payload-{backend}")
     store = stores[backend]
@@ -282,7 +283,7 @@ def test_flip_in_record_image_bytes_names_shard_and_record(stores, tmp_path, bac
 
 def test_control_the_payload_map_points_at_the_image_bytes(stores, tmp_path):
     """Control for the test above: the mapped span really holds the image bytes."""
-    for backend in ("lmdb", "hdf5"):
+    for backend in NAMES:
         store = stores[backend]
         for name, info in store["shards"].items():
             data = open(os.path.join(store["dst"], name), "rb").read()
@@ -290,7 +291,7 @@ def test_control_the_payload_map_points_at_the_image_bytes(stores, tmp_path):
                 assert span is None or data[span[0]:span[1]] == image
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_dataset_raises_or_skips_a_damaged_record(stores, tmp_path, backend):
     pytest.importorskip("torch")
     from fastdata.reader.open import open_dataset
@@ -324,7 +325,7 @@ def test_dataset_raises_or_skips_a_damaged_record(stores, tmp_path, backend):
 
 # ----------------------------------------------------------------------------- the manifest
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_flip_in_manifest_is_detected_or_harmless(stores, tmp_path, backend):
     rng = random.Random(f"manifest-{backend}")
     store = stores[backend]
@@ -352,7 +353,7 @@ def test_flip_in_manifest_is_detected_or_harmless(stores, tmp_path, backend):
 
 # ----------------------------------------------------------------------------- truncation, deletion, edits
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 @pytest.mark.parametrize("keep", [0.0, 0.5, 0.99])
 def test_truncated_shard_is_reported(stores, tmp_path, backend, keep):
     store = stores[backend]
@@ -366,7 +367,7 @@ def test_truncated_shard_is_reported(stores, tmp_path, backend, keep):
     assert any(p.startswith(name) and "truncated" in p and str(size) in p for p in report.problems), report.problems
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 def test_missing_shard_is_reported_and_readers_refuse(stores, tmp_path, backend):
     store = stores[backend]
     dst = _copy(store["dst"], tmp_path)
@@ -425,7 +426,7 @@ EDITS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("backend", NAMES)
 @pytest.mark.parametrize("edit", sorted(EDITS))
 def test_hand_edited_manifest_is_detected(stores, tmp_path, backend, edit):
     store = stores[backend]

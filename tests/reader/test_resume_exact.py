@@ -159,25 +159,3 @@ def test_loader_counts_epochs_and_resumes_at_a_chosen_one(store):
     again = fastdata.loader(open_ds(store), batch_size=6, shuffle=False, num_workers=0)
     again.set_epoch(2)
     assert flat(again) == epochs[2]
-
-
-def test_per_sample_generator_costs_little_next_to_a_decode(store):
-    import time
-
-    from fastdata.reader.seeding import sample_rng
-
-    ds = open_ds(store)
-    data = ds._raw_bytes(N - 1)
-    crop = transforms.RandomResizedCrop(16)
-    rng = np.random.default_rng(0)
-
-    def per_call(fn, n=300) -> float:
-        start = time.perf_counter()
-        for i in range(n):
-            fn(i)
-        return (time.perf_counter() - start) / n
-
-    decode = min(per_call(lambda i: crop(data, rng)) for _ in range(3))
-    make = min(per_call(lambda i: sample_rng(SEED, 3, i)) for _ in range(3))
-    # a small 100x40 JPEG decodes in well under a photo's ~1 ms; the generator is still cheaper
-    assert make < decode / 2, (make, decode)

@@ -8,6 +8,7 @@ import multiprocessing
 import pickle
 
 import pytest
+from helpers.backends import NAME_SUFFIXES
 from helpers.images import make_tree
 
 import fastdata
@@ -15,7 +16,7 @@ from fastdata.format.backends.base import StorageSpec
 from fastdata.reader.shards import ShardHandles
 from fastdata.remote.store import StoreLocation
 
-BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
+BACKENDS = dict(NAME_SUFFIXES)
 
 
 class CountedPins(StoreLocation):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.backends import NAMES
 from helpers.procs import reaped
 from test_remote_read import same_samples
 
@@ -54,7 +55,7 @@ def count_uploads(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+@pytest.mark.parametrize("fmt", NAMES)
 def test_convert_to_s3_reads_like_the_local_conversion(s3, small_tree, tmp_path, fmt, count_uploads):
     _, bucket = s3
     local = str(tmp_path / f"train.{fmt}")

@@ -163,7 +163,8 @@ def test_cli_converts_verifies_and_refuses_options_that_do_not_apply(coco_set, t
     assert "COCO annotation file not found" in capsys.readouterr().err
 
 
-@pytest.mark.flaky(reruns=1)  # the kill must land while shards are being written (load-dependent timing)
+# Rerun once: the kill must land while shards are being written (load-dependent timing)
+@pytest.mark.flaky(reruns=1)
 def test_sigkill_then_resume_equals_a_clean_conversion(tmp_path, monkeypatch):
     summary = make_coco(tmp_path / "c", 40, seed=6, max_boxes=4)
     dst = tmp_path / "out.lmdb"

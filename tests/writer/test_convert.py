@@ -38,8 +38,8 @@ from fastdata.format.manifest import read_manifest
 from fastdata.format.names import STAGING_DIR
 from fastdata.format.record import checksum
 from fastdata.tools.verify import verify
-from fastdata.writer.options import choose_backend, storage_spec
 from fastdata.writer.lock import StoreLock
+from fastdata.writer.options import choose_backend, storage_spec
 from fastdata.writer.plan import plan_shards
 from fastdata.writer.sources.folder import scan_folder
 
