@@ -83,7 +83,7 @@ def convert(
         lmdb_map_size: initial LMDB map size (it grows automatically).
         chunk_size: inputs per worker task.
         schema: declared fields of a list file (``--schema``: an inline spec, a JSON file, or a
-            loaded JSON value; see :func:`fastdata.writer.sources.table.parse_schema`); makes ``src``
+            loaded JSON value; see :func:`fastdata.writer.sources.table.spec.parse_schema`); makes ``src``
             a general list (:func:`convert_table`).
         storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
         staging_dir: local directory shards of a URL ``dst`` are written in before upload
@@ -142,7 +142,7 @@ def convert_table(
     It converts in one process (and its workers): not under ``torchrun``.
 
     Args: as :func:`convert` (``workers``: None, the default, all cores; 0: everything in this
-        process; N: N worker processes); ``schema`` as :func:`fastdata.writer.sources.table.parse_schema`.
+        process; N: N worker processes); ``schema`` as :func:`fastdata.writer.sources.table.spec.parse_schema`.
 
     Returns:
         A :class:`ConvertReport`.

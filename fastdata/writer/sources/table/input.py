@@ -128,7 +128,7 @@ class TableChunks(ChunkSource):
 
 class TableInput(WriteSource):
     """A JSONL or CSV/TSV list ``src`` with fields (typed by inference or by ``schema``, as
-    :func:`fastdata.writer.sources.table.parse_schema` takes it) as a general store."""
+    :func:`fastdata.writer.sources.table.spec.parse_schema` takes it) as a general store."""
 
     torchrun_refusal = "a list with more fields than path,label converts on one machine: run it without torchrun"
 
