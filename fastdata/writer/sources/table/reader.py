@@ -60,6 +60,7 @@ Python object per row.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from array import array
@@ -224,8 +225,6 @@ def scan_table(list_file: str | os.PathLike, schema: str | os.PathLike | Mapping
 
 
 def _csv_rows(list_file: str) -> Generator[tuple[int, list[str]], None, None]:
-    import csv
-
     delimiter = "\t" if list_file.lower().endswith(".tsv") else ","
     try:
         fh = open(list_file, newline="", encoding="utf-8-sig", errors="surrogateescape")
