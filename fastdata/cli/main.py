@@ -293,7 +293,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def _add_list_arguments(c) -> None:
     """``convert``'s options for lists with more fields than path,label."""
-    from fastdata.writer.sources.table import SPEC_GRAMMAR
+    from fastdata.writer.sources.table.spec import SPEC_GRAMMAR
 
     c.formatter_class = _HelpFormatter
     c.epilog = _LIST_HELP + "\n".join("  " + line for line in SPEC_GRAMMAR.splitlines())

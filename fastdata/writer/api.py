@@ -27,7 +27,7 @@ from fastdata.writer.sources.base import WriteSource
 from fastdata.writer.sources.coco import CocoInput
 from fastdata.writer.sources.folder import FolderInput
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
-from fastdata.writer.sources.table_input import TableInput, is_general_list
+from fastdata.writer.sources.table.input import TableInput, is_general_list
 
 __all__ = ["convert", "convert_coco", "convert_table", "write"]
 
@@ -83,7 +83,7 @@ def convert(
         lmdb_map_size: initial LMDB map size (it grows automatically).
         chunk_size: inputs per worker task.
         schema: declared fields of a list file (``--schema``: an inline spec, a JSON file, or a
-            loaded JSON value; see :func:`fastdata.writer.sources.table.parse_schema`); makes ``src``
+            loaded JSON value; see :func:`fastdata.writer.sources.table.spec.parse_schema`); makes ``src``
             a general list (:func:`convert_table`).
         storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
         staging_dir: local directory shards of a URL ``dst`` are written in before upload
@@ -132,9 +132,9 @@ def convert_table(
 ) -> ConvertReport:
     """Convert a JSONL or CSV/TSV list with any fields into a general (layout version 2) store.
 
-    The list is parsed by :func:`fastdata.writer.sources.table.scan_table` (fields typed by
+    The list is parsed by :func:`fastdata.writer.sources.table.reader.scan_table` (fields typed by
     inference or by ``schema``); workers read and fully decode each row's image and
-    encode the row (:mod:`fastdata.writer.sources.table_input`), through the same write
+    encode the row (:mod:`fastdata.writer.sources.table.input`), through the same write
     session, lock, resume and atomic publish as :func:`convert`. Records keep the
     image path as written in the list. Unreadable images are rejected and reported
     (``strict`` stops at the first). The manifest holds every class field's table under
@@ -142,7 +142,7 @@ def convert_table(
     It converts in one process (and its workers): not under ``torchrun``.
 
     Args: as :func:`convert` (``workers``: None, the default, all cores; 0: everything in this
-        process; N: N worker processes); ``schema`` as :func:`fastdata.writer.sources.table.parse_schema`.
+        process; N: N worker processes); ``schema`` as :func:`fastdata.writer.sources.table.spec.parse_schema`.
 
     Returns:
         A :class:`ConvertReport`.

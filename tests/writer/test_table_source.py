@@ -17,7 +17,8 @@ from helpers.images import make_jpeg
 from fastdata.errors import SourceError
 from fastdata.fields import JSON, Float, Image, Int, NDArray, Ragged, Schema, SchemaError, String
 from fastdata.writer.sources.folder import MAX_INTEGER_LABEL, scan_list
-from fastdata.writer.sources.table import TableSource, is_table_list, parse_schema, scan_table
+from fastdata.writer.sources.table.reader import TableSource, is_table_list, scan_table
+from fastdata.writer.sources.table.spec import parse_schema
 
 
 def _images(folder: Path, *names: str) -> None:

@@ -5,8 +5,8 @@ sample kept around):
 
 - :mod:`~fastdata.writer.sources.base`: what a source gives the session.
 - :mod:`~fastdata.writer.sources.folder`: ImageFolder trees and ``path,label`` lists.
-- :mod:`~fastdata.writer.sources.table` (parsing) and :mod:`~fastdata.writer.sources.table_input`
-  (the source): JSONL and CSV/TSV lists with typed fields.
+- :mod:`~fastdata.writer.sources.table`: JSONL and CSV/TSV lists with typed fields (parsing, and
+  :mod:`~fastdata.writer.sources.table.input`, the source).
 - :mod:`~fastdata.writer.sources.coco`: a COCO instances annotation file and its image folder.
 - :mod:`~fastdata.writer.sources.python`: samples from Python (map-style datasets and iterables).
 """

@@ -1,4 +1,4 @@
-"""A JSONL or CSV/TSV list with any fields (parsed by :mod:`fastdata.writer.sources.table`)
+"""A JSONL or CSV/TSV list with any fields (parsed by :mod:`fastdata.writer.sources.table.reader`)
 as a write source: a general store (layout version 2).
 
 Workers read and fully decode each row's image and encode the row with its other
@@ -31,7 +31,7 @@ from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, io_error, 
 from fastdata.writer.plan import ShardPlan, plan_shards
 from fastdata.writer.resume import RecordedRun, RunOptions, option_differences
 from fastdata.writer.sources.base import WriteSource
-from fastdata.writer.sources.table import TableSource, is_table_list, scan_table
+from fastdata.writer.sources.table.reader import TableSource, is_table_list, scan_table
 
 #: the list source of this worker process (set by the pool initializer)
 _TABLE: TableSource | None = None
@@ -40,7 +40,7 @@ _TABLE: TableSource | None = None
 def is_general_list(src: str, schema) -> bool:
     """Whether ``src`` becomes a general (layout version 2) store: a ``--schema`` was
     given, or ``src`` is a JSONL file or a CSV/TSV whose header names more than
-    ``path,label`` (:func:`fastdata.writer.sources.table.is_table_list`)."""
+    ``path,label`` (:func:`fastdata.writer.sources.table.reader.is_table_list`)."""
     if schema is not None:
         return True
     return os.path.isfile(src) and is_table_list(src, None)
@@ -128,7 +128,7 @@ class TableChunks(ChunkSource):
 
 class TableInput(WriteSource):
     """A JSONL or CSV/TSV list ``src`` with fields (typed by inference or by ``schema``, as
-    :func:`fastdata.writer.sources.table.parse_schema` takes it) as a general store."""
+    :func:`fastdata.writer.sources.table.spec.parse_schema` takes it) as a general store."""
 
     torchrun_refusal = "a list with more fields than path,label converts on one machine: run it without torchrun"
 
