@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from helpers.backends import NAME_SUFFIXES, SUFFIXES
 from helpers.images import make_jpeg, make_tree
 from helpers.procs import reaped
 from helpers.stores import store_records
@@ -43,7 +44,7 @@ from fastdata.writer.options import choose_backend, storage_spec
 from fastdata.writer.plan import plan_shards
 from fastdata.writer.sources.folder import scan_folder
 
-BACKENDS = [("lmdb", "out.lmdb"), ("hdf5", "out.h5")]
+BACKENDS = [(name, "out" + suffix) for name, suffix in NAME_SUFFIXES]
 
 
 def _scan_order(root) -> list[str]:
@@ -505,7 +506,7 @@ def test_hidden_class_and_empty_source_are_reported(tmp_path, capsys):
         fastdata.convert(str(empty), str(tmp_path / "e.lmdb"))
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_overwrite_killed_while_clearing_never_leaves_a_published_store_without_its_shards(
         tmp_path, monkeypatch, suffix):
     """--overwrite removes the old manifest first: a run that dies while deleting the old

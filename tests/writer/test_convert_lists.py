@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.backends import NAME_SUFFIXES
 from helpers.images import make_jpeg, make_tree
 from helpers.stores import store_records
 
@@ -26,7 +27,7 @@ from fastdata.tools.verify import verify
 from fastdata.writer.report import ProgressBar
 
 api_module = importlib.import_module("fastdata.writer.api")
-BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
+BACKENDS = dict(NAME_SUFFIXES)
 
 
 def stored_records(store) -> list[dict]:

@@ -43,6 +43,7 @@ CAUSES = {errno.ENOSPC: "No space left on device", errno.EIO: "Input/output erro
 
 pytestmark = pytest.mark.timeout(180)
 
+from helpers.backends import SUFFIXES  # noqa: E402
 from helpers.images import make_tree  # noqa: E402
 from helpers.stores import store_records  # noqa: E402
 
@@ -396,7 +397,7 @@ def tiny_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_real_enospc_on_a_tiny_filesystem_then_free_space_and_resume(tiny_tmpfs, tmp_path, suffix):
     src = make_tree(tmp_path / "big", classes={"a": 40, "b": 40}, size=(96, 64))
     dst = os.path.join(tiny_tmpfs, "store" + suffix)

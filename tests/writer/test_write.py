@@ -23,10 +23,11 @@ from fastdata.format.record import decode_record_v2
 from fastdata.reader.samples import SampleDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.backends import NAME_SUFFIXES
 from helpers.procs import sigkill_once_a_shard_is_staged  # noqa: E402
 from helpers.samples import SCHEMA, SampleList, jpeg, keep, sample  # noqa: E402
 
-BACKENDS = {"lmdb": ".lmdb", "hdf5": ".h5"}
+BACKENDS = dict(NAME_SUFFIXES)
 
 
 @pytest.fixture(autouse=True)
