@@ -321,6 +321,10 @@ def test_jsonl_list_and_coco_convert_to_s3_like_locally(s3, tmp_path, monkeypatc
     assert len(ds) == len(ref_ds) == 10
 
 
+# Nightly: the ranks' kill-and-resume is tested locally in CI (tests/writer/test_distributed.py) and a
+# killed upload's resume on one rank here (test_killed_upload_resumes_without_reuploading); ranks and a
+# single process go through the same write session.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_killed_then_resumed_keep_the_uploaded_shards(s3, jpeg_tree, tmp_path, monkeypatch):
     import signal

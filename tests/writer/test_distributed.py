@@ -136,6 +136,9 @@ def test_resume_across_ranks_after_kill(tmp_path):
         assert "kept from the interrupted run" in result.stdout
 
 
+# Nightly: ranks run the same session as one process, so tests/writer/test_resume_options.py (the
+# recorded options, one process) and test_resume_across_ranks_after_kill (ranks) cover it in CI.
+@pytest.mark.slow
 def test_resume_across_ranks_reuses_the_recorded_options(tmp_path, monkeypatch):
     """An interrupted 30 kB-shard conversion finished by torchrun with only --resume: the
     ranks take the recorded shard size; a different --shard-size is refused, naming it."""
