@@ -76,7 +76,7 @@ class ShardHandles:
         self._readers = {}
         self._pins = {}
         self._pid = getpid()
-        self._cap = self.max_open or self.store.open_shards_per_process()
+        self._cap = self.max_open or self.store.open_shards_per_process(_loader_processes())
 
     def _open(self, shard: int):
         if self._cap and len(self._readers) >= self._cap:
@@ -126,3 +126,11 @@ class ShardHandles:
         state["_pins"] = {}
         state["_pid"] = None
         return state
+
+
+def _loader_processes() -> int:
+    """How many processes of this DataLoader read the store: its worker count inside a worker, else 1."""
+    import torch.utils.data
+
+    info = torch.utils.data.get_worker_info()
+    return info.num_workers if info is not None else 1

@@ -60,8 +60,9 @@ class StoreLocation:
     def prefetch(self, shards: Sequence[int], keep: Collection[int] = ()) -> None:
         """Start fetching ``shards`` in the background (nothing to do for a local store)."""
 
-    def open_shards_per_process(self) -> int | None:
-        """How many shards one reading process keeps open by default (None: all of them)."""
+    def open_shards_per_process(self, processes: int = 1) -> int | None:
+        """How many shards one reading process keeps open by default (None: all of them), when
+        ``processes`` processes of this job read the store at once."""
         return None
 
     def slim(self) -> StoreLocation:
@@ -147,18 +148,15 @@ class RemoteStore(StoreLocation):
         assert pin is not None
         return pin.path, pin
 
-    def open_shards_per_process(self) -> int:
+    def open_shards_per_process(self, processes: int = 1) -> int:
         """Shards one reading process keeps open (so pinned) by default: 4, or fewer when the cache
-        limit could not hold 4 of the largest shards for every process reading it (this
-        DataLoader's workers times ``$LOCAL_WORLD_SIZE`` ranks); at least 1. Under that bound a
-        process that needs room finds it once it releases its own pins, however long the
+        limit could not hold 4 of the largest shards for every process reading it (``processes``,
+        e.g. a DataLoader's workers, times ``$LOCAL_WORLD_SIZE`` ranks); at least 1. Under that
+        bound a process that needs room finds it once it releases its own pins, however long the
         others keep theirs while idle."""
         if self.cache.limit is None:
             return 4
-        import torch.utils.data
-
-        info = torch.utils.data.get_worker_info()
-        processes = (info.num_workers if info is not None else 1) * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        processes = max(1, processes) * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         biggest = max((s["bytes"] for s in self.manifest["shards"]), default=1) or 1
         return max(1, min(4, self.cache.limit // (biggest * processes)))
 

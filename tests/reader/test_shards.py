@@ -34,7 +34,7 @@ class CountedPins(StoreLocation):
         self.acquired.append(shard)
         return path, _Pin(self, shard)
 
-    def open_shards_per_process(self):
+    def open_shards_per_process(self, processes=1):
         return self.default_cap
 
 
