@@ -111,18 +111,11 @@ def lone_s3(tmp_path, monkeypatch):
         server.kill()
 
 
-class _HookedFile:
-    """A file object of the remote filesystem that calls ``hook`` once, after its first block."""
+class _WrappedFile:
+    """A file object standing in for ``fh``: everything it does not override goes to ``fh``."""
 
-    def __init__(self, fh, hook):
-        self._fh, self._hook, self._reads = fh, hook, 0
-
-    def read(self, n=-1):
-        data = self._fh.read(n)
-        self._reads += 1
-        if self._reads == 1:
-            self._hook()
-        return data
+    def __init__(self, fh):
+        self._fh = fh
 
     def __enter__(self):
         return self
@@ -132,6 +125,21 @@ class _HookedFile:
 
     def __getattr__(self, name):
         return getattr(self._fh, name)
+
+
+class _HookedFile(_WrappedFile):
+    """A file object of the remote filesystem that calls ``hook`` once, after its first block."""
+
+    def __init__(self, fh, hook):
+        super().__init__(fh)
+        self._hook, self._reads = hook, 0
+
+    def read(self, n=-1):
+        data = self._fh.read(n)
+        self._reads += 1
+        if self._reads == 1:
+            self._hook()
+        return data
 
 
 def hook_first_shard_block(monkeypatch, hook) -> None:
@@ -391,24 +399,12 @@ def test_enospc_while_downloading_is_a_prompt_cache_full_error(s3, tmp_path, mon
     real_open = open
     failing = {"errno": errno.ENOSPC, "left": 1 << 30}  # every write fails with ENOSPC
 
-    class FullDisk:
-        def __init__(self, fh):
-            self._fh = fh
-
+    class FullDisk(_WrappedFile):
         def write(self, data):
             if failing["left"]:
                 failing["left"] -= 1
                 raise OSError(failing["errno"], os.strerror(failing["errno"]))
             return self._fh.write(data)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self._fh.close()
-
-        def __getattr__(self, name):
-            return getattr(self._fh, name)
 
     attempts: list[str] = []
 
