@@ -349,6 +349,76 @@ def flip_bytes(path: str, offsets: list[int], rng: random.Random) -> None:
             fh.write(bytes([old[0] ^ rng.randrange(1, 256)]))
 
 
+# -- backend-generic index and record surgery (the two backends' layouts, docs/FORMAT.md) --------
+
+def index_array(backend: str, shard: str, name: str, dtype: str) -> np.ndarray:
+    """Index array ``name`` (``labels``, ``fields/label``...) of a shard, read with h5py/lmdb directly."""
+    if backend == "hdf5":
+        return np.asarray(h5_read(shard, name), dtype=dtype)
+    if backend == "lmdb":
+        return np.frombuffer(lmdb_get(shard, b"index", name.encode()), dtype=dtype).copy()
+    raise NotImplementedError(f"no index surgery for backend {backend!r}")
+
+
+def set_index_arrays(store: str, backend: str, shard: str, arrays: dict[str, np.ndarray]) -> None:
+    """Overwrite index arrays in the shard file and in ``index.fdi`` (re-sign afterwards)."""
+    little = {k: np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("<")) for k, v in arrays.items()}
+    if backend == "hdf5":
+        for name, arr in little.items():
+            h5_replace(shard, name, h5_dataset(arr))
+    elif backend == "lmdb":
+        lmdb_put(shard, {(b"index", name.encode()): arr.tobytes() for name, arr in little.items()})
+    else:
+        raise NotImplementedError(f"no index surgery for backend {backend!r}")
+    if os.path.exists(os.path.join(store, STORE_INDEX)):
+        patch_store_index(store, os.path.basename(shard), little)
+
+
+def _payload_name(shard: str) -> str:
+    import h5py
+
+    with h5py.File(shard, "r", locking=False) as f:
+        return "records" if "records" in f else "images"
+
+
+def stored_item(backend: str, shard: str, i: int) -> bytes:
+    """Record ``i``'s stored bytes: the LMDB value, or its slice of the HDF5 ``images``/``records``."""
+    if backend == "lmdb":
+        return lmdb_get(shard, b"records", struct.pack(">Q", i))
+    if backend == "hdf5":
+        offsets = h5_read(shard, "offsets")
+        return h5_read(shard, _payload_name(shard))[offsets[i]:offsets[i + 1]].tobytes()
+    raise NotImplementedError(f"no record surgery for backend {backend!r}")
+
+
+def replace_item(store: str, backend: str, shard: str, i: int, data: bytes, checksummed: bytes | None = None,
+                 **index: int) -> None:
+    """Put ``data`` as record ``i``'s stored bytes (LMDB value / HDF5 payload slice) and make the
+    index agree: ``checksums[i]`` = xxh3 of ``checksummed`` (default ``data``), ``nbytes[i]`` =
+    ``len(checksummed)``, plus any ``index`` value (``widths=...``); then re-sign the caller."""
+    from fastdata.format.record import INDEX_DTYPES
+
+    covered = data if checksummed is None else checksummed
+    if backend == "lmdb":
+        lmdb_put(shard, {(b"records", struct.pack(">Q", i)): data})
+    elif backend == "hdf5":
+        name = _payload_name(shard)
+        payload, offsets = h5_read(shard, name), h5_read(shard, "offsets").astype(np.int64)
+        new = np.concatenate([payload[:offsets[i]], np.frombuffer(data, np.uint8), payload[offsets[i + 1]:]])
+        offsets[i + 1:] += len(data) - (offsets[i + 1] - offsets[i])
+        h5_replace(shard, name, h5_dataset(new))
+        h5_replace(shard, "offsets", h5_dataset(offsets))
+    else:
+        raise NotImplementedError(f"no record surgery for backend {backend!r}")
+    arrays = {}
+    values = {"checksums": xxhash.xxh3_64_intdigest(covered), "nbytes": len(covered), **index}
+    for name, value in values.items():
+        arr = index_array(backend, shard, name, INDEX_DTYPES.get(name, "<i8"))
+        arr[i] = value
+        arrays[name] = arr
+    set_index_arrays(store, backend, shard, arrays)
+
+
 # -- msgpack bombs ---------------------------------------------------------------------------
 
 def empty_lists_msgpack(n: int) -> bytes:
