@@ -55,7 +55,7 @@ TIMEOUT = 20.0
 #: an environment variable every harness child carries: found in what a reader returns, it
 #: came from ``/proc/self/environ``
 CANARY_ENV = "FASTDATA_HOSTILE_CANARY"
-CANARY = "canary-" + xxhash.xxh3_64_hexdigest(str(time.time_ns()).encode())
+CANARY = os.environ.get(CANARY_ENV) or "canary-" + xxhash.xxh3_64_hexdigest(str(time.time_ns()).encode())
 #: the content of canary files placed outside a store
 CANARY_FILE_TEXT = CANARY + "-outside-the-store\n"
 
@@ -791,7 +791,7 @@ class Harness:
     def __init__(self, workdir: str | os.PathLike):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, **{CANARY_ENV: CANARY})
+        env = {CANARY_ENV: CANARY, **os.environ}  # first: /proc/self/environ's first bytes hold it
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")])
         code = "from helpers.hostile import zygote_main; zygote_main()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
