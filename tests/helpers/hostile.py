@@ -788,10 +788,10 @@ def zygote_main() -> None:
 class Harness:
     """One zygote process; :meth:`run` runs one operation in a fresh fork of it."""
 
-    def __init__(self, workdir: str | os.PathLike):
+    def __init__(self, workdir: str | os.PathLike, env: dict[str, str] | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {CANARY_ENV: CANARY, **os.environ}  # first: /proc/self/environ's first bytes hold it
+        env = {CANARY_ENV: CANARY, **os.environ, **(env or {})}  # first: /proc/self/environ's first bytes hold it
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")])
         code = "from helpers.hostile import zygote_main; zygote_main()"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
