@@ -30,8 +30,8 @@ pytestmark = pytest.mark.timeout(600)
 ALL = list(BACKENDS)
 MODES = ["control", "attack"]
 #: seconds a case that can only hang (a FIFO opened for reading) is given: a sound read of these
-#: stores takes ~0.05 s, so 3 s tells a hang apart and keeps the file's runtime short
-HANG_TIMEOUT = 3.0
+#: stores takes ~0.05 s, so 2 s tells a hang apart and keeps the file's runtime short
+HANG_TIMEOUT = 2.0
 
 
 # -- fixtures: sound stores built once, copied per case -----------------------------------------
@@ -115,6 +115,7 @@ def expect(result: dict, mode: str, *names: str) -> None:
         assert result["outcome"] == "ok", f"control failed: {describe(result)}"
         return
     assert result["outcome"] == "typed_error", describe(result)
+    assert result.get("growth", 0) < H.MEMORY_GROWTH // 2, f"typed, but only after costing {describe(result)}"
     if names:
         assert any(n in result.get("message", "") for n in names), \
             f"the error does not name the store or shard {names}: {describe(result)}"

@@ -69,6 +69,7 @@ def expect(result: dict, mode: str, *names: str) -> None:
         assert result["outcome"] == "ok", f"control failed: {describe(result)}"
         return
     assert result["outcome"] == "typed_error", describe(result)
+    assert result.get("growth", 0) < H.MEMORY_GROWTH // 2, f"typed, but only after costing {describe(result)}"
     if names:
         assert any(n in result.get("message", "") for n in names), describe(result)
 
