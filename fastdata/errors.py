@@ -32,6 +32,16 @@ class FormatError(FastdataError):
     """A store, manifest or shard does not follow the documented layout or version."""
 
 
+class UnsafeStoreError(FormatError):
+    """A store holds something fastdata refuses to open or follow: a FIFO, device or
+    directory where a file belongs, HDF5 external storage or links, an LMDB page outside
+    its file, a size beyond the documented limits (see docs/SECURITY.md)."""
+
+
+class StoreChangedError(FormatError):
+    """The store was rewritten after the dataset opened it: reading on would mix two versions."""
+
+
 class IncompleteStoreError(FormatError):
     """The path holds an unfinished conversion (no published manifest)."""
 

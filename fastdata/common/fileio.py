@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import xxhash
+
+from fastdata.errors import UnsafeStoreError
 
 #: atomic_write() names its temporary file "<target>.tmp-<pid>"
 ATOMIC_TMP_MARK = ".tmp-"
@@ -70,3 +73,74 @@ def file_checksum(path: str) -> str:
             if not block:
                 return h.hexdigest()
             h.update(block)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str, what: str = "file") -> int:
+    """Open ``path`` read-only and return the descriptor, refusing anything but a regular file.
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer (and
+    has no effect on a regular file); ``fstat`` on the open descriptor then checks what was
+    really opened, so a file swapped after a check cannot slip through. A symbolic link is
+    followed, to a regular file only.
+
+    Args:
+        path: the file.
+        what: how the error names it (``"manifest"``, ``"shard"``, ...).
+
+    Raises:
+        UnsafeStoreError: ``path`` is a FIFO, socket, device or directory.
+        OSError: it cannot be opened (missing, permission denied, ...).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeStoreError(f"{path}: the {what} is {_kind(mode)}, not a regular file; refusing to read it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_regular(path: str, what: str = "file") -> os.stat_result:
+    """Refuse ``path`` unless it is a regular file (see :func:`open_regular`), for files a library
+    opens by name (h5py, lmdb). Returns its ``stat`` (size, inode, mtime: the file's identity)."""
+    fd = open_regular(path, what)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: str, limit: int, what: str = "file") -> bytes:
+    """The whole of the regular file ``path``, refusing one larger than ``limit`` bytes before
+    reading it (and one that grows past it while read).
+
+    Raises:
+        UnsafeStoreError: not a regular file, or larger than ``limit``.
+        OSError: it cannot be opened or read.
+    """
+    fd = open_regular(path, what)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise UnsafeStoreError(f"{path}: the {what} is {size:,} bytes, more than the {limit:,} allowed")
+        chunks, total = [], 0
+        while True:
+            block = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not block:
+                return b"".join(chunks)
+            chunks.append(block)
+            total += len(block)
+            if total > limit:
+                raise UnsafeStoreError(f"{path}: the {what} grew past the {limit:,} bytes allowed while it was read")
+    finally:
+        os.close(fd)
