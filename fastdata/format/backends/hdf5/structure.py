@@ -69,6 +69,7 @@ def walk(f: h5py.File, path: str) -> dict[str, DatasetInfo]:
     Raises:
         UnsafeStoreError: a soft, external or user-defined link, an object that is not a group
             or dataset, a dataset with external storage or a virtual layout.
+        CorruptRecordError: the file's metadata is unreadable.
     """
     datasets: dict[str, DatasetInfo] = {}
     unsafe: list[str] = []
@@ -107,7 +108,8 @@ def _visit(f: h5py.File, datasets: dict[str, DatasetInfo], name: str, raw: bytes
     if isinstance(obj, h5py.h5g.GroupID):
         return None
     if not isinstance(obj, h5py.h5d.DatasetID):
-        return f"{name!r} is a {type(obj).__name__}, not a group or dataset"
+        kind = "a named datatype" if isinstance(obj, h5py.h5t.TypeID) else f"a {type(obj).__name__}"
+        return f"{name!r} is {kind}, not a group or dataset"
     dcpl = obj.get_create_plist()
     layout = dcpl.get_layout()
     if dcpl.get_external_count():
