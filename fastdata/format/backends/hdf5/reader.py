@@ -29,7 +29,14 @@ class HDF5ShardReader(ShardReader):
     reading the index through h5py the reader maps the payload's byte range
     read-only (``MADV_RANDOM``: no readahead for random access) and slices
     samples out of the mapping directly. Each process makes its own mapping
-    (readers are created lazily per process by the datasets)."""
+    (readers are created lazily per process by the datasets).
+
+    Nothing is read before it is checked (``structure.py``): the path must be a regular
+    file (never a FIFO or device) before h5py opens it; every link in the file must be a
+    hard link and no dataset may use external storage or a virtual layout (checked on
+    open, over the whole file); each dataset's dtype, shape (from the shard's count, which
+    must be the manifest's when ``expected_count`` is given) and stored bytes are checked
+    before it is read; the payload is contiguous and lies within the file."""
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True

@@ -195,12 +195,12 @@ def flat(shape: tuple[int, ...]) -> str | None:
 
 def scalar_attr(f: h5py.File, name: str, path: str):
     """Root attribute ``name`` if it is a scalar of a number or string type (read only then), else None."""
-    if name not in f.attrs:
-        return None
     try:
+        if name not in f.attrs:
+            return None
         aid = h5py.h5a.open(f.id, name.encode())
         if aid.shape != () or aid.dtype.kind not in "iuSOU":
             return None
         return f.attrs[name]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except Exception as err:  # damaged metadata: libhdf5 errors surface as several types
         raise CorruptRecordError(f"{path}: shard header attribute {name!r} unreadable ({err})", shard=path) from None

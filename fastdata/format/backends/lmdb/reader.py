@@ -113,7 +113,15 @@ _ENVS = _EnvCache()
 class LMDBShardReader(ShardReader):
     """Opens the environment read-only without a lock table and without spare
     transactions: a parent holding a read transaction when workers fork makes them fail
-    later with MDB_BAD_RSLOT (py-lmdb#346), so nothing survives a fork."""
+    later with MDB_BAD_RSLOT (py-lmdb#346), so nothing survives a fork.
+
+    Before LMDB opens (and maps) a shard file, the file must be a regular file whose
+    structure passes :func:`~fastdata.format.backends.lmdb.structure.check_structure`
+    (read with ``pread``: meta pages, every B-tree page and node within its page and the
+    file, overflow values within the last page), so that no read through the map can
+    fault; checked once per file identity (device, inode, size, mtime, ctime) per process,
+    forked children included. The header's count must be the manifest's when
+    ``expected_count`` is given."""
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True
