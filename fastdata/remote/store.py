@@ -49,7 +49,8 @@ class StoreLocation:
         """Every shard's index, in manifest order, each checked against the manifest's count."""
         out = []
         for shard in self.manifest["shards"]:
-            with reader_cls(os.path.join(self.root, shard["name"]), storage, schema=schema) as reader:
+            with reader_cls(os.path.join(self.root, shard["name"]), storage, schema=schema,
+                            expected_count=shard["count"]) as reader:
                 out.append(reader.read_index())
         return out
 

@@ -122,7 +122,7 @@ def _open_indexed(backend: str, path: str, storage: StorageSpec, schema, expecte
         or reading its index (nothing is left open then).
     """
     try:
-        reader = reader_class(backend)(path, storage, schema=schema)
+        reader = reader_class(backend)(path, storage, schema=schema, expected_count=expected_count)
     except FastdataError as err:
         return f"{name}: {err}"
     try:
@@ -395,6 +395,11 @@ def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: in
     elif checksum() != shard["xxh"]:
         file_ok = False
         report.fail(f"{name}: file checksum mismatch (the shard was modified or damaged)")
+    try:  # the backend's structure checks (pread only: they cannot fault), before any record is read
+        reader_class(m["backend"]).check_structure(path, full=True)
+    except FastdataError as err:
+        report.fail(f"{name}: {err}")
+        return
     args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, m.get("schema"), name)
     checked, decoded, problems = _check_records(*args) if file_ok else _check_records_isolated(args, timeout)
     report.records_checked += checked

@@ -723,3 +723,29 @@ def test_fuzz_lmdb_meta_and_tree_pages(harness, fresh, reference, seed):
     ref = reference("v1", "lmdb")
     _typed_or_correct(harness.run("open", store=store), ref)
     _typed_or_correct(harness.run("verify", store=store), ref)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fuzz_lmdb_branch_and_leaf_pages(harness, fresh, reference, seed):
+    """Byte flips in the page headers, node pointers and node headers (sizes, flags, key sizes,
+    child and overflow page numbers) of every B-tree page, the named databases' leaves included,
+    the file re-signed: never a signal, whatever LMDB would make of it."""
+    store = fresh("v1", "lmdb")
+    shard = shard_of(store)
+    candidates: list[int] = []
+    for pgno, flags, page in H.lmdb_pages(shard):
+        if not flags & (H.P_LEAF | 0x01):
+            continue
+        base = pgno * 4096
+        lower = struct.unpack_from("<H", page, 12)[0]
+        candidates += range(base, base + min(lower, 4096))  # header and node pointers
+        for k in range(max(0, min(lower, 4096) - H.PAGE_HEADER) // 2):
+            ptr = struct.unpack_from("<H", page, H.PAGE_HEADER + 2 * k)[0]
+            if ptr + 16 <= 4096:
+                candidates += range(base + ptr, base + ptr + 16)  # node header and the start of its key/data
+    rng = random.Random(seed)
+    H.flip_bytes(shard, rng.sample(candidates, 1 + seed % 4), rng)
+    H.resign(store)
+    ref = reference("v1", "lmdb")
+    _typed_or_correct(harness.run("open", store=store), ref)
+    _typed_or_correct(harness.run("verify", store=store), ref)

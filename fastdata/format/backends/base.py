@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.fields import Schema
 from fastdata.format.record import SampleIndex, ShardIndex
 
@@ -103,12 +104,41 @@ class ShardReader(abc.ABC):
     """Reads one finished shard file. Opening happens in the constructor, so
     datasets create readers lazily, once per process."""
 
-    def __init__(self, path: str, storage: StorageSpec, *, schema: Schema | None = None, **options):
+    def __init__(self, path: str, storage: StorageSpec, *, schema: Schema | None = None,
+                 expected_count: int | None = None, **options):
         """``schema``: None for a classification (version-1) shard; the store's schema for a
-        general (version-2) one, whose :meth:`get` returns whole record bytes."""
+        general (version-2) one, whose :meth:`get` returns whole record bytes.
+        ``expected_count``: the record count the manifest gives this shard, when the caller
+        has it; the shard's own count must equal it before any index array is read
+        (:meth:`check_count`)."""
         self.path = path
         self.storage = storage
         self.schema = schema
+        self.expected_count = expected_count
+
+    @classmethod
+    def check_structure(cls, path: str, *, full: bool = False) -> None:
+        """Check the shard file ``path`` before anything reads it: a regular file (never a
+        FIFO, device or directory) whose structure cannot make a reader read outside it,
+        allocate more than it holds, hang or fault. Readers run the same checks when they
+        open; ``verify`` calls this first, with ``full`` for the checks too slow for every open.
+
+        Raises:
+            UnsafeStoreError: the file is not a regular file, or its structure is unsafe.
+            FormatError: it is damaged (naming the file and what is wrong).
+        """
+        from fastdata.common.fileio import check_regular
+
+        try:
+            check_regular(path, "shard")
+        except OSError as err:
+            raise FormatError(f"{path}: cannot open the shard ({err.strerror or err})") from None
+
+    def check_count(self, count: int) -> None:
+        """Refuse a shard whose own record ``count`` is not the manifest's (``expected_count``)."""
+        if self.expected_count is not None and count != self.expected_count:
+            raise CorruptRecordError(f"{self.path}: holds {count} records, the manifest says {self.expected_count}",
+                                     shard=self.path)
 
     @abc.abstractmethod
     def read_index(self) -> ShardIndex | SampleIndex:

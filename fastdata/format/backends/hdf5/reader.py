@@ -9,10 +9,11 @@ from collections.abc import Sequence
 import h5py
 import numpy as np
 
-from fastdata.errors import CorruptRecordError, FormatError
+from fastdata.common.fileio import check_regular, open_regular
+from fastdata.errors import CorruptRecordError, FormatError, UnsafeStoreError
 from fastdata.format.backends.base import ShardReader, StorageSpec
-from fastdata.format.backends.hdf5 import spec
-from fastdata.format.record import SampleIndex, ShardIndex, checksum, read_index_arrays
+from fastdata.format.backends.hdf5 import spec, structure
+from fastdata.format.record import SampleIndex, ShardIndex, checksum, index_layout, read_index_arrays
 
 
 def _map_address(m: mmap.mmap) -> int:
@@ -28,7 +29,14 @@ class HDF5ShardReader(ShardReader):
     reading the index through h5py the reader maps the payload's byte range
     read-only (``MADV_RANDOM``: no readahead for random access) and slices
     samples out of the mapping directly. Each process makes its own mapping
-    (readers are created lazily per process by the datasets)."""
+    (readers are created lazily per process by the datasets).
+
+    Nothing is read before it is checked (``structure.py``): the path must be a regular
+    file (never a FIFO or device) before h5py opens it; every link in the file must be a
+    hard link and no dataset may use external storage or a virtual layout (checked on
+    open, over the whole file); each dataset's dtype, shape (from the shard's count, which
+    must be the manifest's when ``expected_count`` is given) and stored bytes are checked
+    before it is read; the payload is contiguous and lies within the file."""
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True
@@ -39,73 +47,111 @@ class HDF5ShardReader(ShardReader):
         self._payload: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         self._checksums: np.ndarray | None = None
+        self.file = None
+        self.file, self._datasets, self._stat = self._open_checked(path)
+
+    @classmethod
+    def _open_checked(cls, path: str) -> tuple[h5py.File, dict[str, structure.DatasetInfo], os.stat_result]:
+        """Open ``path`` once it is known to be a regular file, and check its links and
+        datasets (:func:`structure.walk`) before anything is read."""
         try:
-            self.file = h5py.File(path, "r", locking=False, rdcc_nbytes=spec.READER_CHUNK_CACHE)
+            st = check_regular(path, "shard")  # never a FIFO (h5py would wait on it forever) or a device
+            f = h5py.File(path, "r", locking=False, rdcc_nbytes=spec.READER_CHUNK_CACHE)
         except (OSError, ValueError) as err:
-            self.file = None
             raise FormatError(f"{path}: cannot open HDF5 shard ({err}); the file is missing or damaged; "
                               "run 'fastdata verify' on the store") from None
+        try:
+            opened = os.fstat(f.id.get_vfd_handle())
+            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                raise UnsafeStoreError(f"{path}: the shard file was replaced while it was opened")
+            return f, structure.walk(f, path), opened
+        except BaseException:
+            f.close()
+            raise
+
+    @classmethod
+    def check_structure(cls, path: str, *, full: bool = False) -> None:
+        """A regular file whose links and datasets pass :func:`structure.walk` (the per-dataset
+        checks run when the index is read, before each dataset is)."""
+        f, _datasets, _stat = cls._open_checked(path)
+        f.close()
+
+    def _array(self, name: str, dtype, shape, *, contiguous: bool = False) -> np.ndarray:
+        """Dataset ``name`` read in native byte order, once :func:`structure.check_dataset` passed."""
+        assert self.file is not None
+        structure.check_dataset(self._datasets, name, dtype, shape, self._stat.st_size, self.path,
+                                contiguous=contiguous)
+        return np.asarray(self.file[name][()], dtype=np.dtype(dtype).newbyteorder("="))
+
+    def _header_count(self, f) -> int:
+        """The shard's record count from its root attributes (layout, version and count checked,
+        and the count against the manifest's when the reader was given it)."""
+        expected = spec.VERSION if self.schema is None else spec.VERSION_2
+        if structure.scalar_attr(f, "layout", self.path) != spec.LAYOUT:
+            raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
+        version = structure.scalar_attr(f, "version", self.path)
+        if not isinstance(version, np.integer | int) or int(version) != expected:
+            raise FormatError(f"{self.path}: HDF5 shard layout version {version!r} is not supported "
+                              f"(expects {expected})")
+        count = structure.scalar_attr(f, "count", self.path)
+        if not isinstance(count, np.integer | int) or int(count) < 0:
+            raise CorruptRecordError(f"{self.path}: damaged shard header (count)", shard=self.path)
+        self.check_count(int(count))
+        return int(count)
 
     def read_index(self) -> ShardIndex | SampleIndex:
         f = self.file
         if f is None:
             raise ValueError(f"{self.path}: the shard reader is closed")
-        expected = spec.VERSION if self.schema is None else spec.VERSION_2
+        count = self._header_count(f)
         try:
-            if f.attrs.get("layout") != spec.LAYOUT:
-                raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
-            if int(f.attrs.get("version", -1)) != expected:
-                raise FormatError(f"{self.path}: HDF5 shard layout version {f.attrs.get('version')!r} "
-                                  f"is not supported (expects {expected})")
             if self.schema is not None:
-                return self._read_index_v2(f)
-            arrays = {name: np.asarray(f[name][()], dtype=np.dtype(dtype).newbyteorder("="))
+                return self._read_index_v2(f, count)
+            arrays = {name: self._array(name, dtype, structure.flat if name == "relpaths" else
+                                        (count + 1,) if name == "relpath_offsets" else (count,))
                       for name, dtype in spec.INDEX_ARRAYS.items()}
-            count = int(f.attrs["count"])
+            offsets: np.ndarray | None
             if self.storage.mode == "raw":
-                data = f[spec.PIXELS]
                 h, w = self.storage.raw_hw()
-                if data.shape[1:] != (h, w, 3):
-                    raise CorruptRecordError(f"{self.path}: pixels have shape {data.shape}, expected (n, {h}, {w}, 3)",
-                                             shard=self.path)
-                total = data.shape[0]
+                data = structure.check_dataset(self._datasets, spec.PIXELS, "u1", (count, h, w, 3),
+                                               self._stat.st_size, self.path, contiguous=True)
                 offsets = None
             else:
-                data = f[spec.IMAGES]
-                offsets = np.asarray(f[spec.OFFSETS][()], dtype=np.int64)
-                total = len(offsets) - 1
-            nbytes = int(np.prod(data.shape))
-            file_offset = data.id.get_offset()
+                data = structure.check_dataset(self._datasets, spec.IMAGES, "u1", structure.flat,
+                                               self._stat.st_size, self.path, contiguous=True)
+                offsets = self._array(spec.OFFSETS, "<i8", (count + 1,))
         except (KeyError, OSError, ValueError, TypeError) as err:
             raise CorruptRecordError(f"{self.path}: shard index unreadable ({err})", shard=self.path) from None
         index = ShardIndex(**arrays)
-        if len(index) != count or total != count:
-            raise CorruptRecordError(f"{self.path}: index has {len(index)} entries, header says {count}",
-                                     shard=self.path)
         index.validate(self.path)
         if offsets is not None and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
-                                    or offsets[-1] != nbytes):
+                                    or offsets[-1] != data.nbytes):
             raise CorruptRecordError(f"{self.path}: image offsets are inconsistent", shard=self.path)
-        self._adopt_payload(index, offsets, file_offset, nbytes)
+        self._adopt_payload(index, offsets, data.offset, data.nbytes)
         return index
 
-    def _read_index_v2(self, f) -> SampleIndex:
+    def _read_index_v2(self, f, count: int) -> SampleIndex:
         """Version 2: the index arrays by key, then map ``records`` like version 1's ``images``."""
         assert self.schema is not None
-        count = int(f.attrs["count"])
+        layout = index_layout(self.schema)
 
         def get(key: str):
-            return f[key][()] if key in f else None
+            if key not in self._datasets:
+                return None
+            if key == "relpaths":
+                return self._array(key, "u1", structure.flat)
+            if key == "relpath_offsets":
+                return self._array(key, "<i8", (count + 1,))
+            dtype, per = layout[key]
+            return self._array(key, dtype, structure.rows(count, per))
 
         index = read_index_arrays(self.schema, get, count, self.path)
-        data = f[spec.RECORDS]
-        offsets = np.asarray(f[spec.OFFSETS][()], dtype=np.int64)
-        nbytes = int(np.prod(data.shape))
-        if len(offsets) != count + 1 or (count and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
-                                                    or offsets[-1] != nbytes)):
+        data = structure.check_dataset(self._datasets, spec.RECORDS, "u1", structure.flat, self._stat.st_size,
+                                       self.path, contiguous=True)
+        offsets = self._array(spec.OFFSETS, "<i8", (count + 1,))
+        if count and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes) or offsets[-1] != data.nbytes):
             raise CorruptRecordError(f"{self.path}: record offsets are inconsistent", shard=self.path)
-        file_offset = data.id.get_offset()
-        self._adopt_payload(index, offsets, file_offset, nbytes)
+        self._adopt_payload(index, offsets, data.offset, data.nbytes)
         return index
 
     def _adopt_payload(self, index: ShardIndex | SampleIndex, offsets: np.ndarray | None, file_offset: int | None,
@@ -123,12 +169,18 @@ class HDF5ShardReader(ShardReader):
         if nbytes == 0:
             self._payload = np.zeros(0, dtype=np.uint8)
             return
-        if file_offset + nbytes > os.path.getsize(self.path):
-            raise CorruptRecordError(f"{self.path}: payload runs past the end of the file (truncated shard)",
-                                     shard=self.path)
-        start = file_offset - file_offset % mmap.ALLOCATIONGRANULARITY
-        with open(self.path, "rb") as fh:
-            self._map = mmap.mmap(fh.fileno(), nbytes + file_offset - start, access=mmap.ACCESS_READ, offset=start)
+        fd = open_regular(self.path, "shard")
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (self._stat.st_dev, self._stat.st_ino):
+                raise UnsafeStoreError(f"{self.path}: the shard file was replaced while it was open")
+            if file_offset + nbytes > st.st_size:
+                raise CorruptRecordError(f"{self.path}: payload runs past the end of the file (truncated shard)",
+                                         shard=self.path)
+            start = file_offset - file_offset % mmap.ALLOCATIONGRANULARITY
+            self._map = mmap.mmap(fd, nbytes + file_offset - start, access=mmap.ACCESS_READ, offset=start)
+        finally:
+            os.close(fd)
         if hasattr(self._map, "madvise"):
             self._map.madvise(mmap.MADV_RANDOM)
         self._payload = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=file_offset - start)

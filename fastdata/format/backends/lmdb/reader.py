@@ -9,9 +9,11 @@ import lmdb
 import msgpack
 import numpy as np
 
-from fastdata.errors import CorruptRecordError, FormatError
+from fastdata.common.fileio import open_regular
+from fastdata.errors import CorruptRecordError, FormatError, UnsafeStoreError
 from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.lmdb import spec
+from fastdata.format.backends.lmdb.structure import check_structure
 from fastdata.format.record import (
     Record,
     SampleIndex,
@@ -22,6 +24,35 @@ from fastdata.format.record import (
     read_index_arrays,
     record_image,
 )
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+#: identities (device, inode, size, mtime, ctime) of the shard files whose structure this
+#: process (or the parent it was forked from) has checked: each is checked once
+_CHECKED: set[tuple[int, ...]] = set()
+
+
+def checked_open(path: str, *, full: bool = False) -> tuple[int, ...]:
+    """Refuse ``path`` unless it is a regular file whose LMDB structure passes
+    :func:`~fastdata.format.backends.lmdb.structure.check_structure` (once per file identity
+    and process; ``full`` checks again, overflow page headers included). Returns the
+    file's identity, which the caller compares after LMDB opened the file by name."""
+    fd = open_regular(path, "shard")
+    try:
+        identity = _identity(os.fstat(fd))
+        if full or identity not in _CHECKED:
+            try:
+                check_structure(path, fd, full=full)
+            except OSError as err:
+                raise CorruptRecordError(f"{path}: cannot read the shard ({err.strerror or err})",
+                                         shard=path) from None
+            _CHECKED.add(identity)
+        return identity
+    finally:
+        os.close(fd)
 
 
 class _EnvCache:
@@ -50,11 +81,14 @@ class _EnvCache:
         key = os.path.realpath(path)
         entry = self.envs.get(key)
         if entry is None:
+            identity = checked_open(path)  # before LMDB maps anything: nothing it reads can fault
             env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
                             max_spare_txns=0, max_dbs=2)
             try:
+                if _identity(os.stat(path)) != identity:
+                    raise UnsafeStoreError(f"{path}: the shard file was replaced while it was opened")
                 dbs = (env.open_db(spec.RECORDS_DB, create=False), env.open_db(spec.INDEX_DB, create=False))
-            except lmdb.Error:
+            except BaseException:
                 env.close()
                 raise
             entry = self.envs[key] = [env, dbs, 0]
@@ -79,7 +113,15 @@ _ENVS = _EnvCache()
 class LMDBShardReader(ShardReader):
     """Opens the environment read-only without a lock table and without spare
     transactions: a parent holding a read transaction when workers fork makes them fail
-    later with MDB_BAD_RSLOT (py-lmdb#346), so nothing survives a fork."""
+    later with MDB_BAD_RSLOT (py-lmdb#346), so nothing survives a fork.
+
+    Before LMDB opens (and maps) a shard file, the file must be a regular file whose
+    structure passes :func:`~fastdata.format.backends.lmdb.structure.check_structure`
+    (read with ``pread``: meta pages, every B-tree page and node within its page and the
+    file, overflow values within the last page), so that no read through the map can
+    fault; checked once per file identity (device, inode, size, mtime, ctime) per process,
+    forked children included. The header's count must be the manifest's when
+    ``expected_count`` is given."""
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True
@@ -90,16 +132,28 @@ class LMDBShardReader(ShardReader):
         self._checksums: np.ndarray | None = None  # raw mode: loaded at the first batch
         try:
             self._key, self.env, (self.records, self.index_db) = _ENVS.acquire(path, readahead)
-        except lmdb.Error as err:
+        except (lmdb.Error, OSError) as err:
             self.env = None
             raise FormatError(f"{path}: cannot open LMDB shard ({err}); the file is missing or damaged; "
                               "run 'fastdata verify' on the store") from None
+        except BaseException:
+            self.env = None
+            raise
+
+    @classmethod
+    def check_structure(cls, path: str, *, full: bool = False) -> None:
+        """A regular file whose LMDB structure passes
+        :func:`~fastdata.format.backends.lmdb.structure.check_structure` (``full``: overflow
+        page headers and overlaps too), read with ``pread`` only: this check cannot fault."""
+        try:
+            checked_open(path, full=full)
+        except OSError as err:
+            raise FormatError(f"{path}: cannot open the shard ({err.strerror or err})") from None
 
     def read_index(self) -> ShardIndex | SampleIndex:
-        expected = spec.VERSION if self.schema is None else spec.VERSION_2
         try:
             with self._open_env().begin(db=self.index_db) as txn:
-                header_raw = txn.get(spec.HEADER_KEY)
+                count = self._header_count(txn.get(spec.HEADER_KEY))  # before any array is read
                 if self.schema is not None:
                     stored = {key: txn.get(key.encode()) for key in (*index_layout(self.schema), "relpaths",
                                                                       "relpath_offsets")}
@@ -107,19 +161,7 @@ class LMDBShardReader(ShardReader):
                     raw = {name: txn.get(name.encode()) for name in spec.INDEX_ARRAYS}
         except lmdb.Error as err:
             raise CorruptRecordError(f"{self.path}: cannot read the shard index ({err})", shard=self.path) from None
-        try:
-            header = msgpack.unpackb(header_raw, raw=False, max_str_len=256, max_map_len=8)
-        except Exception:
-            header = None
-        if not isinstance(header, dict) or header.get("layout") != spec.LAYOUT:
-            raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
-        if header.get("version") != expected:
-            raise FormatError(f"{self.path}: LMDB shard layout version {header.get('version')!r} "
-                              f"is not supported (expects {expected})")
         if self.schema is not None:
-            count = header.get("count")
-            if type(count) is not int or count < 0:
-                raise CorruptRecordError(f"{self.path}: damaged shard header (count)", shard=self.path)
             try:
                 index_v2 = read_index_arrays(self.schema, stored.get, count, self.path)
             except CorruptRecordError as err:
@@ -133,11 +175,30 @@ class LMDBShardReader(ShardReader):
                 raise CorruptRecordError(f"{self.path}: index array {name!r} missing or damaged", shard=self.path)
             arrays[name] = np.frombuffer(buf, dtype=dtype).astype(np.dtype(dtype).newbyteorder("="))
         index = ShardIndex(**arrays)
-        if len(index) != header.get("count"):
-            raise CorruptRecordError(f"{self.path}: index has {len(index)} entries, header says {header.get('count')}",
+        if len(index) != count:
+            raise CorruptRecordError(f"{self.path}: index has {len(index)} entries, header says {count}",
                                      shard=self.path)
         index.validate(self.path)
         return index
+
+    def _header_count(self, header_raw) -> int:
+        """The record count of the shard header ``header_raw`` (checked: layout, version, and the
+        manifest's count when the reader was given one)."""
+        expected = spec.VERSION if self.schema is None else spec.VERSION_2
+        try:
+            header = msgpack.unpackb(header_raw, raw=False, max_str_len=256, max_map_len=8)
+        except Exception:
+            header = None
+        if not isinstance(header, dict) or header.get("layout") != spec.LAYOUT:
+            raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
+        if header.get("version") != expected:
+            raise FormatError(f"{self.path}: LMDB shard layout version {header.get('version')!r} "
+                              f"is not supported (expects {expected})")
+        count = header.get("count")
+        if type(count) is not int or count < 0:
+            raise CorruptRecordError(f"{self.path}: damaged shard header (count)", shard=self.path)
+        self.check_count(count)
+        return count
 
     def _decode(self, buf, local_index: int) -> bytes:
         where = f"{self.path} record {local_index}"
