@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fastdata.common.imageio import pixel_limit
 from fastdata.errors import CorruptRecordError, FastdataError, FormatError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
@@ -328,11 +329,49 @@ class StoreDataset(Dataset):
         self._formats = cat(parts["formats"], np.uint8)
         self._nbytes = cat(parts["nbytes"], np.int64)
         widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
+        self._check_image_sizes(widths, heights, "widths/heights")
+        self._check_raw_sizes(self._nbytes)
         #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
         self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
             (widths == widths[0]).all() and (heights == heights[0]).all()) else None
         self._relpaths = cat(paths, np.uint8)
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+
+    def _check_image_sizes(self, widths: np.ndarray, heights: np.ndarray, field: str) -> None:
+        """Refuse (CorruptRecordError naming the store, shard, record and index field) index image
+        sizes that are negative or over :func:`fastdata.common.imageio.pixel_limit`: batches are
+        allocated from them before any image is decoded. int64 products of int32 sizes cannot wrap."""
+        if not len(widths):
+            return
+        pixels = widths.astype(np.int64) * heights.astype(np.int64)
+        bad = (widths < 0) | (heights < 0) | (pixels > pixel_limit())
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            shard, local = self.locate(i)
+            name = self._shard_files[shard]
+            raise CorruptRecordError(
+                f"{self.root}: shard {name} record {local} (sample {i}): the index's {field} say "
+                f"{int(widths[i])}x{int(heights[i])}, beyond the {pixel_limit():,} pixel limit of an image; the "
+                "index is damaged or hostile (run 'fastdata verify')", store=self.root, shard=name, index=i)
+
+    def _check_raw_sizes(self, nbytes: np.ndarray) -> None:
+        """A raw store: ``raw_shape`` within the pixel limit and every record exactly H x W x 3 bytes
+        (the index's ``nbytes``), checked before a batch is allocated from ``raw_shape``."""
+        if self.storage.mode != "raw":
+            return
+        h, w = self.storage.raw_hw()
+        if h * w > pixel_limit():  # Python ints
+            raise FormatError(f"{self.root}: storage raw_shape {h}x{w} is beyond the {pixel_limit():,} pixel limit "
+                              "of an image; the manifest is damaged or hostile")
+        bad = np.flatnonzero(nbytes != h * w * 3)
+        if len(bad):
+            i = int(bad[0])
+            shard, local = self.locate(i)
+            name = self._shard_files[shard]
+            raise CorruptRecordError(
+                f"{self.root}: shard {name} record {local} (sample {i}) holds {int(nbytes[i])} bytes, but the "
+                f"manifest's raw_shape {h}x{w} needs {h * w * 3}; the store is damaged (run 'fastdata verify')",
+                store=self.root, shard=name, index=i)
 
     def __len__(self) -> int:
         return len(self.targets)

@@ -103,6 +103,9 @@ class SampleDataset(StoreDataset):
                                      store=self.root)
         self._relpaths = np.concatenate(paths).astype(np.uint8) if paths else np.zeros(0, dtype=np.uint8)
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+        for name in self.schema.image_fields():
+            self._check_image_sizes(self.index_arrays[f"{FIELD_PREFIX}{name}.width"],
+                                    self.index_arrays[f"{FIELD_PREFIX}{name}.height"], f"{name!r} width/height")
         self._load_class_tables(manifest)
         self.uniform_shape = None
 
