@@ -329,8 +329,8 @@ class StoreDataset(Dataset):
         self._formats = cat(parts["formats"], np.uint8)
         self._nbytes = cat(parts["nbytes"], np.int64)
         widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
-        self._check_image_sizes(widths, heights, "widths/heights")
         self._check_raw_sizes(self._nbytes)
+        self._check_image_sizes(widths, heights, "widths/heights")
         #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
         self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
             (widths == widths[0]).all() and (heights == heights[0]).all()) else None
