@@ -330,39 +330,35 @@ class StoreDataset(Dataset):
         self._nbytes = cat(parts["nbytes"], np.int64)
         widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
         self._check_raw_sizes(self._nbytes)
-        self._check_image_sizes(widths, heights, "widths/heights")
         #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
         self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
             (widths == widths[0]).all() and (heights == heights[0]).all()) else None
         self._relpaths = cat(paths, np.uint8)
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
 
-    def _check_image_sizes(self, widths: np.ndarray, heights: np.ndarray, field: str) -> None:
-        """Refuse (CorruptRecordError naming the store, shard, record and index field) index image
-        sizes that are negative or over :func:`fastdata.common.imageio.pixel_limit`: batches are
-        allocated from them before any image is decoded. int64 products of int32 sizes cannot wrap."""
-        if not len(widths):
+    def _check_batch_shape(self, idx: np.ndarray, shape: tuple[int, int], field: str = "widths/heights") -> None:
+        """Refuse (CorruptRecordError naming the store, shard, record and index field) a batch
+        shape taken from the index that is not positive or is over
+        :func:`fastdata.common.imageio.pixel_limit`, before the batch is allocated from it
+        (Python ints: no product can wrap)."""
+        h, w = shape
+        if h > 0 and w > 0 and h * w <= pixel_limit():
             return
-        pixels = widths.astype(np.int64) * heights.astype(np.int64)
-        bad = (widths < 0) | (heights < 0) | (pixels > pixel_limit())
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            shard, local = self.locate(i)
-            name = self._shard_files[shard]
-            raise CorruptRecordError(
-                f"{self.root}: shard {name} record {local} (sample {i}): the index's {field} say "
-                f"{int(widths[i])}x{int(heights[i])}, beyond the {pixel_limit():,} pixel limit of an image; the "
-                "index is damaged or hostile (run 'fastdata verify')", store=self.root, shard=name, index=i)
+        i = int(idx[0]) if len(idx) else 0
+        shard, local = self.locate(i)
+        name = self._shard_files[shard]
+        raise CorruptRecordError(
+            f"{self.root}: shard {name} record {local} (sample {i}): the index's {field} say {w}x{h}, not a "
+            f"size an image may have (1 to {pixel_limit():,} pixels: larger is refused as a decompression "
+            "bomb); nothing was allocated for it", store=self.root, shard=name, index=i)
 
     def _check_raw_sizes(self, nbytes: np.ndarray) -> None:
-        """A raw store: ``raw_shape`` within the pixel limit and every record exactly H x W x 3 bytes
-        (the index's ``nbytes``), checked before a batch is allocated from ``raw_shape``."""
+        """A raw store: every record exactly H x W x 3 bytes of ``raw_shape`` (the index's ``nbytes``,
+        read from the shard), checked before a batch is allocated from ``raw_shape``; the manifest's
+        own check bounds ``raw_shape`` (at most a record's limit, and no more than the shards hold)."""
         if self.storage.mode != "raw":
             return
         h, w = self.storage.raw_hw()
-        if h * w > pixel_limit():  # Python ints
-            raise FormatError(f"{self.root}: storage raw_shape {h}x{w} is beyond the {pixel_limit():,} pixel limit "
-                              "of an image; the manifest is damaged or hostile")
         bad = np.flatnonzero(nbytes != h * w * 3)
         if len(bad):
             i = int(bad[0])
@@ -642,6 +638,8 @@ class StoreDataset(Dataset):
         return tuple(size) if size else None
 
     def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], epoch: int | None) -> Batch:
+        if self.decode is None and self.storage.mode != "raw":  # the shape is the index's (uniform_shape)
+            self._check_batch_shape(idx, shape)
         return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr, epoch),
                            channels_first=self.output == "tensor", target_transform=self.target_transform)
 
