@@ -86,7 +86,7 @@ def test_msgpack_lengths_are_bounded_by_the_input():
 # -- JSON ---------------------------------------------------------------------------------------
 
 def test_json_containers_just_inside_and_outside():
-    def doc(k: int) -> bytes:  # k empty lists in one list: k + 1 containers in 3k + 1 bytes
+    def doc(k: int) -> bytes:  # k empty lists in one list: k + 1 containers in 3k bytes
         return b"[" + b",".join([b"[]"] * k) + b"]"
     k = 1
     while k + 2 <= json_container_budget(len(doc(k + 1))):
@@ -99,14 +99,6 @@ def test_json_containers_just_inside_and_outside():
 def test_json_brackets_inside_strings_do_not_count():
     doc = json.dumps({"names": ["[{" * 50_000]}).encode()
     assert json_loads_bounded(doc)["names"][0].startswith("[{")
-
-
-def test_json_values_bounded():
-    doc = b"[" + b",".join([b"1"] * 200_000) + b"]"  # 200k values in 400 kB: over 65536 + 400k/8
-    with pytest.raises(ExpansionError, match="values"):
-        json_loads_bounded(doc)
-    doc = b"[" + b",".join([b"1"] * 10_000) + b"]"
-    assert len(json_loads_bounded(doc)) == 10_000
 
 
 # -- the manifest -------------------------------------------------------------------------------
