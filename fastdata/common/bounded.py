@@ -121,21 +121,25 @@ def unpack_limits(nbytes: int, max_objects: int | None = None) -> dict:
 def unpackb_bounded(buf: bytes | memoryview, *, max_objects: int | None = None, **kwargs: Any) -> Any:
     """``msgpack.unpackb(buf, **kwargs)`` creating at most ``max_objects`` objects (default
     :func:`object_budget` ``(len(buf))``), with the length limits of :func:`unpack_limits`
-    (a limit given in ``kwargs`` that is lower wins).
+    (a limit given in ``kwargs`` that is lower wins) and no ext types.
+
+    Input no longer than its budget takes msgpack's own defaults, which are then the same
+    limits (each at most the input's size), and no count: nothing is added to a small
+    record's decode but this call.
 
     Raises:
         ExpansionError: over budget.
         ValueError, msgpack.UnpackException: not valid msgpack, or a length over its limit.
     """
     n = len(buf)
-    budget = object_budget(n) if max_objects is None else max_objects
+    budget = OBJECTS_FLOOR + n // BYTES_PER_OBJECT if max_objects is None else max_objects
+    if n <= budget:  # at most one object per byte: it cannot exceed the budget
+        kwargs.setdefault("max_ext_len", 0)
+        return msgpack.unpackb(buf, **kwargs)
     limits = unpack_limits(n, budget)
     for key, value in kwargs.items():
         if key in limits and value is not None:
             limits[key] = min(limits[key], value)
     kw = {k: v for k, v in kwargs.items() if k not in limits}
-    if n > budget:  # at most one object per byte: input within the budget cannot exceed it
-        counter = _Counter(budget, n)
-        kw["list_hook"] = counter.list_hook
-        kw["object_hook"] = counter.object_hook
-    return msgpack.unpackb(buf, **limits, **kw)
+    counter = _Counter(budget, n)
+    return msgpack.unpackb(buf, **limits, **kw, list_hook=counter.list_hook, object_hook=counter.object_hook)
