@@ -88,3 +88,19 @@ def test_verify_checks_index_fdi_against_the_manifest(store, tmp_path):
     os.unlink(path)
     report = fastdata.verify(copy)
     assert any(p.startswith("index.fdi: missing") for p in report.problems), report.problems
+
+
+def test_coco_file_name_with_a_nul_is_one_clear_error(tmp_path, capsys):
+    import json
+
+    from helpers.images import make_jpeg
+
+    images = tmp_path / "images"
+    make_jpeg(images / "a.jpg", size=(16, 12))
+    ann = {"images": [{"id": 1, "file_name": "a.jpg", "width": 16, "height": 12},
+                      {"id": 7, "file_name": "b\x00.jpg", "width": 16, "height": 12}],
+           "annotations": [], "categories": [{"id": 1, "name": "thing"}]}
+    (tmp_path / "ann.json").write_text(json.dumps(ann))
+    rc = main(["convert", "--coco", str(tmp_path / "ann.json"), str(images), str(tmp_path / "out.lmdb"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "images[1] (image id 7)" in err and "NUL" in err and "internal error" not in err, err
