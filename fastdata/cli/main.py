@@ -15,6 +15,7 @@ import sys
 
 from fastdata._version import __version__
 from fastdata.cli.options import add_remote_options, remote_options
+from fastdata.common.text import printable
 from fastdata.errors import FastdataError
 
 EXIT_OK, EXIT_FAILED_CHECK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -34,9 +35,9 @@ def _cmd_convert(args) -> int:
     finally:
         shutdown(created)
     for warning in report.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+        print(f"warning: {printable(warning, keep_newlines=True)}", file=sys.stderr)
     if not args.quiet and rank == 0:
-        print(report.summary())
+        print(printable(report.summary(), keep_newlines=True))
     return EXIT_OK
 
 
@@ -74,7 +75,7 @@ def _cmd_info(args) -> int:
                               if storage["mode"] == "reencode" else
                               f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})"
                               if storage["mode"] == "raw" else "")
-    print(f"store:    {data['path']}")
+    print(f"store:    {printable(data['path'])}")
     print(f"backend:  {data['backend']} (layout version {data['version']})")
     print(f"storage:  {mode}")
     print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
@@ -84,13 +85,13 @@ def _cmd_info(args) -> int:
 
         print("schema:")
         for line in Schema.from_json(data["schema"]).describe_markdown().splitlines():
-            print(f"  {line}")
+            print(f"  {printable(line)}")
     print("classes:")
     for c in data["classes"]:
-        print(f"  {c['index']:>5}  {c['name']}: {c['count']}")
+        print(f"  {c['index']:>5}  {printable(c['name'])}: {c['count']}")
     print("shards:")
     for s in data["shards"]:
-        print(f"  {s['name']}: {s['count']} records, {format_size(s['bytes'])}")
+        print(f"  {printable(s['name'])}: {s['count']} records, {format_size(s['bytes'])}")
     return EXIT_OK
 
 
@@ -103,7 +104,7 @@ def _cmd_verify(args) -> int:
     if args.json:
         print(json.dumps(report.__dict__, indent=2))
     else:
-        print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
+        print(printable(report.summary(), keep_newlines=True), file=sys.stdout if report.ok else sys.stderr)
     return {"ok": EXIT_OK, "not_a_store": EXIT_NOT_A_STORE, "unfinished": EXIT_UNFINISHED}.get(
         report.status, EXIT_FAILED_CHECK)
 
@@ -119,7 +120,7 @@ def _cmd_cache_list(args) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        print(report.table())
+        print(printable(report.table(), keep_newlines=True))
     return EXIT_OK
 
 
@@ -128,7 +129,7 @@ def _cmd_cache_clear(args) -> int:
 
     removed, kept = clear_cache(args.url, args.cache_dir)
     what = f" of {args.url}" if args.url else ""
-    print(f"{removed} shard(s){what} removed, {kept} kept (in use by a live process)")
+    print(printable(f"{removed} shard(s){what} removed, {kept} kept (in use by a live process)"))
     return EXIT_OK
 
 
@@ -358,21 +359,21 @@ def main(argv: list[str] | None = None) -> int:
         print("fastdata: interrupted; an interrupted convert can be finished with --resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     except FastdataError as err:
-        print(f"fastdata: error: {err}", file=sys.stderr)
+        print(f"fastdata: error: {printable(err, keep_newlines=True)}", file=sys.stderr)
         return EXIT_ERROR
     except ValueError as err:
-        print(f"fastdata: error: {err}", file=sys.stderr)
+        print(f"fastdata: error: {printable(err, keep_newlines=True)}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # e.g. `fastdata info X | head`
         return EXIT_OK
     except OSError as err:
-        print(f"fastdata: error: {err.filename or ''}{': ' if err.filename else ''}{err.strerror or err}",
+        print(printable(f"fastdata: error: {err.filename or ''}{': ' if err.filename else ''}{err.strerror or err}"),
               file=sys.stderr)
         return EXIT_ERROR
     except Exception as err:  # never a bare traceback; FASTDATA_DEBUG=1 shows it
         if os.environ.get("FASTDATA_DEBUG"):
             raise
-        print(f"fastdata: internal error: {type(err).__name__}: {err} "
+        print(f"fastdata: internal error: {type(err).__name__}: {printable(err, keep_newlines=True)} "
               "(please report it; rerun with FASTDATA_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
 

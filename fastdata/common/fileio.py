@@ -136,9 +136,12 @@ def read_regular(path: str, limit: int, what: str = "file") -> bytes:
         chunks: list[bytes] = []
         total = 0
         while True:
-            block = os.read(fd, min(1 << 20, limit + 1 - total))
+            # the whole file in one read when it is as large as fstat said (no second copy to join);
+            # a file growing while it is read is taken in blocks, up to one byte past the limit
+            want = size + 1 - total if total <= size else 1 << 20
+            block = os.read(fd, min(want, limit + 1 - total))
             if not block:
-                return b"".join(chunks)
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
             chunks.append(block)
             total += len(block)
             if total > limit:

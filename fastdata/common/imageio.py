@@ -118,6 +118,20 @@ def fast_jpeg_size(data: Buffer) -> tuple[int, int] | None:
     return height, width
 
 
+#: the pixel limit when Pillow's ``Image.MAX_IMAGE_PIXELS`` is None (bomb checks turned off):
+#: a store's declared sizes are still checked against it before memory is allocated
+PIXEL_LIMIT_WITHOUT_PILLOW_LIMIT = 1 << 31
+
+
+def pixel_limit() -> int:
+    """The most pixels (width x height) one image may have: Pillow's ``Image.MAX_IMAGE_PIXELS``
+    (default 89,478,485), the limit the decoders refuse images beyond; when that is None,
+    :data:`PIXEL_LIMIT_WITHOUT_PILLOW_LIMIT`. Readers check a store's declared image sizes
+    (index widths and heights, raw shapes) against it before allocating batch memory."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return PIXEL_LIMIT_WITHOUT_PILLOW_LIMIT if limit is None else int(limit)
+
+
 _scratch = threading.local()
 
 

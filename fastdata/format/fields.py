@@ -61,6 +61,10 @@ RESERVED_NAMES = frozenset({"v", "path", "xxh"})
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 #: nesting limit for json values (hostile records cannot recurse deeply)
 MAX_JSON_DEPTH = 32
+#: most dimensions of an ndarray field or a ragged field's inner shape
+MAX_NDIM = 32
+#: most bytes of one ndarray field value, or of one row of a ragged field (a record's own limit)
+MAX_ARRAY_BYTES = 1 << 30
 
 
 def register_kind(cls: type[Field]) -> type[Field]:
@@ -82,13 +86,23 @@ def _dtype(name: Any, where: str) -> np.dtype:
     return np.dtype(dtype.name).newbyteorder("<") if dtype.itemsize > 1 else np.dtype(dtype.name)
 
 
-def _shape(shape: Any, where: str) -> tuple[int, ...]:
+def _shape(shape: Any, where: str, itemsize: int = 1) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, refused unless every dimension is a non-negative integer,
+    there are at most :data:`MAX_NDIM` and one array of it (``itemsize`` bytes per value) is at
+    most :data:`MAX_ARRAY_BYTES` (Python ints: no int64 product can wrap)."""
     try:
+        if isinstance(shape, str | bytes) or len(shape) > MAX_NDIM:
+            raise TypeError
+        if any(isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer) for s in shape):
+            raise TypeError
         out = tuple(int(s) for s in shape)
     except (TypeError, ValueError):
-        raise SchemaError(f"{where}: shape {shape!r} is not a tuple of integers") from None
+        raise SchemaError(f"{where}: shape {shape!r:.80} is not a tuple of at most {MAX_NDIM} integers") from None
     if any(s < 0 for s in out):
         raise SchemaError(f"{where}: shape {shape!r} has a negative dimension")
+    if math.prod(out) * itemsize > MAX_ARRAY_BYTES:
+        raise SchemaError(f"{where}: shape {list(out)} is {math.prod(out) * itemsize:,} bytes, more than the "
+                          f"{MAX_ARRAY_BYTES:,} an array may hold")
     return out
 
 
@@ -322,8 +336,8 @@ class NDArray(Field):
 
     def __init__(self, dtype: Any, shape: Iterable[int]):
         self.dtype = _dtype(dtype, "ndarray field")
-        self.shape = _shape(shape, "ndarray field")
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.shape = _shape(shape, "ndarray field", self.dtype.itemsize)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
     @classmethod
     def example(cls) -> Field:
@@ -369,8 +383,8 @@ class Ragged(Field):
 
     def __init__(self, dtype: Any, inner_shape: Iterable[int] = ()):
         self.dtype = _dtype(dtype, "ragged field")
-        self.inner_shape = _shape(inner_shape, "ragged field")
-        self.row_bytes = int(np.prod(self.inner_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.inner_shape = _shape(inner_shape, "ragged field", self.dtype.itemsize)
+        self.row_bytes = math.prod(self.inner_shape) * self.dtype.itemsize
 
     @classmethod
     def example(cls) -> Field:

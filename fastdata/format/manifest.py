@@ -14,15 +14,22 @@ from typing import Any
 
 import xxhash
 
-from fastdata.common.fileio import atomic_write
+from fastdata.common.bounded import ExpansionError, json_loads_bounded
+from fastdata.common.fileio import atomic_write, read_regular
 from fastdata.errors import FormatError, IncompleteStoreError
-from fastdata.format.names import MANIFEST_NAME, REJECTED_NAME
+from fastdata.format.names import MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, check_file_name
 
 STORE_FORMAT = "fastdata-store"
 STORE_VERSION = 1
 #: layout version of general stores (a ``schema`` other than the classification one)
 STORE_VERSION_2 = 2
+#: the largest manifest read (local or remote); its JSON decodes under
+#: :func:`fastdata.common.bounded.json_loads_bounded`'s budget (see docs/SECURITY.md)
 MAX_MANIFEST_BYTES = 256 << 20
+#: the largest raw image (``storage.raw_shape`` H x W x 3 bytes): a record's own limit
+MAX_RAW_RECORD_BYTES = 1 << 30
+#: the largest ``index.fdi`` a manifest may declare
+MAX_STORE_INDEX_BYTES = 4 << 30
 
 _REQUIRED = {
     "format": str,
@@ -72,11 +79,13 @@ def read_manifest(store_dir: str) -> dict:
     if not os.path.isdir(store_dir):
         raise FormatError(f"{store_dir}: not a fastdata store (not a directory)")
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_MANIFEST_BYTES + 1)
+        # a regular file only (a FIFO would block the open forever), at most MAX_MANIFEST_BYTES
+        raw = read_regular(path, MAX_MANIFEST_BYTES, "manifest")
     except FileNotFoundError:
         hint = " (an interrupted conversion: rerun it with --resume)" if _has_staging(store_dir) else ""
         raise IncompleteStoreError(f"{store_dir}: no {MANIFEST_NAME}: not a finished fastdata store{hint}") from None
+    except OSError as err:
+        raise FormatError(f"{path}: cannot read the manifest ({err.strerror or err})") from None
     return parse_manifest(raw, where=path)
 
 
@@ -91,7 +100,9 @@ def parse_manifest(raw: bytes, where: str = "manifest") -> dict:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise FormatError(f"{where}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = json_loads_bounded(raw)
+    except ExpansionError as err:
+        raise FormatError(f"{where}: manifest refused: {err} (a JSON expansion bomb, or damage)") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise FormatError(f"{where}: manifest is not valid JSON ({err}); the store is damaged") from None
     if not isinstance(body, dict):
@@ -139,6 +150,12 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         if not (isinstance(item, dict) and set(item) == {"path", "warning"}
                 and isinstance(item["path"], str) and isinstance(item["warning"], str)):
             raise FormatError(f"{where}: warnings entry {i} is not {{'path': str, 'warning': str}}")
+    raw_shape = body["storage"]["raw_shape"]
+    # Python ints: a product of hostile sizes cannot wrap
+    raw_bytes = raw_shape[0] * raw_shape[1] * 3 if raw_shape else None
+    if raw_bytes is not None and raw_bytes > MAX_RAW_RECORD_BYTES:
+        raise FormatError(f"{where}: storage raw_shape {raw_shape} is {raw_bytes:,} bytes an image, more than the "
+                          f"{MAX_RAW_RECORD_BYTES:,} a record may hold")
     expected_first = 0
     names: set = set()
     for i, shard in enumerate(body["shards"]):
@@ -148,13 +165,23 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
             if type(shard.get(key)) is not typ:
                 raise FormatError(f"{where}: shard entry {i}: field {key!r} missing or not {typ.__name__}")
         name = shard["name"]
-        if (not name or os.path.basename(name) != name or name.startswith(".") or name in names
-                or name in (MANIFEST_NAME, REJECTED_NAME)):
-            raise FormatError(f"{where}: shard name {name!r} is not a plain, unique shard file name")
+        problem = check_file_name(name)
+        if problem is None and (name.startswith(".") or name in names
+                                or name in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME)):
+            problem = "not unique, hidden or a name the store itself uses"
+        if problem is not None:
+            raise FormatError(f"{where}: shard entry {i}: name {name!r} is not a plain, unique shard file name "
+                              f"({problem})")
+        if shard["bytes"] < 0 or shard["image_bytes"] < 0:
+            raise FormatError(f"{where}: shard {name}: negative 'bytes' or 'image_bytes'")
         names.add(name)
         if shard["first_index"] != expected_first or shard["count"] < 0:
             raise FormatError(f"{where}: shard {name}: first_index/count inconsistent")
+        if raw_bytes is not None and shard["count"] * raw_bytes > shard["bytes"]:
+            raise FormatError(f"{where}: shard {name}: {shard['count']} raw images of {raw_shape[0]}x{raw_shape[1]} "
+                              f"are {shard['count'] * raw_bytes:,} bytes, more than the shard's {shard['bytes']:,}")
         expected_first += shard["count"]
+    _validate_store_index_entry(body, where)
     general = body["version"] == STORE_VERSION_2
     if expected_first != body["num_samples"] or (
             sum(body["class_counts"]) != body["num_samples"] and not (general and not body["classes"])):
@@ -164,6 +191,20 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         _validate_class_tables(body, schema, where)
     elif "schema" in body:
         raise FormatError(f"{where}: a version-1 manifest has no schema (it is always image + label)")
+
+
+def _validate_store_index_entry(body: dict, where: str) -> None:
+    """``store_index`` (optional: stores made before it existed have none): exactly
+    ``{"name": "index.fdi", "bytes": int, "xxh": str}``, the size at most
+    :data:`MAX_STORE_INDEX_BYTES` (what a reader reads it with as its limit)."""
+    entry = body.get("store_index")
+    if entry is None and "store_index" not in body:
+        return
+    if not (isinstance(entry, dict) and set(entry) == {"name", "bytes", "xxh"} and entry["name"] == STORE_INDEX_NAME
+            and type(entry["bytes"]) is int and 0 <= entry["bytes"] <= MAX_STORE_INDEX_BYTES
+            and isinstance(entry["xxh"], str)):
+        raise FormatError(f"{where}: manifest field 'store_index' is not {{'name': {STORE_INDEX_NAME!r}, "
+                          f"'bytes': 0..{MAX_STORE_INDEX_BYTES}, 'xxh': str}}")
 
 
 #: manifest key of a general store's class tables: ``{field name: [class names]}``

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastdata.common.fileio import ATOMIC_TMP_MARK
 
 #: the store's manifest: published last, its presence means "finished store"
@@ -37,7 +39,36 @@ LOCK_NAME = ".fastdata.lock"
 TMP_SUFFIX = ".tmp"
 
 __all__ = ["ATOMIC_TMP_MARK", "LISTING_FILE", "LOCK_NAME", "MANIFEST_NAME", "PLAN_FILE", "REJECTED_NAME",
-           "SIDECAR_SUFFIX", "STAGING_DIR", "STORE_INDEX_NAME", "TMP_SUFFIX", "shard_name"]
+           "SIDECAR_SUFFIX", "STAGING_DIR", "STORE_INDEX_NAME", "TMP_SUFFIX", "check_file_name", "shard_name"]
+
+#: the longest file name a store may list (NAME_MAX of common file systems)
+MAX_FILE_NAME_BYTES = 255
+_UNSAFE_NAME_CHARS = re.compile("[\x00-\x1f\x7f-\x9f/\\\\\ud800-\udfff]")
+
+
+def _utf8_size(name: str) -> int:
+    try:
+        return len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate: no file can have this name
+        return MAX_FILE_NAME_BYTES + 1
+
+
+def check_file_name(name: object) -> str | None:
+    """Why ``name`` (from a manifest: untrusted) is not a plain file name inside the store
+    directory, or None when it is one: a non-empty str of at most :data:`MAX_FILE_NAME_BYTES`
+    UTF-8 bytes, not ``.`` or ``..``, without ``/``, ``\\``, NUL or any other control character
+    (C0, DEL, C1) or lone surrogate."""
+    if not isinstance(name, str) or not name:
+        return "empty or not a string"
+    if name in (".", ".."):
+        return "a directory reference"
+    bad = _UNSAFE_NAME_CHARS.search(name)
+    if bad is not None:
+        return ("holds a path separator" if bad.group() in "/\\"
+                else "holds a NUL, a control character or a lone surrogate")
+    if len(name) * 4 > MAX_FILE_NAME_BYTES and _utf8_size(name) > MAX_FILE_NAME_BYTES:
+        return f"longer than {MAX_FILE_NAME_BYTES} bytes"
+    return None
 
 
 def shard_name(backend: str, shard_id: int) -> str:

@@ -17,6 +17,7 @@ reader can learn labels and sizes without touching the records (see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from fastdata.common.bounded import BYTES_PER_OBJECT, OBJECTS_FLOOR, ExpansionError, object_budget, unpackb_bounded
 from fastdata.errors import CorruptRecordError
 
 RECORD_VERSION = 1
@@ -76,19 +78,45 @@ def encode_record(image: bytes, *, label: int, width: int, height: int, fmt: str
     )
 
 
-def _unpack_bounded(buf: bytes | memoryview, where: str, limits: dict) -> Any:
-    """msgpack-decode one stored record under ``limits`` (``msgpack.unpackb`` keyword arguments).
+def _unpack_bounded(buf: bytes | memoryview, where: str, limits: dict, counted: bool = False) -> Any:
+    """msgpack-decode one stored record under ``limits`` (``msgpack.unpackb`` keyword arguments);
+    ``counted``: also under :func:`fastdata.common.bounded.object_budget` (records whose
+    fields may nest: version 2).
 
     Raises:
-        CorruptRecordError: the record is larger than :data:`MAX_RECORD_BYTES` or is not
-            valid msgpack (named by ``where``).
+        CorruptRecordError: the record is larger than :data:`MAX_RECORD_BYTES`, is not
+            valid msgpack, or would decode to more objects than its budget (named by ``where``).
     """
     if len(buf) > MAX_RECORD_BYTES:
         raise CorruptRecordError(f"{where}: record of {len(buf)} bytes exceeds the {MAX_RECORD_BYTES} byte limit")
     try:
-        return _unpackb(buf, **limits)
+        return unpackb_bounded(buf, **limits) if counted else _unpackb(buf, **limits)
     except Exception as err:  # msgpack raises several unrelated types on garbage
+        if counted and (isinstance(err, ExpansionError) or "exceeds max_" in str(err)):
+            what = f"it {err}" if isinstance(err, ExpansionError) else str(err)
+            raise CorruptRecordError(
+                f"{where}{_largest_field(buf)}: record refused as an expansion bomb ({what}; a record of "
+                f"{len(buf):,} bytes may decode to at most {object_budget(len(buf)):,} objects)") from None
         raise CorruptRecordError(f"{where}: record is not valid msgpack ({type(err).__name__}: {err})") from None
+
+
+def _largest_field(buf: bytes | memoryview) -> str:
+    """`` field 'name'``: the key of the record map's largest value (what made it expand), found
+    by skipping values without building them; empty when the map cannot be walked."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(buf) + 1, max_str_len=1 << 16,
+                                    max_bin_len=0, max_array_len=0, max_map_len=1 << 16, max_ext_len=0)
+        unpacker.feed(buf)
+        best, best_size = None, -1
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            start = unpacker.tell()
+            unpacker.skip()
+            if unpacker.tell() - start > best_size:
+                best, best_size = key, unpacker.tell() - start
+        return f" field {best!r}" if isinstance(best, str) else ""
+    except Exception:  # noqa: BLE001 - only a nicer message: any failure leaves it out
+        return ""
 
 
 def _unpack_record(buf: bytes | memoryview, where: str, verify: bool) -> dict:
@@ -275,12 +303,39 @@ def encode_sample(schema, checked: dict, images: dict[str, tuple[str, int, int]]
         index[f"{FIELD_PREFIX}{name}.width"] = width
         index[f"{FIELD_PREFIX}{name}.height"] = height
     record = msgpack.packb(body, use_bin_type=True)
+    if len(record) > OBJECTS_FLOOR:  # smaller ones cannot exceed it (see fastdata.common.bounded)
+        _check_record_budget(body, len(record))
     return EncodedSample(record, checksum(record), bytes(relpath), index)
+
+
+def _objects(value: Any) -> int:
+    """Objects a value adds when unpacked, as :func:`fastdata.common.bounded.unpackb_bounded` counts them."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return 1 + len(value) + sum(_objects(v) for v in value if type(v) in (list, tuple, dict))
+    if kind is dict:
+        return 1 + 2 * len(value) + sum(_objects(v) for v in value.values() if type(v) in (list, tuple, dict))
+    return 0
+
+
+def _check_record_budget(body: dict, size: int) -> None:
+    """Refuse (SchemaError naming the field) a record readers would refuse as an expansion bomb:
+    one decoding to more than ``object_budget(size)`` objects."""
+    from fastdata.format.fields import SchemaError
+
+    counts = {name: _objects(value) for name, value in body.items()}
+    total = 1 + 2 * len(body) + sum(counts.values())
+    budget = object_budget(size)
+    if total > budget:
+        name = max(counts, key=lambda k: counts[k])
+        raise SchemaError(f"field {name!r}: {counts[name]:,} values in one record of {size:,} bytes; a record may "
+                          f"hold at most {budget:,} (65,536 + 1 per {BYTES_PER_OBJECT} bytes): store large "
+                          "arrays as a Ragged or NDArray field, not as JSON lists")
 
 
 def unpack_record_v2(buf: bytes | memoryview, *, where: str) -> dict:
     """The raw msgpack map of a version-2 record (keys checked, values not decoded yet)."""
-    obj = _unpack_bounded(buf, where, _UNPACK_V2)
+    obj = _unpack_bounded(buf, where, _UNPACK_V2, counted=True)
     if type(obj) is not dict or obj.get("v") != RECORD_VERSION_2 or type(obj.get("path")) is not bytes:
         raise CorruptRecordError(f"{where}: not a version-2 record (needs 'v': 2 and a binary 'path')")
     return obj
@@ -364,7 +419,7 @@ def read_index_arrays(schema, get, count: int, where: str) -> SampleIndex:
             if len(raw) % dtype.itemsize:
                 raise CorruptRecordError(f"{where}: index array {key!r} is damaged")
             arr = np.frombuffer(raw, dtype=dtype)
-        per = int(np.prod(shape, dtype=np.int64))
+        per = math.prod(shape)
         if key not in ("relpaths", "relpath_offsets"):
             if arr.size != count * per:
                 raise CorruptRecordError(f"{where}: index array {key!r} has {arr.size} values, expected {count * per}")

@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from fastdata.common.bounded import unpackb_bounded
 from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.names import SIDECAR_SUFFIX, STORE_INDEX_NAME
 from fastdata.format.record import INDEX_DTYPES, SampleIndex, ShardIndex, read_index_arrays
@@ -34,8 +35,6 @@ from fastdata.format.record import INDEX_DTYPES, SampleIndex, ShardIndex, read_i
 MANIFEST_KEY = "store_index"
 _FORMAT = "fastdata-store-index"
 _VERSION = 1
-#: per-shard index sidecar in the staging directory, written when the shard finishes
-_MAX_BYTES = 4 << 30
 
 
 def _arrays_of(index: ShardIndex | SampleIndex) -> dict[str, np.ndarray]:
@@ -80,7 +79,7 @@ def _decode_entry(entry: object, schema, where: str) -> ShardIndex | SampleIndex
 def decode_shard_index(raw: bytes, schema, where: str) -> ShardIndex | SampleIndex:
     """One shard's index from :func:`encode_shard_index` bytes (e.g. a staging sidecar)."""
     try:
-        entry = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_BYTES, strict_map_key=True)
+        entry = unpackb_bounded(raw, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as err:
         raise CorruptRecordError(f"{where}: index sidecar is not readable ({err})") from None
     return _decode_entry(entry, schema, where)
@@ -112,8 +111,8 @@ def parse_store_index(data: bytes, manifest: dict, schema, where: str) -> list[S
     if len(data) != entry.get("bytes") or xxhash.xxh3_64_hexdigest(data) != entry.get("xxh"):
         raise CorruptRecordError(f"{where}: {STORE_INDEX_NAME} does not match the manifest's size and checksum; "
                                  "the store is damaged or was rewritten while being read")
-    try:
-        body = msgpack.unpackb(data, raw=False, max_bin_len=_MAX_BYTES, strict_map_key=True)
+    try:  # bounded: at most object_budget(len(data)) objects (fastdata.common.bounded)
+        body = unpackb_bounded(data, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as err:
         raise CorruptRecordError(f"{where}: {STORE_INDEX_NAME} is not readable ({err})") from None
     if not (isinstance(body, dict) and body.get("format") == _FORMAT and body.get("version") == _VERSION

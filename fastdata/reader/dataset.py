@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fastdata.common.imageio import pixel_limit
 from fastdata.errors import CorruptRecordError, FastdataError, FormatError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
@@ -328,11 +329,45 @@ class StoreDataset(Dataset):
         self._formats = cat(parts["formats"], np.uint8)
         self._nbytes = cat(parts["nbytes"], np.int64)
         widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
+        self._check_raw_sizes(self._nbytes)
         #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
         self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
             (widths == widths[0]).all() and (heights == heights[0]).all()) else None
         self._relpaths = cat(paths, np.uint8)
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+
+    def _check_batch_shape(self, idx: np.ndarray, shape: tuple[int, int], field: str = "widths/heights") -> None:
+        """Refuse (CorruptRecordError naming the store, shard, record and index field) a batch
+        shape taken from the index that is not positive or is over
+        :func:`fastdata.common.imageio.pixel_limit`, before the batch is allocated from it
+        (Python ints: no product can wrap)."""
+        h, w = shape
+        if h > 0 and w > 0 and h * w <= pixel_limit():
+            return
+        i = int(idx[0]) if len(idx) else 0
+        shard, local = self.locate(i)
+        name = self._shard_files[shard]
+        raise CorruptRecordError(
+            f"{self.root}: shard {name} record {local} (sample {i}): the index's {field} say {w}x{h}, not a "
+            f"size an image may have (1 to {pixel_limit():,} pixels: larger is refused as a decompression "
+            "bomb); nothing was allocated for it", store=self.root, shard=name, index=i)
+
+    def _check_raw_sizes(self, nbytes: np.ndarray) -> None:
+        """A raw store: every record exactly H x W x 3 bytes of ``raw_shape`` (the index's ``nbytes``,
+        read from the shard), checked before a batch is allocated from ``raw_shape``; the manifest's
+        own check bounds ``raw_shape`` (at most a record's limit, and no more than the shards hold)."""
+        if self.storage.mode != "raw":
+            return
+        h, w = self.storage.raw_hw()
+        bad = np.flatnonzero(nbytes != h * w * 3)
+        if len(bad):
+            i = int(bad[0])
+            shard, local = self.locate(i)
+            name = self._shard_files[shard]
+            raise CorruptRecordError(
+                f"{self.root}: shard {name} record {local} (sample {i}) holds {int(nbytes[i])} bytes, but the "
+                f"manifest's raw_shape {h}x{w} needs {h * w * 3}; the store is damaged (run 'fastdata verify')",
+                store=self.root, shard=name, index=i)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -603,6 +638,8 @@ class StoreDataset(Dataset):
         return tuple(size) if size else None
 
     def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], epoch: int | None) -> Batch:
+        if self.decode is None and self.storage.mode != "raw":  # the shape is the index's (uniform_shape)
+            self._check_batch_shape(idx, shape)
         return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr, epoch),
                            channels_first=self.output == "tensor", target_transform=self.target_transform)
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata.common.imageio import pixel_limit
 from fastdata.errors import CorruptRecordError, FastdataError
 from fastdata.format.fields import Float, Image, Int, NDArray, Ragged
 from fastdata.format.manifest import schema_of
@@ -218,6 +219,9 @@ class SampleDataset(StoreDataset):
         shapes = [{name: (int(self.index_arrays[f"{FIELD_PREFIX}{name}.height"][i]),
                           int(self.index_arrays[f"{FIELD_PREFIX}{name}.width"][i])) for name in names}
                   for i in idx.tolist()]
+        limit = pixel_limit()
+        if any(not (h > 0 and w > 0 and h * w <= limit) for sample in shapes for h, w in sample.values()):
+            return None  # sizes no image may have: decoded one by one (where bombs are refused), nothing allocated
         total = max(1, sum(aligned(h * w * 3) for sample in shapes for h, w in sample.values()))
         # a slot of the worker's ring: shared memory already mapped and touched by earlier
         # batches; a new segment (its creation and first-touch faults cost ~0.4 ms an image

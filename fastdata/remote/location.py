@@ -54,6 +54,60 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
+class RemoteSizeError(RemoteStoreError):
+    """An object turned out longer or shorter than the size it was read with as its limit (a manifest's
+    declared size): the store changed or was damaged remotely, or its server is hostile."""
+
+
+class RedirectRefusedError(RemoteStoreError):
+    """An http(s) server answered a redirect to another origin, which is not followed unless the
+    storage option ``allow_redirects`` is True."""
+
+
+#: storage option of http(s) stores: True follows redirects to any origin (scheme, host, port);
+#: absent, only redirects within the store URL's own origin are followed
+ALLOW_REDIRECTS = "allow_redirects"
+
+
+def _origin(url) -> tuple[str, str, int | None]:
+    return (url.scheme.lower(), (url.host or "").lower(), url.port)
+
+
+async def _refuse_cross_origin(session, context, params) -> None:
+    """aiohttp ``on_request_redirect`` hook: raise before a redirect to another origin is followed."""
+    from yarl import URL
+
+    location = params.response.headers.get("Location", "")
+    target = params.url.join(URL(location)) if location else params.url
+    if _origin(target) != _origin(params.url):
+        raise RedirectRefusedError(
+            f"{params.url}: the server redirects to {target.with_query(None)}, another origin; fastdata does not "
+            f"follow a store's reads elsewhere unless told to: pass storage_options={{'{ALLOW_REDIRECTS}': True}} "
+            f"(--storage-option {ALLOW_REDIRECTS}=true) if that server is trusted")
+
+
+async def _same_origin_client(**kwargs):
+    """fsspec ``get_client`` for http(s) stores: an aiohttp session that refuses cross-origin redirects."""
+    import aiohttp
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(_refuse_cross_origin)
+    kwargs["trace_configs"] = [*(kwargs.get("trace_configs") or []), trace]
+    return aiohttp.ClientSession(**kwargs)
+
+
+def _refused_redirect(err: BaseException) -> RedirectRefusedError | None:
+    """The :class:`RedirectRefusedError` behind ``err`` (fsspec wraps it as a missing file), if any."""
+    seen = 0
+    cur: BaseException | None = err
+    while cur is not None and seen < 16:
+        if isinstance(cur, RedirectRefusedError):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return None
+
+
 def _retries() -> int:
     return max(0, int(os.environ.get("FASTDATA_REMOTE_RETRIES", "4")))
 
@@ -103,9 +157,13 @@ class RemoteLocation:
                _credential_env())
         fs = _FS.get(key)
         if fs is None:
+            options = dict(self.storage_options)
+            if self.read_only and options.get(ALLOW_REDIRECTS) is not True and "get_client" not in options:
+                options.pop(ALLOW_REDIRECTS, None)  # not given, or false: same-origin redirects only
+                options["get_client"] = _same_origin_client
             try:
                 import fsspec
-                fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **self.storage_options)
+                fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **options)
             except ImportError as err:
                 extra = _EXTRA_FOR.get(self.scheme, "an fsspec implementation")
                 raise RemoteStoreError(
@@ -128,11 +186,17 @@ class RemoteLocation:
         for attempt in range(attempts):
             try:
                 return fn()
-            except FileNotFoundError:
+            except FileNotFoundError as err:
+                refused = _refused_redirect(err)
+                if refused is not None:
+                    raise refused from None
                 if self.read_only:
                     self._check_http_server()
                 raise
             except Exception as err:  # noqa: BLE001 - fsspec backends raise many types
+                refused = _refused_redirect(err)
+                if refused is not None:
+                    raise refused from None
                 if isinstance(err, OSError) and err.errno in _LOCAL_DISK_FULL:
                     raise  # the local disk, not the network: retrying cannot help (the cache names it)
                 if _is_permanent(err) or attempt == attempts - 1:
@@ -160,13 +224,32 @@ class RemoteLocation:
                                    "network, then rerun") from None
 
     def read_bytes(self, name: str, limit: int | None = None) -> bytes:
-        """Whole object ``name`` (FileNotFoundError when there is none)."""
+        """Whole object ``name`` (FileNotFoundError when there is none).
+
+        ``limit``: read at most ``limit + 1`` bytes, in blocks, and raise :class:`RemoteSizeError`
+        when there are more, whatever size the server claims. An http(s) object is read as a
+        stream, so a server that ignores ranges or sends a compressed body (``Content-Encoding``:
+        aiohttp decodes it as it arrives) is counted after decoding and cut off at the limit."""
         fs = self.filesystem()
         path = self._path(name)
 
         def read() -> bytes:
-            with fs.open(path, "rb", block_size=BLOCK) as fh:
-                return fh.read() if limit is None else fh.read(limit + 1)
+            if limit is None:
+                with fs.open(path, "rb", block_size=BLOCK) as fh:
+                    return fh.read()
+            # block_size=0: http(s) as one streamed GET (no range requests whose bodies fsspec reads whole)
+            with fs.open(path, "rb", **({"block_size": 0} if self.read_only else {"block_size": BLOCK})) as fh:
+                chunks, total = [], 0
+                while total <= limit:
+                    block = fh.read(min(BLOCK, limit + 1 - total))
+                    if not block:
+                        break
+                    chunks.append(block)
+                    total += len(block)
+            if total > limit:
+                raise RemoteSizeError(f"{self.child(name)}: larger than the {limit:,} bytes it may be (the manifest's "
+                                      "size, or the limit of its kind); refusing to read on")
+            return b"".join(chunks)
         return self.call(f"reading {self.child(name)}", read)
 
     def size(self, name: str) -> int | None:
@@ -183,30 +266,36 @@ class RemoteLocation:
 
     def download(self, name: str, out_path: str, expected_size: int) -> str:
         """Stream object ``name`` into ``out_path`` (overwritten); returns the xxh3-64 hex digest of
-        what was written. A short or long object raises :class:`RemoteStoreError`."""
+        what was written. At most ``expected_size`` bytes are written and one more read, whatever
+        size the server claims; a short or long object raises :class:`RemoteSizeError`."""
         fs = self.filesystem()
         path = self._path(name)
 
         def fetch() -> str:
             h = xxhash.xxh3_64()
             written = 0
+            longer = False
             with fs.open(path, "rb", block_size=BLOCK) as src, open(out_path, "r+b" if os.path.exists(out_path)
                                                                     else "wb") as dst:
                 while True:
-                    block = src.read(BLOCK)
+                    block = src.read(min(BLOCK, expected_size + 1 - written))
                     if not block:
                         break
+                    if written + len(block) > expected_size:
+                        longer = True
+                        block = block[:expected_size - written]
                     dst.write(block)
                     h.update(block)
                     written += len(block)
-                    if written > expected_size:
+                    if longer:
                         break
                 dst.truncate(written)
                 dst.flush()
                 os.fsync(dst.fileno())
-            if written != expected_size:
-                raise RemoteStoreError(f"{self.child(name)}: downloaded {written} bytes, the manifest says "
-                                       f"{expected_size}: the store was changed or damaged remotely")
+            if longer or written != expected_size:
+                got = f"more than {expected_size}" if longer else str(written)
+                raise RemoteSizeError(f"{self.child(name)}: downloaded {got} bytes, the manifest says "
+                                      f"{expected_size}: the store was changed or damaged remotely")
             return h.hexdigest()
         return self.call(f"downloading {self.child(name)}", fetch)
 

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from fastdata.common.fileio import atomic_write
+from fastdata.common.fileio import atomic_write, read_regular
 from fastdata.common.paths import remote_scheme
-from fastdata.errors import CorruptRecordError, FormatError, IncompleteStoreError, RemoteStoreError
+from fastdata.errors import CorruptRecordError, FormatError, IncompleteStoreError, RemoteStoreError, UnsafeStoreError
 from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest, read_manifest
 from fastdata.format.names import MANIFEST_NAME, STORE_INDEX_NAME
 from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
@@ -126,10 +126,13 @@ class RemoteStore(StoreLocation):
         local = os.path.join(self._dir, STORE_INDEX_NAME)
         data = None
         if os.path.exists(local):
-            with open(local, "rb") as fh:
-                data = fh.read()
+            try:
+                data = read_regular(local, entry["bytes"], "cached store index")
+            except UnsafeStoreError:
+                data = None  # not what was cached there: fetched again, and replaced
         if data is None or len(data) != entry["bytes"]:
-            data = self.location.read_bytes(STORE_INDEX_NAME)
+            # at most the declared size (+1 byte to tell a longer object), whatever the server sends
+            data = self.location.read_bytes(STORE_INDEX_NAME, limit=entry["bytes"])
             parsed = parse_store_index(data, self.manifest, schema, self.location.child(STORE_INDEX_NAME))
             atomic_write(local, data)
             return parsed

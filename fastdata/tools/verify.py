@@ -21,6 +21,7 @@ from fastdata.format.backends.registry import reader_class
 from fastdata.format.manifest import read_manifest
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
 from fastdata.format.record import FIELD_PREFIX, FORMAT_CODES, FORMAT_NAMES, SampleIndex, ShardIndex, decode_record_v2
+from fastdata.remote.location import RemoteSizeError
 from fastdata.remote.store import RemoteStore, is_remote, locate_store
 from fastdata.writer.pipeline import WRITE_SOURCE
 
@@ -365,6 +366,7 @@ def verify(store: str, *, decode: bool = False, timeout: float = 600.0,
     except FormatError as err:
         report.fail(str(err))
         return report
+    _check_local_index(store, m, report)
     seen_classes = np.zeros(len(m["classes"]), dtype=np.int64)
     for shard in m["shards"]:
         name = shard["name"]
@@ -414,6 +416,38 @@ def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: in
             seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
 
 
+def _manifest_schema(m: dict):
+    """The general store's schema, or None for a version-1 store (whose index has no schema)."""
+    if not m.get("schema"):
+        return None
+    from fastdata.format.fields import Schema
+
+    return Schema.from_json(m["schema"])
+
+
+def _check_local_index(store: str, m: dict, report: VerifyReport) -> None:
+    """``index.fdi`` (what remote readers use instead of the shards' own indexes) against the
+    manifest: a regular file (never a FIFO) of exactly the declared size, read with that size as
+    the limit, with the declared checksum and the manifest's shards and counts."""
+    from fastdata.common.fileio import read_regular
+    from fastdata.format.names import STORE_INDEX_NAME
+    from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
+
+    entry = m.get(MANIFEST_KEY)
+    if entry is None:
+        return  # an older store: it has none
+    path = os.path.join(store, STORE_INDEX_NAME)
+    try:
+        data = read_regular(path, entry["bytes"], "store index")
+        parse_store_index(data, m, _manifest_schema(m), path)
+    except FileNotFoundError:
+        report.fail(f"{STORE_INDEX_NAME}: missing (the manifest lists one of {entry['bytes']} bytes)")
+    except OSError as err:
+        report.fail(f"{STORE_INDEX_NAME}: unreadable ({err.strerror or err})")
+    except FormatError as err:
+        report.fail(f"{STORE_INDEX_NAME}: {err}")
+
+
 def _check_class_counts(report: VerifyReport, m: dict, seen_classes: np.ndarray) -> None:
     if report.ok and m["version"] == 1 and seen_classes.tolist() != m["class_counts"]:
         report.fail(f"per-class counts {seen_classes.tolist()} differ from the manifest's {m['class_counts']}")
@@ -438,12 +472,21 @@ def _verify_remote(url: str, decode: bool, timeout: float, storage_options: Mapp
                 report.shards_checked += 1
                 report.fail(f"{name}: shard object missing on the server ({store.location.child(name)})")
                 continue
+            if size != shard["bytes"]:  # never download more than the manifest says, whatever the server claims
+                report.shards_checked += 1
+                report.fail(f"{name}: the server says the object is {size} bytes, the manifest says "
+                            f"{shard['bytes']} (truncated or replaced)")
+                continue
             path = os.path.join(tmp, name)
             try:
-                digest = store.location.download(name, path, size)
+                digest = store.location.download(name, path, shard["bytes"])
             except FileNotFoundError:  # deleted since it was looked up
                 report.shards_checked += 1
                 report.fail(f"{name}: shard object missing on the server ({store.location.child(name)})")
+                continue
+            except RemoteSizeError as err:  # longer or shorter than the manifest says while it downloaded
+                report.shards_checked += 1
+                report.fail(f"{name}: {err}")
                 continue
             try:
                 checksum = functools.partial(str, digest)  # computed while it downloaded
@@ -481,13 +524,9 @@ def _check_remote_index(store: RemoteStore, m: dict, report: VerifyReport) -> No
 
     if MANIFEST_KEY not in m:
         return  # an older store: readers cannot open it remotely, but its shards can still be verified
-    schema = None
-    if m.get("schema"):
-        from fastdata.format.fields import Schema
-
-        schema = Schema.from_json(m["schema"])
+    schema = _manifest_schema(m)
     try:  # the server's copy, not the cache's: that is what a fresh reader would get
-        data = store.location.read_bytes(STORE_INDEX_NAME)
+        data = store.location.read_bytes(STORE_INDEX_NAME, limit=m[MANIFEST_KEY]["bytes"])
         parse_store_index(data, m, schema, store.location.child(STORE_INDEX_NAME))
     except FileNotFoundError:
         report.fail(f"{STORE_INDEX_NAME}: missing on the server ({store.location.child(STORE_INDEX_NAME)})")

@@ -416,7 +416,8 @@ def _parse_images(images: list[dict], source: str, problems: list[Problem]) -> d
         ids[pos] = _required(entry, "id", _is_int, "an integer", source, where)
         name = _required(entry, "file_name", lambda v: type(v) is str and v != "", "a file name", source, where)
         if not _is_fs_name(name):
-            raise SourceError(f"{source}: {where} has file_name={_short(name)}, which no file system path can hold")
+            raise SourceError(f"{source}: {where} (image id {entry.get('id')!r}) has file_name={_short(name)}, which "
+                              "no file system path can hold (a NUL byte, or not encodable)")
         names.append(os.fsencode(name))
         width[pos] = entry["width"] if _is_int(entry.get("width"), _INT32) else -1
         height[pos] = entry["height"] if _is_int(entry.get("height"), _INT32) else -1
@@ -436,7 +437,7 @@ def _parse_images(images: list[dict], source: str, problems: list[Problem]) -> d
 
 
 def _is_fs_name(v: Any) -> bool:
-    if type(v) is not str:
+    if type(v) is not str or "\x00" in v:  # no path can hold a NUL (os.stat would raise a bare ValueError)
         return False
     try:
         os.fsencode(v)
