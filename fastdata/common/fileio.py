@@ -136,7 +136,8 @@ def read_regular(path: str, limit: int, what: str = "file") -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
             raise UnsafeStoreError(f"{path}: the {what} is {size:,} bytes, more than the {limit:,} allowed")
-        chunks, total = [], 0
+        chunks: list[bytes] = []
+        total = 0
         while True:
             block = os.read(fd, min(1 << 20, limit + 1 - total))
             if not block:

@@ -327,7 +327,7 @@ def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int],
     make_dir(os.path.join(local, STAGING_DIR))
     if MANIFEST_NAME in objects:
         atomic_write(os.path.join(local, MANIFEST_NAME), location.read_bytes(MANIFEST_NAME))
-        return
+        return token
     for key in objects:
         top, _, name = key.partition("/")
         if top == STAGING_DIR and name and "/" not in name and _is_run_record(name):
