@@ -155,6 +155,7 @@ class ShardHandles:
         state["_readers"] = {}
         state["_pins"] = {}
         state["_pid"] = None
+        state["_checked"] = 0.0
         return state
 
 

@@ -251,7 +251,7 @@ class RemoteStore(StoreLocation):
             self._raise_if_rewritten()
             self._damaged[shard] = str(err)
             raise
-        except RemoteStoreError:
+        except (RemoteStoreError, OSError):  # (a missing object: FileNotFoundError)
             self._raise_if_rewritten()
             raise
         assert pin is not None
