@@ -97,7 +97,8 @@ class StoreLock:
         if self._fd is None:
             return
         try:
-            os.unlink(self.path)
+            if os.lstat(self.path).st_ino == os.fstat(self._fd).st_ino:  # only the file we locked
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
         _held_fds.discard(self._fd)
