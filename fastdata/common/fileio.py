@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 
 import xxhash
 
 from fastdata.errors import UnsafeStoreError
 
-#: atomic_write() names its temporary file "<target>.tmp-<pid>"
+#: atomic_write() names its temporary file "<target>.tmp-<pid>-<random>"
 ATOMIC_TMP_MARK = ".tmp-"
 
 
 def atomic_write(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the new one, never a mix.
 
-    Sequence: write ``<path>.tmp-<pid>``, fsync it, ``os.replace`` it onto
+    Sequence: write ``<path>.tmp-<pid>-<random>`` (created with ``O_EXCL | O_NOFOLLOW``:
+    never an existing file, never through a symlink), fsync it, ``os.replace`` it onto
     ``path``, fsync the directory. On any ``OSError`` the temporary is removed,
     and if the rename already happened ``path`` is removed too (a file whose
     directory sync failed is not durable, so it must not be trusted); the
     ``OSError`` raised names ``path`` and keeps the errno.
     """
-    tmp = f"{path}{ATOMIC_TMP_MARK}{os.getpid()}"
-    replaced = False
+    tmp = f"{path}{ATOMIC_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    created = replaced = False
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        created = True
         try:
             view = memoryview(data)
             while view:
@@ -38,7 +41,7 @@ def atomic_write(path: str, data: bytes) -> None:
         replaced = True
         fsync_dir(os.path.dirname(path) or ".")
     except OSError as err:
-        for leftover in (tmp, path) if replaced else (tmp,):
+        for leftover in (path,) if replaced else (tmp,) if created else ():
             try:
                 os.unlink(leftover)
             except OSError:

@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastdata.common.imageio import pixel_limit
-from fastdata.errors import CorruptRecordError, FastdataError, FormatError
+from fastdata.errors import CorruptRecordError, FastdataError, FormatError, StoreChangedError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.record import FORMAT_NAMES
@@ -462,6 +462,8 @@ class StoreDataset(Dataset):
             return self._shards.get(shard).get(local)
         except CorruptRecordError as err:
             raise self._named(err, shard, local, index) from None
+        except StoreChangedError:
+            raise
         except FormatError as err:
             raise CorruptRecordError(f"{self.root} sample {index}: {err}", store=self.root,
                                      shard=self._shard_files[shard], index=index) from None

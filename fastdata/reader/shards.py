@@ -14,11 +14,21 @@ the rules that make a dataset safe under any DataLoader setting:
 * At most ``max_open`` readers stay open per process (least recently used closed
   first); ``None`` takes the store's default (all for a local store, a few for a
   remote one, see :meth:`fastdata.remote.store.StoreLocation.open_shards_per_process`).
+* A reader reads the store version the dataset opened, or raises
+  :class:`~fastdata.errors.StoreChangedError`: every open of a shard (a worker's first
+  read, a re-open after the LRU closed it) checks the file against the identity the
+  store location recorded, with a ``stat`` just before the backend opens it and one just
+  after (the backends open by path and do not expose their descriptor, so the second
+  ``stat`` is what proves the file opened is the recorded one), plus a ``stat`` of the
+  manifest; readers already open check the manifest's ``stat`` at most every
+  :data:`CHECK_INTERVAL_S` (they hold the old files, so what they read until then is the
+  old version whole, never a mix). See :mod:`fastdata.remote.store`.
 """
 
 from __future__ import annotations
 
 from os import getpid
+from time import monotonic
 from typing import Any
 
 from fastdata.format.backends.base import StorageSpec
@@ -28,6 +38,9 @@ from fastdata.remote.store import StoreLocation
 #: handles inherited from a parent process: kept referenced so that neither we
 #: nor the garbage collector ever touches them in the child
 _INHERITED_HANDLES: list = []
+#: seconds between two checks of the manifest by the readers already open in a process
+#: (a ``stat``, ~1 us; each shard open always checks)
+CHECK_INTERVAL_S = 0.01
 
 
 class ShardHandles:
@@ -54,14 +67,24 @@ class ShardHandles:
         self._readers: dict[int, Any] = {}  # in LRU order when capped: least recently used first
         self._pins: dict[int, Any] = {}
         self._pid: int | None = None
+        self._checked = 0.0  # monotonic time of this process's last check of the manifest
 
     def get(self, shard: int):
         """This process's reader of shard number ``shard``, opened now if it is not open
-        (closing the least recently used one first when ``max_open`` are open)."""
+        (closing the least recently used one first when ``max_open`` are open).
+
+        Raises:
+            StoreChangedError: the store was rewritten since it was opened.
+        """
         if self._pid != getpid():
             self._adopt_process()
         reader = self._readers.get(shard)
         if reader is not None:
+            if not self.store.remote:
+                now = monotonic()
+                if now - self._checked >= CHECK_INTERVAL_S:
+                    self.store.check_current()
+                    self._checked = now
             if self._cap:  # moved last: dict order is the LRU order the cap closes by
                 self._readers[shard] = self._readers.pop(shard)
             return reader
@@ -83,10 +106,18 @@ class ShardHandles:
             self._close(next(iter(self._readers)))  # the least recently used
         path, pin = self.store.open_shard(shard, release_idle=self._close_all)
         try:
-            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self.schema)
+            self.store.check_shard(shard, path)
+            reader = reader_class(self.backend)(path, self.storage, readahead=self.readahead, schema=self.schema,
+                                                expected_count=self.store.manifest["shards"][shard]["count"])
+            try:
+                self.store.check_shard(shard, path, manifest=False)  # the file it opened is the recorded one
+            except BaseException:
+                reader.close()
+                raise
         except BaseException:
             pin.release()
             raise
+        self._checked = monotonic()
         self._pins[shard] = pin
         self._readers[shard] = reader
         return reader
@@ -125,6 +156,7 @@ class ShardHandles:
         state["_readers"] = {}
         state["_pins"] = {}
         state["_pid"] = None
+        state["_checked"] = 0.0
         return state
 
 

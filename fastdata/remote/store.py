@@ -4,6 +4,22 @@ Datasets ask a :class:`StoreLocation` for three things: the manifest, every shar
 and a local path to open a shard at (plus a pin that keeps that file in place while it is
 open). A local store answers from its directory; a remote store from its URL, its store
 index file and the :class:`~fastdata.remote.cache.ShardCache`.
+
+**The version a dataset opened.** A location is tied to the store version it read: a
+local one records, when it is made, the identity of ``manifest.json`` and of every shard
+file (:func:`file_identity`: device, inode, size, mtime), after checking that the manifest
+did not change while the shards were looked at (a rewrite in progress is retried, then
+refused). Every later open of a shard (in a DataLoader worker after fork or spawn, or
+again after the LRU closed it) checks the file against its recorded identity, by a
+``stat`` just before the reader opens it and one just after (:meth:`StoreLocation.check_shard`),
+and the manifest by a ``stat`` (its checksum is read only when the ``stat`` changed:
+:meth:`StoreLocation.check_current`). A store rewritten under an open dataset (``convert
+--overwrite`` deletes the manifest first and publishes the new one last) raises
+:class:`~fastdata.errors.StoreChangedError` ("<store> was rewritten since it was opened;
+open it again"), never a mix of the new shards with the old index. A remote store's cache
+is keyed by its manifest checksum, so cached shards are always the opened version; a
+shard downloaded after the store was rewritten fails its size or checksum and, when the
+remote manifest's checksum is no longer the opened one, is the same StoreChangedError.
 """
 
 from __future__ import annotations
@@ -16,7 +32,15 @@ from typing import Any
 
 from fastdata.common.fileio import atomic_write, read_regular
 from fastdata.common.paths import remote_scheme
-from fastdata.errors import CorruptRecordError, FormatError, IncompleteStoreError, RemoteStoreError, UnsafeStoreError
+from fastdata.errors import (
+    CorruptRecordError,
+    FastdataError,
+    FormatError,
+    IncompleteStoreError,
+    RemoteStoreError,
+    StoreChangedError,
+    UnsafeStoreError,
+)
 from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest, read_manifest
 from fastdata.format.names import MANIFEST_NAME, STORE_INDEX_NAME
 from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
@@ -36,6 +60,26 @@ class _NoPin:
         pass
 
 
+#: a file's identity: (device, inode, size, mtime in ns); None when the file is missing
+Identity = tuple[int, int, int, int] | None
+#: how many times opening a store retries when the manifest changes while it is read
+OPEN_ATTEMPTS = 3
+
+
+def file_identity(path: str) -> Identity:
+    """``(st_dev, st_ino, st_size, st_mtime_ns)`` of ``path`` (following a symlink), None when missing."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def changed_error(root: str, detail: str) -> StoreChangedError:
+    return StoreChangedError(f"{root} was rewritten since it was opened; open it again ({detail}; reading on "
+                             "would mix the new store's files with the old one's index)")
+
+
 class StoreLocation:
     """A local store directory (the base class) or a remote one (:class:`RemoteStore`)."""
 
@@ -43,20 +87,77 @@ class StoreLocation:
 
     def __init__(self, root: str):
         self.root = root
-        self.manifest = read_manifest(root)
+        manifest_path = os.path.join(root, MANIFEST_NAME)
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            before = file_identity(manifest_path)
+            self.manifest = read_manifest(root)
+            #: identity of each shard file of the version opened (see the module docstring)
+            self.shard_identity: list[Identity] = [file_identity(os.path.join(root, s["name"]))
+                                                   for s in self.manifest["shards"]]
+            #: identity of manifest.json as opened
+            self.manifest_identity = file_identity(manifest_path)
+            if before == self.manifest_identity and before is not None:
+                break
+            if attempt == OPEN_ATTEMPTS:
+                raise StoreChangedError(f"{root}: manifest.json changed {OPEN_ATTEMPTS} times while the store was "
+                                        "opened (a conversion is rewriting it?); open it again once it is finished")
 
     def shard_indexes(self, reader_cls, storage, schema) -> list:
-        """Every shard's index, in manifest order, each checked against the manifest's count."""
+        """Every shard's index, in manifest order, each checked against the manifest's count
+        (and each shard file against the identity recorded when the store was opened)."""
         out = []
-        for shard in self.manifest["shards"]:
-            with reader_cls(os.path.join(self.root, shard["name"]), storage, schema=schema,
-                            expected_count=shard["count"]) as reader:
+        for shard, entry in enumerate(self.manifest["shards"]):
+            path = os.path.join(self.root, entry["name"])
+            self.check_shard(shard, path)
+            with reader_cls(path, storage, schema=schema, expected_count=entry["count"]) as reader:
                 out.append(reader.read_index())
+            self.check_shard(shard, path)
         return out
 
     def open_shard(self, shard: int, release_idle: Callable[[], None] | None = None) -> tuple[str, Any]:
         """(local path of shard ``shard``, a pin to release when the reader closes)."""
         return os.path.join(self.root, self.manifest["shards"][shard]["name"]), _NoPin()
+
+    def check_shard(self, shard: int, path: str, manifest: bool = True) -> None:
+        """Raise :class:`StoreChangedError` unless the file at ``path`` (shard ``shard``) is the
+        one the store was opened with, and the manifest too (:meth:`check_current`). Costs
+        one ``stat`` of the shard plus (``manifest``) one of the manifest (~1 us each on a local disk).
+
+        A reader opening a shard calls this just before and just after opening it: the file
+        it opened is then the recorded one (a rewrite replaces shard files and never puts an
+        old one back)."""
+        recorded = self.shard_identity[shard] if shard < len(self.shard_identity) else None
+        found = file_identity(path)
+        if found != recorded:
+            self.check_current(force=True)  # the manifest too: it says which of the two changed
+            if recorded is None:  # (missing when opened: the reader's own error says so)
+                return
+            raise changed_error(self.root, f"shard {self.manifest['shards'][shard]['name']} is not the file it was: "
+                                f"{'gone' if found is None else 'replaced'}")
+        if manifest:
+            self.check_current()
+
+    def check_current(self, force: bool = False) -> None:
+        """Raise :class:`StoreChangedError` when ``manifest.json`` is no longer the one opened:
+        one ``stat``; its checksum is read only when the ``stat`` differs (a manifest copied
+        or touched in place, with the same checksum, is the same version)."""
+        path = os.path.join(self.root, MANIFEST_NAME)
+        found = file_identity(path)
+        if found == self.manifest_identity and not force:
+            return
+        if found is None:
+            raise changed_error(self.root, f"its {MANIFEST_NAME} is gone (a conversion is rewriting it?)")
+        if found == self.manifest_identity:
+            return
+        try:
+            checksum = read_manifest(self.root)["checksum"]
+        except FastdataError as err:
+            raise changed_error(self.root, f"its {MANIFEST_NAME} changed and does not read as a store: {err}") \
+                from None
+        if checksum != self.manifest["checksum"]:
+            raise changed_error(self.root, f"its {MANIFEST_NAME} has checksum {checksum}, not "
+                                           f"{self.manifest['checksum']}")
+        self.manifest_identity = found  # the same version, e.g. copied back in place
 
     def prefetch(self, shards: Sequence[int], keep: Collection[int] = ()) -> None:
         """Start fetching ``shards`` in the background (nothing to do for a local store)."""
@@ -140,17 +241,46 @@ class RemoteStore(StoreLocation):
 
     def open_shard(self, shard: int, release_idle: Callable[[], None] | None = None) -> tuple[str, Pin]:
         """(local path, pin) of ``shard``, downloaded first when not cached; ``release_idle`` is
-        called before waiting for room (to close this process's readers of other shards)."""
+        called before waiting for room (to close this process's readers of other shards).
+
+        A download that does not match the manifest opened (its size or checksum) is a
+        :class:`StoreChangedError` when the store's manifest at the URL is no longer that one
+        (the store was rewritten), else damage (:class:`CorruptRecordError`)."""
         damaged = self._damaged.get(shard)
         if damaged is not None:  # once per process: on_error="skip" moves on without downloading it again
             raise CorruptRecordError(damaged, shard=self.manifest["shards"][shard]["name"])
         try:
             pin = self._acquire(shard, wait=True, on_wait=release_idle)
         except CorruptRecordError as err:
+            self._raise_if_rewritten()
             self._damaged[shard] = str(err)
+            raise
+        except (RemoteStoreError, OSError):  # (a missing object: FileNotFoundError)
+            self._raise_if_rewritten()
             raise
         assert pin is not None
         return pin.path, pin
+
+    def _raise_if_rewritten(self) -> None:
+        """Raise :class:`StoreChangedError` when the manifest at the URL is not the one opened
+        (one small read, only after a download failed its check)."""
+        try:
+            raw = self.location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+            checksum = parse_manifest(raw, where=self.location.child(MANIFEST_NAME))["checksum"]
+        except FileNotFoundError:
+            raise changed_error(self.root, f"its {MANIFEST_NAME} is gone (a conversion is rewriting it?)") from None
+        except FastdataError:
+            return  # unreadable now: the caller's own error stands
+        if checksum != self.manifest["checksum"]:
+            raise changed_error(self.root, f"its {MANIFEST_NAME} has checksum {checksum}, not "
+                                           f"{self.manifest['checksum']}")
+
+    def check_shard(self, shard: int, path: str, manifest: bool = True) -> None:
+        """Nothing to check: the cache is keyed by the manifest checksum (shards of the opened
+        version only) and a download is checked against it (see :meth:`open_shard`)."""
+
+    def check_current(self, force: bool = False) -> None:
+        """Nothing to check per read (see :meth:`check_shard`)."""
 
     def open_shards_per_process(self, processes: int = 1) -> int:
         """Shards one reading process keeps open (so pinned) by default: 4, or fewer when the cache

@@ -5,15 +5,28 @@ dies (SIGKILL, OOM kill), so a lock left by a killed converter is *stale* by
 construction: the next converter takes it over and reports the dead holder's
 pid. The file is unlinked on release; acquiring checks that the locked inode is
 still the one at the path, so a concurrent release cannot hand out two locks.
+
+The lock file is never followed or written through: it is opened with ``O_NOFOLLOW``
+(a symlink there is refused with :class:`~fastdata.errors.UnsafeStoreError`), must be a
+regular file with one link (a hard link to a file elsewhere is refused too), and an
+existing one is rewritten only when it holds what a lock file holds (a pid, or nothing):
+a file of someone else's that happens to bear the name is refused, never truncated.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
+import stat
 
-from fastdata.errors import StoreLockedError
+from fastdata.errors import StoreLockedError, UnsafeStoreError
 from fastdata.format.names import LOCK_NAME
+from fastdata.writer.owned import describe_kind
+
+#: what a lock file holds: a pid, then (since this version) the token of the run's staging marker
+_LOCK_TEXT = re.compile(rb"\A\s*(\d{1,10})?\s*(?:\n[0-9a-f]{0,64}\s*)?\Z")
+_LOCK_LIMIT = 128
 
 _held_fds: set[int] = set()
 
@@ -43,13 +56,16 @@ class StoreLock:
 
     def acquire(self) -> StoreLock:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock(self.path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _read_pid(fd)
                 os.close(fd)
                 raise StoreLockedError(_locked_message(os.path.dirname(self.path), holder)) from None
+            except BaseException:
+                os.close(fd)
+                raise
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -57,6 +73,11 @@ class StoreLock:
             if not same:  # released and unlinked between our open and flock: retry
                 os.close(fd)
                 continue
+            try:
+                _check_ours(self.path, fd)
+            except BaseException:
+                os.close(fd)
+                raise
             previous = _read_pid(fd)
             if previous and previous != os.getpid():
                 self.stale_pid = previous
@@ -66,11 +87,18 @@ class StoreLock:
             _held_fds.add(fd)
             return self
 
+    def record_token(self, token: str) -> None:
+        """Write the run's staging marker token after the pid (what a later look at the lock
+        can match against the staging folder's marker)."""
+        if self._fd is not None:
+            os.pwrite(self._fd, f"{os.getpid()}\n{token}\n".encode(), 0)
+
     def release(self) -> None:
         if self._fd is None:
             return
         try:
-            os.unlink(self.path)
+            if os.lstat(self.path).st_ino == os.fstat(self._fd).st_ino:  # only the file we locked
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
         _held_fds.discard(self._fd)
@@ -84,9 +112,43 @@ class StoreLock:
         self.release()
 
 
+def _open_lock(path: str, flags: int) -> int:
+    """Open the lock file without following a symlink or blocking on a FIFO; refuse anything
+    but a regular file with a single link."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if os.path.islink(path):
+            raise UnsafeStoreError(f"{path} is a symbolic link, not a lock file made by fastdata; refusing to "
+                                   "write through it: remove it (and check who put it there)") from None
+        raise err
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeStoreError(f"{path} is {describe_kind(st.st_mode)}, not a lock file made by fastdata; "
+                                   "refusing to use it: remove it")
+        if st.st_nlink != 1:
+            raise UnsafeStoreError(f"{path} has {st.st_nlink} hard links (a lock file fastdata made has one): it "
+                                   "may be a link to a file elsewhere; refusing to write it: remove it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_ours(path: str, fd: int) -> None:
+    """Refuse to rewrite a lock file that holds something other than a pid (and token)."""
+    st = os.fstat(fd)
+    head = os.pread(fd, _LOCK_LIMIT + 1, 0)
+    if st.st_size > _LOCK_LIMIT or not _LOCK_TEXT.match(head):
+        raise UnsafeStoreError(f"{path} holds {st.st_size} bytes that are not a fastdata lock (a pid); refusing "
+                               "to overwrite a file fastdata did not write: remove it if it is not yours")
+
+
 def _read_pid(fd: int) -> int | None:
     try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip().split("\n", 1)[0].strip()
         return int(text) if text else None
     except (OSError, ValueError):
         return None
@@ -100,7 +162,9 @@ def raise_if_locked(store_dir: str) -> None:
     A stale lock (its holder died) passes: the converter takes it over later.
     """
     try:
-        fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY)
+        fd = _open_lock(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY)
+    except UnsafeStoreError:
+        raise
     except OSError:  # no lock file (or no directory): nobody is writing
         return
     try:

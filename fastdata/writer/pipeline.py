@@ -37,7 +37,7 @@ import itertools
 import json
 import multiprocessing
 import os
-import shutil
+import stat
 import sys
 import threading
 import time
@@ -47,14 +47,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastdata._version import __version__
-from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write, file_checksum, fsync_dir
+from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write, file_checksum, fsync_dir, read_regular
 from fastdata.common.units import format_size
-from fastdata.errors import ConversionError, RejectedInputError, ResumeMismatchError
+from fastdata.errors import ConversionError, FastdataError, RejectedInputError, ResumeMismatchError
 from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.backends.registry import reader_class, writer_class
 from fastdata.format.fields import Schema
 from fastdata.format.manifest import STORE_FORMAT, STORE_VERSION, STORE_VERSION_2, write_manifest
 from fastdata.format.names import (
+    LISTING_FILE,
     MANIFEST_NAME,
     PLAN_FILE,
     REJECTED_NAME,
@@ -68,10 +69,21 @@ from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import build_store_index, encode_shard_index, sidecar_path
 from fastdata.format.store_index import manifest_entry as store_index_entry
 from fastdata.writer.ingest import SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, unspill
+from fastdata.writer.owned import (
+    MARKER_NAME,
+    check_dir,
+    check_entries,
+    create_file,
+    ensure_dir,
+    remove_dir,
+    remove_file,
+)
 from fastdata.writer.plan import ShardPlan
 
 #: the "source" fastdata.write records (in the manifest's options and the staging plan)
 WRITE_SOURCE = "fastdata.write"
+#: most bytes a staging record (plan.json, a shard's result sidecar) may hold
+MAX_RECORD_BYTES = 64 << 20
 
 
 @dataclass
@@ -148,28 +160,49 @@ def staging_path(dst: str, *parts: str) -> str:
     return os.path.join(dst, STAGING_DIR, *parts)
 
 
-def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None = None) -> None:
+def staging_made(name: str) -> bool:
+    """Whether ``name`` is a file a conversion writes in its staging folder (what clearing a
+    staging folder of an older fastdata, which wrote no marker, may delete)."""
+    return (name in (PLAN_FILE, MARKER_NAME, LISTING_FILE) or (name.startswith("shard-") and name.endswith(
+        (".json", ".index"))) or ATOMIC_TMP_MARK in name or (name.startswith(SPILL_PREFIX) and name.endswith(
+            SPILL_SUFFIX)))
+
+
+def remove_staging(dst: str, ignore_errors: bool = False) -> None:
+    """Delete ``dst``'s staging folder: only a real directory carrying the marker the
+    converter wrote (see :mod:`fastdata.writer.owned`), or an older fastdata's holding only
+    the files a conversion writes there."""
+    remove_dir(staging_path(dst), legacy=staging_made, ignore_errors=ignore_errors)
+
+
+def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None = None) -> str:
     """Create staging for a new run, or check it matches when resuming. ``source`` (if
-    given) is recorded next to the fingerprint, for messages about an unfinished run."""
+    given) is recorded next to the fingerprint, for messages about an unfinished run.
+    Returns the token of the staging folder's marker (kept by a resume)."""
     plan_path = staging_path(dst, PLAN_FILE)
-    if resume and os.path.exists(plan_path):
-        with open(plan_path, "rb") as fh:
-            try:
-                previous = json.load(fh).get("fingerprint")
-            except ValueError:
-                previous = None
+    if resume and check_dir(staging_path(dst)) and os.path.lexists(plan_path):
+        try:
+            previous = json.loads(read_regular(plan_path, MAX_RECORD_BYTES, "staging plan")).get("fingerprint")
+        except (ValueError, AttributeError):
+            previous = None
+        except OSError as err:
+            raise io_error(err, plan_path) from err
         if previous != fingerprint:
             raise ResumeMismatchError(
                 f"{dst}: cannot resume: the source files or options differ from the interrupted run "
                 "(a file was added, removed or changed, or an option differs); rerun with --overwrite to start over"
             )
-        return
+        try:
+            return ensure_dir(staging_path(dst))
+        except OSError as err:
+            raise io_error(err, staging_path(dst)) from err
     try:
-        os.makedirs(staging_path(dst), exist_ok=True)
+        token = ensure_dir(staging_path(dst))
         plan = {"fingerprint": fingerprint, **({"source": source} if source else {})}
         atomic_write(plan_path, json.dumps(plan).encode())
     except OSError as err:
         raise io_error(err, plan_path) from err
+    return token
 
 
 def io_error(err: Exception, where: str) -> ConversionError:
@@ -188,15 +221,16 @@ def io_error(err: Exception, where: str) -> ConversionError:
 
 
 def remove_temporaries(dst: str) -> None:
-    """Delete half-written shards and manifests left by an interrupted run."""
+    """Delete half-written shards and manifests left by an interrupted run (regular files
+    only: anything else there is refused, see :func:`fastdata.writer.owned.remove_file`)."""
     for name in os.listdir(dst):
         if name.endswith(TMP_SUFFIX) or ATOMIC_TMP_MARK in name or name.endswith(TMP_SUFFIX + "-lock"):
-            os.unlink(os.path.join(dst, name))
+            remove_file(os.path.join(dst, name))
     staging = staging_path(dst)
-    if os.path.isdir(staging):
+    if check_dir(staging):
         for name in os.listdir(staging):
-            if name.startswith(SPILL_PREFIX) and name.endswith(SPILL_SUFFIX):
-                os.unlink(os.path.join(staging, name))
+            if (name.startswith(SPILL_PREFIX) and name.endswith(SPILL_SUFFIX)) or ATOMIC_TMP_MARK in name:
+                remove_file(os.path.join(staging, name))
 
 
 def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True) -> dict[int, ShardResult]:
@@ -212,17 +246,17 @@ def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: 
         side = staging_path(dst, name + ".json")
         path = os.path.join(dst, name)
         try:
-            with open(side, "rb") as fh:
-                info = json.load(fh)
+            info = json.loads(read_regular(side, MAX_RECORD_BYTES, "shard sidecar"))
             result = ShardResult(**info, resumed=True)
-            if os.path.getsize(path) == result.bytes and (not verify_files or file_checksum(path) == result.xxh):
+            st = os.lstat(path)
+            if (stat.S_ISREG(st.st_mode) and st.st_size == result.bytes
+                    and (not verify_files or file_checksum(path) == result.xxh)):
                 done[plan.shard_id] = result
                 continue
         except (OSError, ValueError, TypeError):
             pass
         for stale in (side, path):
-            if os.path.exists(stale):
-                os.unlink(stale)
+            remove_file(stale)
     return done
 
 
@@ -233,7 +267,15 @@ class _ShardInProgress:
         self.name = shard_name(backend, plan.shard_id)
         self.final_path = os.path.join(dst, self.name)
         self.tmp_path = self.final_path + TMP_SUFFIX
-        self.writer = writer_class(backend)(self.tmp_path, storage, schema=schema, **writer_options)
+        # created here (O_EXCL | O_NOFOLLOW) so the backend's writer opens a file we made,
+        # never a symlink planted at that name
+        remove_file(self.tmp_path)
+        os.close(create_file(self.tmp_path))
+        try:
+            self.writer = writer_class(backend)(self.tmp_path, storage, schema=schema, **writer_options)
+        except BaseException:
+            remove_file(self.tmp_path)
+            raise
         self.pending = 0
         self.count = 0
         self.image_bytes = 0
@@ -275,8 +317,8 @@ class _ShardInProgress:
             # ("fsyncgate"): never trust this shard; resume rewrites it from the source.
             for path in (sidecar, index_sidecar, self.final_path):
                 try:
-                    os.unlink(path)
-                except OSError:
+                    remove_file(path)
+                except (OSError, FastdataError):
                     pass
             raise
         return result
@@ -284,8 +326,7 @@ class _ShardInProgress:
     def abort(self) -> None:
         self.writer.abort()
         for path in (self.tmp_path, self.tmp_path + "-lock"):
-            if os.path.exists(path):
-                os.unlink(path)
+            remove_file(path)
 
 
 @dataclass(frozen=True)
@@ -488,7 +529,7 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
     stats = PipelineStats()
     window = max(2, workers * 4)
     spill_dir = staging_path(dst)
-    os.makedirs(spill_dir, exist_ok=True)
+    ensure_dir(spill_dir)
     open_shards: dict[int, _ShardInProgress] = {}
     io_errors: tuple[type[Exception], ...] = (OSError, *writer_class(backend).io_errors)
     ctx = _mp_context()
@@ -687,7 +728,10 @@ def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[s
     sink = _SINK.get()
     if sink is not None:
         sink.publish(dst)
-    shutil.rmtree(staging_path(dst), ignore_errors=True)
+    try:
+        remove_staging(dst, ignore_errors=True)
+    except FastdataError:
+        pass  # (checked when the run started: only a swap since leaves it, and it is left alone)
     return manifest
 
 
@@ -716,19 +760,35 @@ def store_entries(dst: str) -> list[str]:
     return names
 
 
+def check_store_entries(dst: str) -> None:
+    """Refuse a destination whose store entries (the manifest, shards, temporaries, the lock
+    and the staging folder and its files) are anything but what a conversion makes there:
+    a symlink, FIFO, device, or a folder where a file belongs (before anything is written).
+
+    Raises:
+        UnsafeStoreError: naming the entry.
+    """
+    names = store_entries(dst) + [n for n in os.listdir(dst) if n.startswith(".fastdata") and n != STAGING_DIR]
+    check_entries(dst, sorted(set(names)), dirs=(STAGING_DIR,))
+
+
 def clear_store(dst: str) -> None:
     """Delete a previous store's files (``--overwrite``); refuses on foreign files.
+
+    Only what a conversion made is deleted: regular files of the store's names, and the
+    staging folder when it carries the converter's marker (see :func:`remove_staging`);
+    a symlink or anything else in their place is refused, never followed.
 
     The manifest goes first, durably (directory synced), so a run killed part-way
     through leaves an unfinished conversion, never a published store whose shards
     are gone."""
+    check_store_entries(dst)
     manifest = os.path.join(dst, MANIFEST_NAME)
     if os.path.lexists(manifest):
-        os.unlink(manifest)
+        remove_file(manifest)
         fsync_dir(dst)
     for name in store_entries(dst):
-        path = os.path.join(dst, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
+        if name == STAGING_DIR:
+            remove_staging(dst)
         else:
-            os.unlink(path)
+            remove_file(os.path.join(dst, name))

@@ -48,7 +48,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import threading
 import time
@@ -71,7 +70,8 @@ from fastdata.format.names import (
 from fastdata.remote.cache import default_cache_dir
 from fastdata.remote.location import RemoteLocation
 from fastdata.writer.lock import raise_if_locked
-from fastdata.writer.pipeline import ShardResult, shard_sink
+from fastdata.writer.owned import check_dir, make_dir, remove_dir, remove_file
+from fastdata.writer.pipeline import ShardResult, check_store_entries, shard_sink, staging_made
 
 #: finished shards that may wait for (or be in) upload before the pipeline blocks
 MAX_WAITING = 2
@@ -93,6 +93,24 @@ def refuse_remote_source(src: str | os.PathLike, what: str = "source") -> None:
         raise RemotePathError(f"{what} {os.fspath(src)}: inputs are read from a local or mounted filesystem "
                               f"(only the destination may be a URL, not this {scheme}:// one): copy or mount the "
                               "data and give that path")
+
+
+def check_url_path(url: str) -> None:
+    """Refuse a destination URL whose path has ``.``, ``..`` or empty segments (``s3://b/a/..``,
+    ``s3://b//x``) or a NUL: object stores take them literally, but the converter's local
+    staging folder (named after the last segment) and every tool reading the URL would not.
+
+    Raises:
+        RemotePathError: naming the URL and the segment.
+    """
+    _, _, rest = url.partition("://")
+    segments = rest.rstrip("/").split("/")
+    for segment in segments:
+        if segment in ("", ".", "..") or "\0" in segment:
+            shown = {"": "an empty segment (//)", ".": "a '.' segment", "..": "a '..' segment"}.get(
+                segment, "a NUL byte")
+            raise RemotePathError(f"destination {url!r}: the path has {shown}; write to a plain prefix such as "
+                                  "s3://bucket/datasets/train.lmdb (no '.', '..' or empty segments)")
 
 
 def local_staging_dir(url: str, staging_dir: str | os.PathLike | None, rank: int | None) -> str:
@@ -283,24 +301,38 @@ def check_destination(location: RemoteLocation, *, resume: bool, overwrite: bool
     return objects
 
 
-def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int], *, resume: bool) -> None:
-    """Empty the local staging directory ``local`` (refusing while a live run holds its lock),
-    then, for a resume, download what the local pipeline reads first: the manifest of a store
-    already published, else the run's record (plan.json, listing.npz) from the remote staging."""
-    if os.path.isdir(local):
-        raise_if_locked(local)
-        shutil.rmtree(local)
-    os.makedirs(local, exist_ok=True)
-    if not resume:
+def remove_local(local: str, token: str | None = None) -> None:
+    """Delete the local staging folder ``local`` of a conversion into a URL: only a real
+    directory with the converter's marker (``token``: the one this run wrote), or an older
+    fastdata's holding only a store's files (see :mod:`fastdata.writer.owned`); never a
+    folder of the user's that the URL's name or ``staging_dir`` happens to point at."""
+    if not check_dir(local):
         return
-    os.makedirs(os.path.join(local, STAGING_DIR), exist_ok=True)
+    raise_if_locked(local)
+    remove_dir(local, token=token, legacy=_is_store_object, legacy_dirs={STAGING_DIR: staging_made})
+
+
+def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int], *, resume: bool) -> str:
+    """Empty the local staging directory ``local`` (refusing while a live run holds its lock,
+    and refusing one the converter did not make), then, for a resume, download what the local
+    pipeline reads first: the manifest of a store already published, else the run's record
+    (plan.json, listing.npz) from the remote staging. Returns the token of ``local``'s marker."""
+    if check_dir(local):
+        check_store_entries(local)
+        remove_local(local)
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    token = make_dir(local)
+    if not resume:
+        return token
+    make_dir(os.path.join(local, STAGING_DIR))
     if MANIFEST_NAME in objects:
         atomic_write(os.path.join(local, MANIFEST_NAME), location.read_bytes(MANIFEST_NAME))
-        return
+        return token
     for key in objects:
         top, _, name = key.partition("/")
         if top == STAGING_DIR and name and "/" not in name and _is_run_record(name):
             atomic_write(os.path.join(local, STAGING_DIR, name), location.read_bytes(key))
+    return token
 
 
 class RemoteDestination:
@@ -367,7 +399,8 @@ class RemoteDestination:
         objects = self.location.listing()
         done: dict[int, ShardResult] = {}
         staging = os.path.join(dst, STAGING_DIR)
-        os.makedirs(staging, exist_ok=True)
+        if not check_dir(staging):
+            make_dir(staging)
         for plan in plans:
             name = shard_name(backend, plan.shard_id)
             side_key, index_key = _staging_key(name + ".json"), _staging_key(name + SIDECAR_SUFFIX)
@@ -387,8 +420,7 @@ class RemoteDestination:
                     done[plan.shard_id] = result
                     continue
             for stale in (local_side, local_index):
-                if os.path.exists(stale):
-                    os.unlink(stale)
+                remove_file(stale)
         return done
 
     def publish(self, dst: str) -> None:
@@ -417,7 +449,7 @@ class RemoteDestination:
             # the index first, the result last: the result's presence says the shard is complete
             for side in (name + SIDECAR_SUFFIX, name + ".json"):
                 self.location.upload(os.path.join(staging, side), _staging_key(side))
-            os.unlink(path)
+            remove_file(path)
             if self.lock is not None:
                 self.lock.write()  # renewed: a long run's lock never looks stale
         except BaseException as err:
@@ -449,13 +481,14 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
     """
     if resume and overwrite:
         raise ValueError("--resume and --overwrite are exclusive")
+    check_url_path(url)
     location = RemoteLocation(url, storage_options or {})
     location._writable()
     local = local_staging_dir(location.url, staging_dir, rank)
     lock = RemoteLock(location)
     lock.check()  # a live writer is named before any other complaint (every rank sees the same)
     objects = check_destination(location, resume=resume, overwrite=overwrite, clear=not rank)
-    prepare_local(location, local, objects, resume=resume)
+    token = prepare_local(location, local, objects, resume=resume)
     sink = RemoteDestination(location, publisher=not rank, lock=lock)
     try:
         if not rank:
@@ -475,7 +508,7 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
         report.warnings.append(f"took over the lock object {lock.url} of pid {pid} on {host}, which is no longer "
                                "running (or stopped renewing it over an hour ago)")
     report.dst = location.url
-    _remove_local(local, staging_dir)
+    _remove_local(local, staging_dir, token)
     return report
 
 
@@ -486,10 +519,14 @@ def _name_the_url(err: Exception, local: str, url: str) -> None:
         err.args = (re.sub(re.escape(local) + r"(?![\w/.-])", url, err.args[0]), *err.args[1:])
 
 
-def _remove_local(local: str, staging_dir: str | os.PathLike | None) -> None:
-    """Delete a finished run's local staging folder and the now empty folders made above it
-    (``uploads/<key>/``, ``rank-<r>/``), never a ``staging_dir`` the caller gave."""
-    shutil.rmtree(local, ignore_errors=True)
+def _remove_local(local: str, staging_dir: str | os.PathLike | None, token: str) -> None:
+    """Delete a finished run's local staging folder (the one this run made: its marker holds
+    ``token``) and the now empty folders made above it (``uploads/<key>/``, ``rank-<r>/``,
+    removed with ``rmdir``, which only removes empty ones), never a ``staging_dir`` the caller gave."""
+    try:
+        remove_dir(local, token=token, ignore_errors=True)
+    except FastdataError:
+        return  # (swapped since the run made it: left alone)
     keep = os.path.abspath(staging_dir if staging_dir is not None else os.path.join(default_cache_dir(), "uploads"))
     parent = os.path.dirname(local)
     while parent != keep and parent.startswith(keep + os.sep):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -39,17 +38,19 @@ from fastdata.common.paths import check_local_path
 from fastdata.common.units import parse_size
 from fastdata.errors import ConversionError, FastdataError, ResumeMismatchError, StoreExistsError
 from fastdata.format.manifest import read_manifest
-from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
+from fastdata.format.names import MANIFEST_NAME
 from fastdata.remote.store import is_remote
 from fastdata.writer.distributed import RankGroup, current_group, error_text, shards_for_rank
 from fastdata.writer.lock import StoreLock, raise_if_locked
 from fastdata.writer.options import resolve_options, resolve_workers
 from fastdata.writer.pipeline import (
+    check_store_entries,
     clear_store,
     load_finished,
     prepare_staging,
     prestart_pool,
     publish,
+    remove_staging,
     remove_temporaries,
     run_shards,
     store_entries,
@@ -84,11 +85,15 @@ def check_destination(dst: str, resume: bool, overwrite: bool) -> None:
 
     Raises:
         StoreExistsError: saying which, and what to pass or choose instead.
+        UnsafeStoreError: an entry a conversion writes (the lock, the staging folder, a shard,
+            the manifest, a temporary) is a symlink, FIFO or device, or a folder where a file
+            belongs: refused before anything is written, whatever the flags.
     """
     if not os.path.exists(dst):
         return
     if not os.path.isdir(dst):
         raise StoreExistsError(f"{dst} exists and is not a directory; choose another destination")
+    check_store_entries(dst)
     ours = set(store_entries(dst))
     foreign = [n for n in os.listdir(dst) if n not in ours and not n.startswith(".fastdata")]
     if foreign:
@@ -224,7 +229,7 @@ class WriteSession:
             source.check_resume(dst, recorded, run, fingerprint)
             if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
                 return self._already_published(dst, fingerprint)
-        prepare_staging(dst, fingerprint, resume, source.staging_source)
+        lock.record_token(prepare_staging(dst, fingerprint, resume, source.staging_source))
         if recorded is None or recorded.fingerprint != fingerprint:
             source.record(dst, run, fingerprint)  # what a later --resume reuses and compares against
         remove_temporaries(dst)
@@ -237,7 +242,7 @@ class WriteSession:
         if manifest["options"].get("fingerprint") != fingerprint:
             raise ResumeMismatchError(f"{dst} is a complete store {self.source.made_from}; "
                                       f"use {self.source.overwrite_flag} to replace it")
-        shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
+        remove_staging(dst)
         remove_temporaries(dst)
         return manifest["num_samples"]
 

@@ -473,6 +473,39 @@ def test_staging_symlink_to_a_folder_outside(harness, fresh, trees, tmp_path, mo
     assert result["outcome"] in (("ok",) if mode == "control" else ("ok", "typed_error")), describe(result)
 
 
+@pytest.mark.parametrize("how", ["overwrite", "resume"])
+@pytest.mark.parametrize("mode", MODES)
+def test_lock_hard_link_to_a_file_outside(harness, fresh, trees, tmp_path, mode, how):
+    """A hard link (not a symlink) named ``.fastdata.lock``: writing the pid would clobber the
+    file it shares its inode with. Control: a stale lock file holding a pid is taken over."""
+    store = fresh("v1", ALL[0])
+    canary = outside(tmp_path)
+    lock = os.path.join(store, ".fastdata.lock")
+    if mode == "attack":
+        os.link(canary, lock)
+    else:
+        with open(lock, "w") as fh:
+            fh.write("999999999")
+    result = harness.run("convert", src=trees["a"], dst=store, watch=[canary], **{how: True})
+    assert result["outcome"] != "clobbered", describe(result)
+    assert result["outcome"] in (("ok",) if mode == "control" else ("ok", "typed_error")), describe(result)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shard_symlink_to_a_file_outside(harness, fresh, trees, tmp_path, mode):
+    """A shard of the store replaced by a symlink to a file outside: ``--overwrite`` must not
+    delete, truncate or write it. Control: the regular shard is replaced."""
+    store = fresh("v1", ALL[0])
+    canary = outside(tmp_path)
+    if mode == "attack":
+        shard = shard_of(store)
+        os.unlink(shard)
+        os.symlink(canary, shard)
+    result = harness.run("convert", src=trees["a"], dst=store, watch=[canary], overwrite=True)
+    assert result["outcome"] != "clobbered", describe(result)
+    expect(result, mode, ".lmdb")
+
+
 # -- 9. a store rewritten while a Dataset has it open ---------------------------------------------
 
 @pytest.mark.parametrize("how", ["after", "reopened", "fork"])
