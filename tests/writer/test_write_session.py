@@ -63,8 +63,10 @@ def run_entry_point(kind: str, inputs: dict[str, Path], dst: Path, workers: int)
 
 @pytest.fixture
 def pools(monkeypatch) -> dict[str, int]:
-    """Counts the worker pools started, and the most child processes alive when a chunk is written."""
+    """Counts the worker pools started, and the most child processes alive when a chunk is written
+    that were not alive before (earlier tests may leave long-lived helpers, e.g. a forkserver)."""
     seen = {"pools": 0, "children": 0}
+    already = {p.pid for p in multiprocessing.active_children()}
 
     class CountingPool(cf.ProcessPoolExecutor):
         def __init__(self, *args, **kwargs):
@@ -74,7 +76,8 @@ def pools(monkeypatch) -> dict[str, int]:
     real_update = ProgressBar.update_counts
 
     def update_counts(self, *args):
-        seen["children"] = max(seen["children"], len(multiprocessing.active_children()))
+        new = [p for p in multiprocessing.active_children() if p.pid not in already]
+        seen["children"] = max(seen["children"], len(new))
         real_update(self, *args)
 
     monkeypatch.setattr(cf, "ProcessPoolExecutor", CountingPool)  # the pipeline's pool factory

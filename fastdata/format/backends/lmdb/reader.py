@@ -85,7 +85,9 @@ class _EnvCache:
             env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
                             max_spare_txns=0, max_dbs=2)
             try:
-                if _identity(os.stat(path)) != identity:
+                # the same file (device and inode): its times may move (the shard cache touches a
+                # shard it pins, for LRU), but another file at this path was not checked
+                if _identity(os.stat(path))[:2] != identity[:2]:
                     raise UnsafeStoreError(f"{path}: the shard file was replaced while it was opened")
                 dbs = (env.open_db(spec.RECORDS_DB, create=False), env.open_db(spec.INDEX_DB, create=False))
             except BaseException:
