@@ -79,7 +79,8 @@ def test_raw_shape_must_match_every_record(raw_store, tmp_path):
     H.resign(copy, body)
     # HDF5's reader finds it first (its pixels dataset has the stored shape); LMDB's index then
     with pytest.raises(FormatError, match=r"holds 192 bytes, but the manifest's raw_shape 8x4 needs 96|"
-                                          r"expected \(n, 8, 4, 3\)|has shape \(\d+, 8, 8, 3\), expected \(\d+, 8, 4, 3\)"):
+                                          r"expected \(n, 8, 4, 3\)|"
+                                          r"has shape \(\d+, 8, 8, 3\), expected \(\d+, 8, 4, 3\)"):
         fastdata.open_dataset(copy, output="numpy")
 
 
