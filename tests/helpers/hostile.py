@@ -881,3 +881,16 @@ def describe(result: dict) -> str:
     if result.get("outcome") in ("untyped_error", "memory") and result.get("log_tail"):
         parts.append("log: " + result["log_tail"][-300:])
     return " | ".join(parts)
+
+
+def expect(result: dict, mode: str, *names: str) -> None:
+    """Judge one harness result. ``control``: the read succeeded. ``attack``: a typed error,
+    costing well under the memory bound, whose message names one of ``names`` (if any)."""
+    if mode == "control":
+        assert result["outcome"] == "ok", f"control failed: {describe(result)}"
+        return
+    assert result["outcome"] == "typed_error", describe(result)
+    assert result.get("growth", 0) < MEMORY_GROWTH // 2, f"typed, but only after costing {describe(result)}"
+    if names:
+        assert any(n in result.get("message", "") for n in names), \
+            f"the error does not name the store or shard {names}: {describe(result)}"

@@ -12,7 +12,7 @@ import random
 
 import pytest
 from helpers import hostile as H
-from helpers.hostile import describe
+from helpers.hostile import describe, expect
 
 from fastdata.format.backends.registry import BACKENDS
 
@@ -64,14 +64,6 @@ def _open_url(harness, url: str, tmp_path) -> dict:
     return harness.run("open", store=url, cache_dir=str(tmp_path / f"cache-{random.random()}"))
 
 
-def expect(result: dict, mode: str, *names: str) -> None:
-    if mode == "control":
-        assert result["outcome"] == "ok", f"control failed: {describe(result)}"
-        return
-    assert result["outcome"] == "typed_error", describe(result)
-    assert result.get("growth", 0) < H.MEMORY_GROWTH // 2, f"typed, but only after costing {describe(result)}"
-    if names:
-        assert any(n in result.get("message", "") for n in names), describe(result)
 
 
 @pytest.mark.parametrize("mode", MODES)
