@@ -59,12 +59,8 @@ def fsync_file(path: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory so a rename inside it survives power loss."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a directory so a rename inside it survives power loss (a directory opens read-only too)."""
+    fsync_file(path)
 
 
 def file_checksum(path: str) -> str:

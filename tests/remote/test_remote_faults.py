@@ -170,12 +170,7 @@ def test_a_connection_dropped_mid_download_is_retried_within_the_one_download(s3
     connection drops after the first block of the shard (an OSError from the stream, as a dying
     server gives) and the same download's next attempt fetches the whole shard, verified."""
     _, bucket = s3
-    local = big_store(tmp_path)
-    url = f"{bucket}/big.lmdb"
-    upload_store(local, url)
-    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "2")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries off: only ours, counted
-    ds = fastdata.open_dataset(url, output="numpy")
+    ds, local = _big_remote_store(bucket, tmp_path, monkeypatch, retries=2)
     backoffs: list[int] = []
     monkeypatch.setattr(location_module, "_backoff", backoffs.append)
 
@@ -190,20 +185,26 @@ def test_a_connection_dropped_mid_download_is_retried_within_the_one_download(s3
     assert_only_verified_shards(os.environ["FASTDATA_CACHE_DIR"], local)
 
 
+def _big_remote_store(bucket: str, tmp_path, monkeypatch, retries: int):
+    """The big store uploaded to ``bucket`` and opened from there with ``retries`` of our retries
+    (botocore's own off, so only ours count). Returns ``(dataset, local store)``."""
+    local = big_store(tmp_path)
+    url = f"{bucket}/big.lmdb"
+    upload_store(local, url)
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", str(retries))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    return fastdata.open_dataset(url, output="numpy"), local
+
+
 # A real SeaweedFS restart takes 12-30 s to recover its raft state: nightly. In CI the dropped
 # connection above checks the same retry inside one download, and the test after this one the
 # server going away for good.
 @pytest.mark.slow
 def test_server_killed_mid_download_and_back_within_the_retries(lone_s3, tmp_path, monkeypatch):
     server, bucket = lone_s3
-    local = big_store(tmp_path)
-    url = f"{bucket}/big.lmdb"
-    upload_store(local, url)
     # backoff 0.25 s doubling, capped at 8 s: about 2 minutes of retries, far more than the restart
     # needs (SeaweedFS resuming its raft state took 12-21 s here), ending as soon as it is back
-    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "20")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries off: only ours, counted
-    ds = fastdata.open_dataset(url, output="numpy")
+    ds, local = _big_remote_store(bucket, tmp_path, monkeypatch, retries=20)
     restarted = threading.Event()
 
     def kill_then_restart():
@@ -221,19 +222,14 @@ def test_server_killed_mid_download_and_back_within_the_retries(lone_s3, tmp_pat
 def _kill_mid_download_and_fail(server, bucket, tmp_path, monkeypatch):
     """Kill the server after the first block of the shard: one clear error, nothing kept.
     Returns ``(dataset, local store)``."""
-    local = big_store(tmp_path)
-    url = f"{bucket}/big.lmdb"
-    upload_store(local, url)
-    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "2")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries off: only ours, counted
-    ds = fastdata.open_dataset(url, output="numpy")
+    ds, local = _big_remote_store(bucket, tmp_path, monkeypatch, retries=2)
     hook_first_shard_block(monkeypatch, server.kill)
     t0 = time.monotonic()
     with pytest.raises(RemoteStoreError) as info:
         ds[0]
     assert time.monotonic() - t0 < 60  # a watchdog: 3 attempts at a closed port take about a second
     message = str(info.value)
-    assert f"{url}/shard-00000.lmdb" in message and "after 3 attempts" in message, message
+    assert f"{bucket}/big.lmdb/shard-00000.lmdb" in message and "after 3 attempts" in message, message
     assert list(shard_files(os.environ["FASTDATA_CACHE_DIR"]).values()) == [[]], "a half-downloaded shard was kept"
     return ds, local
 
