@@ -294,7 +294,12 @@ def test_sigkill_then_resume_keeps_finished_shards_and_equals_clean_run(tmp_path
                 sidecars = [p for p in staging.glob("shard-*.json")] if staging.exists() else []
                 if sidecars and list(dst.glob("shard-*.lmdb.tmp")):
                     proc.send_signal(signal.SIGSTOP)  # freeze it right here, then look and kill
-                    break
+                    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+                        time.sleep(0.001)  # (the stop is delivered asynchronously)
+                    # the .tmp may have been renamed between the look and the stop: look again frozen
+                    if list(dst.glob("shard-*.lmdb.tmp")):
+                        break
+                    proc.send_signal(signal.SIGCONT)
                 if proc.poll() is not None:
                     pytest.fail(f"the converter finished (exit {proc.returncode}) before it could be killed "
                                 f"mid-run; use a larger dataset for this machine: {proc.communicate()}")
