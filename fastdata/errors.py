@@ -59,6 +59,13 @@ class CorruptRecordError(FormatError):
         self.index = index
 
 
+class ImageModeError(FastdataError, ValueError):
+    """An image cannot be given in the asked ``image_mode`` or output: e.g. a 5-band TIFF
+    or a DICOM read as ``"RGB"`` (Pillow cannot open them), or a 16-bit RGB image as a PIL
+    image (PIL has no such mode). The message names the mode or output to use instead.
+    Not damage: ``on_error="skip"`` does not skip it."""
+
+
 class ConversionError(FastdataError):
     """The conversion failed (a worker died, an I/O error, a rank failed)."""
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import threading
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import simplejpeg
@@ -187,3 +188,141 @@ def decode_rgb_array(data: Buffer) -> np.ndarray:
     finally:
         im.close()
 
+
+
+# -- images as stored: every read mode (fastdata.common.imagemodes) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """What a writer records of an image (its index entry): the stored format
+    (:func:`stored_format`), its size, and its pixels as stored (``image_mode="unchanged"``):
+    a numpy dtype name and a channel count."""
+
+    format: str
+    width: int
+    height: int
+    dtype: str = "uint8"
+    channels: int = 3
+
+
+#: Pillow mode -> (numpy dtype name, channels) of its pixels as stored (modes not listed: see _native_of)
+_PILLOW_NATIVE = {
+    "1": ("uint8", 1), "L": ("uint8", 1), "P": ("uint8", 1), "LA": ("uint8", 2), "PA": ("uint8", 2),
+    "La": ("uint8", 2), "RGB": ("uint8", 3), "YCbCr": ("uint8", 3), "LAB": ("uint8", 3), "HSV": ("uint8", 3),
+    "RGBA": ("uint8", 4), "RGBa": ("uint8", 4), "RGBX": ("uint8", 4), "CMYK": ("uint8", 4),
+    "I;16": ("uint16", 1), "I;16L": ("uint16", 1), "I;16B": ("uint16", 1), "I;16N": ("uint16", 1),
+    "I": ("int32", 1), "F": ("float32", 1),
+}
+
+
+def _native_of(im: Image.Image) -> tuple[str, int]:
+    """(dtype, channels) of a Pillow image's pixels as stored."""
+    try:
+        return _PILLOW_NATIVE[im.mode]
+    except KeyError:
+        raise ImageDecodeError(f"{im.format} image of Pillow mode {im.mode!r} is not supported") from None
+
+
+def _pillow_array(im: Image.Image) -> np.ndarray:
+    """A writable array of a loaded Pillow image's pixels as stored: HxW or HxWxC, own dtype."""
+    if im.mode == "1":
+        return np.array(im, dtype=np.uint8) * np.uint8(255)  # as libpng, cv2 and torchvision expand 1-bit
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N"):
+        return np.array(im).astype(np.uint16)
+    if im.mode in ("YCbCr", "LAB", "HSV", "RGBa", "La"):
+        return np.array(im)
+    return np.array(im)
+
+
+def inspect_image(data: Buffer) -> ImageInfo:
+    """Fully decode ``data`` under the policy, keeping no pixels: what a writer checks and records.
+
+    Args:
+        data (bytes | bytearray | memoryview): an encoded image file.
+
+    Returns:
+        ImageInfo: stored format, width, height, and the dtype and channel count of its
+        pixels as stored.
+
+    Raises:
+        ImageDecodeError: as :func:`open_image`.
+    """
+    size = fast_jpeg_size(data)
+    if size is not None:
+        fmt, width, height = validate_image(data)
+        channels = 1 if simplejpeg.decode_jpeg_header(data)[2] == "Gray" else 3
+        return ImageInfo(fmt, width, height, "uint8", channels)
+    im = open_image(data)
+    try:
+        dtype, channels = _native_of(im)
+        return ImageInfo(stored_format(im), im.width, im.height, dtype, channels)
+    finally:
+        im.close()
+
+
+def decode_image(data: Buffer, mode: str = "RGB") -> np.ndarray:
+    """Decode ``data`` in read mode ``mode`` (see :mod:`fastdata.common.imagemodes`).
+
+    Args:
+        data (bytes | bytearray | memoryview): an encoded image file.
+        mode (str): ``"RGB"`` (HxWx3 uint8, pixel-identical to ``Image.open(f).convert("RGB")``),
+            ``"L"`` (HxW uint8), ``"RGBA"`` (HxWx4 uint8), or ``"unchanged"``: HxW for one
+            channel, else HxWxC, in the stored dtype.
+
+    Returns:
+        numpy.ndarray: writable and C-contiguous.
+
+    Raises:
+        ImageDecodeError: as :func:`open_image`.
+        ImageModeError: a Pillow mode asked of an image Pillow cannot open (a DICOM, a 5-band TIFF).
+    """
+    if mode == "RGB":
+        size = fast_jpeg_size(data)
+        if size is not None:
+            try:
+                return simplejpeg.decode_jpeg(data, colorspace="RGB")
+            except ValueError:
+                pass
+        return decode_rgb_array(data)
+    if mode == "unchanged":
+        size = fast_jpeg_size(data)
+        if size is not None:
+            try:
+                if simplejpeg.decode_jpeg_header(data)[2] == "Gray":
+                    return simplejpeg.decode_jpeg(data, colorspace="GRAY")[:, :, 0].copy()
+                return simplejpeg.decode_jpeg(data, colorspace="RGB")
+            except ValueError:
+                pass
+        im = open_image(data)
+        try:
+            _native_of(im)
+            return _pillow_array(im)
+        finally:
+            im.close()
+    if mode in ("L", "RGBA"):
+        im = open_image(data)
+        try:
+            return np.array(im.convert(mode))
+        finally:
+            im.close()
+    raise ValueError(f"unknown image mode {mode!r}")
+
+
+def decode_pil_image(data: Buffer, mode: str = "RGB") -> Image.Image:
+    """Decode ``data`` in read mode ``mode`` as a PIL image.
+
+    ``"RGB"``/``"L"``/``"RGBA"``: Pillow's ``convert(mode)``. ``"unchanged"``: the PIL mode
+    that holds the stored pixels losslessly (a palette PNG stays ``"P"`` with its palette,
+    16-bit grayscale is ``"I;16"``, float32 ``"F"``).
+
+    Raises:
+        ImageDecodeError: as :func:`open_image`.
+        ImageModeError: no PIL mode holds the image (16-bit RGB, more than 4 channels, ...):
+            the message names ``output="numpy"``/``"tensor"``.
+    """
+    if mode == "unchanged":
+        im = open_image(data)
+        _native_of(im)
+        return im
+    return open_image(data).convert(mode)

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fastdata.common.extensions import has_image_extension
+from fastdata.common.imagemodes import IMAGE_MODES
 from fastdata.errors import FastdataError, FormatError
 
 
@@ -178,6 +179,27 @@ class Image(Field):
     """
 
     kind = "image"
+
+    def __init__(self, mode: str | None = None):
+        """Args:
+            mode: the read mode datasets use for this field unless ``image_mode=`` says
+                otherwise: ``"RGB"``, ``"L"``, ``"RGBA"`` or ``"unchanged"`` (the stored
+                dtype and channels). None: ``"RGB"`` for a field named ``image``
+                (ImageFolder parity), ``"unchanged"`` for any other image field (a mask,
+                a depth map).
+        """
+        if mode is not None and mode not in IMAGE_MODES:
+            raise SchemaError(f"image field: mode {mode!r} is not one of {', '.join(IMAGE_MODES)} (or None)")
+        self.mode = mode
+
+    def params(self) -> dict:
+        return {} if self.mode is None else {"mode": self.mode}
+
+    def default_mode(self, name: str) -> str:
+        """The read mode of this field when the reader is not told one (see ``mode``)."""
+        if self.mode is not None:
+            return self.mode
+        return "RGB" if name == "image" else "unchanged"
 
     def check(self, value: Any, where: str) -> bytes:
         if isinstance(value, bytearray | memoryview):

@@ -30,8 +30,15 @@ from fastdata.errors import CorruptRecordError
 
 RECORD_VERSION = 1
 #: stored image format names and their 1-byte codes in the index
-FORMAT_CODES = {"JPEG": 0, "PNG": 1, "PPM": 2, "BMP": 3, "TIFF": 4, "WEBP": 5, "RAW": 6}
+FORMAT_CODES = {"JPEG": 0, "PNG": 1, "PPM": 2, "BMP": 3, "TIFF": 4, "WEBP": 5, "RAW": 6, "DICOM": 7}
 FORMAT_NAMES = {v: k for k, v in FORMAT_CODES.items()}
+#: numpy dtype names of stored images (their pixels as stored: ``image_mode="unchanged"``) and their
+#: 1-byte codes in the index; code 0 means "not recorded" (stores written before fastdata recorded it)
+IMAGE_DTYPE_CODES = {"uint8": 1, "uint16": 2, "int16": 3, "int32": 4, "uint32": 5, "float32": 6, "float64": 7,
+                     "int8": 8, "float16": 9, "int64": 10, "uint64": 11}
+IMAGE_DTYPE_NAMES = {v: k for k, v in IMAGE_DTYPE_CODES.items()}
+#: the index's code for a dtype or channel count that was not recorded
+NOT_RECORDED = 0
 #: hard limit for one record: refuse to unpack anything larger (hostile input)
 MAX_RECORD_BYTES = 1 << 30
 _FIELDS = ("v", "label", "w", "h", "fmt", "xxh", "path", "img")
@@ -166,7 +173,43 @@ INDEX_DTYPES = {
     "nbytes": "<i8",
     "relpaths": "u1",
     "relpath_offsets": "<i8",
+    "dtypes": "u1",
+    "channels": "<u2",
 }
+#: index arrays a store written before fastdata recorded them lacks: read as :data:`NOT_RECORDED`
+OPTIONAL_INDEX_ARRAYS = frozenset({"dtypes", "channels"})
+
+
+def image_dtype_code(dtype: str) -> int:
+    """The index code of an image's numpy dtype name (``"uint16"`` -> 2).
+
+    Raises:
+        ValueError: a dtype no stored image may have (complex, object, ...).
+    """
+    try:
+        return IMAGE_DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"images of dtype {dtype} cannot be stored (supported: {', '.join(IMAGE_DTYPE_CODES)})") \
+            from None
+
+
+def v1_index_arrays(get, count: int, where: str) -> dict[str, np.ndarray]:
+    """The arrays of a version-1 shard index from ``get(name) -> bytes | None`` (a backend's stored
+    arrays), in native byte order. The arrays of :data:`OPTIONAL_INDEX_ARRAYS` that a store written
+    before they existed lacks read as zeros (:data:`NOT_RECORDED`); any other missing or damaged
+    array raises :class:`CorruptRecordError`."""
+    arrays = {}
+    for name, dtype in INDEX_DTYPES.items():
+        buf = get(name)
+        if buf is None and name in OPTIONAL_INDEX_ARRAYS:
+            arrays[name] = np.zeros(count, dtype=np.dtype(dtype).newbyteorder("="))
+            continue
+        if isinstance(buf, np.ndarray):
+            buf = np.ascontiguousarray(buf, dtype=dtype).tobytes()
+        if buf is None or len(buf) % np.dtype(dtype).itemsize:
+            raise CorruptRecordError(f"{where}: index array {name!r} missing or damaged")
+        arrays[name] = np.frombuffer(buf, dtype=dtype).astype(np.dtype(dtype).newbyteorder("="))
+    return arrays
 
 
 @dataclass
@@ -181,6 +224,8 @@ class ShardIndex:
     nbytes: np.ndarray          # int64 [n], stored image byte length
     relpaths: np.ndarray        # uint8 [total], concatenated relpath bytes
     relpath_offsets: np.ndarray  # int64 [n + 1]
+    dtypes: np.ndarray          # uint8 [n], IMAGE_DTYPE_CODES (0: not recorded)
+    channels: np.ndarray        # uint16 [n] (0: not recorded)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -191,7 +236,7 @@ class ShardIndex:
     def validate(self, where: str) -> None:
         """Raise :class:`CorruptRecordError` when the arrays are inconsistent."""
         n = len(self.labels)
-        for name in ("checksums", "widths", "heights", "formats", "nbytes"):
+        for name in ("checksums", "widths", "heights", "formats", "nbytes", "dtypes", "channels"):
             if len(getattr(self, name)) != n:
                 raise CorruptRecordError(
                     f"{where}: index array {name!r} has {len(getattr(self, name))} entries, expected {n}")
@@ -202,6 +247,8 @@ class ShardIndex:
             raise CorruptRecordError(f"{where}: negative label or size in the index")
         if n and not np.isin(self.formats, list(FORMAT_NAMES)).all():
             raise CorruptRecordError(f"{where}: unknown format code in the index")
+        if n and not np.isin(self.dtypes, [NOT_RECORDED, *IMAGE_DTYPE_NAMES]).all():
+            raise CorruptRecordError(f"{where}: unknown image dtype code in the index")
 
 
 class IndexBuilder:
@@ -214,10 +261,15 @@ class IndexBuilder:
         self._heights: list[int] = []
         self._formats: list[int] = []
         self._nbytes: list[int] = []
+        self._dtypes: list[int] = []
+        self._channels: list[int] = []
         self._paths = bytearray()
         self._path_offsets = [0]
 
-    def add(self, *, label: int, xxh: int, width: int, height: int, fmt: str, nbytes: int, relpath: bytes) -> None:
+    def add(self, *, label: int, xxh: int, width: int, height: int, fmt: str, nbytes: int, relpath: bytes,
+            dtype: str = "uint8", channels: int = 3) -> None:
+        self._dtypes.append(image_dtype_code(dtype))
+        self._channels.append(channels)
         self._labels.append(label)
         self._checksums.append(xxh)
         self._widths.append(width)
@@ -240,6 +292,8 @@ class IndexBuilder:
             nbytes=np.asarray(self._nbytes, dtype=np.int64),
             relpaths=np.frombuffer(bytes(self._paths), dtype=np.uint8).copy(),
             relpath_offsets=np.asarray(self._path_offsets, dtype=np.int64),
+            dtypes=np.asarray(self._dtypes, dtype=np.uint8),
+            channels=np.asarray(self._channels, dtype=np.uint16),
         )
 
 
@@ -248,7 +302,9 @@ class IndexBuilder:
 #: version of general (schema) records and shards
 RECORD_VERSION_2 = 2
 #: per image field, what the writer learnt from its validation decode
-IMAGE_META = {"format": "u1", "width": "<i4", "height": "<i4"}
+IMAGE_META = {"format": "u1", "width": "<i4", "height": "<i4", "dtype": "u1", "channels": "<u2"}
+#: image-field index keys a store written before fastdata recorded them lacks (read as NOT_RECORDED)
+OPTIONAL_IMAGE_META = frozenset({"dtype", "channels"})
 #: prefix of a field's index arrays: a field may be called "checksums" without clashing with the layout's arrays
 FIELD_PREFIX = "fields/"
 #: use_list=True: json fields come back as the lists they were written as, without a rebuild
@@ -260,7 +316,7 @@ def index_layout(schema) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
 
     ``checksums`` (xxh3_64 of each record's bytes), ``nbytes`` (record length) and,
     per field, ``fields/<name>`` for index-resident fields (ints, floats, small
-    fixed arrays) and ``fields/<image>.format|.width|.height`` for image fields.
+    fixed arrays) and ``fields/<image>.format|.width|.height|.dtype|.channels`` for image fields.
     ``relpaths``/``relpath_offsets`` are variable-length and not listed here.
     """
     out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
@@ -284,11 +340,12 @@ class EncodedSample:
     index: dict
 
 
-def encode_sample(schema, checked: dict, images: dict[str, tuple[str, int, int]], relpath: bytes) -> EncodedSample:
+def encode_sample(schema, checked: dict, images: dict[str, tuple], relpath: bytes) -> EncodedSample:
     """Pack a checked sample (:meth:`Schema.check`) as a version-2 record.
 
-    ``images`` gives each image field's ``(format, width, height)`` from its
-    validation decode. The record is one msgpack map ``{"v": 2, "path": bin,
+    ``images`` gives each image field's ``(format, width, height)`` or
+    ``(format, width, height, dtype, channels)`` from its validation decode
+    (without the last two: ``uint8`` and 3 channels). The record is one msgpack map ``{"v": 2, "path": bin,
     <record field>: Field.encode(value), ...}`` in schema order.
     """
     body: dict = {"v": RECORD_VERSION_2, "path": bytes(relpath)}
@@ -298,10 +355,14 @@ def encode_sample(schema, checked: dict, images: dict[str, tuple[str, int, int]]
             body[name] = field.encode(checked[name])
         else:
             index[FIELD_PREFIX + name] = checked[name]
-    for name, (fmt, width, height) in images.items():
+    for name, info in images.items():
+        fmt, width, height = info[:3]
+        dtype, channels = info[3:5] if len(info) >= 5 else ("uint8", 3)
         index[f"{FIELD_PREFIX}{name}.format"] = FORMAT_CODES[fmt]
         index[f"{FIELD_PREFIX}{name}.width"] = width
         index[f"{FIELD_PREFIX}{name}.height"] = height
+        index[f"{FIELD_PREFIX}{name}.dtype"] = image_dtype_code(dtype)
+        index[f"{FIELD_PREFIX}{name}.channels"] = channels
     record = msgpack.packb(body, use_bin_type=True)
     if len(record) > OBJECTS_FLOOR:  # smaller ones cannot exceed it (see fastdata.common.bounded)
         _check_record_budget(body, len(record))
@@ -400,6 +461,13 @@ class SampleIndex:
         for name in schema.image_fields():
             if n and not np.isin(self.arrays[f"{FIELD_PREFIX}{name}.format"], list(FORMAT_NAMES)).all():
                 raise CorruptRecordError(f"{where}: unknown format code in the index of image field {name!r}")
+            if n and not np.isin(self.arrays[f"{FIELD_PREFIX}{name}.dtype"], [NOT_RECORDED, *IMAGE_DTYPE_NAMES]).all():
+                raise CorruptRecordError(f"{where}: unknown image dtype code in the index of image field {name!r}")
+
+
+def _optional_key(key: str) -> bool:
+    """Whether ``key`` is an image field's index array that older stores lack."""
+    return key.startswith(FIELD_PREFIX) and key.rsplit(".", 1)[-1] in OPTIONAL_IMAGE_META and "." in key
 
 
 def read_index_arrays(schema, get, count: int, where: str) -> SampleIndex:
@@ -411,6 +479,9 @@ def read_index_arrays(schema, get, count: int, where: str) -> SampleIndex:
     layout["relpath_offsets"] = (np.dtype("<i8"), ())
     for key, (dtype, shape) in layout.items():
         raw = get(key)
+        if raw is None and _optional_key(key):
+            arrays[key] = np.zeros((count, *shape), dtype=dtype.newbyteorder("="))
+            continue
         if raw is None:
             raise CorruptRecordError(f"{where}: index array {key!r} is missing")
         if isinstance(raw, np.ndarray):

@@ -29,7 +29,7 @@ import xxhash
 from fastdata.common.bounded import unpackb_bounded
 from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.names import SIDECAR_SUFFIX, STORE_INDEX_NAME
-from fastdata.format.record import INDEX_DTYPES, SampleIndex, ShardIndex, read_index_arrays
+from fastdata.format.record import INDEX_DTYPES, SampleIndex, ShardIndex, read_index_arrays, v1_index_arrays
 
 #: manifest key: {"name": STORE_INDEX_NAME, "bytes": int, "xxh": str}
 MANIFEST_KEY = "store_index"
@@ -63,13 +63,7 @@ def _decode_entry(entry: object, schema, where: str) -> ShardIndex | SampleIndex
     count = entry["count"]
     if schema is not None:
         return read_index_arrays(schema, stored.get, count, where)
-    arrays = {}
-    for name, dtype in INDEX_DTYPES.items():
-        buf = stored.get(name)
-        if buf is None or len(buf) % np.dtype(dtype).itemsize:
-            raise CorruptRecordError(f"{where}: index array {name!r} missing or damaged")
-        arrays[name] = np.frombuffer(buf, dtype=dtype).astype(np.dtype(dtype).newbyteorder("="))
-    index = ShardIndex(**arrays)
+    index = ShardIndex(**v1_index_arrays(stored.get, count, where))
     if len(index) != count:
         raise CorruptRecordError(f"{where}: index has {len(index)} entries, expected {count}")
     index.validate(where)

@@ -154,4 +154,4 @@ def test_encode_sample_puts_index_fields_in_the_index_only():
     encoded = encode_sample(schema, {"image": b"abc", "label": 5}, {"image": ("PNG", 2, 3)}, b"x")
     assert set(msgpack.unpackb(encoded.record)) == {"v", "path", "image"}
     assert encoded.index == {"fields/label": 5, "fields/image.format": 1, "fields/image.width": 2,
-                             "fields/image.height": 3}
+                             "fields/image.height": 3, "fields/image.dtype": 1, "fields/image.channels": 3}

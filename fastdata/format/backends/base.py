@@ -31,6 +31,9 @@ class Sample:
     fmt: str
     xxh: int
     relpath: bytes
+    #: the numpy dtype name and channel count of the image as stored (``image_mode="unchanged"``)
+    dtype: str = "uint8"
+    channels: int = 3
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,15 @@ from fastdata.common.fileio import check_regular, open_regular
 from fastdata.errors import CorruptRecordError, FormatError, UnsafeStoreError
 from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.hdf5 import spec, structure
-from fastdata.format.record import SampleIndex, ShardIndex, checksum, index_layout, read_index_arrays
+from fastdata.format.record import (
+    OPTIONAL_INDEX_ARRAYS,
+    SampleIndex,
+    ShardIndex,
+    checksum,
+    index_layout,
+    read_index_arrays,
+    v1_index_arrays,
+)
 
 
 def _map_address(m: mmap.mmap) -> int:
@@ -109,7 +117,9 @@ class HDF5ShardReader(ShardReader):
                 return self._read_index_v2(f, count)
             arrays = {name: self._array(name, dtype, structure.flat if name == "relpaths" else
                                         (count + 1,) if name == "relpath_offsets" else (count,))
-                      for name, dtype in spec.INDEX_ARRAYS.items()}
+                      for name, dtype in spec.INDEX_ARRAYS.items()
+                      if name not in OPTIONAL_INDEX_ARRAYS or name in self._datasets}
+            arrays = v1_index_arrays(arrays.get, count, self.path)
             offsets: np.ndarray | None
             if self.storage.mode == "raw":
                 h, w = self.storage.raw_hw()

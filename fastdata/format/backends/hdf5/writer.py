@@ -135,7 +135,7 @@ class HDF5ShardWriter(ShardWriter):
         for s in samples:
             self.offsets.append(self.offsets[-1] + len(s.image))
             self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
-                           nbytes=len(s.image), relpath=s.relpath)
+                           nbytes=len(s.image), relpath=s.relpath, dtype=s.dtype, channels=s.channels)
 
     def close(self) -> ShardIndex | SampleIndex:
         index = self.index.build()

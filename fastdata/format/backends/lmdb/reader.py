@@ -22,6 +22,7 @@ from fastdata.format.record import (
     decode_record,
     index_layout,
     read_index_arrays,
+    v1_index_arrays,
     record_image,
 )
 
@@ -170,12 +171,10 @@ class LMDBShardReader(ShardReader):
                 raise CorruptRecordError(str(err), shard=self.path) from None
             self._checksums = index_v2.checksums
             return index_v2
-        arrays = {}
-        for name, dtype in spec.INDEX_ARRAYS.items():
-            buf = raw[name]
-            if buf is None or len(buf) % np.dtype(dtype).itemsize:
-                raise CorruptRecordError(f"{self.path}: index array {name!r} missing or damaged", shard=self.path)
-            arrays[name] = np.frombuffer(buf, dtype=dtype).astype(np.dtype(dtype).newbyteorder("="))
+        try:
+            arrays = v1_index_arrays(raw.get, count, self.path)
+        except CorruptRecordError as err:
+            raise CorruptRecordError(str(err), shard=self.path) from None
         index = ShardIndex(**arrays)
         if len(index) != count:
             raise CorruptRecordError(f"{self.path}: index has {len(index)} entries, header says {count}",

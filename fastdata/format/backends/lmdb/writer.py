@@ -70,7 +70,7 @@ class LMDBShardWriter(ShardWriter):
             return
         for s in samples:
             self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,
-                           nbytes=len(s.image), relpath=s.relpath)
+                           nbytes=len(s.image), relpath=s.relpath, dtype=s.dtype, channels=s.channels)
 
     def close(self) -> ShardIndex | SampleIndex:
         index = self.index.build()
