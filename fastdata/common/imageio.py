@@ -133,6 +133,13 @@ def pixel_limit() -> int:
     return PIXEL_LIMIT_WITHOUT_PILLOW_LIMIT if limit is None else int(limit)
 
 
+def decoded_bytes_limit() -> int:
+    """The most bytes one decoded image may hold: :func:`pixel_limit` pixels of 4 bytes (one
+    8-bit RGBA pixel, or one float32 value). The decompression-bomb rule of every decoder, and
+    what readers check a store's declared sizes, channels and dtypes against before allocating."""
+    return pixel_limit() * 4
+
+
 _scratch = threading.local()
 
 

@@ -42,6 +42,7 @@ class Batch(list):
     labels: torch.Tensor
     pixels: np.ndarray  # the N,H,W,C array the images view
     inline: bool  # built in a worker, small: crosses the queue as an _InlineBatch (see collate)
+    squeeze: bool = False  # numpy output of one-channel images: [N, H, W] (see build_batch)
     skips: int = 0  # damaged samples replaced while building this batch (on_error="skip")
     token: str = ""  # the dataset's skip-counter token (see StoreDataset.skipped)
 
@@ -77,42 +78,46 @@ class _InlineBatch:
     unpickles straight into ``(images, labels)``.
     """
 
-    __slots__ = ("images", "labels", "channels_first")
+    __slots__ = ("images", "labels", "channels_first", "squeeze")
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, channels_first: bool):
-        self.images, self.labels, self.channels_first = images, labels, channels_first
+    def __init__(self, images: np.ndarray, labels: np.ndarray, channels_first: bool, squeeze: bool = False):
+        self.images, self.labels, self.channels_first, self.squeeze = images, labels, channels_first, squeeze
 
     def __reduce__(self):
         images = np.ascontiguousarray(self.images)
         labels = self.labels.tobytes()
+        # the pixels travel as bytes; dtype and squeeze travel beside them
+        layout = (images.shape, images.dtype.str, self.channels_first, self.squeeze)
         ring = batch_ring.worker_ring(images.nbytes) if torch.utils.data.get_worker_info() is not None else None
         if ring is not None and ring.attached:
-            slot = ring.put(images)
+            slot = ring.put(images.reshape(-1).view(np.uint8))
             if slot is not None:
-                return _rebuild_from_ring, (ring.descriptor(), slot, images.shape, labels, self.channels_first)
+                return _rebuild_from_ring, (ring.descriptor(), slot, layout, labels)
         announce = ring.descriptor() if ring is not None else None
-        return _rebuild_inline, (images.tobytes(), images.shape, labels, self.channels_first, announce)
+        return _rebuild_inline, (images.tobytes(), layout, labels, announce)
 
 
-def _rebuild_inline(image_bytes: bytes, shape: tuple, label_bytes: bytes, channels_first: bool,
-                    ring: tuple | None = None):
+def _rebuild_inline(image_bytes: bytes, layout: tuple, label_bytes: bytes, ring: tuple | None = None):
     if ring is not None:
         batch_ring.attach(*ring)  # from now on that worker sends through its ring
     batch_ring.received["by_value"] += 1
-    images = np.frombuffer(bytearray(image_bytes), dtype=np.uint8).reshape(shape)
-    return _as_output(images, label_bytes, channels_first)
+    shape, dtype, channels_first, squeeze = layout
+    images = np.frombuffer(bytearray(image_bytes), dtype=np.dtype(dtype)).reshape(shape)
+    return _as_output(images, label_bytes, channels_first, squeeze)
 
 
-def _rebuild_from_ring(ring: tuple[int, int, int], slot: int, shape: tuple, label_bytes: bytes, channels_first: bool):
-    images = batch_ring.ring_array(*ring, slot, int(np.prod(shape))).reshape(shape)
-    return _as_output(images, label_bytes, channels_first)
+def _rebuild_from_ring(ring: tuple[int, int, int], slot: int, layout: tuple, label_bytes: bytes):
+    shape, dtype, channels_first, squeeze = layout
+    dtype = np.dtype(dtype)
+    images = batch_ring.ring_array(*ring, slot, int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+    return _as_output(images, label_bytes, channels_first, squeeze)
 
 
-def _as_output(images: np.ndarray, label_bytes: bytes, channels_first: bool):
+def _as_output(images: np.ndarray, label_bytes: bytes, channels_first: bool, squeeze: bool = False):
     labels = torch.from_numpy(np.frombuffer(bytearray(label_bytes), dtype=np.int64))
     if channels_first:
         return torch.from_numpy(images).permute(0, 3, 1, 2), labels
-    return images, labels
+    return (images[..., 0] if squeeze and images.shape[-1] == 1 else images), labels
 
 
 def collate(batch):
@@ -130,7 +135,8 @@ def collate(batch):
     out: Any
     if isinstance(batch, Batch):
         if getattr(batch, "inline", False):
-            out = _InlineBatch(batch.pixels, batch.labels.numpy(), batch.images is not batch.pixels)
+            out = _InlineBatch(batch.pixels, batch.labels.numpy(), isinstance(batch.images, torch.Tensor),
+                               getattr(batch, "squeeze", False))
         else:
             out = batch.images, batch.labels
     elif getattr(batch, "detection", False) or _holds_annotation_lists(batch):
@@ -185,10 +191,13 @@ def _receive_skips(batch, token: str, skips: int):
     return batch
 
 
-def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.ndarray], np.ndarray | None], *,
-                channels_first: bool, target_transform: Callable | None = None) -> Batch:
+def build_batch(targets: np.ndarray, shape: tuple[int, ...], fill: Callable[[np.ndarray], np.ndarray | None], *,
+                channels_first: bool, target_transform: Callable | None = None, dtype: np.dtype | None = None,
+                squeeze: bool = False) -> Batch:
     """Allocate a fixed-shape batch where it will travel from, let ``fill(arr)``
-    write the pixels into ``arr`` (uint8 [n, H, W, 3]), and wrap it as a :class:`Batch`.
+    write the pixels into ``arr`` ([n, H, W, C] of ``dtype``; ``shape`` is ``(H, W)`` for C = 3 or
+    ``(H, W, C)``; ``dtype`` None = uint8), and wrap it as a :class:`Batch`. ``squeeze``: numpy
+    output of one-channel images is [n, H, W] (as each sample's HxW array would stack).
     ``fill`` may return the batch's targets when they differ from ``targets``
     (damaged samples replaced by others), else None.
 
@@ -199,20 +208,23 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
     (each shared storage costs the main process a round trip to fetch its
     descriptor). In the main process it is plain memory.
     """
-    h, w = shape
+    h, w, c = shape if len(shape) == 3 else (*shape, 3)
+    dtype = np.dtype(np.uint8 if dtype is None else dtype)
+    torch_dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
     n = len(targets)
     labels = None
     in_worker = torch.utils.data.get_worker_info() is not None
-    inline = in_worker and n * h * w * 3 <= INLINE_BATCH_BYTES
+    nbytes = n * h * w * c * dtype.itemsize
+    inline = in_worker and nbytes <= INLINE_BATCH_BYTES
     if in_worker and not inline:
-        label_offset = -(-(n * h * w * 3) // 8)
+        label_offset = -(-nbytes // 8)
         storage = torch.UntypedStorage._new_shared(8 * (label_offset + n))
         # torch's stubs declare set_(storage, offset, size) only with a stride too; contiguous is the default
-        images = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, 3))  # type: ignore[call-overload]
+        images = torch.empty(0, dtype=torch_dtype).set_(storage, 0, (n, h, w, c))  # type: ignore[call-overload]
         labels = torch.empty(0, dtype=torch.int64).set_(storage, label_offset, (n,))  # type: ignore[call-overload]
         labels.numpy()[:] = targets
     else:
-        images = torch.empty((n, h, w, 3), dtype=torch.uint8)
+        images = torch.empty((n, h, w, c), dtype=torch_dtype)
     arr = images.numpy()
     replaced = fill(arr)
     if replaced is not None:
@@ -222,7 +234,8 @@ def build_batch(targets: np.ndarray, shape: tuple[int, int], fill: Callable[[np.
     if labels is None:
         labels = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.int64))
     batch = Batch()
-    images_out = images.permute(0, 3, 1, 2) if channels_first else arr
+    images_out = images.permute(0, 3, 1, 2) if channels_first else (arr[..., 0] if squeeze and c == 1 else arr)
+    batch.squeeze = squeeze
     batch.images = images_out
     batch.labels = labels
     batch.pixels = arr

@@ -201,7 +201,7 @@ class CocoStoreDataset(SampleDataset):
         """PIL output through :func:`fastdata.reader.decode.decode_numpy` (libjpeg-turbo straight into
         an array for JPEGs, faster than Pillow's decoder and pixel-identical to
         ``Image.open(f).convert("RGB")``) wrapped as an RGB PIL image."""
-        if self.output != "pil":
+        if self.output != "pil" or self.image_modes.get(name) != "RGB":
             return super()._decode_image(data, fmt, index, name, epoch, into)
         from PIL import Image as PILImage
 

@@ -40,19 +40,26 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fastdata.common.imageio import pixel_limit
+from fastdata.common.imageio import decoded_bytes_limit, pixel_limit
+from fastdata.common.imagemodes import IMAGE_MODES, MODE_CHANNELS, check_mode
 from fastdata.errors import CorruptRecordError, FastdataError, FormatError, StoreChangedError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
-from fastdata.format.record import FORMAT_NAMES
+from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_CODES, IMAGE_DTYPE_NAMES, NOT_RECORDED
 from fastdata.reader import transforms as fd_transforms
 from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch
-from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, to_pil
+from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.seeding import epoch_of, sample_rng
 from fastdata.reader.shards import ShardHandles
 from fastdata.remote.store import StoreLocation, locate_store
 
 OUTPUTS = ("pil", "numpy", "tensor")
+
+
+class ImagesReducedWarning(UserWarning):
+    """A store's images are deeper than 8 bits or have extra channels, and the dataset reads
+    them in a Pillow mode (``"RGB"``, the default for the field ``image``), which reduces them;
+    ``image_mode="unchanged"`` reads them as stored."""
 
 
 #: records at least this large (mean) span several pages: read ahead whatever the store's size
@@ -132,6 +139,7 @@ class StoreDataset(Dataset):
         cache_dir: str | None = None,
         cache_limit: int | str | None = None,
         max_open_shards: int | None = None,
+        image_mode: str | Mapping[str, str] | None = None,
     ):
         """Open the store's metadata.
 
@@ -142,8 +150,9 @@ class StoreDataset(Dataset):
                 cache, checked against the manifest's checksums (see :mod:`fastdata.remote`).
             transform: applied to the image after decoding (torchvision-style).
             target_transform: applied to the integer label.
-            output: ``"pil"`` (RGB PIL image), ``"numpy"`` (HWC uint8) or
-                ``"tensor"`` (CHW uint8 ``torch.Tensor``).
+            output: ``"pil"`` (a PIL image), ``"numpy"`` (HWC array; HxW for a one-channel
+                image outside ``"RGB"`` mode) or ``"tensor"`` (CHW ``torch.Tensor``), in the
+                image mode's dtype (uint8 except ``"unchanged"``).
             decode: a decode-time transform (``fastdata.reader.transforms``) mapping
                 encoded bytes to an HWC uint8 array; ``None`` = full decode. Any
                 other callable ``decode(bytes) -> array`` is user code: its
@@ -170,6 +179,14 @@ class StoreDataset(Dataset):
                 the least recently used one is closed beyond it. None = all for a local
                 store, 4 for a remote one (fewer under a ``cache_limit`` that could not hold
                 4 of the largest shards for every DataLoader worker and local rank; at least 1).
+            image_mode: how images are decoded (see :mod:`fastdata.common.imagemodes`): ``"RGB"``
+                (ImageFolder's ``convert("RGB")``: 8-bit RGB, a 16-bit image reduced as Pillow does),
+                ``"L"``, ``"RGBA"``, or ``"unchanged"`` (the stored dtype and channels: uint16,
+                float32, 1-N channels). A str applies to every image field, a dict maps field
+                names to modes. None: the store's recorded default, else ``"RGB"`` for the field
+                named ``image`` and ``"unchanged"`` for any other image field. Reading a store of
+                images deeper than 8 bits or with extra channels in a Pillow mode warns once
+                (:class:`ImagesReducedWarning`).
         """
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
@@ -207,6 +224,9 @@ class StoreDataset(Dataset):
         self._shard_files: tuple[str, ...] = tuple(s["name"] for s in manifest["shards"])
         self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
         self._load_index(manifest)
+        #: the read mode of each image field (see ``image_mode=``)
+        self.image_modes: dict[str, str] = self._resolve_modes(image_mode, manifest)
+        self._warn_if_reduced()
         self._source = (manifest.get("options") or {}).get("source")
         self._shards = ShardHandles(store, self.backend, self.storage, schema=self._schema, max_open=max_open_shards,
                                     readahead=wants_readahead(manifest) if readahead is None else bool(readahead))
@@ -286,6 +306,8 @@ class StoreDataset(Dataset):
     def extra_repr(self) -> str:
         """Lines :meth:`__repr__` adds after the root, as torchvision's ``extra_repr``."""
         lines = [f"Backend: {self.backend}", f"Output: {self.output}"]
+        if any(mode != "RGB" for mode in self.image_modes.values()):
+            lines.append("Image mode: " + ", ".join(f"{k}={v}" for k, v in self.image_modes.items()))
         if self.decode is not None:
             lines.append(f"Decode: {self.decode!r}")
         if self.on_error != "raise":
@@ -306,7 +328,8 @@ class StoreDataset(Dataset):
             raise FormatError(f"{self.root} is a general store (layout version {manifest['version']}, fields "
                               f"{', '.join(f['name'] for f in manifest.get('schema', []))}): open it with "
                               "fastdata.open_dataset(), which returns a SampleDataset")
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "nbytes", "widths", "heights")}
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "nbytes", "widths", "heights",
+                                                              "dtypes", "channels")}
         paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
         indexes = self._store.shard_indexes(reader_class(self.backend), self.storage, None)
         for shard, index in zip(manifest["shards"], indexes, strict=True):
@@ -329,6 +352,8 @@ class StoreDataset(Dataset):
         self._formats = cat(parts["formats"], np.uint8)
         self._nbytes = cat(parts["nbytes"], np.int64)
         widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
+        #: per image field: (dtype codes, channel counts) from the index (0: not recorded, an older store)
+        self._pixel_meta = {"image": (cat(parts["dtypes"], np.uint8), cat(parts["channels"], np.uint16))}
         self._check_raw_sizes(self._nbytes)
         #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
         self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
@@ -336,13 +361,91 @@ class StoreDataset(Dataset):
         self._relpaths = cat(paths, np.uint8)
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
 
-    def _check_batch_shape(self, idx: np.ndarray, shape: tuple[int, int], field: str = "widths/heights") -> None:
+    def _image_field_names(self) -> tuple[str, ...]:
+        return ("image",)
+
+    def _default_mode(self, name: str, manifest: dict) -> str:
+        """A classification store's recorded default (manifest ``image_modes``), else ``"RGB"``."""
+        recorded = manifest.get("image_modes")
+        if recorded is None:
+            return "RGB"
+        mode = recorded.get(name, "RGB") if isinstance(recorded, dict) else None
+        if mode not in IMAGE_MODES:
+            raise FormatError(f"{self.root}: the manifest's image_modes {recorded!r:.80} is not a map of image "
+                              f"field -> one of {', '.join(IMAGE_MODES)}")
+        return mode
+
+    def _resolve_modes(self, image_mode: str | Mapping[str, str] | None, manifest: dict) -> dict[str, str]:
+        names = self._image_field_names()
+        modes = {name: self._default_mode(name, manifest) for name in names}
+        if isinstance(image_mode, str):
+            check_mode(image_mode)
+            return dict.fromkeys(names, image_mode)
+        if isinstance(image_mode, Mapping):
+            unknown = [k for k in image_mode if k not in names]
+            if unknown:
+                raise ValueError(f"image_mode names {', '.join(map(repr, unknown))}, which are not image fields of "
+                                 f"{self.root} (image fields: {', '.join(names) or 'none'})")
+            for name, mode in image_mode.items():
+                modes[name] = check_mode(mode, f"image_mode[{name!r}]")
+        elif image_mode is not None:
+            raise ValueError(f"image_mode must be a str, a dict of field -> mode, or None; got {image_mode!r:.60}")
+        return modes
+
+    @property
+    def image_mode(self) -> str:
+        """The read mode of the field named ``image`` (or of the only image field); see ``image_mode=``."""
+        modes = self.image_modes
+        return modes.get("image") or next(iter(modes.values()), "RGB")
+
+    def _warn_if_reduced(self) -> None:
+        """Warn once when a field read in a Pillow mode holds images that mode reduces: deeper
+        than 8 bits, or with alpha or extra channels (``"RGB"``, ``"L"``), as the index records them."""
+        for name, mode in self.image_modes.items():
+            if mode == "unchanged" or name not in self._pixel_meta:
+                continue
+            codes, channels = self._pixel_meta[name]
+            deep = (codes != NOT_RECORDED) & (codes != IMAGE_DTYPE_CODES["uint8"])
+            kept = {"RGB": (1, 3), "L": (1,), "RGBA": (1, 2, 3, 4)}[mode]
+            extra = (channels != NOT_RECORDED) & ~np.isin(channels, kept)
+            if not (deep.any() or extra.any()):
+                continue
+            kinds = []
+            if deep.any():
+                dtypes = sorted({IMAGE_DTYPE_NAMES[int(c)] for c in np.unique(codes[deep])})
+                kinds.append(f"{int(deep.sum())} of {len(codes)} are {'/'.join(dtypes)}")
+            if extra.any():
+                counts = sorted(int(c) for c in np.unique(channels[extra]))
+                kinds.append(f"{int(extra.sum())} have {'/'.join(map(str, counts))} channels")
+            warnings.warn(
+                f"fastdata: {self.root}: image field {name!r} is read in image_mode={mode!r}, which reduces its "
+                f"images to 8-bit {mode} as Pillow's convert({mode!r}) does ({'; '.join(kinds)}); open it with "
+                f"image_mode='unchanged' to read them as stored", ImagesReducedWarning, stacklevel=4)
+
+    def _pixel_layout(self, name: str, idx: np.ndarray | None = None) -> tuple[int, np.dtype] | None:
+        """(channels, dtype) every decode of image field ``name`` gives in its read mode (for the
+        samples ``idx``, None = all), or None when they differ or the index does not record them."""
+        mode = self.image_modes[name]
+        if mode in MODE_CHANNELS:
+            return MODE_CHANNELS[mode], np.dtype(np.uint8)
+        codes, channels = self._pixel_meta[name]
+        if idx is not None:
+            codes, channels = codes[idx], channels[idx]
+        if not len(codes) or (codes == NOT_RECORDED).any() or (channels == NOT_RECORDED).any():
+            return None
+        if (codes != codes[0]).any() or (channels != channels[0]).any():
+            return None
+        return int(channels[0]), np.dtype(IMAGE_DTYPE_NAMES[int(codes[0])])
+
+    def _check_batch_shape(self, idx: np.ndarray, shape: tuple[int, int], field: str = "widths/heights", *,
+                           channels: int = 3, itemsize: int = 1) -> None:
         """Refuse (CorruptRecordError naming the store, shard, record and index field) a batch
         shape taken from the index that is not positive or is over
-        :func:`fastdata.common.imageio.pixel_limit`, before the batch is allocated from it
-        (Python ints: no product can wrap)."""
+        :func:`fastdata.common.imageio.pixel_limit` (or, with its channels and dtype, over
+        :func:`fastdata.common.imageio.decoded_bytes_limit`), before the batch is allocated from
+        it (Python ints: no product can wrap)."""
         h, w = shape
-        if h > 0 and w > 0 and h * w <= pixel_limit():
+        if h > 0 and w > 0 and h * w <= pixel_limit() and h * w * channels * itemsize <= decoded_bytes_limit():
             return
         i = int(idx[0]) if len(idx) else 0
         shard, local = self.locate(i)
@@ -482,26 +585,30 @@ class StoreDataset(Dataset):
             store=self.root, shard=self._shard_files[shard], index=index)
 
     def _run_decoder(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None):
-        """Decode stored ``data`` of sample ``index`` into ``out`` [H,W,3] or a new image."""
+        """Decode stored ``data`` of sample ``index`` into ``out`` [H,W,C] or a new image."""
         fmt = FORMAT_NAMES[int(self._formats[index])]
+        mode = self.image_modes["image"]
         if self.decode is None:
             if out is not None:
-                decode_numpy_into(data, fmt, out, self.storage.raw_shape)
+                decode_numpy_into(data, fmt, out, self.storage.raw_shape, mode)
                 return out
             if self.output == "pil":
-                return decode_pil(data, fmt, self.storage.raw_shape)
-            return decode_numpy(data, fmt, self.storage.raw_shape)
+                return decode_pil(data, fmt, self.storage.raw_shape, mode)
+            return decode_numpy(data, fmt, self.storage.raw_shape, mode)
+        # fastdata's transforms take the read mode; RGB is their default (a user's own
+        # DecodeTransform subclass written before modes existed keeps working in RGB mode)
+        moded = {} if mode == "RGB" or not self._decode_is_ours else {"mode": mode}
         if self._decode_takes_rng:
             transform: fd_transforms.DecodeTransform = self.decode  # type: ignore[assignment]
             rng = None if epoch is None else sample_rng(self.seed, epoch, index)
             if out is not None:
-                transform.decode_into(data, out, rng)
+                transform.decode_into(data, out, rng, **moded)
                 return out
-            return transform(data, rng)
+            return squeezed(transform(data, rng, **moded), mode)
         if out is not None and hasattr(self.decode, "decode_into"):
-            self.decode.decode_into(data, out)
+            self.decode.decode_into(data, out, **moded)
             return out
-        array = self.decode(data)
+        array = squeezed(self.decode(data, **moded), mode)
         if out is not None:
             out[...] = array
             return out
@@ -525,12 +632,12 @@ class StoreDataset(Dataset):
 
     def _as_pil_if_asked(self, image):
         if self.decode is not None and self.output == "pil":
-            return to_pil(image)
+            return pil_of(image)
         return image
 
     def _finish(self, image, index: int):
         if self.output == "tensor" and isinstance(image, np.ndarray):
-            image = torch.from_numpy(image).permute(2, 0, 1)
+            image = to_tensor(image)
         if self.transform is not None:
             image = self.transform(image)
         target = int(self.targets[index])
@@ -591,7 +698,8 @@ class StoreDataset(Dataset):
         idx = self._check_indices(indices)
         before = self._skips
         shape = self._fixed_shape()
-        out = self._fixed_batch(idx, shape, epoch) if shape is not None else self._sample_list(idx, epoch)
+        layout = self._pixel_layout("image", idx) if shape is not None else None
+        out = self._fixed_batch(idx, shape, layout, epoch) if layout is not None else self._sample_list(idx, epoch)
         out.skips, out.token = self._skips - before, self._token
         return out
 
@@ -633,17 +741,20 @@ class StoreDataset(Dataset):
         if self.transform is not None or self.output == "pil":
             return None
         if self.storage.mode == "raw":
-            return self.storage.raw_hw()
+            return self.storage.raw_hw() if self.image_modes["image"] in ("RGB", "unchanged") else None
         if self.decode is None:
             return self.uniform_shape
         size = getattr(self.decode, "output_size", None)
         return tuple(size) if size else None
 
-    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], epoch: int | None) -> Batch:
+    def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], layout: tuple[int, np.dtype],
+                     epoch: int | None) -> Batch:
+        channels, dtype = layout
         if self.decode is None and self.storage.mode != "raw":  # the shape is the index's (uniform_shape)
-            self._check_batch_shape(idx, shape)
-        return build_batch(self.targets[idx], shape, lambda arr: self._fill(idx, arr, epoch),
-                           channels_first=self.output == "tensor", target_transform=self.target_transform)
+            self._check_batch_shape(idx, shape, channels=channels, itemsize=dtype.itemsize)
+        return build_batch(self.targets[idx], (*shape, channels), lambda arr: self._fill(idx, arr, epoch),
+                           channels_first=self.output == "tensor", target_transform=self.target_transform,
+                           dtype=dtype, squeeze=self.image_modes["image"] != "RGB")
 
     def _fill(self, idx: np.ndarray, arr: np.ndarray, epoch: int | None) -> np.ndarray | None:
         """Write the pixels of samples ``idx`` into the batch array ``arr`` [n,H,W,3].
@@ -651,7 +762,7 @@ class StoreDataset(Dataset):
         Returns the targets of the samples actually written when a damaged one was
         replaced (its substitute brings its own label), else None.
         """
-        if self.storage.mode == "raw":
+        if self.storage.mode == "raw" and self.image_modes["image"] in ("RGB", "unchanged"):
             return self._fill_raw(idx, arr)
         sources = None
         for j, data in enumerate(self._read_batch(idx)):

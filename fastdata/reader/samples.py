@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdata.common.imageio import pixel_limit
+from fastdata.common.imageio import decoded_bytes_limit, pixel_limit
 from fastdata.errors import CorruptRecordError, FastdataError
 from fastdata.format.fields import Float, Image, Int, NDArray, Ragged
 from fastdata.format.manifest import schema_of
@@ -31,7 +31,7 @@ from fastdata.format.record import FIELD_PREFIX, FORMAT_NAMES, SampleIndex, deco
 from fastdata.reader import batch_ring
 from fastdata.reader.batching import Samples, aligned, new_segment
 from fastdata.reader.dataset import StoreDataset
-from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, to_pil
+from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.seeding import epoch_of, sample_rng
 from fastdata.remote.store import StoreLocation
 
@@ -50,6 +50,7 @@ class SampleDataset(StoreDataset):
         on_error: str = "raise",
         readahead: bool | None = None,
         seed: int | None = None,
+        image_mode: str | dict[str, str] | None = None,
         **store_options: Any,
     ):
         """Open the store's metadata (see :class:`StoreDataset` for ``on_error``,
@@ -63,11 +64,15 @@ class SampleDataset(StoreDataset):
             decode: a decode-time transform for the image fields (``fastdata.reader.transforms``);
                 refused when the schema holds anything but images and index scalars, since a
                 fused crop would move the image but not, e.g., its boxes.
+            image_mode: the read mode of the image fields (a str for all, or a dict per field);
+                None: each field's schema default (``Image(mode=...)``), else ``"RGB"`` for the field
+                named ``image`` and ``"unchanged"`` for any other (a mask comes back as stored). See
+                :class:`StoreDataset`.
             store_options: ``storage_options``, ``cache_dir``, ``cache_limit``, ``max_open_shards``
                 of a remote store (a URL ``path``), as :class:`StoreDataset`.
         """
         super().__init__(path, transform=transform, output=output, decode=decode, on_error=on_error,
-                         readahead=readahead, seed=seed, **store_options)
+                         readahead=readahead, seed=seed, image_mode=image_mode, **store_options)
 
     # -- metadata ---------------------------------------------------------------------------
     def _load_index(self, manifest: dict) -> None:
@@ -106,6 +111,19 @@ class SampleDataset(StoreDataset):
         self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
         self._load_class_tables(manifest)
         self.uniform_shape = None
+        self._pixel_meta = {name: (self.index_arrays[f"{FIELD_PREFIX}{name}.dtype"],
+                                   self.index_arrays[f"{FIELD_PREFIX}{name}.channels"])
+                            for name in self.schema.image_fields()}
+
+    def _image_field_names(self) -> tuple[str, ...]:
+        return self.schema.image_fields()
+
+    def _default_mode(self, name: str, manifest: dict) -> str:
+        """The schema's mode for the field (``Image(mode=...)``), else "RGB" for ``image`` and
+        "unchanged" for any other image field."""
+        field = self.schema[name]
+        assert isinstance(field, Image)
+        return field.default_mode(name)
 
     def _load_class_tables(self, manifest: dict) -> None:
         """``class_tables`` (every class field's names, e.g. from a JSONL list), and
@@ -132,18 +150,21 @@ class SampleDataset(StoreDataset):
         """One image field decoded per ``output``/``decode`` (full decodes straight into
         ``into`` when given: an HWC slot of the batch's shared segment); fastdata's own
         decoders' failures become :class:`CorruptRecordError` (a user's decode callable's propagate)."""
+        mode = self.image_modes[name]
         try:
             if self.decode is None:
                 if into is not None:
-                    decode_numpy_into(data, fmt, into)
+                    decode_numpy_into(data, fmt, into, None, mode)
                     return into
-                return decode_pil(data, fmt, None) if self.output == "pil" else decode_numpy(data, fmt, None)
+                return (decode_pil(data, fmt, None, mode) if self.output == "pil"
+                        else decode_numpy(data, fmt, None, mode))
+            moded = {} if mode == "RGB" or not self._decode_is_ours else {"mode": mode}
             if self._decode_takes_rng:
                 rng = None if epoch is None else sample_rng(self.seed, epoch, index)
-                image = self.decode(data, rng)
+                image = self.decode(data, rng, **moded)
             else:
-                image = self.decode(data)
-            return to_pil(image) if self.output == "pil" else image
+                image = self.decode(data, **moded)
+            return pil_of(image) if self.output == "pil" else squeezed(image, mode)
         except FastdataError:
             raise
         except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
@@ -179,7 +200,7 @@ class SampleDataset(StoreDataset):
                     continue
                 image = self._decode_image(record[name], fmt, index, name, epoch)
                 if self.output == "tensor" and isinstance(image, np.ndarray):
-                    image = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+                    image = to_tensor(np.ascontiguousarray(image))
                 out[name] = image
             elif field.index_shape is not None:
                 value = self.index_arrays[FIELD_PREFIX + name][index]
@@ -207,22 +228,32 @@ class SampleDataset(StoreDataset):
         return self._finish_sample(sample)
 
     def _image_slots(self, idx: np.ndarray) -> list[dict[str, torch.Tensor]] | None:
-        """In a DataLoader worker with ``output="tensor"`` and full decodes: one HWC uint8
+        """In a DataLoader worker with ``output="tensor"`` and full decodes: one HWC
         slot per image of the batch, all in one piece of shared memory sized from the
-        index's widths and heights, so that images are decoded where they travel from
-        (:class:`fastdata.reader.batching.PackedBatch` sends it once). None otherwise."""
+        index's widths, heights, channels and dtypes (per the read mode), so that images are
+        decoded where they travel from (:class:`fastdata.reader.batching.PackedBatch` sends it
+        once). None otherwise (and when the index does not record what a mode needs)."""
         if self.output != "tensor" or self.decode is not None or torch.utils.data.get_worker_info() is None:
             return None
         names = [name for name, field in self.schema if isinstance(field, Image)]
         if not names or not len(idx):
             return None
+        layouts = {}
+        for name in names:
+            layout = self._pixel_layout(name, idx)
+            if layout is None:
+                return None  # dtypes/channels differ or are not recorded: each image decoded on its own
+            layouts[name] = layout
         shapes = [{name: (int(self.index_arrays[f"{FIELD_PREFIX}{name}.height"][i]),
                           int(self.index_arrays[f"{FIELD_PREFIX}{name}.width"][i])) for name in names}
                   for i in idx.tolist()]
-        limit = pixel_limit()
-        if any(not (h > 0 and w > 0 and h * w <= limit) for sample in shapes for h, w in sample.values()):
+        limit, byte_limit = pixel_limit(), decoded_bytes_limit()
+        if any(not (h > 0 and w > 0 and h * w <= limit
+                    and h * w * layouts[name][0] * layouts[name][1].itemsize <= byte_limit)
+               for sample in shapes for name, (h, w) in sample.items()):
             return None  # sizes no image may have: decoded one by one (where bombs are refused), nothing allocated
-        total = max(1, sum(aligned(h * w * 3) for sample in shapes for h, w in sample.values()))
+        size = {name: channels * dtype.itemsize for name, (channels, dtype) in layouts.items()}
+        total = max(1, sum(aligned(h * w * size[name]) for sample in shapes for name, (h, w) in sample.items()))
         # a slot of the worker's ring: shared memory already mapped and touched by earlier
         # batches; a new segment (its creation and first-touch faults cost ~0.4 ms an image
         # of 400x350) only until the main process has mapped the ring, or when it is full
@@ -232,8 +263,11 @@ class SampleDataset(StoreDataset):
         for sample in shapes:
             mine = {}
             for name, (h, w) in sample.items():
-                mine[name] = flat[offset:offset + h * w * 3].view(h, w, 3)
-                offset += aligned(h * w * 3)
+                channels, dtype = layouts[name]
+                nbytes = h * w * size[name]
+                torch_dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+                mine[name] = flat[offset:offset + nbytes].view(torch_dtype).view(h, w, channels)
+                offset += aligned(nbytes)
             slots.append(mine)
         return slots
 

@@ -19,7 +19,7 @@ import tempfile
 from PIL import Image
 
 from fastdata.common.extensions import EXTENSION_FORMATS
-from fastdata.common.imageio import ImageDecodeError, open_image, stored_format, validate_image
+from fastdata.common.imageio import ImageDecodeError, inspect_image, open_image, stored_format
 from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.record import MAX_RECORD_BYTES, EncodedSample, checksum
 
@@ -124,11 +124,12 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
         data = _read_bytes(path)
     if storage.mode not in ("raw", "reencode"):  # stored as given: only checked
         try:
-            fmt, width, height = validate_image(data)
+            info = inspect_image(data)
         except ImageDecodeError as err:
             raise Rejected(str(err)) from None
-        return IngestedSample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data),
-                              relpath=relpath, warning=extension_mismatch(path, fmt))
+        return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
+                              xxh=checksum(data), relpath=relpath, warning=extension_mismatch(path, info.format),
+                              dtype=info.dtype, channels=info.channels)
     im = open_validated(data)
     fmt, width, height = stored_format(im), im.width, im.height
     warning = extension_mismatch(path, fmt)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from fastdata.common.imageio import ImageDecodeError, validate_image
+from fastdata.common.imageio import ImageDecodeError, inspect_image
 from fastdata.errors import RejectedInputError
 from fastdata.format.fields import Schema, SchemaError
 from fastdata.format.record import EncodedSample, encode_sample
@@ -112,7 +112,8 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
         data, path = _image_bytes(values[name], field_where)
         relpath = relpath or path
         try:
-            images[name] = validate_image(data)
+            info = inspect_image(data)
+            images[name] = (info.format, info.width, info.height, info.dtype, info.channels)
         except ImageDecodeError as err:
             named = f"{field_where}: {os.fsdecode(path)}" if path else field_where
             raise RejectedInputError(f"{named}: not a usable image ({err})") from None
