@@ -146,14 +146,27 @@ def lossless_supported() -> bool:
     return "lossless" in inspect.signature(fastdata.convert).parameters
 
 
-def convert(src: str, dst: str, lossless: str | None) -> float:
-    """Convert once (kept in the workdir); the seconds it took, 0 when reused."""
-    if os.path.isfile(os.path.join(dst, "manifest.json")):
+class Skipped(Exception):
+    """A scenario this fastdata cannot run (its images are rejected by the converter)."""
+
+
+def convert(src: str, dst: str, lossless: str | None, expected: int) -> float:
+    """Convert once (kept in the workdir); the seconds it took, 0 when reused.
+
+    Raises:
+        Skipped: the converter rejected images (e.g. a fastdata without multi-band TIFF support).
+    """
+    if os.path.isfile(os.path.join(dst, "manifest.json")) and read_manifest(dst)["num_samples"] == expected:
         return 0.0
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
     kw = {"lossless": lossless} if lossless else {}
-    fastdata.convert(src, dst, workers=2, progress=False, **kw)
+    report = fastdata.convert(src, dst, workers=2, progress=False, **kw)
+    if report.images != expected:
+        first = report.rejected_items[0] if report.rejected_items else ("?", "?")
+        shutil.rmtree(dst, ignore_errors=True)
+        raise Skipped(f"converting {src} kept {report.images} of {expected} images ({report.rejected} rejected, "
+                      f"first: {first[0]}: {first[1]})")
     return time.perf_counter() - t0
 
 
@@ -225,7 +238,7 @@ def run_scenario(name: str, src: str, reader: str, args, lossless: bool) -> dict
         stores |= {"lmdb-lossless": src + "-lossless.lmdb", "hdf5-lossless": src + "-lossless.h5"}
     convert_s = {}
     for row, store in stores.items():
-        convert_s[row] = convert(src, store, "tiff" if row.endswith("-lossless") else None)
+        convert_s[row] = convert(src, store, "tiff" if row.endswith("-lossless") else None, len(paths))
         check_bit_exact(store, src, reader)
     # the ceilings: each kind of store's own bytes, read out once (LMDB and HDF5 hold the same bytes)
     blobs_orig, labels_orig, _ = stored_images(stores["lmdb"])
@@ -245,7 +258,7 @@ def run_scenario(name: str, src: str, reader: str, args, lossless: bool) -> dict
     rows = measure_interleaved(pipelines, batch_size=args.batch_size, workers=args.workers, epochs=args.epochs)
     base = rows["cv2" if reader == "cv2" else "tifffile"]["median_img_s"]
     for row, r in rows.items():
-        r["stored_as"] = formats.get(row, "folder")
+        r["stored_as"] = formats.get(row, f"{formats['ceiling']} files")
         r["x_baseline"] = r["median_img_s"] / base
         ceiling = "ceiling-lossless" if row.endswith("-lossless") else "ceiling"
         if row in stores:
@@ -265,7 +278,9 @@ ORDER = ("cv2", "tifffile", "lmdb", "hdf5", "ceiling", "lmdb-lossless", "hdf5-lo
 def markdown(results: dict, command: str) -> str:
     lines = []
     for scenario, res in results["scenarios"].items():
-        lines += [f"**{scenario}**: {res['images']} images, {res['description']}; folder {res['folder_mb']:.0f} MB",
+        batch = next(iter(res["rows"].values()))["batch"]
+        lines += [f"**{scenario}**: {res['images']} images, {res['description']}, {batch} per sample; "
+                  f"folder {res['folder_mb']:.0f} MB",
                   "", "| pipeline | stored as | img/s | x ceiling | x baseline | size MB |",
                   "|---|---|---:|---:|---:|---:|"]
         for name in ORDER:
@@ -277,7 +292,12 @@ def markdown(results: dict, command: str) -> str:
             lines.append(f"| {name} | {r['stored_as']} | {r['median_img_s']:.0f} | {xc} | {r['x_baseline']:.2f} | "
                          f"{size} |")
         lines.append("")
+    for scenario, why in results.get("skipped", {}).items():
+        lines += [f"**{scenario}**: left out: {why}", ""]
     m = results["machine"]
+    if not m["lossless_rows"]:
+        lines += ["No `--lossless tiff` rows: not run (`--no-lossless`) or this fastdata's convert has no `lossless=`.",
+                  ""]
     lines.append(f"Machine: {m['cores']} cores, Python {m['python']}, torch {m['torch']}, {m['platform']}; "
                  f"fastdata {m['fastdata_commit']}. Command: `{command}`")
     return "\n".join(lines) + "\n"
@@ -289,6 +309,29 @@ def git_commit() -> str:
                               cwd=Path(__file__).resolve().parents[1], check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def one_scenario(p: argparse.ArgumentParser, scenario: str, work: str, args, lossless: bool) -> dict:
+    """Generate (once, kept in ``work``) and run one scenario."""
+    if scenario == "ct16":
+        src = os.path.join(work, f"ct16-{args.n}-{args.size}")
+        if not os.path.isdir(src):
+            s = make_ct_folder(src, num_classes=4, per_class=args.n // 4, size=(args.size, args.size), workers=2)
+            print(f"generated {s.num_images} CT-like PNGs in {s.elapsed_s:.0f} s", flush=True)
+        res = run_scenario(scenario, src, "cv2", args, lossless)
+        res["description"] = f"CT-like {args.size}x{args.size} 16-bit grayscale PNG"
+        return res
+    if scenario == "bands4":
+        src = os.path.join(work, f"bands4-{args.bands_n}-{args.bands_size}")
+        if not os.path.isdir(src):
+            s = make_multiband_folder(src, num_classes=4, per_class=args.bands_n // 4,
+                                      size=(args.bands_size, args.bands_size), bands=4, workers=2)
+            print(f"generated {s.num_images} 4-band TIFFs in {s.elapsed_s:.0f} s", flush=True)
+        res = run_scenario(scenario, src, "tifffile", args, lossless)
+        res["description"] = f"satellite-like {args.bands_size}x{args.bands_size} 4-band uint16 TIFF (deflate)"
+        return res
+    p.error(f"unknown scenario {scenario!r}")
+    raise AssertionError  # p.error exits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,25 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"scenarios": {}}
     try:
         for scenario in wanted:
-            if scenario == "ct16":
-                src = os.path.join(work, f"ct16-{args.n}-{args.size}")
-                if not os.path.isdir(src):
-                    s = make_ct_folder(src, num_classes=4, per_class=args.n // 4, size=(args.size, args.size),
-                                       workers=2)
-                    print(f"generated {s.num_images} CT-like PNGs in {s.elapsed_s:.0f} s", flush=True)
-                res = run_scenario(scenario, src, "cv2", args, lossless)
-                res["description"] = f"CT-like {args.size}x{args.size} 16-bit grayscale PNG"
-            elif scenario == "bands4":
-                src = os.path.join(work, f"bands4-{args.bands_n}-{args.bands_size}")
-                if not os.path.isdir(src):
-                    s = make_multiband_folder(src, num_classes=4, per_class=args.bands_n // 4,
-                                              size=(args.bands_size, args.bands_size), bands=4, workers=2)
-                    print(f"generated {s.num_images} 4-band TIFFs in {s.elapsed_s:.0f} s", flush=True)
-                res = run_scenario(scenario, src, "tifffile", args, lossless)
-                res["description"] = f"satellite-like {args.bands_size}x{args.bands_size} 4-band uint16 TIFF (deflate)"
-            else:
-                p.error(f"unknown scenario {scenario!r}")
-            results["scenarios"][scenario] = res
+            try:
+                results["scenarios"][scenario] = one_scenario(p, scenario, work, args, lossless)
+            except Skipped as err:
+                print(f"{scenario}: left out: {err}", flush=True)
+                results.setdefault("skipped", {})[scenario] = str(err)
         results["machine"] = {"cores": os.cpu_count(), "python": platform.python_version(),
                               "torch": torch.__version__, "platform": platform.platform(),
                               "fastdata_commit": git_commit(), "workers": args.workers,
