@@ -21,6 +21,10 @@ Variants:
   A worker's first full garbage collection walks every object inherited from the
   parent (torch's modules included) and so copies the pages they live on; a frozen
   heap is never walked;
+* ``fastdata-u16`` (optional): images as they are: a store of ``--native-n`` CT-like
+  512x512 16-bit grayscale PNGs (:mod:`fastdata.tools.synth_native`) read with
+  ``image_mode="unchanged"`` into uint16 tensors, batch ``--native-batch-size``
+  (batches of native dtype and channels must stay as flat as the uint8 ones);
 * ``naive`` (the control): the recipe found in many blog posts: LMDB environments
   opened in ``__init__`` and a Python list of per-sample ``(path, key, label)``
   tuples, decoding with Pillow. It grows for two reasons: reading those tuples in
@@ -38,6 +42,7 @@ Usage::
     python benchmarks/bench_memory.py --n 20000        # quicker
     python benchmarks/bench_memory.py --data /tmp/mem  # keep/reuse the generated store
     python benchmarks/bench_memory.py --backend hdf5   # the fastdata variant on HDF5
+    python benchmarks/bench_memory.py --variants fastdata-u16 --native-n 1000   # 16-bit CT-like, unchanged
 """
 
 from __future__ import annotations
@@ -81,6 +86,30 @@ def make_tree(root: Path, n: int, classes: int = 100, seed: int = 0) -> None:
         if not ok:
             raise RuntimeError("cv2.imencode failed")
         (root / f"class_{i % classes:03d}" / f"img_{i:07d}.jpg").write_bytes(buf.tobytes())
+
+
+def prepare_native(data: Path, n: int, backend: str, workers: int) -> str:
+    """The ``fastdata-u16`` variant's store: ``n`` CT-like 512x512 16-bit PNGs, converted
+    (reused when ``data`` already holds it)."""
+    import fastdata
+    from fastdata.format.manifest import read_manifest
+    from fastdata.tools.synth_native import make_ct_folder
+
+    src = data / f"ct16-{n}"
+    dst = data / f"ct16-{n}.{'lmdb' if backend == 'lmdb' else 'h5'}"
+    try:
+        ok = read_manifest(str(dst))["num_samples"] == n
+    except Exception:
+        ok = False
+    if not ok:
+        stamp = data / f"ct16-{n}.count"
+        if not (stamp.exists() and stamp.read_text() == str(n)):
+            shutil.rmtree(src, ignore_errors=True)
+            s = make_ct_folder(src, num_classes=4, per_class=n // 4, workers=workers)
+            stamp.write_text(str(n))
+            print(f"generated {s.num_images} CT-like 16-bit PNGs in {s.elapsed_s:.1f} s", file=sys.stderr)
+        fastdata.convert(str(src), str(dst), workers=workers, overwrite=dst.exists(), progress=False)
+    return str(dst)
 
 
 def prepare(data: Path, n: int, backends: list[str], workers: int) -> dict:
@@ -178,6 +207,8 @@ def run_variant(variant: str, store: str, epochs: int, workers: int, batch_size:
                   multiprocessing_context="fork")
     if variant == "naive":
         loader = DataLoader(naive_dataset(store), **common)
+    elif variant == "fastdata-u16":
+        loader = fastdata.loader(fastdata.open_dataset(store, image_mode="unchanged", output="tensor"), **common)
     elif variant == "fastdata-freeze":
         loader = fastdata.loader(fastdata.open_dataset(store, output="tensor"), worker_init_fn=freeze_then_seed,
                                  **common)
@@ -270,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--backend", choices=("lmdb", "hdf5"), default="lmdb", help="store of the fastdata variant")
     p.add_argument("--variants", default="fastdata,naive",
-                   help="comma-separated: fastdata, naive, fastdata-freeze (gc.freeze() in each worker)")
+                   help="comma-separated: fastdata, naive, fastdata-freeze (gc.freeze() in each worker), "
+                        "fastdata-u16 (16-bit CT-like PNGs, image_mode='unchanged')")
+    p.add_argument("--native-n", type=int, default=1000, help="images of the fastdata-u16 store (default 1000)")
+    p.add_argument("--native-batch-size", type=int, default=32,
+                   help="batch of the fastdata-u16 variant (default 32: 512x512 uint16 images are 512 KB each)")
     p.add_argument("--data", help="directory to keep/reuse the generated data (default: a temporary one)")
     p.add_argument("--convert-workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", help="also write the rows and summaries here")
@@ -284,21 +319,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - {"fastdata", "fastdata-freeze", "naive"}
+    unknown = set(variants) - {"fastdata", "fastdata-freeze", "fastdata-u16", "naive"}
     if unknown:
         p.error(f"unknown variant(s): {', '.join(sorted(unknown))}")
     temp = None if args.data else tempfile.mkdtemp(prefix="fastdata-mem-")
     data = Path(args.data or temp)
     data.mkdir(parents=True, exist_ok=True)
     try:
-        stores = prepare(data, args.n, [args.backend], args.convert_workers)
+        stores = prepare(data, args.n, [args.backend], args.convert_workers) if set(variants) - {"fastdata-u16"} \
+            else {}
         results, summaries = {}, []
         for variant in variants:
-            store = stores["lmdb"] if variant == "naive" else stores[args.backend]
-            name = f"{variant} ({'lmdb' if variant == 'naive' else args.backend}, {args.n} records, "\
-                   f"{args.workers} persistent workers)"
+            batch_size, records = args.batch_size, f"{args.n} records"
+            if variant == "fastdata-u16":
+                store = prepare_native(data, args.native_n, args.backend, args.convert_workers)
+                batch_size, records = args.native_batch_size, f"{args.native_n} 16-bit 512x512 PNGs, unchanged"
+            else:
+                store = stores["lmdb"] if variant == "naive" else stores[args.backend]
+            name = f"{variant} ({'lmdb' if variant == 'naive' else args.backend}, {records}, "\
+                   f"{args.workers} persistent workers, batch {batch_size})"
             cmd = [sys.executable, os.path.abspath(__file__), "--_run", variant, "--_store", store,
-                   "--epochs", str(args.epochs), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
+                   "--epochs", str(args.epochs), "--workers", str(args.workers), "--batch-size", str(batch_size)]
             out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
             rows = json.loads(out.strip().splitlines()[-1])
             results[variant] = rows
@@ -306,12 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         print()
         for s in summaries:
             parts = [f"{k}={v:.2f}" for k, v in s.items() if isinstance(v, float)]
-            print(f"{s['variant'].split(' ')[0]:>9}: " + ", ".join(parts))
-        fd = next((s for s in summaries if s["variant"].startswith("fastdata ")), None)
-        if fd and f"pss_growth_2_{args.epochs}_pct" in fd:
+            print(f"{s['variant'].split(' ')[0]:>12}: " + ", ".join(parts))
+        for fd in summaries:
+            label = fd["variant"].split(" ")[0]
+            if label not in ("fastdata", "fastdata-u16") or f"pss_growth_2_{args.epochs}_pct" not in fd:
+                continue
             growth = fd[f"pss_growth_2_{args.epochs}_pct"]
             anon = fd.get(f"anon_pss_growth_2_{args.epochs}_pct")
-            print(f"\ntarget: fastdata PSS growth epoch 2 -> {args.epochs} < 1%: {growth:+.2f}% "
+            print(f"\ntarget: {label} PSS growth epoch 2 -> {args.epochs} < 1%: {growth:+.2f}% "
                   f"{'OK' if growth < 1.0 else 'MISSED'}"
                   + (f" (anonymous PSS: {anon:+.2f}%)" if anon is not None else ""))
         print(RSS_NOTE)
