@@ -30,3 +30,25 @@ def test_detection_example_trains_with_finite_loss(tmp_path):
     assert result["images"] == 6  # 3 steps of 2 images, each batch from the store through the loader
     assert all(math.isfinite(loss) and loss > 0 for loss in result["losses"])
     assert "converted 12 images" in proc.stdout and "trained 3 steps" in proc.stdout
+
+
+def test_medical_images_example_reads_16_bit_and_bands_unchanged(tmp_path):
+    pytest.importorskip("tifffile", reason="the medical-images example needs tifffile and imagecodecs")
+    pytest.importorskip("imagecodecs", reason="the medical-images example needs tifffile and imagecodecs")
+    summary = tmp_path / "summary.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "medical_images.py"), "--ct", "8", "--bands", "8",
+           "--batch-size", "4", "--batches", "2", "--workers", "2", "--json", str(summary)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    ct, bands = result["ct"], result["bands"]
+    assert (ct["dtype"], ct["shape"], ct["bit_exact"]) == ("uint16", [512, 512], True)
+    assert (bands["dtype"], bands["shape"], bands["bit_exact"]) == ("uint16", [256, 256, 4], True)
+    # the decode-time crop keeps uint16 and the channels; the loader batches them as (N, C, H, W)
+    assert (ct["batch_dtype"], ct["batch_shape"]) == ("torch.uint16", [4, 1, 224, 224])
+    assert (bands["batch_dtype"], bands["batch_shape"]) == ("torch.uint16", [4, 4, 128, 128])
+    assert ct["images"] == bands["images"] == 8
+    for part in (ct, bands):
+        assert all(math.isfinite(v) for v in (part["normalized_mean"], part["normalized_std"]))
+        assert 0.5 < part["normalized_std"] < 2.0  # normalized with the data's own range, not 0-255
