@@ -14,6 +14,10 @@ python benchmarks/bench_convert.py --data "$DATA/convert" --json "$OUT/convert.j
 python benchmarks/bench_convert.py --backend hdf5 --data "$DATA/convert" --json "$OUT/convert-hdf5.json" \
     | tee "$OUT/convert-hdf5.txt"
 python benchmarks/bench_sampler.py | tee "$OUT/sampler.txt"
+python benchmarks/bench_native.py --workdir "$DATA/native" --json "$OUT/native.json" --md "$OUT/native.md" \
+    | tee "$OUT/native.txt"
+python benchmarks/bench_memory.py --variants fastdata-u16 --native-n 1000 --epochs 10 --data "$DATA/memory" \
+    --json "$OUT/memory-u16.json" | tee "$OUT/memory-u16.txt"
 fastdata bench "$DATA/speed/imagenet" "$DATA/speed/imagenet.lmdb" "$DATA/speed/imagenet.h5" \
     --workers 0,1,2 --transform rrc224 --epochs 3 --out "$OUT/harness" | tee "$OUT/harness.txt"
 cp "$OUT/harness/throughput_vs_workers.png" docs/img/throughput_vs_workers.png
