@@ -226,7 +226,7 @@ class StoreDataset(Dataset):
         self._load_index(manifest)
         #: the read mode of each image field (see ``image_mode=``)
         self.image_modes: dict[str, str] = self._resolve_modes(image_mode, manifest)
-        self._warn_if_reduced()
+        self._warn_if_reduced(chosen=self.image_modes if isinstance(image_mode, str) else (image_mode or {}))
         self._source = (manifest.get("options") or {}).get("source")
         self._shards = ShardHandles(store, self.backend, self.storage, schema=self._schema, max_open=max_open_shards,
                                     readahead=wants_readahead(manifest) if readahead is None else bool(readahead))
@@ -398,11 +398,12 @@ class StoreDataset(Dataset):
         modes = self.image_modes
         return modes.get("image") or next(iter(modes.values()), "RGB")
 
-    def _warn_if_reduced(self) -> None:
-        """Warn once when a field read in a Pillow mode holds images that mode reduces: deeper
-        than 8 bits, or with alpha or extra channels (``"RGB"``, ``"L"``), as the index records them."""
+    def _warn_if_reduced(self, chosen: Mapping[str, str]) -> None:
+        """Warn once when a field read in its default Pillow mode (not one named in ``chosen``, the
+        caller's ``image_mode``) holds images that mode reduces: deeper than 8 bits, or with alpha
+        or extra channels, as the index records them."""
         for name, mode in self.image_modes.items():
-            if mode == "unchanged" or name not in self._pixel_meta:
+            if mode == "unchanged" or name not in self._pixel_meta or name in chosen:
                 continue
             codes, channels = self._pixel_meta[name]
             deep = (codes != NOT_RECORDED) & (codes != IMAGE_DTYPE_CODES["uint8"])
