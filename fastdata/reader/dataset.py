@@ -451,6 +451,12 @@ class StoreDataset(Dataset):
         i = int(idx[0]) if len(idx) else 0
         shard, local = self.locate(i)
         name = self._shard_files[shard]
+        if h > 0 and w > 0 and h * w <= pixel_limit():  # the pixels fit: the channels and dtype do not
+            raise CorruptRecordError(
+                f"{self.root}: shard {name} record {local} (sample {i}): the index's {field}, channels and dtypes "
+                f"say {w}x{h} with {channels} channel(s) of {itemsize} byte(s), {h * w * channels * itemsize:,} "
+                f"bytes decoded: more than the {decoded_bytes_limit():,} an image may hold (refused as a "
+                "decompression bomb); nothing was allocated for it", store=self.root, shard=name, index=i)
         raise CorruptRecordError(
             f"{self.root}: shard {name} record {local} (sample {i}): the index's {field} say {w}x{h}, not a "
             f"size an image may have (1 to {pixel_limit():,} pixels: larger is refused as a decompression "
@@ -700,7 +706,8 @@ class StoreDataset(Dataset):
         before = self._skips
         shape = self._fixed_shape()
         layout = self._pixel_layout("image", idx) if shape is not None else None
-        out = self._fixed_batch(idx, shape, layout, epoch) if layout is not None else self._sample_list(idx, epoch)
+        out = (self._fixed_batch(idx, shape, layout, epoch) if shape is not None and layout is not None
+               else self._sample_list(idx, epoch))
         out.skips, out.token = self._skips - before, self._token
         return out
 

@@ -250,3 +250,26 @@ def test_an_index_that_lies_about_the_dtype_is_damage_named_by_sample(deep_store
     ds._pixel_meta["image"] = (np.full_like(codes, IMAGE_DTYPE_CODES["uint8"]), channels)
     with pytest.raises(CorruptRecordError, match=r"sample \d+.*uint16.*the index says"):
         ds.__getitems__([0, 1])
+
+
+def test_declared_channels_no_image_may_have_are_refused_before_allocation(deep_store):
+    """A hostile index (65535 channels of float64 at a legal width and height) must not size a
+    batch: the decoded-bytes limit is checked first, and nothing is allocated."""
+    from fastdata.format.record import IMAGE_DTYPE_CODES
+
+    store, _ = deep_store
+    ds = _open(store, image_mode="unchanged", output="tensor")
+    codes, channels = ds._pixel_meta["image"]
+    ds._pixel_meta["image"] = (np.full_like(codes, IMAGE_DTYPE_CODES["float64"]), np.full_like(channels, 65535))
+    ds.uniform_shape = (4096, 4096)
+    with pytest.raises(CorruptRecordError, match="4096x4096 with 65535 channel.*of 8 byte.*more than the"):
+        ds.__getitems__([0, 1])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_numpy_batches_through_the_loader_are_n_h_w(deep_store, workers):
+    store, arrays = deep_store
+    ds = _open(store, image_mode="unchanged", output="numpy")
+    images, _ = next(iter(fastdata.loader(ds, batch_size=4, num_workers=workers, shuffle=False)))
+    assert isinstance(images, np.ndarray) and images.shape == (4, H, W) and images.dtype == np.uint16
+    np.testing.assert_array_equal(images[1], arrays[ds.relpath(1)])
