@@ -13,9 +13,13 @@ Every transform (and :func:`full_decode`) takes the read mode of
   crop box in every mode. uint8 is resized with torch's uint8 antialiased bilinear for
   any channel count; other dtypes with torch's float antialiased bilinear (float32, or
   float64 for float64 and 32/64-bit integers, whose values float32 cannot hold exactly),
-  integers then rounded to nearest and clipped to their dtype's range. Resizing
-  interpolates stored values as numbers: a palette PNG read ``"unchanged"`` gives its
-  indices, which only make sense uncropped or unresized; read it ``"RGB"``/``"RGBA"``.
+  integers then rounded to nearest (ties to even) and clipped to their dtype's range.
+  Resizing a random 512x512 -> 224 crop on one thread took 0.75 ms for uint8 RGB, 0.41
+  uint8 gray, 0.77 uint8 RGBA, 0.76 uint16 gray, 2.8 uint16 RGB, 3.0 float32 4-channel:
+  the float kernel costs about as much per channel as the uint8 one does for C = 1, but
+  uint8 C = 3/4 have vectorised kernels. Resizing interpolates stored values as numbers:
+  a palette PNG read ``"unchanged"`` gives its indices, which only make sense uncropped
+  or unresized; read it ``"RGB"``/``"RGBA"``.
 
 The ``"RGB"`` pipeline decodes and crops/resizes in one step, so a large JPEG never exists
 as a full-size PIL image when a small output is wanted:
