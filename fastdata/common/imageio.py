@@ -434,7 +434,9 @@ def _tiff_has_pillow_form(data: Buffer) -> bool:
 def _dicom_dataset(data: Buffer, *, pixels: bool = True) -> Any:
     pydicom = _require("pydicom", "dicom", "a DICOM file")
     try:
-        return pydicom.dcmread(io.BytesIO(bytes(data)), stop_before_pixels=not pixels)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pydicom warns, then raises, on damage: the error says it once
+            return pydicom.dcmread(io.BytesIO(bytes(data)), stop_before_pixels=not pixels)
     except Exception as err:  # noqa: BLE001 - pydicom raises InvalidDicomError, ValueError, EOFError, ...
         raise ImageDecodeError(f"truncated or corrupt DICOM file ({type(err).__name__}: {err})") from None
 
@@ -790,7 +792,7 @@ def _decode_png_is_native(data: Buffer) -> bool:
 
 
 #: dtypes an image array given to a writer may have (stored losslessly by :func:`encode_lossless`)
-ARRAYIMAGE_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "float32", "float64", "int8", "float16")
+ARRAY_IMAGE_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "float32", "float64", "int8", "float16")
 
 
 def encode_lossless(array: np.ndarray) -> tuple[bytes, str]:
@@ -804,7 +806,7 @@ def encode_lossless(array: np.ndarray) -> tuple[bytes, str]:
     ``decode_image(data, "unchanged")`` gives the array back bit for bit (an HxWx1 array as HxW).
 
     Args:
-        array (numpy.ndarray): HxW or HxWxC (channels last), a dtype of :data:`ARRAYIMAGE_DTYPES`.
+        array (numpy.ndarray): HxW or HxWxC (channels last), a dtype of :data:`ARRAY_IMAGE_DTYPES`.
 
     Returns:
         tuple[bytes, str]: the file's bytes and its format name (``"PNG"`` or ``"TIFF"``).
@@ -815,8 +817,8 @@ def encode_lossless(array: np.ndarray) -> tuple[bytes, str]:
             (``pip install 'fastdata[images]'``); also an ImportError.
     """
     array = np.asarray(array)
-    if array.dtype.name not in ARRAYIMAGE_DTYPES or array.ndim not in (2, 3) or 0 in array.shape:
-        raise ValueError(f"an image array must be HxW or HxWxC of dtype {', '.join(ARRAYIMAGE_DTYPES)}; "
+    if array.dtype.name not in ARRAY_IMAGE_DTYPES or array.ndim not in (2, 3) or 0 in array.shape:
+        raise ValueError(f"an image array must be HxW or HxWxC of dtype {', '.join(ARRAY_IMAGE_DTYPES)}; "
                          f"got {array.dtype} of shape {array.shape}")
     channels = 1 if array.ndim == 2 else array.shape[2]
     if array.ndim == 3 and channels == 1:
