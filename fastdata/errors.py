@@ -66,6 +66,13 @@ class ImageModeError(FastdataError, ValueError):
     Not damage: ``on_error="skip"`` does not skip it."""
 
 
+class MissingDependencyError(FastdataError, ImportError):
+    """An optional library needed for this image (imagecodecs, tifffile, pydicom) is not
+    installed; the message names the file kind and the extra to install (``pip install
+    'fastdata[images]'`` or ``'fastdata[dicom]'``). Not damage: ``on_error="skip"`` does not
+    skip it, and installing the extra makes the same bytes readable."""
+
+
 class ConversionError(FastdataError):
     """The conversion failed (a worker died, an I/O error, a rank failed)."""
 

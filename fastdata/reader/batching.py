@@ -38,9 +38,9 @@ class Batch(list):
     uses those directly and nothing is copied again.
     """
 
-    images: Any  # uint8 N,C,H,W tensor (channels_last strides) or N,H,W,C numpy array
+    images: Any  # N,C,H,W tensor (channels_last strides) or N,H,W,C numpy array, of the read mode's dtype
     labels: torch.Tensor
-    pixels: np.ndarray  # the N,H,W,C array the images view
+    pixels: np.ndarray  # the N,H,W,C array the images view (N,H,W,1 for one-channel images)
     inline: bool  # built in a worker, small: crosses the queue as an _InlineBatch (see collate)
     squeeze: bool = False  # numpy output of one-channel images: [N, H, W] (see build_batch)
     skips: int = 0  # damaged samples replaced while building this batch (on_error="skip")

@@ -226,7 +226,7 @@ class StoreDataset(Dataset):
         self._load_index(manifest)
         #: the read mode of each image field (see ``image_mode=``)
         self.image_modes: dict[str, str] = self._resolve_modes(image_mode, manifest)
-        self._warn_if_reduced()
+        self._warn_if_reduced(chosen=self.image_modes if isinstance(image_mode, str) else (image_mode or {}))
         self._source = (manifest.get("options") or {}).get("source")
         self._shards = ShardHandles(store, self.backend, self.storage, schema=self._schema, max_open=max_open_shards,
                                     readahead=wants_readahead(manifest) if readahead is None else bool(readahead))
@@ -398,11 +398,12 @@ class StoreDataset(Dataset):
         modes = self.image_modes
         return modes.get("image") or next(iter(modes.values()), "RGB")
 
-    def _warn_if_reduced(self) -> None:
-        """Warn once when a field read in a Pillow mode holds images that mode reduces: deeper
-        than 8 bits, or with alpha or extra channels (``"RGB"``, ``"L"``), as the index records them."""
+    def _warn_if_reduced(self, chosen: Mapping[str, str]) -> None:
+        """Warn once when a field read in its default Pillow mode (not one named in ``chosen``, the
+        caller's ``image_mode``) holds images that mode reduces: deeper than 8 bits, or with alpha
+        or extra channels, as the index records them."""
         for name, mode in self.image_modes.items():
-            if mode == "unchanged" or name not in self._pixel_meta:
+            if mode == "unchanged" or name not in self._pixel_meta or name in chosen:
                 continue
             codes, channels = self._pixel_meta[name]
             deep = (codes != NOT_RECORDED) & (codes != IMAGE_DTYPE_CODES["uint8"])
@@ -450,6 +451,12 @@ class StoreDataset(Dataset):
         i = int(idx[0]) if len(idx) else 0
         shard, local = self.locate(i)
         name = self._shard_files[shard]
+        if h > 0 and w > 0 and h * w <= pixel_limit():  # the pixels fit: the channels and dtype do not
+            raise CorruptRecordError(
+                f"{self.root}: shard {name} record {local} (sample {i}): the index's {field}, channels and dtypes "
+                f"say {w}x{h} with {channels} channel(s) of {itemsize} byte(s), {h * w * channels * itemsize:,} "
+                f"bytes decoded: more than the {decoded_bytes_limit():,} an image may hold (refused as a "
+                "decompression bomb); nothing was allocated for it", store=self.root, shard=name, index=i)
         raise CorruptRecordError(
             f"{self.root}: shard {name} record {local} (sample {i}): the index's {field} say {w}x{h}, not a "
             f"size an image may have (1 to {pixel_limit():,} pixels: larger is refused as a decompression "
@@ -699,7 +706,8 @@ class StoreDataset(Dataset):
         before = self._skips
         shape = self._fixed_shape()
         layout = self._pixel_layout("image", idx) if shape is not None else None
-        out = self._fixed_batch(idx, shape, layout, epoch) if layout is not None else self._sample_list(idx, epoch)
+        out = (self._fixed_batch(idx, shape, layout, epoch) if shape is not None and layout is not None
+               else self._sample_list(idx, epoch))
         out.skips, out.token = self._skips - before, self._token
         return out
 

@@ -570,7 +570,7 @@ def test_normalize_on_device_matches_float_reference(device, shape):
 def test_normalize_on_device_rejects_bad_input():
     batch = torch.zeros((2, 3, 4, 4), dtype=torch.uint8)
     with pytest.raises(TypeError):
-        T.normalize_on_device(batch.float(), (0.5,) * 3, (0.5,) * 3)
+        T.normalize_on_device(batch.bool(), (0.5,) * 3, (0.5,) * 3)  # float and integer dtypes are accepted
     with pytest.raises(ValueError):
         T.normalize_on_device(batch, (0.5,) * 2, (0.5,) * 3)
     with pytest.raises(ValueError):

@@ -103,7 +103,7 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
     if not isinstance(sample, Mapping):
         raise SchemaError(f"{where}: expected a dict of field name -> value, got {type(sample).__name__}")
     values = dict(sample)
-    images: dict[str, tuple[str, int, int]] = {}
+    images: dict[str, tuple[str, int, int, str, int]] = {}
     relpath = b""
     for name in schema.image_fields():
         if name not in values:
