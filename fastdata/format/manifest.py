@@ -263,7 +263,8 @@ def _validate_storage(storage: dict, where: str) -> None:
     mode = storage.get("mode")
     shape = storage.get("raw_shape")
     ok = set(storage) == keys and (
-        (mode in ("original", "lossless") and storage["max_side"] is None and storage["quality"] is None and shape is None)
+        (mode in ("original", "lossless") and storage["max_side"] is None and storage["quality"] is None
+         and shape is None)
         or (mode == "reencode" and positive_int(storage["max_side"]) and type(storage["quality"]) is int
             and 1 <= storage["quality"] <= 100 and shape is None)
         or (mode == "raw" and storage["max_side"] is None and storage["quality"] is None

@@ -36,13 +36,13 @@ import numpy as np
 
 from fastdata.common.extensions import EXTENSION_FORMATS, IMG_EXTENSIONS, has_image_extension
 from fastdata.common.imagemodes import check_mode
-from fastdata.common.units import format_size
 from fastdata.errors import ResumeMismatchError, SourceError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.manifest import IMAGE_MODES_KEY
-from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_NAMES, NOT_RECORDED, ShardIndex
+from fastdata.format.record import ShardIndex
 from fastdata.format.store_index import decode_shard_index
 from fastdata.writer.ingest import ingest_chunk, starts_like_jpeg
+from fastdata.writer.census import census_notes, image_census
 from fastdata.writer.options import check_shard_count
 from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, shard_index_bytes
 from fastdata.writer.plan import ShardPlan, estimated_sizes, plan_fingerprint, plan_shards
@@ -396,50 +396,6 @@ def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptio
             f"({recorded.options.describe()})." if diffs else "")
     raise ResumeMismatchError(f"cannot resume {dst}: {what}.{hint} Or start over with --overwrite "
                               "(this discards the finished shards)")
-
-
-def image_census(indexes: list[ShardIndex]) -> dict[str, dict[str, int]]:
-    """What a classification store holds, from its shards' indexes: images per stored format
-    (``{"PNG": 10}``), per dtype and channel count (``{"uint16 x1": 10}``; ``"not recorded"``
-    for entries written before fastdata recorded them), and the image bytes stored
-    (``{"stored": n}``)."""
-    formats: dict[str, int] = {}
-    kinds: dict[str, int] = {}
-    stored = 0
-    for index in indexes:
-        stored += int(index.nbytes.sum())
-        for code, count in zip(*np.unique(index.formats, return_counts=True), strict=True):
-            name = FORMAT_NAMES.get(int(code), f"code {int(code)}")
-            formats[name] = formats.get(name, 0) + int(count)
-        pairs = np.stack([index.dtypes.astype(np.int64), index.channels.astype(np.int64)], axis=1)
-        for (dtype, channels), count in zip(*np.unique(pairs, axis=0, return_counts=True), strict=True) \
-                if len(pairs) else []:
-            key = (f"{IMAGE_DTYPE_NAMES.get(int(dtype), 'unknown')} x{int(channels)}"
-                   if dtype != NOT_RECORDED else "not recorded")
-            kinds[key] = kinds.get(key, 0) + int(count)
-    return {"formats": formats, "kinds": kinds, "bytes": {"stored": stored}}
-
-
-def census_notes(census: dict[str, dict[str, int]], image_modes: dict[str, str], storage: StorageSpec) -> list[str]:
-    """The summary lines of a conversion's :func:`image_census` (report notes)."""
-    def listing(counts: dict[str, int]) -> str:
-        return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-    notes = []
-    if census["formats"]:
-        notes.append(f"stored formats: {listing(census['formats'])}")
-    if census["kinds"]:
-        notes.append(f"images (dtype x channels): {listing(census['kinds'])}")
-    if storage.mode == "lossless":
-        kept = {k: v for k, v in census["formats"].items() if k != "TIFF"}
-        notes.append("lossless: every image but JPEG/WebP/DICOM (and palette/CMYK images) re-encoded as a zstd "
-                     "TIFF, checked bit-exact" + (f"; kept as they were: {listing(kept)}" if kept else "")
-                     + f"; stored image bytes {format_size(census['bytes']['stored'])} (the input files: 'input' "
-                     "above)")
-    for name, mode in image_modes.items():
-        notes.append(f"default read mode of {name!r}: {mode!r} (recorded in the manifest's image_modes; "
-                     "image_mode= of a reader overrides it)")
-    return notes
 
 
 class FolderInput(WriteSource):
