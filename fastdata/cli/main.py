@@ -81,6 +81,7 @@ def _cmd_info(args) -> int:
     print(f"storage:  {mode}")
     print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
     print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
+    _print_images(data)
     if data.get("schema"):
         from fastdata.format.fields import Schema
 
@@ -94,6 +95,23 @@ def _cmd_info(args) -> int:
     for s in data["shards"]:
         print(f"  {printable(s['name'])}: {s['count']} records, {format_size(s['bytes'])}")
     return EXIT_OK
+
+
+def _print_images(data: dict) -> None:
+    """``info``'s lines on the images held: dtype x channels and formats per image field (from the
+    store index), and the default read mode of each."""
+    from fastdata.writer.census import listing
+
+    images, modes = data.get("images"), data.get("image_modes") or {}
+    for name, mode in modes.items():
+        label = "images:" if name == "image" else f"{printable(name)}:"
+        if images is None:
+            print(f"{label:<9} {data.get('images_error') or 'not recorded'}; read as {mode!r} by default")
+            continue
+        census = images.get(name, {})
+        kinds = listing(census.get("kinds", {})) or "none"
+        formats = listing(census.get("formats", {}))
+        print(f"{label:<9} {kinds}" + (f" ({formats})" if formats else "") + f"; read as {mode!r} by default")
 
 
 def _cmd_verify(args) -> int:
