@@ -66,11 +66,12 @@ class ImageModeError(FastdataError, ValueError):
     Not damage: ``on_error="skip"`` does not skip it."""
 
 
-class MissingDependencyError(FastdataError, ImportError):
-    """An optional library needed for this image (imagecodecs, tifffile, pydicom) is not
-    installed; the message names the file kind and the extra to install (``pip install
-    'fastdata[images]'`` or ``'fastdata[dicom]'``). Not damage: ``on_error="skip"`` does not
-    skip it, and installing the extra makes the same bytes readable."""
+class MissingExtraError(FastdataError, ImportError):
+    """An optional dependency is missing; the message names the extra to install
+    (``pip install 'fastdata[images]'``...). Not damage: ``on_error="skip"`` does not skip it.
+
+    Also an ``ImportError``, so code that already guards an import keeps working.
+    """
 
 
 class ConversionError(FastdataError):

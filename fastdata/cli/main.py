@@ -44,7 +44,8 @@ def _cmd_convert(args) -> int:
 def _run_convert(convert, args):
     return convert(
         args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
-        max_side=args.max_side, quality=args.quality, raw=args.raw, strict=args.strict, resume=args.resume,
+        max_side=args.max_side, quality=args.quality, raw=args.raw, lossless=args.lossless,
+        image_mode=args.image_mode, dicom_tags=args.dicom_tags, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
         **_list_options(args), **_upload_options(args),
     )
@@ -80,6 +81,7 @@ def _cmd_info(args) -> int:
     print(f"storage:  {mode}")
     print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
     print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
+    _print_images(data)
     if data.get("schema"):
         from fastdata.format.fields import Schema
 
@@ -93,6 +95,23 @@ def _cmd_info(args) -> int:
     for s in data["shards"]:
         print(f"  {printable(s['name'])}: {s['count']} records, {format_size(s['bytes'])}")
     return EXIT_OK
+
+
+def _print_images(data: dict) -> None:
+    """``info``'s lines on the images held: dtype x channels and formats per image field (from the
+    store index), and the default read mode of each."""
+    from fastdata.writer.census import listing
+
+    images, modes = data.get("images"), data.get("image_modes") or {}
+    for name, mode in modes.items():
+        label = "images:" if name == "image" else f"{printable(name)}:"
+        if images is None:
+            print(f"{label:<9} {data.get('images_error') or 'not recorded'}; read as {mode!r} by default")
+            continue
+        census = images.get(name, {})
+        kinds = listing(census.get("kinds", {})) or "none"
+        formats = listing(census.get("formats", {}))
+        print(f"{label:<9} {kinds}" + (f" ({formats})" if formats else "") + f"; read as {mode!r} by default")
 
 
 def _cmd_verify(args) -> int:
@@ -200,13 +219,30 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--max-side", type=int, metavar="N",
                       help="re-encode as JPEG only images whose longer side exceeds N pixels")
     mode.add_argument("--raw", metavar="HxW", help="store decoded uint8 RGB pixels resized to HxW (e.g. 32x32)")
+    from fastdata.common.imagemodes import IMAGE_MODES
+    from fastdata.writer.options import LOSSLESS_CODECS
+
+    mode.add_argument("--lossless", choices=LOSSLESS_CODECS, default=None,
+                      help="storage mode 'lossless': re-encode every image but JPEG, WebP and DICOM files (and "
+                           "palette/CMYK images) as a zstd TIFF of its unchanged pixels, checked bit-exact while "
+                           "converting (a mismatch rejects the image, with the reason); 16-bit PNGs decode several "
+                           "times faster. Exclusive with --max-side/--quality/--raw")
+    c.add_argument("--image-mode", choices=IMAGE_MODES, default=None,
+                   help="the default read mode recorded for the images (readers' image_mode= overrides it): "
+                        "'unchanged' gives the stored dtype and channels; default: 'unchanged' for a store holding "
+                        "DICOM images, else RGB")
+    c.add_argument("--dicom-tags", metavar="TAG,TAG", default=None,
+                   help="for a folder of class folders of DICOM files: keep these DICOM keywords (e.g. "
+                        "RescaleSlope,RescaleIntercept,PhotometricInterpretation,PixelSpacing) as json fields of a "
+                        "general store (fields image, label, then one per tag; read in the worker processes); "
+                        "without it a DICOM folder makes an ordinary classification store")
     c.add_argument("--quality", type=int, metavar="Q", help="JPEG quality for --max-side (default 90)")
     c.add_argument("--strict", action="store_true", default=None,
                    help="stop at the first unusable input instead of skipping it")
     again = c.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="finish an interrupted conversion, keeping finished shards; options left out "
-                            "(--shard-size, --format, --max-side/--quality/--raw, --strict) take the values "
+                            "(--shard-size, --format, --max-side/--quality/--raw/--lossless, --strict) take the values "
                             "the interrupted run recorded, and one given that differs is refused, naming it")
     again.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
     _add_coco_argument(c)
@@ -330,7 +366,9 @@ def _run_coco(args):
         raise ValueError(f"convert --coco runs in one process (its workers use the cores): run it without torchrun, "
                          f"not on {group.world_size} ranks")
     unused = [flag for flag, value in (("--max-side", args.max_side), ("--quality", args.quality),
-                                       ("--raw", args.raw), ("--lmdb-map-size", args.lmdb_map_size),
+                                       ("--raw", args.raw), ("--lossless", args.lossless),
+                                       ("--image-mode", args.image_mode), ("--dicom-tags", args.dicom_tags),
+                                       ("--lmdb-map-size", args.lmdb_map_size),
                                        ("--schema", getattr(args, "schema", None))) if value is not None]
     if unused:
         raise ValueError(f"{', '.join(unused)} do(es) not apply to --coco: COCO images are stored as they are, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from fastdata.errors import FastdataError
+from fastdata.errors import MissingExtraError
 
 __all__ = ["MissingExtraError", "require"]
 
@@ -19,13 +19,6 @@ _PROVIDERS = {
     "cv2": ("opencv-python-headless", "bench"),
     "matplotlib": ("matplotlib", "bench"),
 }
-
-
-class MissingExtraError(FastdataError, ImportError):
-    """An optional dependency is missing; the message names the extra to install.
-
-    Also an ``ImportError``, so code that already guards an import keeps working.
-    """
 
 
 def require(module: str, purpose: str) -> ModuleType:

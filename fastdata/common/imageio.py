@@ -33,7 +33,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from fastdata.errors import ImageModeError, MissingDependencyError
+from fastdata.errors import ImageModeError, MissingExtraError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -139,13 +139,6 @@ def pixel_limit() -> int:
     (index widths and heights, raw shapes) against it before allocating batch memory."""
     limit = Image.MAX_IMAGE_PIXELS
     return PIXEL_LIMIT_WITHOUT_PILLOW_LIMIT if limit is None else int(limit)
-
-
-def decoded_bytes_limit() -> int:
-    """The most bytes one decoded image may hold: :func:`pixel_limit` pixels of 4 bytes (one
-    8-bit RGBA pixel, or one float32 value). The decompression-bomb rule of every decoder, and
-    what readers check a store's declared sizes, channels and dtypes against before allocating."""
-    return pixel_limit() * 4
 
 
 _scratch = threading.local()
@@ -267,11 +260,11 @@ def _check_pillow_size(im: Image.Image) -> None:
 
 
 def _require(module: str, extra: str, what: str) -> ModuleType:
-    """Import an optional decoder library, or raise MissingDependencyError naming the extra."""
+    """Import an optional decoder library, or raise MissingExtraError naming the extra."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingDependencyError(
+        raise MissingExtraError(
             f"decoding {what} needs {module}, which is not installed: {_INSTALL[extra]}") from None
 
 
@@ -469,7 +462,7 @@ def _decode_dicom(data: Buffer) -> np.ndarray:
         array = ds.pixel_array
     except Exception as err:  # noqa: BLE001
         if "missing dependencies" in str(err) or isinstance(err, ImportError):
-            raise MissingDependencyError(f"decoding this DICOM's transfer syntax needs a pydicom pixel data "
+            raise MissingExtraError(f"decoding this DICOM's transfer syntax needs a pydicom pixel data "
                                          f"plugin that is not installed: {err}") from None
         raise ImageDecodeError(f"truncated or corrupt DICOM pixel data ({type(err).__name__}: {err})") from None
     array = np.ascontiguousarray(array)
@@ -519,7 +512,7 @@ def dicom_tags(data: Buffer, names: Iterable[str]) -> dict[str, Any]:
     Raises:
         ValueError: a name that is not a DICOM keyword.
         ImageDecodeError: the bytes are not a readable DICOM file.
-        MissingDependencyError: pydicom is not installed (``pip install 'fastdata[dicom]'``).
+        MissingExtraError: pydicom is not installed (``pip install 'fastdata[dicom]'``).
     """
     names = list(names)
     if _sniff(data) != "DICOM":
@@ -673,7 +666,7 @@ def inspect_image(data: Buffer) -> ImageInfo:
     Raises:
         ImageDecodeError: not an allowed format, truncated or corrupt, a decompression bomb, a multi-page
             TIFF or multi-frame DICOM, a DICOM without pixel data, an unsupported TIFF compression or dtype.
-        MissingDependencyError: the file needs imagecodecs/tifffile (``pip install 'fastdata[images]'``) or
+        MissingExtraError: the file needs imagecodecs/tifffile (``pip install 'fastdata[images]'``) or
             pydicom (``pip install 'fastdata[dicom]'``).
     """
     size = fast_jpeg_size(data)
@@ -703,7 +696,7 @@ def decode_image(data: Buffer, mode: str = "RGB") -> np.ndarray:
 
     Raises:
         ImageDecodeError: as :func:`inspect_image`.
-        MissingDependencyError: as :func:`inspect_image`.
+        MissingExtraError: as :func:`inspect_image`.
         ImageModeError: a Pillow mode asked of an image Pillow cannot open as one image (a DICOM, a 5-band
             or multi-band 16-bit TIFF, a float16 TIFF): the message names ``image_mode="unchanged"``.
         ValueError: an unknown mode.
@@ -758,7 +751,7 @@ def decode_pil_image(data: Buffer, mode: str = "RGB") -> Image.Image:
 
     Raises:
         ImageDecodeError: as :func:`inspect_image`.
-        MissingDependencyError: as :func:`inspect_image`.
+        MissingExtraError: as :func:`inspect_image`.
         ImageModeError: a Pillow mode for an image with no Pillow form (see :func:`decode_image`), or in
             ``"unchanged"`` an image no PIL mode holds (16-bit colour, more than 4 channels, uint32, float64,
             ...): the message names ``output="numpy"``/``"tensor"``.
@@ -820,7 +813,7 @@ def encode_lossless(array: np.ndarray) -> tuple[bytes, str]:
 
     Raises:
         ValueError: another dtype or number of dimensions.
-        MissingDependencyError: a TIFF is needed and tifffile/imagecodecs are not installed
+        MissingExtraError: a TIFF is needed and tifffile/imagecodecs are not installed
             (``pip install 'fastdata[images]'``); also an ImportError.
     """
     array = np.asarray(array)

@@ -209,6 +209,9 @@ def _validate_store_index_entry(body: dict, where: str) -> None:
 
 #: manifest key of a general store's class tables: ``{field name: [class names]}``
 CLASS_TABLES_KEY = "class_tables"
+#: a classification (version-1) store's default read mode per image field, ``{"image": "unchanged"}``
+#: (a general store records it in its schema: ``Image(mode=...)``); absent: the field's default
+IMAGE_MODES_KEY = "image_modes"
 
 
 def _validate_class_tables(body: dict, schema, where: str) -> None:
@@ -260,7 +263,8 @@ def _validate_storage(storage: dict, where: str) -> None:
     mode = storage.get("mode")
     shape = storage.get("raw_shape")
     ok = set(storage) == keys and (
-        (mode == "original" and storage["max_side"] is None and storage["quality"] is None and shape is None)
+        (mode in ("original", "lossless") and storage["max_side"] is None and storage["quality"] is None
+         and shape is None)
         or (mode == "reencode" and positive_int(storage["max_side"]) and type(storage["quality"]) is int
             and 1 <= storage["quality"] <= 100 and shape is None)
         or (mode == "raw" and storage["max_side"] is None and storage["quality"] is None

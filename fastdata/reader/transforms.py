@@ -442,12 +442,23 @@ class DecodeTransform:
         _emit(self(data, rng) if mode == "RGB" else self(data, rng, mode=mode), out)
 
 
+def _rgb_is_unchanged(data: Buffer, mode: str) -> bool:
+    """Whether ``data`` read "unchanged" is its RGB form: a colour JPEG the fast path decodes (its
+    stored pixels are 8-bit RGB), which then keeps the DCT-scaled decode of the RGB path."""
+    if mode != "unchanged" or _jpeg_size(data) is None:
+        return False
+    try:
+        return simplejpeg.decode_jpeg_header(data)[2] != "Gray"
+    except ValueError:
+        return False
+
+
 class _DirectTransform(DecodeTransform):
     """Shared plumbing: both entry points run ``_produce`` ("RGB") or ``_produce_native``
     (other modes), which may write into ``out``."""
 
     def __call__(self, data: Buffer, rng: np.random.Generator | None = None, mode: str = "RGB") -> np.ndarray:
-        if check_mode(mode, "mode") == "RGB":
+        if check_mode(mode, "mode") == "RGB" or _rgb_is_unchanged(data, mode):
             return self._produce(data, rng, None)
         return self._produce_native(data, rng, None, mode)
 
@@ -456,7 +467,7 @@ class _DirectTransform(DecodeTransform):
         _check_out(out, check_mode(mode, "mode"))
         if self.output_size is not None and out.shape[:2] != self.output_size:
             raise ValueError(f"out has shape {out.shape} but this transform gives {self.output_size} x channels")
-        if mode == "RGB":
+        if mode == "RGB" or (_rgb_is_unchanged(data, mode) and out.shape[2:] == (3,) and out.dtype == np.uint8):
             self._produce(data, rng, out)
         else:
             self._produce_native(data, rng, out, mode)

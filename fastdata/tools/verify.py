@@ -13,14 +13,24 @@ from typing import Any
 
 import numpy as np
 
-from fastdata.common.fileio import file_checksum
+from fastdata.common.fileio import file_checksum, read_regular
 from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
 from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.registry import reader_class
-from fastdata.format.manifest import read_manifest
-from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
-from fastdata.format.record import FIELD_PREFIX, FORMAT_CODES, FORMAT_NAMES, SampleIndex, ShardIndex, decode_record_v2
+from fastdata.format.manifest import IMAGE_MODES_KEY, read_manifest, schema_of
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, STORE_INDEX_NAME
+from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
+from fastdata.format.record import (
+    FIELD_PREFIX,
+    FORMAT_CODES,
+    FORMAT_NAMES,
+    IMAGE_DTYPE_NAMES,
+    NOT_RECORDED,
+    SampleIndex,
+    ShardIndex,
+    decode_record_v2,
+)
 from fastdata.remote.location import RemoteSizeError
 from fastdata.remote.store import RemoteStore, is_remote, locate_store
 from fastdata.writer.pipeline import WRITE_SOURCE
@@ -38,14 +48,18 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         dict: JSON-serialisable: backend, version, storage mode, counts, classes with
         per-class counts, shards with sizes, rejected inputs.
     """
+    remote: RemoteStore | None = None
     if is_remote(store):
-        m = locate_store(store, storage_options=storage_options, cache_dir=cache_dir).manifest
+        located = locate_store(store, storage_options=storage_options, cache_dir=cache_dir)
+        assert isinstance(located, RemoteStore), "a URL locates a remote store"
+        remote, m = located, located.manifest
         where = store.rstrip("/")
     else:
         if storage_options:
             raise RemoteStoreError(f"{store}: storage_options apply to remote URLs only, not to a local path")
         m = read_manifest(store)
         where = os.path.abspath(store)
+    images, images_error = _images_held(where, m, remote)
     return {
         "path": where,
         "backend": m["backend"],
@@ -61,7 +75,48 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "rejected_items": m["rejected"],
         "options": m["options"],
         "schema": m.get("schema"),
+        "images": images,
+        "images_error": images_error,
+        "image_modes": _default_modes(m),
     }
+
+
+def _default_modes(m: dict) -> dict[str, str]:
+    """The read mode each image field is read in unless a reader says otherwise: a general store's
+    ``Image(mode=...)`` (or its default by name), a classification store's manifest ``image_modes``
+    (or ``"RGB"``, ImageFolder's)."""
+    from fastdata.format.fields import Image
+
+    schema = schema_of(m)
+    recorded = m.get(IMAGE_MODES_KEY) if m["version"] == 1 else None
+    out = {}
+    for name, f in schema:
+        if isinstance(f, Image):
+            mode = recorded.get(name) if isinstance(recorded, dict) else None
+            out[name] = mode if isinstance(mode, str) else f.default_mode(name)
+    return out
+
+
+def _images_held(where: str, m: dict, remote: RemoteStore | None) -> tuple[dict | None, str | None]:
+    """``({image field: image_census}, None)`` from the store index file (``index.fdi``: no shard is
+    opened), or ``(None, why)`` when the store has none (made by an older fastdata) or it is
+    unreadable. A store made before dtypes were recorded counts its images as "not recorded"."""
+    from fastdata.writer.census import image_census
+
+    if MANIFEST_KEY not in m:
+        return None, f"not recorded (no {STORE_INDEX_NAME}: the store was made by an older fastdata)"
+    schema = schema_of(m)
+    try:
+        if remote is not None:
+            indexes = remote.shard_indexes(None, StorageSpec.from_json(m["storage"]),
+                                           None if m["version"] == 1 else schema)
+        else:
+            path = os.path.join(where, STORE_INDEX_NAME)
+            data = read_regular(path, m[MANIFEST_KEY]["bytes"] + 1, "store index")
+            indexes = parse_store_index(data, m, None if m["version"] == 1 else schema, path)
+    except (FastdataError, OSError) as err:
+        return None, f"unreadable ({err})"
+    return {name: image_census(indexes, name) for name in schema.image_fields()}, None
 
 
 #: :attr:`VerifyReport.status` values
@@ -141,7 +196,7 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                    decode: bool, schema_json: list | None, name: str) -> tuple[int, int, list[str]]:
     """Read every record of one shard. Returns (checked, decoded, problems).
     ``schema_json`` is None for a version-1 shard, else the general store's schema."""
-    from fastdata.common.imageio import open_image  # imports Pillow: only when decoding
+    from fastdata.common.imageio import inspect_image  # imports the decoders: only when decoding
 
     if schema_json is not None:
         return _check_records_v2(backend, path, storage_json, expected_count, decode, schema_json, name)
@@ -174,11 +229,17 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                     if fmt == "RAW":
                         h, w = storage.raw_hw()
                         np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
+                        actual = ("uint8", 3)
                     else:
-                        open_image(data).close()  # the readers' policy: same verdict as ds[i]
+                        got = inspect_image(data)  # the readers' policy: same verdict as ds[i]
+                        actual = (got.dtype, got.channels)
                     decoded += 1
                 except Exception as err:  # any decoder failure is a finding, not a crash
                     problems.append(f"{name} record {i}: cannot decode {fmt} image ({type(err).__name__}: {err})")
+                    continue
+                wrong = _native_mismatch(actual, int(index.dtypes[i]), int(index.channels[i]))
+                if wrong:
+                    problems.append(f"{name} record {i}: {wrong}")
     return checked, decoded, problems
 
 
@@ -187,7 +248,7 @@ def _check_records_v2(backend: str, path: str, storage_json: dict, expected_coun
     """A version-2 shard: every record against its checksum, decoded against the schema,
     its path and size against the index; with ``decode`` every image field fully decoded
     and its format and size compared with the index."""
-    from fastdata.common.imageio import open_image, stored_format
+    from fastdata.common.imageio import inspect_image
     from fastdata.format.fields import Schema
 
     schema = Schema.from_json(schema_json)
@@ -218,16 +279,33 @@ def _check_records_v2(backend: str, path: str, storage_json: dict, expected_coun
             for field in schema.image_fields():
                 meta = {k: int(index.arrays[f"{FIELD_PREFIX}{field}.{k}"][i]) for k in ("format", "width", "height")}
                 try:
-                    with open_image(record[field]) as im:
-                        actual = {"format": FORMAT_CODES.get(stored_format(im), -1), "width": im.width,
-                                  "height": im.height}
+                    got = inspect_image(record[field])
+                    actual = {"format": FORMAT_CODES.get(got.format, -1), "width": got.width, "height": got.height}
                 except Exception as err:  # any decoder failure is a finding, not a crash
                     problems.append(f"{where}: cannot decode image field {field!r} ({type(err).__name__}: {err})")
                     continue
                 if actual != meta:
                     problems.append(f"{where}: image field {field!r} is {actual}, the index says {meta}")
+                native = _native_mismatch((got.dtype, got.channels),
+                                         int(index.arrays[f"{FIELD_PREFIX}{field}.dtype"][i]),
+                                         int(index.arrays[f"{FIELD_PREFIX}{field}.channels"][i]))
+                if native:
+                    problems.append(f"{where}: image field {field!r}: {native}")
             decoded += 1
     return checked, decoded, problems
+
+
+def _native_mismatch(actual: tuple[str, int], dtype_code: int, channels: int) -> str | None:
+    """Why a decoded image's ``(dtype, channels)`` is not what the index records (codes
+    :data:`~fastdata.format.record.IMAGE_DTYPE_CODES`), or None; nothing to compare when the index
+    does not record them (:data:`~fastdata.format.record.NOT_RECORDED`: a store made before)."""
+    if dtype_code == NOT_RECORDED and channels == NOT_RECORDED:
+        return None
+    recorded = (IMAGE_DTYPE_NAMES.get(dtype_code, f"code {dtype_code}"), channels)
+    if (actual[0], actual[1]) == recorded:
+        return None
+    return (f"decodes as {actual[0]} x{actual[1]} but the index records {recorded[0]} x{recorded[1]}: "
+            "the record or index is damaged")
 
 
 def _record_vs_index(reader, index, i: int) -> str | None:

@@ -25,6 +25,7 @@ from fastdata.writer.report import ConvertReport
 from fastdata.writer.session import WriteOptions, WriteSession
 from fastdata.writer.sources.base import WriteSource
 from fastdata.writer.sources.coco import CocoInput
+from fastdata.writer.sources.dicom import DicomFolderInput
 from fastdata.writer.sources.folder import FolderInput
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput, is_general_list
@@ -42,6 +43,9 @@ def convert(
     max_side: int | None = None,
     quality: int | None = None,
     raw=None,
+    lossless: str | None = None,
+    image_mode: str | None = None,
+    dicom_tags: str | list[str] | None = None,
     strict: bool | None = None,
     resume: bool = False,
     overwrite: bool = False,
@@ -74,6 +78,19 @@ def convert(
             At least 1 MiB, and at most 10,000 shards per store.
         max_side, quality: re-encode images whose longer side exceeds ``max_side`` as JPEG.
         raw: ``"HxW"``: store decoded RGB pixels resized to that shape.
+        lossless: ``"tiff"`` (storage mode ``"lossless"``): re-encode every image but JPEG, WebP and
+            DICOM files (and palette/CMYK images, whose pixels need their palette or colour space) as
+            a zstd TIFF of its unchanged pixels, checked bit-exact while converting (a mismatch
+            rejects the image with the reason); 16-bit PNGs then decode several times faster.
+            Exclusive with ``max_side``/``quality``/``raw``.
+        image_mode: the default read mode recorded for the store's images (``"RGB"``, ``"L"``,
+            ``"RGBA"`` or ``"unchanged"``; a reader's ``image_mode=`` overrides it): the manifest's
+            ``image_modes`` for a classification store, ``Image(mode=...)`` with ``dicom_tags``.
+            None: ``"unchanged"`` when the store holds DICOM images, else the reader's default (RGB).
+        dicom_tags: DICOM keywords (``["RescaleSlope", "PixelSpacing"]`` or ``"RescaleSlope,PixelSpacing"``)
+            kept as json fields of a general (version-2) store of a folder of DICOM files: fields
+            ``image``, ``label`` and one per tag (see :mod:`fastdata.writer.sources.dicom`). Without it
+            a DICOM folder becomes an ordinary classification store.
         strict: stop at the first unusable input instead of skipping and reporting it (default False).
         resume: finish an interrupted conversion, keeping its completed shards. The content options
             (``format``, ``shard_size``, ``max_side``/``quality``/``raw``, ``strict``) left as None take
@@ -99,15 +116,25 @@ def convert(
     src = os.fspath(src)
     refuse_remote_source(src)
     if is_general_list(src, schema):
-        if any(v is not None for v in (max_side, quality, raw)):
-            raise ValueError(f"{src}: --max-side/--quality/--raw apply to image folders and path,label lists; a "
-                             "list with more fields keeps each image's bytes as they are (leave them out)")
+        if any(v is not None for v in (max_side, quality, raw, lossless, image_mode, dicom_tags)):
+            raise ValueError(f"{src}: --max-side/--quality/--raw/--lossless/--image-mode/--dicom-tags apply to image "
+                             "folders and path,label lists; a list with more fields keeps each image's bytes as they "
+                             "are (leave them out; declare Image(mode=...) in --schema for a default read mode)")
         return convert_table(src, dst, schema=schema, format=format, workers=workers, shard_size=shard_size,
                              strict=strict, resume=resume, overwrite=overwrite, progress=progress,
                              lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
                              staging_dir=staging_dir)
     check_local_path(src, "source")
-    return WriteSession(FolderInput(src, max_side=max_side, quality=quality, raw=raw), dst, WriteOptions(
+    source: WriteSource
+    if dicom_tags is not None:
+        if any(v is not None for v in (max_side, quality, raw, lossless)):
+            raise ValueError("--dicom-tags keeps each DICOM file's bytes as they are: leave out "
+                             "--max-side/--quality/--raw/--lossless")
+        source = DicomFolderInput(src, dicom_tags, image_mode)
+    else:
+        source = FolderInput(src, max_side=max_side, quality=quality, raw=raw, lossless=lossless,
+                             image_mode=image_mode)
+    return WriteSession(source, dst, WriteOptions(
         format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
         progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
         staging_dir=staging_dir)).run()
@@ -185,8 +212,14 @@ def write(
 
     Args:
         samples: a map-style dataset (``__len__`` + ``__getitem__``: a list, a torch
-            ``Dataset``) or any iterable of dicts. Image values may be encoded bytes, a
-            path (read in a worker), a PIL image or an HWC uint8 array (both stored as PNG).
+            ``Dataset``) or any iterable of dicts. Image values may be encoded bytes (stored as
+            they are), a path (read in a worker), a PIL image (stored as PNG; modes ``I;16``, ``I``
+            and ``F`` losslessly as TIFF), or a numpy array or torch tensor, HxW or HxWxC (channels
+            last) of any dtype of :data:`~fastdata.common.imageio.ARRAY_IMAGE_DTYPES` and any channel
+            count, stored bit-exact by :func:`~fastdata.common.imageio.encode_lossless` (8-bit with up
+            to 4 channels as PNG, anything else as a zstd TIFF). Each image's dtype and channel count
+            are recorded in the index. An image field of an inferred schema is ``Image()``: declare
+            ``schema=`` for array images (an array alone is inferred as a ``ragged`` field).
         dst: destination directory, or a URL (``s3://bucket/x.lmdb``: shards are staged locally
             and uploaded as each finishes, manifest last; see :mod:`fastdata.writer.remote_sink`);
             its suffix picks the backend unless ``format`` is given.
@@ -219,7 +252,8 @@ def write(
         A :class:`~fastdata.writer.report.ConvertReport` (``images`` counts samples).
 
     Raises:
-        SchemaError: a sample does not match the schema (names the sample and field); nothing is published.
+        SchemaError: a sample does not match the schema, or an image array's dtype (complex, bool,
+            object, datetime, ...) or shape cannot be an image (names the sample and field); nothing is published.
         RejectedInputError: an image value is unreadable or not a usable image.
         ValueError: ``resume`` with an iterable, or an invalid option.
         FastdataError subclasses for the destination (exists, locked, I/O).

@@ -16,10 +16,19 @@ import os
 import stat
 import tempfile
 
+import numpy as np
 from PIL import Image
 
 from fastdata.common.extensions import EXTENSION_FORMATS
-from fastdata.common.imageio import ImageDecodeError, inspect_image, open_image, stored_format
+from fastdata.common.imageio import (
+    ImageDecodeError,
+    ImageInfo,
+    decode_image,
+    encode_lossless,
+    inspect_image,
+    open_image,
+    stored_format,
+)
 from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.record import MAX_RECORD_BYTES, EncodedSample, checksum
 
@@ -97,6 +106,16 @@ class IngestedSample(Sample):
     warning: str = ""
 
 
+def inspect(data: bytes) -> ImageInfo:
+    """Fully decode ``data`` under the image policy and return what the index records of it
+    (format, size, dtype and channels as stored: :func:`fastdata.common.imageio.inspect_image`).
+    Raises :class:`Rejected` with the decoder's reason."""
+    try:
+        return inspect_image(data)
+    except ImageDecodeError as err:
+        raise Rejected(str(err)) from None
+
+
 def open_validated(data: bytes) -> Image.Image:
     """Open and fully decode ``data`` under the image policy
     (:func:`fastdata.common.imageio.open_image`). Raises :class:`Rejected`."""
@@ -122,14 +141,20 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     storable sample or raise :class:`Rejected`."""
     if data is None:
         data = _read_bytes(path)
+    if storage.mode == "lossless":
+        return lossless_sample(path, relpath, label, data)
     if storage.mode not in ("raw", "reencode"):  # stored as given: only checked
-        try:
-            info = inspect_image(data)
-        except ImageDecodeError as err:
-            raise Rejected(str(err)) from None
+        info = inspect(data)
         return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
                               xxh=checksum(data), relpath=relpath, warning=extension_mismatch(path, info.format),
                               dtype=info.dtype, channels=info.channels)
+    if storage.mode == "reencode":
+        info = inspect(data)  # one decode for the images kept as they are (most of them)
+        if max(info.width, info.height) <= storage.reencode_max_side():
+            return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
+                                  xxh=checksum(data), relpath=relpath,
+                                  warning=extension_mismatch(path, info.format), dtype=info.dtype,
+                                  channels=info.channels)
     im = open_validated(data)
     fmt, width, height = stored_format(im), im.width, im.height
     warning = extension_mismatch(path, fmt)
@@ -139,15 +164,90 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
         if rgb.size != (w, h):
             rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)
         data, fmt, width, height = rgb.tobytes(), "RAW", w, h
-    elif storage.mode == "reencode" and max(width, height) > (max_side := storage.reencode_max_side()):
-        scale = max_side / max(width, height)
+    else:  # reencode, larger than max_side: an RGB JPEG
+        scale = storage.reencode_max_side() / max(width, height)
         size = (max(1, round(width * scale)), max(1, round(height * scale)))
         rgb = im.convert("RGB").resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
         buf = io.BytesIO()
         rgb.save(buf, format="JPEG", quality=storage.quality or DEFAULT_REENCODE_QUALITY)
         data, fmt, (width, height) = buf.getvalue(), "JPEG", size
+    # both are 8-bit RGB: raw pixels are HxWx3 uint8, and the JPEG is saved from an RGB image
     return IngestedSample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data),
-                          relpath=relpath, warning=warning)
+                          relpath=relpath, warning=warning, dtype="uint8", channels=3)
+
+
+#: formats the lossless storage mode keeps as they are: JPEG and WebP are smaller than any lossless
+#: re-encoding of their pixels, and a DICOM's photometric interpretation and rescale tags are part
+#: of what its pixels mean
+LOSSLESS_KEEPS = frozenset({"JPEG", "WEBP", "DICOM"})
+#: Pillow modes whose "unchanged" pixels are the whole image (a TIFF of them reads back the same in
+#: every read mode); a palette, CMYK or YCbCr image is kept as it is instead (its RGB read needs the
+#: palette or the colour space, which a TIFF of the raw channels would lose)
+LOSSLESS_PILLOW_MODES = frozenset({"1", "L", "RGB", "RGBA", "I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+
+
+def encode_tiff(pixels: np.ndarray) -> bytes:
+    """``pixels`` (HxW or HxWxC, any dtype of :data:`~fastdata.common.imageio.ARRAY_IMAGE_DTYPES`) as a
+    zstd-compressed TIFF: what the lossless storage mode stores. Arrays that
+    :func:`~fastdata.common.imageio.encode_lossless` makes TIFFs of are encoded by it; 8-bit images of
+    up to 4 channels (a PNG there) are written with the same options here, so every re-encoded
+    image is the same kind of file."""
+    channels = 1 if pixels.ndim == 2 else pixels.shape[2]
+    if pixels.dtype != np.uint8 or channels > 4:
+        data, fmt = encode_lossless(pixels)
+        assert fmt == "TIFF", "encode_lossless makes a TIFF of anything but 8-bit images of up to 4 channels"
+        return data
+    import tifffile  # (an optional dependency: encode_lossless names the extra when it is missing)
+
+    colour = pixels.ndim == 3 and channels in (3, 4)
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, np.ascontiguousarray(pixels), photometric="rgb" if colour else "minisblack",
+                     planarconfig="contig" if pixels.ndim == 3 else None, compression="zstd", metadata=None,
+                     extrasamples=("unassalpha",) if colour and channels == 4 else None)
+    return buf.getvalue()
+
+
+def _pillow_mode(data: bytes) -> str | None:
+    """The Pillow mode of ``data``, or None when Pillow cannot open it (a multi-band or tiled
+    TIFF read by tifffile)."""
+    try:
+        im = open_image(data)
+    except ImageDecodeError:
+        return None
+    mode = im.mode
+    im.close()
+    return mode
+
+
+def lossless_sample(path: bytes, relpath: bytes, label: int, data: bytes) -> IngestedSample:
+    """The lossless storage mode (``convert --lossless tiff``): a validated image re-encoded as a
+    zstd TIFF of its unchanged pixels, checked bit-exact (both decoded ``"unchanged"``) before it
+    is stored; JPEG, WebP and DICOM files (:data:`LOSSLESS_KEEPS`) and images whose pixels need a
+    palette or colour space (:data:`LOSSLESS_PILLOW_MODES`) are stored as they are.
+
+    Raises:
+        Rejected: the input is not a usable image, or its TIFF does not decode to the same pixels.
+    """
+    info = inspect(data)
+    warning = extension_mismatch(path, info.format)
+    mode = None if info.format in LOSSLESS_KEEPS else _pillow_mode(data)
+    if info.format in LOSSLESS_KEEPS or (mode is not None and mode not in LOSSLESS_PILLOW_MODES):
+        return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
+                              xxh=checksum(data), relpath=relpath, warning=warning, dtype=info.dtype,
+                              channels=info.channels)
+    try:
+        pixels = decode_image(data, "unchanged")
+        tiff = encode_tiff(pixels)
+        back = decode_image(tiff, "unchanged")
+    except (ImageDecodeError, ValueError) as err:
+        raise Rejected(f"lossless re-encoding failed ({err}); not stored") from None
+    # bit for bit, NaNs and negative zeros included: compare the bytes, after dtype and shape
+    if back.dtype != pixels.dtype or back.shape != pixels.shape or back.tobytes() != pixels.tobytes():
+        raise Rejected(f"lossless re-encoding as TIFF does not give the same pixels back ({pixels.dtype} "
+                       f"{pixels.shape} in, {back.dtype} {back.shape} out); not stored")
+    return IngestedSample(image=tiff, label=label, width=info.width, height=info.height, fmt="TIFF",
+                          xxh=checksum(tiff), relpath=relpath, warning=warning, dtype=info.dtype,
+                          channels=info.channels)
 
 
 def ingest_chunk(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec,

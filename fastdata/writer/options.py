@@ -50,8 +50,26 @@ def parse_raw_shape(value) -> tuple[int, int]:
     return h, w
 
 
-def storage_spec(max_side: int | None = None, quality: int | None = None, raw=None) -> StorageSpec:
-    """Build the :class:`StorageSpec` for the chosen storage mode."""
+#: the ``lossless=`` codecs (``convert --lossless``): zstd-compressed TIFF, the one there is
+LOSSLESS_CODECS = ("tiff",)
+
+
+def storage_spec(max_side: int | None = None, quality: int | None = None, raw=None,
+                 lossless: str | None = None) -> StorageSpec:
+    """Build the :class:`StorageSpec` for the chosen storage mode.
+
+    Raises:
+        ValueError: options of two storage modes, or an invalid value (the message says which).
+    """
+    if lossless is not None:
+        if lossless not in LOSSLESS_CODECS:
+            raise ValueError(f"--lossless must be one of {', '.join(LOSSLESS_CODECS)}, got {lossless!r}")
+        others = [flag for flag, v in (("--raw", raw), ("--max-side", max_side), ("--quality", quality))
+                  if v is not None]
+        if others:
+            raise ValueError(f"--lossless and {'/'.join(others)} are exclusive: --lossless keeps every pixel "
+                             "(re-encoded as TIFF), the others resize or re-encode as JPEG; choose one storage mode")
+        return StorageSpec(mode="lossless")
     if raw is not None and max_side is not None:
         raise ValueError("--raw and --max-side are exclusive: choose one storage mode")
     if raw is not None:
@@ -127,20 +145,20 @@ def resolve_workers(workers: int | None) -> tuple[int, str | None]:
 
 def resolve_options(dst: str, recorded: RunOptions | None, *, format: str | None, shard_size,
                     max_side: int | None = None, quality: int | None = None, raw=None,
-                    strict: bool | None) -> RunOptions:
+                    lossless: str | None = None, strict: bool | None) -> RunOptions:
     """The content options of this run.
 
     Each option given (not None) is used as given; each one not given takes the
     value recorded by the run being resumed (``recorded``), else its default.
-    The storage options (``max_side``, ``quality``, ``raw``) count as one: giving
+    The storage options (``max_side``, ``quality``, ``raw``, ``lossless``) count as one: giving
     any of them replaces the recorded storage mode.
 
     Raises:
         ValueError: an option is invalid (the message says what to give instead).
     """
     backend = choose_backend(dst, format) if format is not None or recorded is None else recorded.backend
-    storage_given = any(v is not None for v in (max_side, quality, raw))
-    storage = storage_spec(max_side, quality, raw) if storage_given or recorded is None else recorded.storage
+    storage_given = any(v is not None for v in (max_side, quality, raw, lossless))
+    storage = storage_spec(max_side, quality, raw, lossless) if storage_given or recorded is None else recorded.storage
     if shard_size is not None:
         size = check_shard_size(parse_size_spec(shard_size))
     else:

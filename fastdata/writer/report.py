@@ -31,6 +31,8 @@ class ConvertReport:
     warnings: list = field(default_factory=list)
     #: what ``images`` counts, in the summary ("samples" for fastdata.write)
     unit: str = "images"
+    #: lines about what was stored: formats, dtypes and channels, the default read mode recorded
+    notes: list = field(default_factory=list)
 
     @property
     def images_per_s(self) -> float:
@@ -47,7 +49,7 @@ class ConvertReport:
                                                     if self.rejected else ""),
             f"input {format_size(self.input_bytes)}, output {format_size(self.output_bytes)}, "
             f"{self.elapsed:.1f} s, {self.images_per_s:.0f} {self.unit}/s",
-        ] + ([f"options: {self.options}"] if self.options else [])
+        ] + ([f"options: {self.options}"] if self.options else []) + list(self.notes)
         for path, reason in self.rejected_items[:5]:
             lines.append(f"  rejected {path}: {reason}")
         if self.rejected > 5:

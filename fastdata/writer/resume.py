@@ -82,6 +82,8 @@ def describe_storage(storage: StorageSpec) -> str:
         return f"raw {storage.raw_shape[0]}x{storage.raw_shape[1]}"
     if storage.mode == "reencode":
         return f"re-encode above {storage.max_side} px at quality {storage.quality}"
+    if storage.mode == "lossless":
+        return "lossless (zstd TIFF)"
     return storage.mode
 
 

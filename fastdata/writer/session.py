@@ -195,6 +195,7 @@ class WriteSession:
             manifest = group.on_rank0(lambda: self._publish(dst, run, plans, fingerprint),
                                       failed=lambda err: f"rank 0 could not publish the store: {error_text(err)}")
         report.images = manifest["num_samples"]
+        report.notes = source.report_notes()
         report.rejected = len(manifest["rejected"])
         report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
         # inputs kept with a remark (the source's own remarks are already in the report)

@@ -28,7 +28,7 @@ from fastdata.common.imageio import (
     inspect_image,
     pixel_limit,
 )
-from fastdata.errors import ImageModeError, MissingDependencyError
+from fastdata.errors import ImageModeError, MissingExtraError
 from fastdata.format.record import IMAGE_DTYPE_CODES
 from tests.helpers.native_images import HEIGHT, WIDTH, dicom, native_cases, pixels, png_cv2, tiff
 
@@ -286,7 +286,7 @@ def test_a_missing_library_names_the_extra(monkeypatch, module, case, extra):
     data = dict((n, d) for n, d, _ in CASES)[case]
     monkeypatch.setitem(sys.modules, module, None)
     for call in (lambda: decode_image(data, "unchanged"), lambda: inspect_image(data)):
-        with pytest.raises(MissingDependencyError, match=rf"pip install 'fastdata\[{extra}\]'") as err:
+        with pytest.raises(MissingExtraError, match=rf"pip install 'fastdata\[{extra}\]'") as err:
             call()
         assert not isinstance(err.value, ImageDecodeError) and isinstance(err.value, ImportError)
 

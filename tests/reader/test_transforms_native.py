@@ -406,3 +406,26 @@ def test_normalize_rejects_bad_value_ranges_and_dtypes():
         T.normalize_on_device(batch.bool(), MEAN, STD)
     with pytest.raises(TypeError):
         T.normalize_on_device(batch.numpy(), MEAN, STD)
+
+
+def test_colour_jpegs_read_unchanged_take_the_rgb_fast_path():
+    """A colour JPEG's stored pixels are 8-bit RGB: "unchanged" gives the RGB path's crop (with its
+    DCT-scaled decode), not a slower full decode."""
+    import io
+
+    from PIL import Image
+
+    from fastdata.reader.transforms import CenterCrop, RandomResizedCrop
+
+    rng = np.random.default_rng(0)
+    photo = (rng.random((480, 640, 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(photo).save(buf, format="JPEG", quality=90)
+    data = buf.getvalue()
+    for transform in (RandomResizedCrop(56), CenterCrop(56, resize=64)):
+        rgb = transform(data, np.random.default_rng(5))
+        unchanged = transform(data, np.random.default_rng(5), mode="unchanged")
+        np.testing.assert_array_equal(unchanged, rgb)
+        out = np.empty((56, 56, 3), np.uint8)
+        transform.decode_into(data, out, np.random.default_rng(5), mode="unchanged")
+        np.testing.assert_array_equal(out, rgb)

@@ -38,7 +38,15 @@ class Sample:
 
 @dataclass(frozen=True)
 class StorageSpec:
-    """How images are stored: ``mode`` is 'original', 'reencode' or 'raw'."""
+    """How images are stored: ``mode`` is
+
+    * ``'original'``: each file's bytes as they are (validated);
+    * ``'reencode'``: images larger than ``max_side`` re-encoded as JPEG at ``quality``;
+    * ``'raw'``: decoded RGB pixels resized to ``raw_shape``;
+    * ``'lossless'`` (``convert --lossless tiff``): every image but JPEG, WebP and DICOM files
+      re-encoded as a zstd TIFF of its unchanged pixels, checked bit-exact (see
+      :func:`fastdata.writer.ingest.lossless_sample`); read like ``'original'``.
+    """
 
     mode: str = "original"
     max_side: int | None = None

@@ -104,6 +104,11 @@ class WriteSource(abc.ABC):
         """Top-level manifest keys of this input (e.g. ``class_tables``, ``metadata``)."""
         return None
 
+    def report_notes(self) -> list[str]:
+        """Lines for the conversion's summary about what was stored (after :meth:`finish_results`),
+        e.g. the dtypes and channel counts held and the default read mode recorded."""
+        return []
+
     def finish_results(self, dst: str, backend: str, results: list[ShardResult]) -> None:
         """Complete the shard results before publishing (e.g. per-shard class counts from the index sidecars)."""
         return None  # (by default nothing to do)

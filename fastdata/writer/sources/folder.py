@@ -30,15 +30,21 @@ import csv
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from fastdata.common.extensions import EXTENSION_FORMATS, IMG_EXTENSIONS, has_image_extension
+from fastdata.common.imagemodes import check_mode
 from fastdata.errors import ResumeMismatchError, SourceError
 from fastdata.format.backends.base import StorageSpec
+from fastdata.format.manifest import IMAGE_MODES_KEY
+from fastdata.format.record import ShardIndex
+from fastdata.format.store_index import decode_shard_index
 from fastdata.writer.ingest import ingest_chunk, starts_like_jpeg
+from fastdata.writer.census import census_notes, image_census
 from fastdata.writer.options import check_shard_count
-from fastdata.writer.pipeline import Chunk, ChunkSource
+from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, shard_index_bytes
 from fastdata.writer.plan import ShardPlan, estimated_sizes, plan_fingerprint, plan_shards
 from fastdata.writer.resume import RecordedRun, RunOptions, option_differences, record_run, source_differences
 from fastdata.writer.sources.base import WriteSource
@@ -394,15 +400,22 @@ def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptio
 
 class FolderInput(WriteSource):
     """An ImageFolder tree or a ``path,label`` list (``src``) as a classification store (layout
-    version 1); ``max_side``/``quality``/``raw`` pick the storage mode (see :func:`fastdata.convert`)."""
+    version 1); ``max_side``/``quality``/``raw``/``lossless`` pick the storage mode and
+    ``image_mode`` the default read mode recorded in the manifest (see :func:`fastdata.convert`)."""
 
     splits_across_ranks = True
 
-    def __init__(self, src: str, *, max_side: int | None = None, quality: int | None = None, raw=None):
+    def __init__(self, src: str, *, max_side: int | None = None, quality: int | None = None, raw=None,
+                 lossless: str | None = None, image_mode: str | None = None):
         super().__init__(os.path.abspath(src))
         self.src = src
-        self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw}
+        self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless}
+        self.image_mode = None if image_mode is None else check_mode(image_mode, "image_mode (--image-mode)")
         self.scan: SourceScan | None = None
+        self.storage = StorageSpec()
+        #: the manifest's IMAGE_MODES_KEY entry, set by :meth:`finish_results`
+        self.image_modes: dict[str, str] = {}
+        self.notes: list[str] = []
 
     def _scan(self) -> SourceScan:
         assert self.scan is not None, "FolderInput.plan scans the source first"
@@ -410,6 +423,7 @@ class FolderInput(WriteSource):
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         found = self.scan = scan(self.src)
+        self.storage = run.storage
         if not found.classes:
             raise SourceError(f"{self.src}: no class folders found (expected SRC/<class>/<image files>)")
         if found.hidden_classes:
@@ -439,3 +453,24 @@ class FolderInput(WriteSource):
 
     def remarks(self) -> list[tuple[str, str]]:
         return list(self._scan().walk_problems)
+
+    def finish_results(self, dst: str, backend: str, results: list[ShardResult]) -> None:
+        """Count what the shards hold (from their index sidecars: a shard uploaded to a URL
+        destination is no longer here) for the summary, and choose the default read mode: the one
+        given (``image_mode``), else ``"unchanged"`` when the store holds a DICOM image (its pixels
+        are 16-bit or signed values an RGB read would clip)."""
+        indexes = []
+        for r in results:
+            index = decode_shard_index(shard_index_bytes(dst, backend, r.name, None), None, r.name)
+            assert isinstance(index, ShardIndex), "a classification store's shards hold a ShardIndex"
+            indexes.append(index)
+        census = image_census(indexes)
+        mode = self.image_mode or ("unchanged" if census["formats"].get("DICOM") else None)
+        self.image_modes = {"image": mode} if mode is not None else {}
+        self.notes = census_notes(census, self.image_modes, self.storage)
+
+    def manifest_extra(self) -> dict[str, Any] | None:
+        return {IMAGE_MODES_KEY: dict(self.image_modes)} if self.image_modes else None
+
+    def report_notes(self) -> list[str]:
+        return list(self.notes)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from fastdata.common.imageio import ImageDecodeError, inspect_image
+from fastdata.common.imageio import ARRAY_IMAGE_DTYPES, ImageDecodeError, ImageInfo, encode_lossless, inspect_image
 from fastdata.errors import RejectedInputError
 from fastdata.format.fields import Schema, SchemaError
 from fastdata.format.record import EncodedSample, encode_sample
@@ -59,32 +59,60 @@ def set_samples(samples: Any) -> None:
     _SAMPLES = samples
 
 
-def _image_bytes(value: Any, where: str) -> tuple[bytes, bytes]:
-    """``(encoded bytes, relpath)`` of an image field value: bytes as they are, a path
-    read (its path kept as the sample's source path), a PIL image or an HWC/HW uint8
-    array encoded losslessly as PNG."""
+#: PIL modes whose pixels a PNG cannot hold exactly (16-bit, 32-bit integer and float grayscale):
+#: stored from their array by :func:`~fastdata.common.imageio.encode_lossless`
+_DEEP_PIL_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+
+
+def _as_pixel_array(value: Any) -> np.ndarray | None:
+    """The pixels of a numpy array or a torch tensor image value (a CPU copy of a tensor), else None."""
+    if isinstance(value, np.ndarray):
+        return value
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach") and hasattr(value, "numpy"):
+        return value.detach().cpu().numpy()
+    return None
+
+
+def _array_image(array: np.ndarray, where: str) -> tuple[bytes, ImageInfo]:
+    """An image array (HxW or HxWxC of :data:`~fastdata.common.imageio.ARRAY_IMAGE_DTYPES`, any
+    channel count) encoded losslessly (:func:`~fastdata.common.imageio.encode_lossless`: a PNG for
+    8-bit images of up to 4 channels, else a zstd TIFF), with what the index records of it."""
+    if array.dtype.name not in ARRAY_IMAGE_DTYPES or array.ndim not in (2, 3) or 0 in array.shape:
+        raise SchemaError(f"{where}: an image array must be HxW or HxWxC (channels last) of dtype "
+                          f"{', '.join(ARRAY_IMAGE_DTYPES)}; got {array.dtype} of shape {tuple(array.shape)}")
+    if array.dtype.byteorder == ">":  # (the stored file has its own byte order; the values are what count)
+        array = array.astype(array.dtype.newbyteorder("="))
+    data, fmt = encode_lossless(array)
+    channels = 1 if array.ndim == 2 else int(array.shape[2])
+    return data, ImageInfo(fmt, int(array.shape[1]), int(array.shape[0]), array.dtype.name, channels)
+
+
+def _image_bytes(value: Any, where: str) -> tuple[bytes, bytes, ImageInfo | None]:
+    """``(encoded bytes, relpath, info)`` of an image field value: bytes as they are, a path
+    read (its path kept as the sample's source path), a PIL image encoded as PNG (16-bit, 32-bit
+    and float grayscale ones losslessly as TIFF), a numpy array or torch tensor encoded losslessly
+    (:func:`_array_image`). ``info`` is known for the values encoded here (None: validate the bytes)."""
     if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value), b""
+        return bytes(value), b"", None
     if isinstance(value, str | os.PathLike):
         path = os.fsencode(value)
         try:
-            return read_bytes(path), path
+            return read_bytes(path), path, None
         except Rejected as why:
             raise RejectedInputError(f"{where}: {os.fsdecode(path)}: {why}") from None
     if type(value).__module__.startswith("PIL.") and hasattr(value, "save"):
+        if value.mode in _DEEP_PIL_MODES:
+            pixels = np.array(value)
+            data, info = _array_image(pixels.astype(np.uint16) if value.mode.startswith("I;16") else pixels, where)
+            return data, b"", info
         buf = io.BytesIO()
         value.save(buf, format="PNG")
-        return buf.getvalue(), b""
-    if isinstance(value, np.ndarray):
-        if value.dtype != np.uint8 or value.ndim not in (2, 3) or (value.ndim == 3 and value.shape[2] not in (1, 3, 4)):
-            raise SchemaError(f"{where}: an image array must be uint8 HxW or HxWxC (C in 1, 3, 4), "
-                              f"got {value.dtype} {value.shape}")
-        from PIL import Image as PILImage
-
-        buf = io.BytesIO()
-        PILImage.fromarray(value[..., 0] if value.ndim == 3 and value.shape[2] == 1 else value).save(buf, "PNG")
-        return buf.getvalue(), b""
-    raise SchemaError(f"{where}: an image field takes bytes, a path, a PIL image or a uint8 array, "
+        return buf.getvalue(), b"", None
+    array = _as_pixel_array(value)
+    if array is not None:
+        data, info = _array_image(array, where)
+        return data, b"", info
+    raise SchemaError(f"{where}: an image field takes bytes, a path, a PIL image, a numpy array or a torch tensor, "
                       f"got {type(value).__name__}")
 
 
@@ -92,8 +120,10 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
     """One sample read, validated and encoded as a version-2 record (runs in workers).
 
     Image values are turned into encoded bytes and fully decoded under the image
-    policy (:func:`fastdata.common.imageio.open_image`), which gives their stored format
-    and size; then :meth:`Schema.check` validates every field.
+    policy (:func:`fastdata.common.imageio.inspect_image`), which gives their stored format,
+    size, dtype and channels (arrays encoded here are not decoded again: their
+    encoding is lossless and their shape and dtype known); then :meth:`Schema.check`
+    validates every field.
 
     Raises:
         SchemaError: the sample does not match the schema (names the sample and field).
@@ -103,20 +133,21 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
     if not isinstance(sample, Mapping):
         raise SchemaError(f"{where}: expected a dict of field name -> value, got {type(sample).__name__}")
     values = dict(sample)
-    images: dict[str, tuple[str, int, int, str, int]] = {}
+    images: dict[str, tuple] = {}
     relpath = b""
     for name in schema.image_fields():
         if name not in values:
             continue  # Schema.check names the missing key
         field_where = f"{where} field {name!r}"
-        data, path = _image_bytes(values[name], field_where)
+        data, path, info = _image_bytes(values[name], field_where)
         relpath = relpath or path
-        try:
-            info = inspect_image(data)
-            images[name] = (info.format, info.width, info.height, info.dtype, info.channels)
-        except ImageDecodeError as err:
-            named = f"{field_where}: {os.fsdecode(path)}" if path else field_where
-            raise RejectedInputError(f"{named}: not a usable image ({err})") from None
+        if info is None:
+            try:
+                info = inspect_image(data)
+            except ImageDecodeError as err:
+                named = f"{field_where}: {os.fsdecode(path)}" if path else field_where
+                raise RejectedInputError(f"{named}: not a usable image ({err})") from None
+        images[name] = (info.format, info.width, info.height, info.dtype, info.channels)
         values[name] = data
     checked = schema.check(values, where)
     return encode_sample(schema, checked, images, relpath or str(index).encode())

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from fastdata.common.fileio import atomic_write
-from fastdata.common.imageio import ImageDecodeError, validate_image
+from fastdata.common.imageio import ImageDecodeError, inspect_image
 from fastdata.errors import RejectedInputError, ResumeMismatchError
 from fastdata.format.manifest import CLASS_TABLES_KEY, target_field
 from fastdata.format.names import PLAN_FILE, STAGING_DIR
@@ -65,8 +65,8 @@ def _table_row(table: TableSource, i: int) -> dict | str:
 def _encode_table_row(schema, row: dict, i: int, relpath: bytes) -> EncodedSample:
     """Row ``i`` (its first image already read) validated and encoded as a version-2
     record keeping ``relpath``: every image fully decoded under the image policy (which
-    gives its stored format and size), the other values checked against the schema."""
-    images: dict[str, tuple[str, int, int]] = {}
+    gives its stored format, size, dtype and channels), the other values checked against the schema."""
+    images: dict[str, tuple] = {}
     for name in schema.image_fields():
         data = row[name]
         if isinstance(data, str):  # a second image column: its absolute path
@@ -75,9 +75,10 @@ def _encode_table_row(schema, row: dict, i: int, relpath: bytes) -> EncodedSampl
             except Rejected as why:
                 raise RejectedInputError(f"field {name!r}: {data}: {why}") from None
         try:
-            images[name] = validate_image(data)
+            info = inspect_image(data)
         except ImageDecodeError as err:
             raise RejectedInputError(f"field {name!r}: not a usable image ({err})") from None
+        images[name] = (info.format, info.width, info.height, info.dtype, info.channels)
     return encode_sample(schema, schema.check(row, f"sample {i}"), images, relpath)
 
 
