@@ -26,8 +26,9 @@ the same rows over the original TIFFs, with ``tifffile.imread`` as the baseline
 The page cache is warm: every file is read once before the first epoch (the data fits in
 RAM many times over). After one warm-up epoch of every pipeline, the epochs of a scenario
 run round-robin (one of each pipeline in turn) so a slow spell of a shared machine hits
-every pipeline alike; figures are medians over ``--epochs`` measured epochs, and the
-ratios are of medians of the same run. Before timing, each store's images are checked
+every pipeline alike; img/s are medians over ``--epochs`` measured epochs, and each ratio
+is the median over the rounds of that round's ratio (the machine's speed drifts between
+rounds more than within one). Before timing, each store's images are checked
 bit-exact against the original files.
 
     python benchmarks/bench_native.py                           # 2000 + 2000 images, 5 epochs
@@ -256,16 +257,23 @@ def run_scenario(name: str, src: str, reader: str, args, lossless: bool) -> dict
     print(f"{name}: {len(paths)} images, batch {args.batch_size}, {args.workers} persistent workers, "
           f"warm page cache, {args.epochs} measured epochs", flush=True)
     rows = measure_interleaved(pipelines, batch_size=args.batch_size, workers=args.workers, epochs=args.epochs)
-    base = rows["cv2" if reader == "cv2" else "tifffile"]["median_img_s"]
+    base = rows["cv2" if reader == "cv2" else "tifffile"]["epochs"]
     for row, r in rows.items():
         r["stored_as"] = formats.get(row, f"{formats['ceiling']} files")
-        r["x_baseline"] = r["median_img_s"] / base
+        r["x_baseline"] = paired_ratio(r["epochs"], base)
         ceiling = "ceiling-lossless" if row.endswith("-lossless") else "ceiling"
         if row in stores:
-            r["x_ceiling"] = r["median_img_s"] / rows[ceiling]["median_img_s"]
+            r["x_ceiling"] = paired_ratio(r["epochs"], rows[ceiling]["epochs"])
             r["store_mb"] = dir_bytes(stores[row]) / MB
             r["convert_s"] = convert_s[row]
     return {"images": len(paths), "folder_mb": sum(os.path.getsize(p) for p in paths) / MB, "rows": rows}
+
+
+def paired_ratio(rates: list[float], reference: list[float]) -> float:
+    """Median over rounds of the round's ratio: each round runs one epoch of every pipeline back
+    to back, so a slow spell of a shared machine that spans a round cancels out of its ratio
+    (a ratio of medians would mix epochs from different spells)."""
+    return statistics.median(a / b for a, b in zip(rates, reference, strict=True))
 
 
 def _format(blob: bytes) -> str:
