@@ -16,7 +16,7 @@ python benchmarks/bench_convert.py --backend hdf5 --data "$DATA/convert" --json 
 python benchmarks/bench_sampler.py | tee "$OUT/sampler.txt"
 python benchmarks/bench_native.py --workdir "$DATA/native" --json "$OUT/native.json" --md "$OUT/native.md" \
     | tee "$OUT/native.txt"
-python benchmarks/bench_memory.py --variants fastdata-u16 --native-n 1000 --epochs 10 --data "$DATA/memory" \
+python benchmarks/bench_memory.py --variants fastdata-u16 --native-n 1000 --epochs 20 --data "$DATA/memory" \
     --json "$OUT/memory-u16.json" | tee "$OUT/memory-u16.txt"
 fastdata bench "$DATA/speed/imagenet" "$DATA/speed/imagenet.lmdb" "$DATA/speed/imagenet.h5" \
     --workers 0,1,2 --transform rrc224 --epochs 3 --out "$OUT/harness" | tee "$OUT/harness.txt"
