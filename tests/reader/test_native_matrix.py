@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastdata
-from tests.helpers.native_images import native_cases
+from helpers.native_images import native_cases
 
 _SUFFIX = {"png": ".png", "tiff": ".tif", "dicom": ".dcm"}
 
