@@ -30,7 +30,7 @@ from fastdata.common.imageio import (
 )
 from fastdata.errors import ImageModeError, MissingExtraError
 from fastdata.format.record import IMAGE_DTYPE_CODES
-from tests.helpers.native_images import HEIGHT, WIDTH, dicom, native_cases, pixels, png_cv2, tiff
+from helpers.native_images import HEIGHT, WIDTH, dicom, native_cases, pixels, png_cv2, tiff
 
 CASES = native_cases()
 IDS = [name for name, _, _ in CASES]

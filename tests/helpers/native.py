@@ -8,16 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from helpers.native_images import dicom, pixels
+
 
 def ramp(shape: tuple[int, ...], dtype, seed: int = 0) -> np.ndarray:
-    """An array of ``shape`` and ``dtype`` spanning most of the dtype's range (so that a
-    reduction to 8 bits, a sign or a byte-order slip shows), deterministic for ``seed``."""
-    rng = np.random.default_rng(seed)
-    dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        return (rng.standard_normal(shape) * 1000).astype(dtype)
-    info = np.iinfo(dtype)
-    return rng.integers(info.min, int(info.max) + 1, shape, dtype=np.int64).astype(dtype)
+    """An array of ``shape`` and ``dtype`` spanning the dtype's range (so that a reduction to 8
+    bits, a sign or a byte-order slip shows), deterministic for ``seed``: HxW or HxWxC."""
+    channels = 1 if len(shape) == 2 else shape[2]
+    return pixels(dtype, channels, seed, shape=tuple(shape[:2]))
 
 
 def write_png16(path, shape=(12, 10), seed: int = 0) -> np.ndarray:
@@ -32,34 +30,15 @@ def write_png16(path, shape=(12, 10), seed: int = 0) -> np.ndarray:
 
 def write_dicom(path, pixels: np.ndarray | None = None, *, seed: int = 0, slope: float = 1.0,
                 intercept: float = -1024.0, photometric: str = "MONOCHROME2", spacing=(0.5, 0.5)) -> np.ndarray:
-    """A small CT-like DICOM file (uncompressed, explicit VR little endian) built with pydicom:
-    16-bit signed (int16) or unsigned (uint16) monochrome pixels. Returns the pixels stored."""
-    import pydicom
-    from pydicom.dataset import FileDataset, FileMetaDataset
-    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
-
+    """A small CT-like DICOM file (uncompressed, explicit VR little endian, built with pydicom by
+    :func:`tests.helpers.native_images.dicom`): 16-bit signed (int16) or unsigned (uint16)
+    monochrome pixels. Returns the pixels stored."""
     if pixels is None:
         pixels = ramp((16, 12), np.int16, seed) // 16
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = CTImageStorage
-    meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
-    ds.SOPClassUID = CTImageStorage
-    ds.SOPInstanceUID = meta.MediaStorageSOPInstanceUID
-    ds.Modality = "CT"
-    ds.Rows, ds.Columns = pixels.shape
-    ds.SamplesPerPixel = 1
-    ds.PhotometricInterpretation = photometric
-    ds.BitsAllocated = ds.BitsStored = 16
-    ds.HighBit = 15
-    ds.PixelRepresentation = 1 if pixels.dtype == np.int16 else 0
-    ds.RescaleSlope = slope
-    ds.RescaleIntercept = intercept
-    ds.PixelSpacing = list(spacing)
-    ds.PixelData = np.ascontiguousarray(pixels).tobytes()
+    data = dicom(pixels, RescaleSlope=slope, RescaleIntercept=intercept, PhotometricInterpretation=photometric,
+                 PixelSpacing=list(spacing))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pydicom.dcmwrite(str(path), ds, enforce_file_format=True)
+    Path(path).write_bytes(data)
     return pixels
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastdata
-from tests.helpers.native_images import native_cases
+from helpers.native_images import native_cases
 
 _SUFFIX = {"png": ".png", "tiff": ".tif", "dicom": ".dcm"}
 
@@ -60,6 +60,8 @@ def test_converted_folder_reads_back_as_the_reference_arrays(cases, backend, tmp
     dst = str(tmp_path / f"native.{backend}")
     report = fastdata.convert(os.path.join(root, "src"), dst, workers=2)
     assert report.rejected == 0, report.rejected_items
+    # a store holding DICOM images records "unchanged" as its default read mode (DICOM has no RGB form)
+    assert fastdata.open_dataset(dst).image_mode == "unchanged"
     ds = fastdata.open_dataset(dst, image_mode="unchanged", output="numpy")
     assert len(ds) == len(references)
     assert _check(ds, references, ((i, ds[i][0]) for i in range(len(ds)))) == len(references)
