@@ -329,9 +329,10 @@ def _without_trns(data: Buffer) -> bytes:
     return b"".join(out)
 
 
-def _decode_png(data: Buffer) -> np.ndarray | None:
+def _decode_png(data: Buffer, out: np.ndarray | None = None) -> np.ndarray | None:
     """A PNG's pixels as stored through imagecodecs, or None where Pillow gives them (palette, low depths,
-    no imagecodecs for an image Pillow holds losslessly)."""
+    no imagecodecs for an image Pillow holds losslessly). ``out``: an array of the header's shape and
+    dtype to decode into (no allocation per image), or None."""
     width, height, depth, ctype, trns = _png_header(data)
     if ctype not in _PNG_CHANNELS or depth not in (1, 2, 4, 8, 16):
         raise ImageDecodeError(f"corrupt PNG header (colour type {ctype}, bit depth {depth})")
@@ -345,11 +346,14 @@ def _decode_png(data: Buffer) -> np.ndarray | None:
         return None
     import imagecodecs
 
+    expected = (height, width) if channels == 1 else (height, width, channels)
+    if out is not None and (out.shape != expected or out.dtype != (np.uint16 if depth == 16 else np.uint8)):
+        out = None
     try:
-        array = imagecodecs.png_decode(_without_trns(data) if trns or isinstance(data, memoryview) else data)
+        array = imagecodecs.png_decode(_without_trns(data) if trns or isinstance(data, memoryview) else data,
+                                       out=out)
     except Exception as err:  # noqa: BLE001 - libpng's errors come as imagecodecs.PngError and others
         raise ImageDecodeError(f"truncated or corrupt PNG image data ({type(err).__name__}: {err})") from None
-    expected = (height, width) if channels == 1 else (height, width, channels)
     if array.shape != expected or array.dtype != (np.uint16 if depth == 16 else np.uint8):
         raise ImageDecodeError(f"corrupt PNG image data (decoded {array.shape} {array.dtype}, header says "
                                f"{expected} of {depth} bits)")
@@ -359,9 +363,11 @@ def _decode_png(data: Buffer) -> np.ndarray | None:
 # -- TIFF
 
 
-def _decode_tiff(data: Buffer, *, pixels: bool = True) -> np.ndarray | tuple[tuple[int, ...], np.dtype]:
+def _decode_tiff(data: Buffer, *, pixels: bool = True,
+                 out: np.ndarray | None = None) -> np.ndarray | tuple[tuple[int, ...], np.dtype]:
     """The first page of a TIFF, channels last, through tifffile; with ``pixels=False`` only its checked
-    (shape, dtype)."""
+    (shape, dtype). ``out``: an array to decode into when it has the page's shape and dtype (a
+    contiguous, native-order page), or None."""
     tifffile = _require("tifffile", "images", "a TIFF")
     try:
         tif = tifffile.TiffFile(io.BytesIO(bytes(data)))
@@ -398,8 +404,11 @@ def _decode_tiff(data: Buffer, *, pixels: bool = True) -> np.ndarray | tuple[tup
         if not pixels:
             return out_shape, out_dtype
         compression = page.compression
+        if out is not None and not (axes != "SYX" and out.shape == out_shape and out.dtype == dtype
+                                    and np.dtype(dtype).isnative and out.flags.c_contiguous):
+            out = None
         try:
-            array = page.asarray(maxworkers=1)  # a loader's workers are the parallelism
+            array = page.asarray(maxworkers=1, out=out)  # a loader's workers are the parallelism
         except Exception as err:  # noqa: BLE001
             if int(compression) != 1 and not _has("imagecodecs"):
                 _require("imagecodecs", "images", f"a TIFF of compression {getattr(compression, 'name', compression)}")
@@ -606,6 +615,41 @@ def _decode_unchanged(data: Buffer) -> tuple[str, np.ndarray]:
         return stored_format(im), _pillow_array(im)
     finally:
         im.close()
+
+
+def decode_unchanged_into(data: Buffer, out: np.ndarray) -> bool:
+    """Decode ``data`` as stored (``decode_image(data, "unchanged")``) straight into ``out`` where a
+    decoder can (PNG through imagecodecs, TIFF through tifffile) and ``out`` has the image's shape
+    (HxW, or HxWxC; an HxWx1 ``out`` takes a one-channel image) and dtype: no array per image, which
+    in a DataLoader worker also keeps the allocator from holding on to freed image-sized blocks.
+
+    Returns:
+        bool: True when the pixels are in ``out``; False when the caller must decode another way
+        (another format or shape; nothing was written).
+
+    Raises:
+        ImageDecodeError: damaged data, as :func:`decode_image` (``out`` may then be partly written).
+    """
+    if not out.flags.c_contiguous or not out.flags.writeable or len(data) == 0:
+        return False
+    target = out[:, :, 0] if out.ndim == 3 and out.shape[2] == 1 else out
+    kind = _sniff(data)
+    if kind == "PNG":
+        width, height, depth, ctype, _ = _png_header(data)
+        channels = _PNG_CHANNELS.get(ctype)
+        expected = (height, width) if channels == 1 else (height, width, channels)
+        if ctype == 3 or depth < 8 or target.shape != expected or not _has("imagecodecs"):
+            return False
+        array = _decode_png(data, target)
+        return array is not None and np.shares_memory(array, target)
+    if kind == "TIFF":
+        decoded = _decode_tiff(data, out=target)
+        if isinstance(decoded, np.ndarray) and np.shares_memory(decoded, target):
+            return True
+        if isinstance(decoded, np.ndarray) and decoded.shape == target.shape and decoded.dtype == target.dtype:
+            target[...] = decoded  # planar or big-endian pages: decoded apart, then moved in
+            return True
+    return False
 
 
 def has_pillow_form(data: Buffer) -> bool:

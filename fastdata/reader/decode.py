@@ -22,8 +22,15 @@ import simplejpeg
 import torch
 from PIL import Image
 
+from fastdata.common.imageio import (
+    decode_image,
+    decode_pil_image,
+    decode_rgb_array,
+    decode_unchanged_into,
+    fast_jpeg_size,
+    open_image,
+)
 from fastdata.errors import ImageModeError
-from fastdata.common.imageio import decode_image, decode_pil_image, decode_rgb_array, fast_jpeg_size, open_image
 
 
 def _raw_pixels(data: bytes, raw_shape: tuple[int, int] | None) -> np.ndarray:
@@ -74,6 +81,8 @@ def decode_numpy_into(data: bytes, fmt: str, out: np.ndarray, raw_shape: tuple[i
             return
         except ValueError:
             pass
+    if mode == "unchanged" and fmt != "RAW" and out.flags.c_contiguous and decode_unchanged_into(data, out):
+        return
     array = decode_numpy(data, fmt, raw_shape, mode)
     if array.ndim == 2:
         array = array[:, :, None]

@@ -330,3 +330,17 @@ def test_encode_lossless_hxwx1_comes_back_hxw():
 
 def test_image_dtypes_are_the_index_codes():
     assert set(IMAGE_DTYPES) == set(IMAGE_DTYPE_CODES) and set(ARRAY_IMAGE_DTYPES) <= set(IMAGE_DTYPES)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].split("-")[0] in ("png", "tiff")], ids=lambda c: c[0])
+def test_decode_unchanged_into_writes_the_reference_pixels_in_place(case):
+    """Batch slots are decoded into where the decoder can; what lands there is the reference, and
+    a slot of another shape or dtype is left alone (False: the caller decodes another way)."""
+    from fastdata.common.imageio import decode_unchanged_into
+
+    _, data, reference = case
+    out = np.zeros(reference.shape if reference.ndim == 3 else (*reference.shape, 1), reference.dtype)
+    assert decode_unchanged_into(data, out) is True  # every generated PNG and TIFF decodes in place
+    np.testing.assert_array_equal(out.reshape(reference.shape), reference)
+    wrong = np.zeros((out.shape[0] + 1, *out.shape[1:]), out.dtype)
+    assert decode_unchanged_into(data, wrong) is False and not wrong.any()
