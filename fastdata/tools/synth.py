@@ -22,7 +22,8 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,6 +214,19 @@ def synth_jpeg(
     return encode_jpeg(img, q)
 
 
+def write_all(write_one: Callable[[Any], int], tasks: list, workers: int) -> list[int]:
+    """Run ``write_one(task)`` (a module-level function returning the bytes it wrote) for every task,
+    in ``workers`` processes (1: in this one), and return the sizes in no particular order.
+
+    Every synthetic image is a pure function of its task, so the order the pool takes them in is
+    irrelevant; chunks of about an eighth of a worker's share keep the pool's overhead small."""
+    if workers == 1 or len(tasks) < 2:
+        return [write_one(t) for t in tasks]
+    chunk = max(1, len(tasks) // (workers * 8))
+    with multiprocessing.get_context().Pool(min(workers, len(tasks))) as pool:
+        return list(pool.imap_unordered(write_one, tasks, chunksize=chunk))
+
+
 def _write_one(task) -> int:
     path, seed, ci, ii, size, quality = task
     data = synth_jpeg(seed, ci, ii, size, quality)
@@ -276,12 +290,7 @@ def make_image_folder(
         for ii in range(per_class):
             tasks.append((str(class_dir / f"img_{ii:05d}.jpg"), seed, ci, ii, size, quality))
 
-    if workers == 1 or len(tasks) < 2:
-        sizes = [_write_one(t) for t in tasks]
-    else:
-        chunk = max(1, len(tasks) // (workers * 8))
-        with multiprocessing.get_context().Pool(min(workers, len(tasks))) as pool:
-            sizes = list(pool.imap_unordered(_write_one, tasks, chunksize=chunk))
+    sizes = write_all(_write_one, tasks, workers)
 
     return SynthSummary(
         root=str(root_path),

@@ -21,7 +21,6 @@ the number of workers.
 from __future__ import annotations
 
 import io
-import multiprocessing
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fastdata.common.extras import require
-from fastdata.tools.synth import SynthSummary
+from fastdata.tools.synth import SynthSummary, write_all
 
 cv2 = require("cv2", "synthetic images (fastdata.tools.synth_native)")
 
@@ -259,13 +258,8 @@ def _write_tree(root: str | os.PathLike, num_classes: int, per_class: int, ext: 
         class_dir = root_path / f"class_{ci:03d}"
         class_dir.mkdir(parents=True, exist_ok=True)
         tasks += [(str(class_dir / f"img_{ii:05d}{ext}"), make, (seed, ci, ii) + extra) for ii in range(per_class)]
-    if workers == 1 or len(tasks) < 2:
-        sizes = [_write_one(t) for t in tasks]
-    else:
-        # each image is a pure function of (seed, class, index): the order workers take them in is irrelevant
-        chunk = max(1, len(tasks) // (workers * 8))
-        with multiprocessing.get_context().Pool(min(workers, len(tasks))) as pool:
-            sizes = list(pool.imap_unordered(_write_one, tasks, chunksize=chunk))
+    # each image is a pure function of (seed, class, index): the order workers take them in is irrelevant
+    sizes = write_all(_write_one, tasks, workers)
     return SynthSummary(root=str(root_path), num_classes=num_classes, per_class=per_class, num_images=len(tasks),
                         total_bytes=int(sum(sizes)), elapsed_s=time.perf_counter() - t0)
 
