@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from helpers.native_images import dicom, pixels
+from helpers.stores import general_records, store_records
 
 
 def ramp(shape: tuple[int, ...], dtype, seed: int = 0) -> np.ndarray:
@@ -53,49 +54,21 @@ def dicom_tree(root, classes: dict[str, int], seed: int = 0) -> dict[str, np.nda
 
 
 def v1_records(dst) -> list[dict]:
-    """A classification store's records in store order: stored bytes, format, dtype and channels
-    (``None``: not recorded), relpath."""
-    from fastdata.format.backends.base import StorageSpec
-    from fastdata.format.backends.registry import reader_class
-    from fastdata.format.manifest import read_manifest
-    from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_NAMES
-
-    manifest = read_manifest(str(dst))
-    storage = StorageSpec.from_json(manifest["storage"])
-    out = []
-    for shard in manifest["shards"]:
-        with reader_class(manifest["backend"])(os.path.join(str(dst), shard["name"]), storage) as reader:
-            index = reader.read_index()
-            for i in range(len(index)):
-                out.append({"image": reader.get(i), "fmt": FORMAT_NAMES[int(index.formats[i])],
-                            "dtype": IMAGE_DTYPE_NAMES.get(int(index.dtypes[i])),
-                            "channels": int(index.channels[i]) or None, "label": int(index.labels[i]),
-                            "relpath": os.fsdecode(index.relpath(i))})
-    return out
+    """A classification store's records in store order (:func:`helpers.stores.store_records`): stored
+    bytes, format, dtype and channels (``None``: not recorded), label, relpath."""
+    return store_records(dst)[1]
 
 
 def v2_records(dst) -> list[dict]:
     """A general store's records in store order: decoded record fields plus, per image field
-    ``name``, its stored bytes and ``name.format|.dtype|.channels`` from the index."""
-    from fastdata.format.backends.base import StorageSpec
-    from fastdata.format.backends.registry import reader_class
+    ``name``, its stored bytes and ``name.format|.dtype|.channels`` from the index (names, not codes)."""
     from fastdata.format.manifest import read_manifest, schema_of
-    from fastdata.format.record import FIELD_PREFIX, FORMAT_NAMES, IMAGE_DTYPE_NAMES, decode_record_v2
+    from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_NAMES
 
-    manifest = read_manifest(str(dst))
-    schema = schema_of(manifest)
-    out = []
-    for shard in manifest["shards"]:
-        with reader_class(manifest["backend"])(os.path.join(str(dst), shard["name"]), StorageSpec(),
-                                               schema=schema) as reader:
-            index = reader.read_index()
-            for i in range(shard["count"]):
-                rec = decode_record_v2(reader.get(i), schema, where="test")
-                for key, arr in index.arrays.items():
-                    if key.startswith(FIELD_PREFIX):
-                        rec[key[len(FIELD_PREFIX):]] = arr[i].tolist() if arr.ndim > 1 else arr[i].item()
-                for name in schema.image_fields():
-                    rec[f"{name}.format"] = FORMAT_NAMES[rec[f"{name}.format"]]
-                    rec[f"{name}.dtype"] = IMAGE_DTYPE_NAMES.get(rec[f"{name}.dtype"])
-                out.append(rec)
+    schema = schema_of(read_manifest(str(dst)))
+    out = general_records(dst, index=True)
+    for rec in out:
+        for name in schema.image_fields():
+            rec[f"{name}.format"] = FORMAT_NAMES[rec[f"{name}.format"]]
+            rec[f"{name}.dtype"] = IMAGE_DTYPE_NAMES.get(rec[f"{name}.dtype"])
     return out

@@ -10,12 +10,13 @@ def store_records(dst) -> tuple[dict, list[dict]]:
 
     Returns ``(manifest, records)``; each record is a dict with ``image``
     (stored bytes, checksum-verified), ``label``, ``width``, ``height``, ``fmt``,
-    ``relpath`` (str), ``shard`` and ``local`` index, in store order.
+    ``relpath`` (str), ``dtype`` and ``channels`` (None: not recorded), ``shard`` and ``local``
+    index, in store order.
     """
     from fastdata.format.backends.base import StorageSpec
     from fastdata.format.backends.registry import reader_class
     from fastdata.format.manifest import read_manifest
-    from fastdata.format.record import FORMAT_NAMES
+    from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_NAMES
 
     manifest = read_manifest(str(dst))
     storage = StorageSpec.from_json(manifest["storage"])
@@ -32,7 +33,35 @@ def store_records(dst) -> tuple[dict, list[dict]]:
                     "height": int(index.heights[i]),
                     "fmt": FORMAT_NAMES[int(index.formats[i])],
                     "relpath": os.fsdecode(index.relpath(i)),
+                    "dtype": IMAGE_DTYPE_NAMES.get(int(index.dtypes[i])),
+                    "channels": int(index.channels[i]) or None,
                     "shard": shard["name"],
                     "local": i,
                 })
     return manifest, records
+
+
+def general_records(dst, *, index: bool = False) -> list[dict]:
+    """A general (version-2) store's records in store order, decoded from the shards directly (image
+    fields as stored bytes). ``index``: add each record's index entries, keyed without the
+    ``fields/`` prefix (``label``, ``image.format``, ``image.dtype``, ...), as stored (codes)."""
+    from fastdata.format.backends.base import StorageSpec
+    from fastdata.format.backends.registry import reader_class
+    from fastdata.format.manifest import read_manifest, schema_of
+    from fastdata.format.record import FIELD_PREFIX, decode_record_v2
+
+    manifest = read_manifest(str(dst))
+    schema = schema_of(manifest)
+    out = []
+    for shard in manifest["shards"]:
+        with reader_class(manifest["backend"])(os.path.join(str(dst), shard["name"]), StorageSpec(),
+                                               schema=schema) as reader:
+            arrays = reader.read_index().arrays
+            for i in range(shard["count"]):
+                rec = decode_record_v2(reader.get(i), schema, where=f"{shard['name']} record {i}")
+                if index:
+                    for key, arr in arrays.items():
+                        if key.startswith(FIELD_PREFIX):
+                            rec[key[len(FIELD_PREFIX):]] = arr[i].tolist() if arr.ndim > 1 else arr[i].item()
+                out.append(rec)
+    return out

@@ -12,16 +12,13 @@ import numpy as np
 import pytest
 from helpers.backends import NAME_SUFFIXES
 from helpers.images import make_jpeg, make_tree
-from helpers.stores import store_records
+from helpers.stores import general_records, store_records
 
 import fastdata
 from fastdata.cli.main import build_parser, main
 from fastdata.errors import RejectedInputError
-from fastdata.format.backends.base import StorageSpec
-from fastdata.format.backends.registry import reader_class
-from fastdata.format.manifest import read_manifest, schema_of
+from fastdata.format.manifest import read_manifest
 from fastdata.format.names import STAGING_DIR
-from fastdata.format.record import decode_record_v2
 from fastdata.reader.samples import SampleDataset
 from fastdata.tools.verify import verify
 from fastdata.writer.report import ProgressBar
@@ -32,15 +29,7 @@ BACKENDS = dict(NAME_SUFFIXES)
 
 def stored_records(store) -> list[dict]:
     """Every record of a store, decoded from the shards directly (image bytes as stored)."""
-    m = read_manifest(str(store))
-    schema = schema_of(m)
-    out = []
-    for shard in m["shards"]:
-        with reader_class(m["backend"])(os.path.join(str(store), shard["name"]), StorageSpec(),
-                                        schema=schema) as r:
-            r.read_index()
-            out += [decode_record_v2(r.get(i), schema, where="t") for i in range(shard["count"])]
-    return out
+    return general_records(store)
 
 
 def jsonl_rows(n: int) -> list[dict]:
