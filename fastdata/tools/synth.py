@@ -214,6 +214,17 @@ def synth_jpeg(
     return encode_jpeg(img, q)
 
 
+def class_paths(root: Path, num_classes: int, per_class: int, ext: str) -> list[tuple[str, int, int]]:
+    """``(path, class index, image index)`` of every image of an ImageFolder tree under ``root``
+    (``class_000/img_00000.jpg``...), its class folders created."""
+    out = []
+    for ci in range(num_classes):
+        class_dir = root / f"class_{ci:03d}"
+        class_dir.mkdir(parents=True, exist_ok=True)
+        out += [(str(class_dir / f"img_{ii:05d}{ext}"), ci, ii) for ii in range(per_class)]
+    return out
+
+
 def write_all(write_one: Callable[[Any], int], tasks: list, workers: int) -> list[int]:
     """Run ``write_one(task)`` (a module-level function returning the bytes it wrote) for every task,
     in ``workers`` processes (1: in this one), and return the sizes in no particular order.
@@ -283,12 +294,8 @@ def make_image_folder(
     size = _check_size(size)
     t0 = time.perf_counter()
     root_path = Path(root)
-    tasks = []
-    for ci in range(num_classes):
-        class_dir = root_path / f"class_{ci:03d}"
-        class_dir.mkdir(parents=True, exist_ok=True)
-        for ii in range(per_class):
-            tasks.append((str(class_dir / f"img_{ii:05d}.jpg"), seed, ci, ii, size, quality))
+    tasks = [(path, seed, ci, ii, size, quality) for path, ci, ii in class_paths(root_path, num_classes, per_class,
+                                                                                  ".jpg")]
 
     sizes = write_all(_write_one, tasks, workers)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fastdata.common.extras import require
-from fastdata.tools.synth import SynthSummary, write_all
+from fastdata.tools.synth import SynthSummary, class_paths, write_all
 
 cv2 = require("cv2", "synthetic images (fastdata.tools.synth_native)")
 
@@ -253,11 +253,8 @@ def _write_tree(root: str | os.PathLike, num_classes: int, per_class: int, ext: 
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     t0 = time.perf_counter()
     root_path = Path(root)
-    tasks = []
-    for ci in range(num_classes):
-        class_dir = root_path / f"class_{ci:03d}"
-        class_dir.mkdir(parents=True, exist_ok=True)
-        tasks += [(str(class_dir / f"img_{ii:05d}{ext}"), make, (seed, ci, ii) + extra) for ii in range(per_class)]
+    tasks = [(path, make, (seed, ci, ii) + extra) for path, ci, ii in class_paths(root_path, num_classes, per_class,
+                                                                                   ext)]
     # each image is a pure function of (seed, class, index): the order workers take them in is irrelevant
     sizes = write_all(_write_one, tasks, workers)
     return SynthSummary(root=str(root_path), num_classes=num_classes, per_class=per_class, num_images=len(tasks),
