@@ -4,7 +4,8 @@ registered there is tested everywhere these are used.
 
 ``NAMES``: backend names; ``SUFFIXES``: each backend's shard (and default destination)
 suffix; ``NAME_SUFFIXES``: ``(name, suffix)`` pairs; ``ACCEPTED_SUFFIXES``: every suffix a
-destination may end in. :func:`dummy_backend` registers a throwaway backend for a test.
+destination may end in; :func:`first_in_ci` parametrizes a heavy test over them.
+:func:`dummy_backend` registers a throwaway backend for a test.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ NAMES: tuple[str, ...] = tuple(BACKENDS)
 SUFFIXES: tuple[str, ...] = tuple(b.shard_suffix for b in BACKENDS.values())
 NAME_SUFFIXES: tuple[tuple[str, str], ...] = tuple((b.name, b.shard_suffix) for b in BACKENDS.values())
 ACCEPTED_SUFFIXES: tuple[str, ...] = tuple(s for b in BACKENDS.values() for s in b.suffixes)
+
+def first_in_ci(values) -> list:
+    """``values`` as pytest params with all but the first marked ``slow``: a heavy test runs over
+    one backend in CI and over every backend nightly (``FASTDATA_NIGHTLY=1``), where the cheaper
+    tests already cover each backend's own code."""
+    import pytest
+
+    return [pytest.param(v, marks=() if i == 0 else pytest.mark.slow) for i, v in enumerate(values)]
+
 
 #: the test-only backend of :func:`dummy_backend`
 DUMMY = "dummy"

@@ -38,7 +38,7 @@ import time
 
 import psutil
 import pytest
-from helpers.backends import SUFFIXES
+from helpers.backends import SUFFIXES, first_in_ci
 from helpers.images import make_tree
 from helpers.stores import store_records
 
@@ -268,7 +268,7 @@ def crash_loop(tmp_path, suffix: str, *, per_class: int, kills: int, seed: str) 
 # Rerun once: kill times are drawn against the converter's progress, which machine load shifts.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("suffix", first_in_ci(SUFFIXES))
 def test_crash_loop_sigkill_and_ctrl_c_then_resume(tmp_path, suffix):
     # 7 kills (the 5th a Ctrl-C) per backend here; the nightly variant below makes 100
     stats = crash_loop(tmp_path, suffix, per_class=30, kills=7, seed=f"crash{suffix}")
@@ -345,7 +345,7 @@ def _open_fds() -> collections.Counter:
 # Rerun once: SIGKILLs race the DataLoader's own worker start-up and shutdown on a loaded 2-core machine.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("suffix", first_in_ci(SUFFIXES))
 def test_dataloader_workers_sigkilled_repeatedly(tmp_path, suffix):
     """Workers SIGKILLed mid-epoch, again and again: each time the DataLoader
     raises as PyTorch does; afterwards a new loader on the *same* dataset object
