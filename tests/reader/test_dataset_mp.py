@@ -88,9 +88,10 @@ def read_multiset(loader) -> Counter:
 
 
 MATRIX = [pytest.param(b, None, 0, False, id=f"{b}-main") for b in BACKENDS] + [
-    # forkserver starts workers as spawn does (a fresh interpreter, the dataset pickled): nightly
+    # nightly: forkserver (it starts workers as spawn does: a fresh interpreter, the dataset pickled) and
+    # transient spawn workers (persistent spawn workers run in CI)
     pytest.param(b, m, 2, p, id=f"{b}-{m}-{'persistent' if p else 'transient'}",
-                 marks=pytest.mark.slow if m == "forkserver" else ())
+                 marks=pytest.mark.slow if m == "forkserver" or (m == "spawn" and not p) else ())
     for b in BACKENDS for m in ("fork", "spawn", "forkserver") for p in (False, True)
 ]
 

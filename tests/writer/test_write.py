@@ -23,7 +23,7 @@ from fastdata.format.record import decode_record_v2
 from fastdata.reader.samples import SampleDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers.backends import NAME_SUFFIXES
+from helpers.backends import NAME_SUFFIXES, first_in_ci
 from helpers.procs import sigkill_once_a_shard_is_staged  # noqa: E402
 from helpers.samples import SCHEMA, SampleList, jpeg, keep, sample  # noqa: E402
 
@@ -181,7 +181,7 @@ def test_verify_finds_a_flipped_byte_in_a_record(tmp_path, backend):
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", first_in_ci(sorted(BACKENDS)))
 def test_dataloader_workers_read_a_general_store(tmp_path, backend, context):
     dst = tmp_path / f"s{BACKENDS[backend]}"
     fastdata.write([sample(i) for i in range(10)], dst, SCHEMA, workers=0, shard_size=3000, progress=False)
