@@ -205,8 +205,10 @@ def decode_rgb_array(data: Buffer) -> np.ndarray:
 #
 # * PNG of 8 or 16 bits, not palette: imagecodecs.png_decode (libpng). Pillow loses the depth of 16-bit
 #   colour, and imagecodecs is also faster for 8-bit: gray 2.14 vs 2.27 ms, RGB 4.63 vs 5.82 ms, RGBA 5.99
-#   vs 7.12 ms, gray+alpha 5.93 vs 6.37 ms. Without imagecodecs, 8-bit and 16-bit gray PNGs go through
-#   Pillow (same pixels). Palette and 1/2/4-bit PNGs: Pillow (palette indices; low depths scaled to 8 bits).
+#   vs 7.12 ms, gray+alpha 5.93 vs 6.37 ms. But importing imagecodecs costs ~0.3 s per process (every
+#   converter worker): 8-bit PNGs go through Pillow (same pixels) unless imagecodecs is already loaded or a
+#   batch slot is decoded into. Without imagecodecs, 8-bit and 16-bit gray PNGs go through Pillow.
+#   Palette and 1/2/4-bit PNGs: Pillow (palette indices; low depths scaled to 8 bits).
 # * TIFF: tifffile (the reference semantics, tifffile.imread). imagecodecs.tiff_decode (libtiff) decodes a
 #   512x512 uint16 zstd TIFF in 0.62-0.66 ms against tifffile's 0.93-1.0 ms, but it is a second TIFF parser
 #   in C: the bomb check read by tifffile would not bind what libtiff allocates, and tifffile's pure-Python
