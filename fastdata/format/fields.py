@@ -22,6 +22,7 @@ kind          value (after reading)                        stored in
 ``ndarray``   ``numpy.ndarray`` of a fixed shape/dtype     index (<= 1 KiB) or record
 ``ragged``    ``numpy.ndarray`` ``(N, *inner)``, N varies  record (``[N, bin]``)
 ``json``      msgpack-native value (dict/list/str/...)     record (as is)
+``chunked``   N-D array of any shape, read by region       compressed chunks; table in the record
 ============  ==========================================  =====================
 
 Arrays are stored as their raw little-endian bytes with an explicit dtype in the
@@ -528,6 +529,114 @@ class JSON(Field):
         return "record: the msgpack value itself (no extension types)"
 
 
+def _is_array_like(value: Any) -> bool:
+    return all(hasattr(value, attr) for attr in ("shape", "dtype", "__getitem__"))
+
+
+@register_kind
+class Chunked(Field):
+    """An N-D numeric array per sample, of any shape (it may differ from sample to sample),
+    stored as independently compressed chunks so that a region is read by decoding only
+    the chunks it touches: CT/MRI volumes, whole-slide and satellite images.
+
+    The writer takes a numpy array or any array-like with ``shape``, ``dtype`` and slicing
+    (``np.memmap``, an h5py dataset, a zarr array, ``tifffile.imread(path, aszarr=True)``,
+    nibabel's ``dataobj``) and reads it chunk by chunk: the whole value is never in memory.
+    Readers return a lazy array (:class:`fastdata.reader.chunked.ChunkedArray`).
+
+    Chunk layout and codecs: :mod:`fastdata.format.chunks`, :mod:`fastdata.format.codecs`.
+    """
+
+    kind = "chunked"
+
+    def __init__(self, dtype: Any, chunks: Iterable[int], codec: str | None = None, level: int | None = None):
+        """Args:
+            dtype: the stored numpy dtype (values of another dtype are cast when exactly
+                representable, else refused).
+            chunks: the chunk shape, one positive side per axis; its length is the values'
+                number of axes (e.g. ``(64, 64, 64)`` for volumes, ``(512, 512, 3)`` for RGB slides).
+            codec: a name from :data:`fastdata.format.codecs.CHUNK_CODECS` (default
+                :data:`~fastdata.format.codecs.DEFAULT_CODEC`), or ``"raw"`` for uncompressed chunks.
+            level: the codec's compression level (None: its default).
+        """
+        from fastdata.format.chunks import MAX_CHUNK_BYTES
+        from fastdata.format.codecs import DEFAULT_CODEC, chunk_codec
+
+        self.dtype = _dtype(dtype, "chunked field")
+        try:
+            if isinstance(chunks, str | bytes) or not 1 <= len(tuple(chunks)) <= MAX_NDIM:
+                raise TypeError
+            sides = tuple(chunks)
+            if any(isinstance(c, bool | np.bool_) or not isinstance(c, int | np.integer) for c in sides):
+                raise TypeError
+        except TypeError:
+            raise SchemaError(f"chunked field: chunks {chunks!r:.80} is not a tuple of 1 to {MAX_NDIM} integers") \
+                from None
+        self.chunks = tuple(int(c) for c in sides)
+        if any(c <= 0 for c in self.chunks):
+            raise SchemaError(f"chunked field: chunk shape {list(self.chunks)} has a side that is not positive; "
+                              "every side of a chunk must be at least 1")
+        chunk_bytes = math.prod(self.chunks) * self.dtype.itemsize
+        if chunk_bytes > MAX_CHUNK_BYTES:
+            raise SchemaError(f"chunked field: a chunk of {list(self.chunks)} {self.dtype.name} is {chunk_bytes:,} "
+                              f"bytes, more than the {MAX_CHUNK_BYTES:,} a chunk may hold: use smaller chunks")
+        try:
+            self.codec = chunk_codec(DEFAULT_CODEC if codec is None else codec).name
+            self.level = chunk_codec(self.codec).check_level(level, "chunked field")
+        except ValueError as err:
+            raise SchemaError(str(err)) from None
+
+    @classmethod
+    def example(cls) -> Field:
+        return cls("uint16", (64, 64, 64))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.chunks)
+
+    def params(self) -> dict:
+        return {"dtype": self.dtype.name, "chunks": list(self.chunks), "codec": self.codec, "level": self.level}
+
+    def check(self, value: Any, where: str) -> Any:
+        """The array-like itself (not read here: the writer reads it chunk by chunk),
+        after checking its number of axes and dtype."""
+        array = _as_array(value)
+        if array is not None:
+            value = array
+        elif isinstance(value, list | tuple):
+            value = _array_check(value, self.dtype, where)
+        if not _is_array_like(value):
+            raise SchemaError(f"{where}: a chunked field takes a numpy array or an array-like with shape, dtype "
+                              f"and slicing, got {type(value).__name__}")
+        try:
+            shape = tuple(int(s) for s in value.shape)
+            dtype = np.dtype(value.dtype)
+        except (TypeError, ValueError):
+            raise SchemaError(f"{where}: the array-like's shape or dtype is not a numpy shape/dtype") from None
+        if len(shape) != self.ndim or any(s < 0 for s in shape):
+            raise SchemaError(f"{where}: shape {list(shape)} does not have the {self.ndim} axes of the field's "
+                              f"chunks {list(self.chunks)}")
+        if dtype.kind not in "biuf":
+            raise SchemaError(f"{where}: array of dtype {dtype} is not numeric")
+        return value
+
+    def decode(self, obj: Any, where: str) -> bytes:
+        if type(obj) is not bytes:
+            raise FormatError(f"{where}: a chunked field's record value must be its binary chunk table")
+        return obj
+
+    def encode(self, value: Any) -> bytes:
+        from fastdata.format.chunks import ChunkTable
+
+        if not isinstance(value, ChunkTable):
+            raise TypeError("a chunked field is encoded from the ChunkTable its chunks were written with")
+        return value.to_bytes()
+
+    def describe(self) -> str:
+        return (f"`{self.dtype.str}` chunks of {list(self.chunks)}, codec `{self.codec}`: record `bin` chunk table; "
+                "index `.shape`, `.first`")
+
+
 def field_from_json(obj: Any, where: str) -> Field:
     """The field a manifest's schema entry describes."""
     if not isinstance(obj, Mapping) or not isinstance(obj.get("kind"), str):
@@ -656,6 +765,9 @@ class Schema:
 
     def image_fields(self) -> tuple[str, ...]:
         return tuple(name for name, f in self.fields if isinstance(f, Image))
+
+    def chunked_fields(self) -> tuple[str, ...]:
+        return tuple(name for name, f in self.fields if isinstance(f, Chunked))
 
     def index_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """``{name: (dtype, per-sample shape)}`` of the fields kept in the shard index."""

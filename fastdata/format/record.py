@@ -47,9 +47,9 @@ _UNPACK_LIMITS = dict(raw=False, use_list=False, strict_map_key=True, max_bin_le
                       max_str_len=1 << 16, max_array_len=16, max_map_len=16, max_ext_len=0)
 
 
-def checksum(data: bytes | memoryview) -> int:
+def checksum(data: bytes | memoryview | np.ndarray) -> int:
     """xxh3-64 of ``data`` as an unsigned int (the per-record checksum)."""
-    return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,20 @@ def index_layout(schema) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     for name in schema.image_fields():
         for meta, dtype in IMAGE_META.items():
             out[f"{FIELD_PREFIX}{name}.{meta}"] = (np.dtype(dtype), ())
+    for name in schema.chunked_fields():
+        out[f"{FIELD_PREFIX}{name}.shape"] = (np.dtype("<i8"), (schema[name].ndim,))
+        out[f"{FIELD_PREFIX}{name}.first"] = (np.dtype("<u8"), ())
     return out
+
+
+def chunk_first_key(name: str) -> str:
+    """The index key of where a chunked field's first chunk is (see the backends' ``spec.py``)."""
+    return f"{FIELD_PREFIX}{name}.first"
+
+
+def chunk_shape_key(name: str) -> str:
+    """The index key of a chunked field's per-sample shape."""
+    return f"{FIELD_PREFIX}{name}.shape"
 
 
 @dataclass(frozen=True)
@@ -338,15 +351,28 @@ class EncodedSample:
     relpath: bytes
     #: index key (see :func:`index_layout`, without ``checksums``/``nbytes``) -> value
     index: dict
+    #: the chunks of its chunked fields, waiting in files for the shard writer (which sets
+    #: each field's ``.first`` index entry when it stores them)
+    chunks: tuple = ()
+    #: stored bytes of its chunked fields' chunks (also when they were only measured, not kept)
+    chunk_bytes: int = 0
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes this sample adds to a shard: its record and its chunks."""
+        return len(self.record) + self.chunk_bytes
 
 
-def encode_sample(schema, checked: dict, images: dict[str, tuple], relpath: bytes) -> EncodedSample:
+def encode_sample(schema, checked: dict, images: dict[str, tuple], relpath: bytes,
+                  chunks: tuple = ()) -> EncodedSample:
     """Pack a checked sample (:meth:`Schema.check`) as a version-2 record.
 
     ``images`` gives each image field's ``(format, width, height)`` or
     ``(format, width, height, dtype, channels)`` from its validation decode
-    (without the last two: ``uint8`` and 3 channels). The record is one msgpack map ``{"v": 2, "path": bin,
-    <record field>: Field.encode(value), ...}`` in schema order.
+    (without the last two: ``uint8`` and 3 channels). A chunked field's checked value is the
+    :class:`~fastdata.format.chunks.ChunkTable` its chunks were written with, and ``chunks`` the
+    :class:`~fastdata.format.chunks.PendingChunks` holding them. The record is one msgpack map
+    ``{"v": 2, "path": bin, <record field>: Field.encode(value), ...}`` in schema order.
     """
     body: dict = {"v": RECORD_VERSION_2, "path": bytes(relpath)}
     index: dict = {}
@@ -363,10 +389,14 @@ def encode_sample(schema, checked: dict, images: dict[str, tuple], relpath: byte
         index[f"{FIELD_PREFIX}{name}.height"] = height
         index[f"{FIELD_PREFIX}{name}.dtype"] = image_dtype_code(dtype)
         index[f"{FIELD_PREFIX}{name}.channels"] = channels
+    for name in schema.chunked_fields():
+        index[chunk_shape_key(name)] = checked[name].shape
+        index[chunk_first_key(name)] = 0  # where the shard writer puts the chunks
     record = msgpack.packb(body, use_bin_type=True)
     if len(record) > OBJECTS_FLOOR:  # smaller ones cannot exceed it (see fastdata.common.bounded)
         _check_record_budget(body, len(record))
-    return EncodedSample(record, checksum(record), bytes(relpath), index)
+    chunk_bytes = sum(checked[name].stored_bytes for name in schema.chunked_fields())
+    return EncodedSample(record, checksum(record), bytes(relpath), index, tuple(chunks), chunk_bytes)
 
 
 def _objects(value: Any) -> int:
@@ -458,6 +488,9 @@ class SampleIndex:
             raise CorruptRecordError(f"{where}: relpath offsets are inconsistent")
         if n and self.nbytes.min() < 0:
             raise CorruptRecordError(f"{where}: negative record size in the index")
+        for name in schema.chunked_fields():
+            if n and self.arrays[chunk_shape_key(name)].min() < 0:
+                raise CorruptRecordError(f"{where}: negative side in the shapes of chunked field {name!r}")
         for name in schema.image_fields():
             if n and not np.isin(self.arrays[f"{FIELD_PREFIX}{name}.format"], list(FORMAT_NAMES)).all():
                 raise CorruptRecordError(f"{where}: unknown format code in the index of image field {name!r}")
@@ -511,11 +544,13 @@ class SampleIndexBuilder:
         self._paths = bytearray()
         self._path_offsets = [0]
 
-    def add(self, sample: EncodedSample) -> None:
+    def add(self, sample: EncodedSample, placed: dict | None = None) -> None:
+        """Add ``sample``'s index entries; ``placed``: entries the shard writer decided (where
+        each chunked field's chunks went), which replace the sample's own."""
         self._values["checksums"].append(sample.xxh)
         self._values["nbytes"].append(len(sample.record))
         for key, value in sample.index.items():
-            self._values[key].append(value)
+            self._values[key].append(value if not placed or key not in placed else placed[key])
         self._paths += sample.relpath
         self._path_offsets.append(len(self._paths))
 

@@ -3,7 +3,9 @@
 ``ds[i]`` is a dict of the stored fields in schema order: image fields decoded per
 ``output`` (``"pil"``, ``"numpy"`` HWC uint8, ``"tensor"`` CHW uint8), ints and
 floats as Python scalars, fixed-shape arrays and ragged arrays as numpy arrays
-(tensors with ``output="tensor"``), strings and JSON values as they were written.
+(tensors with ``output="tensor"``), strings and JSON values as they were written,
+chunked fields as lazy :class:`~fastdata.reader.chunked.ChunkedArray` objects that
+read a region's chunks when indexed (``fastdata.PatchDataset`` cuts patches from them).
 ``transform`` receives that dict.
 
 Everything about handles is shared with the classification datasets
@@ -25,11 +27,20 @@ import torch
 
 from fastdata.common.imageio import decoded_bytes_limit, pixel_limit
 from fastdata.errors import CorruptRecordError, FastdataError
-from fastdata.format.fields import Float, Image, Int, NDArray, Ragged
+from fastdata.format.chunks import ChunkTable, check_shape
+from fastdata.format.fields import Chunked, Float, Image, Int, NDArray, Ragged
 from fastdata.format.manifest import schema_of
-from fastdata.format.record import FIELD_PREFIX, FORMAT_NAMES, SampleIndex, decode_record_v2
+from fastdata.format.record import (
+    FIELD_PREFIX,
+    FORMAT_NAMES,
+    SampleIndex,
+    chunk_first_key,
+    chunk_shape_key,
+    decode_record_v2,
+)
 from fastdata.reader import batch_ring
 from fastdata.reader.batching import Samples, aligned, new_segment
+from fastdata.reader.chunked import ChunkedArray
 from fastdata.reader.dataset import StoreDataset
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.seeding import epoch_of, sample_rng
@@ -208,9 +219,31 @@ class SampleDataset(StoreDataset):
                              else self._as_output(np.array(value)))
             elif isinstance(field, NDArray | Ragged):
                 out[name] = self._as_output(record[name])
+            elif isinstance(field, Chunked):
+                out[name] = self._chunked(name, field, record[name], index, f"{where} field {name!r}")
             else:
                 out[name] = record[name]
         return out
+
+    def _chunked(self, name: str, field: Chunked, table: bytes, index: int, where: str) -> ChunkedArray:
+        """The lazy array of chunked field ``name`` of sample ``index`` (shape and table checked)."""
+        shape = check_shape(self.index_arrays[chunk_shape_key(name)][index], field.chunks, field.dtype.itemsize,
+                            where)
+        shard, _local = self.locate(index)
+        return ChunkedArray(self._shards, shard, int(self.index_arrays[chunk_first_key(name)][index]),
+                            ChunkTable.from_bytes(table, shape, field.chunks, where), field, where)
+
+    def array_shapes(self, name: str) -> np.ndarray:
+        """Every sample's shape of chunked field ``name``, ``(len(self), ndim)`` int64, from the
+        index (no record is read): what a patch sampler needs to place patches.
+
+        Raises:
+            KeyError: ``name`` is not a chunked field of this store.
+        """
+        if name not in self.schema or not isinstance(self.schema[name], Chunked):
+            raise KeyError(f"{name!r} is not a chunked field of {self.root} (chunked fields: "
+                           f"{', '.join(self.schema.chunked_fields()) or 'none'})")
+        return self.index_arrays[chunk_shape_key(name)]
 
     def _finish_sample(self, sample: dict):
         return self.transform(sample) if self.transform is not None else sample

@@ -9,6 +9,7 @@ checksums of whole files, resume, manifest) lives in the shared pipeline.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -16,8 +17,9 @@ from typing import ClassVar
 import numpy as np
 
 from fastdata.errors import CorruptRecordError, FormatError
+from fastdata.format.chunks import ChunkTable, PendingChunks
 from fastdata.format.fields import Schema
-from fastdata.format.record import SampleIndex, ShardIndex
+from fastdata.format.record import SampleIndex, ShardIndex, checksum, chunk_first_key
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,22 @@ class ShardWriter(abc.ABC):
     def close(self) -> ShardIndex | SampleIndex:
         """Flush, write the index, sync to disk and close. Returns the index written."""
 
+    def put_chunks(self, pending: PendingChunks) -> int:
+        """Store one chunked field's chunks (in grid order) and return where the first one
+        is: the field's ``.first`` index entry (what it means is the backend's: its ``spec.py``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot store chunked fields")
+
+    def place_chunks(self, sample) -> dict | None:
+        """Store the chunks ``sample`` (an EncodedSample) brings, deleting the files they waited
+        in; returns the index entries saying where they went (None when it has none)."""
+        if not getattr(sample, "chunks", ()):
+            return None
+        placed = {}
+        for pending in sample.chunks:
+            placed[chunk_first_key(pending.field)] = self.put_chunks(pending)
+            os.unlink(pending.path)
+        return placed
+
     @abc.abstractmethod
     def abort(self) -> None:
         """Close without finishing (the pipeline deletes the file)."""
@@ -163,6 +181,31 @@ class ShardReader(abc.ABC):
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
         """Stored bytes for several samples, in the order given."""
         return [self.get(i) for i in local_indices]
+
+    def chunk_bytes(self, first: int, table: ChunkTable, chunk: int) -> bytes | memoryview | np.ndarray | None:
+        """The stored bytes of chunk number ``chunk`` of a value whose chunks start at ``first``
+        (its ``.first`` index entry), unchecked (see :meth:`get_chunks`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read chunked fields")
+
+    def get_chunks(self, first: int, table: ChunkTable, chunks: Sequence[int], where: str) -> list:
+        """The stored bytes of chunks ``chunks`` (grid numbers) of one value, each checked against
+        its table entry (length and xxh3-64).
+
+        Raises:
+            CorruptRecordError: a chunk is missing, of another length, or damaged (naming ``where``
+                and the chunk).
+        """
+        out = []
+        for j in chunks:
+            data = self.chunk_bytes(first, table, j)
+            if data is None or len(data) != int(table.nbytes[j]):
+                raise CorruptRecordError(f"{where} chunk {j}: missing or of the wrong length in {self.path}; "
+                                         "run 'fastdata verify'", shard=self.path)
+            if checksum(data) != int(table.xxh[j]):
+                raise CorruptRecordError(f"{where} chunk {j}: checksum mismatch (the chunk is damaged); run "
+                                         "'fastdata verify'", shard=self.path)
+            out.append(data)
+        return out
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
         """Raw-mode stores: copy pixels of ``local_indices`` into ``out`` [n,H,W,3]."""

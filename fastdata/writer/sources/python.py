@@ -31,11 +31,12 @@ import xxhash
 
 from fastdata.common.imageio import ARRAY_IMAGE_DTYPES, ImageDecodeError, ImageInfo, encode_lossless, inspect_image
 from fastdata.errors import RejectedInputError
-from fastdata.format.fields import Schema, SchemaError
+from fastdata.format.fields import Chunked, Schema, SchemaError
 from fastdata.format.record import EncodedSample, encode_sample
 from fastdata.format.manifest import canonical_json
 from fastdata.writer.ingest import Rejected, read_bytes, spill
-from fastdata.writer.pipeline import WRITE_SOURCE, Chunk, ChunkSource
+from fastdata.writer.chunking import portable, write_chunks
+from fastdata.writer.pipeline import WRITE_SOURCE, Chunk, ChunkSource, staging_path
 from fastdata.writer.plan import ShardPlan
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.base import WriteSource
@@ -116,14 +117,15 @@ def _image_bytes(value: Any, where: str) -> tuple[bytes, bytes, ImageInfo | None
                       f"got {type(value).__name__}")
 
 
-def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
+def prepare_sample(schema: Schema, sample: Any, index: int, chunk_dir: str | None = None) -> EncodedSample:
     """One sample read, validated and encoded as a version-2 record (runs in workers).
 
     Image values are turned into encoded bytes and fully decoded under the image
     policy (:func:`fastdata.common.imageio.inspect_image`), which gives their stored format,
     size, dtype and channels (arrays encoded here are not decoded again: their
     encoding is lossless and their shape and dtype known); then :meth:`Schema.check`
-    validates every field.
+    validates every field. Chunked fields are read and compressed chunk by chunk into files in
+    ``chunk_dir`` (:func:`fastdata.writer.chunking.write_chunks`; None: measured, not kept).
 
     Raises:
         SchemaError: the sample does not match the schema (names the sample and field).
@@ -150,28 +152,43 @@ def prepare_sample(schema: Schema, sample: Any, index: int) -> EncodedSample:
         images[name] = (info.format, info.width, info.height, info.dtype, info.channels)
         values[name] = data
     checked = schema.check(values, where)
-    return encode_sample(schema, checked, images, relpath or str(index).encode())
+    pending = []
+    try:
+        for name in schema.chunked_fields():
+            field = schema[name]
+            assert isinstance(field, Chunked)
+            checked[name], waiting = write_chunks(field, name, checked[name], f"{where} field {name!r}", chunk_dir)
+            if waiting is not None:
+                pending.append(waiting)
+        return encode_sample(schema, checked, images, relpath or str(index).encode(), tuple(pending))
+    except BaseException:
+        for waiting in pending:
+            os.unlink(waiting.path)
+        raise
 
 
-def prepare_or_reject(schema: Schema, sample: Any, index: int, strict: bool) -> EncodedSample | str:
+def prepare_or_reject(schema: Schema, sample: Any, index: int, strict: bool,
+                      chunk_dir: str | None = None) -> EncodedSample | str:
     """:func:`prepare_sample`, or with ``strict=False`` the reason (``str``) why an image
     value is unusable (unreadable file, not an image): the pipeline skips and reports it."""
     try:
-        return prepare_sample(schema, sample, index)
+        return prepare_sample(schema, sample, index, chunk_dir)
     except RejectedInputError as err:
         if strict:
             raise
         return str(err)
 
 
-def encode_chunk(schema: Schema, start: int, stop: int, items: list | None, strict: bool, spill_dir: str | None):
+def encode_chunk(schema: Schema, start: int, stop: int, items: list | None, strict: bool, chunk_dir: str | None,
+                 spill_dir: str | None):
     """Worker entry point: samples ``start .. stop-1`` (``items``, or from the map-style
     dataset given to this worker) as :class:`EncodedSample` objects (or rejection reasons
-    when not ``strict``); see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value."""
+    when not ``strict``), the chunks of chunked fields written into files in ``chunk_dir``;
+    see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value."""
     if items is None:
         items = [_SAMPLES[i] for i in range(start, stop)]
-    results = [prepare_or_reject(schema, item, start + k, strict) for k, item in enumerate(items)]
-    nbytes = sum(len(r.record) for r in results if not isinstance(r, str))
+    results = [prepare_or_reject(schema, item, start + k, strict, chunk_dir) for k, item in enumerate(items)]
+    nbytes = sum(r.stored_bytes for r in results if not isinstance(r, str))
     return (spill(results, spill_dir) if spill_dir is not None else results), nbytes
 
 
@@ -188,8 +205,9 @@ class _SampleSource(ChunkSource):
 class MapSource(_SampleSource):
     """A map-style dataset, split into index ranges (the plans) the workers read themselves."""
 
-    def __init__(self, samples: Any, schema: Schema, chunk_size: int, strict: bool = True):
-        self.schema, self.chunk_size, self.strict = schema, chunk_size, strict
+    def __init__(self, samples: Any, schema: Schema, chunk_size: int, strict: bool = True,
+                 chunk_dir: str | None = None):
+        self.schema, self.chunk_size, self.strict, self.chunk_dir = schema, chunk_size, strict, chunk_dir
         self.worker_init = (set_samples, (samples,))
         # a dataset may name its inputs (e.g. a COCO image's file name) for rejected.tsv
         self._names = getattr(samples, "input_name", None)
@@ -200,24 +218,35 @@ class MapSource(_SampleSource):
     def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
         for plan in plans or []:
             if plan.start == plan.stop:
-                yield Chunk(plan, plan.start, plan.stop, True, (self.schema, plan.start, plan.stop, None, self.strict))
+                yield Chunk(plan, plan.start, plan.stop, True,
+                            (self.schema, plan.start, plan.stop, None, self.strict, self.chunk_dir))
             for a in range(plan.start, plan.stop, self.chunk_size):
                 b = min(a + self.chunk_size, plan.stop)
-                yield Chunk(plan, a, b, b == plan.stop, (self.schema, a, b, None, self.strict))
+                yield Chunk(plan, a, b, b == plan.stop, (self.schema, a, b, None, self.strict, self.chunk_dir))
 
 
 class IterSource(_SampleSource):
     """An iterable, iterated here; shards of ``per_shard`` samples, the last one shorter (it
     makes its shards as it goes: given no plans)."""
 
-    def __init__(self, iterator: Iterator, schema: Schema, per_shard: int, chunk_size: int):
+    def __init__(self, iterator: Iterator, schema: Schema, per_shard: int, chunk_size: int,
+                 chunk_dir: str | None = None):
         self.iterator, self.schema, self.per_shard, self.chunk_size = iterator, schema, per_shard, chunk_size
+        self.chunk_dir = chunk_dir
+        self._chunked = schema.chunked_fields()
+
+    def _portable(self, sample: Any) -> Any:
+        """``sample`` with its chunked values in a form that pickles light (memmaps and h5py
+        datasets as references the worker reopens: :func:`fastdata.writer.chunking.portable`)."""
+        if not self._chunked or not isinstance(sample, Mapping):
+            return sample
+        return {k: portable(v) if k in self._chunked else v for k, v in sample.items()}
 
     def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
         end = object()
         nxt = next(self.iterator, end)
         if nxt is end:
-            yield Chunk(ShardPlan(0, 0, 0), 0, 0, True, (self.schema, 0, 0, [], True))
+            yield Chunk(ShardPlan(0, 0, 0), 0, 0, True, (self.schema, 0, 0, [], True, self.chunk_dir))
             return
         pos, shard = 0, 0
         while nxt is not end:
@@ -226,11 +255,12 @@ class IterSource(_SampleSource):
                 items: list = []
                 a = pos
                 while nxt is not end and len(items) < self.chunk_size and pos - first < self.per_shard:
-                    items.append(nxt)
+                    items.append(self._portable(nxt))
                     pos += 1
                     nxt = next(self.iterator, end)
                 last = nxt is end or pos - first >= self.per_shard
-                yield Chunk(ShardPlan(shard, first, pos), a, pos, last, (self.schema, a, pos, items, True))
+                yield Chunk(ShardPlan(shard, first, pos), a, pos, last,
+                            (self.schema, a, pos, items, True, self.chunk_dir))
             shard += 1
 
 
@@ -244,7 +274,7 @@ def _estimate(encoded: list[EncodedSample]) -> int:
     """Bytes a sample takes in a shard (record plus index entries), from a few encoded ones."""
     if not encoded:
         return 1
-    return max(1, int(np.mean([len(e.record) + len(e.relpath) + 16 + 8 * len(e.index) for e in encoded])))
+    return max(1, int(np.mean([e.stored_bytes + len(e.relpath) + 16 + 8 * len(e.index) for e in encoded])))
 
 
 def _fingerprint(backend: str, shard_bytes: int, count: int, schema: Schema, encoded: list[EncodedSample],
@@ -286,6 +316,8 @@ class _SamplesInput(WriteSource):
         super().__init__(WRITE_SOURCE)
         self.samples, self.declared, self.metadata = samples, schema, metadata
         self.per_shard = 1
+        #: where the workers leave chunks of chunked fields for the shard writer (set by plan)
+        self.chunk_dir: str | None = None
 
     def _schema(self, first: list) -> Schema:
         if self.declared is not None:
@@ -313,6 +345,7 @@ class MapInput(_SamplesInput):
     ranges of about ``shard_size`` bytes (estimated from a few encoded samples), resumable."""
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
+        self.chunk_dir = staging_path(dst)
         samples = self.samples
         count = self.count = len(samples)
         schema = self.schema = self._schema([samples[0]] if count and self.declared is None else [])
@@ -328,7 +361,7 @@ class MapInput(_SamplesInput):
                             self.metadata)
 
     def chunks(self, run: RunOptions, chunk_size: int) -> MapSource:
-        return MapSource(self.samples, self._checked_schema(), chunk_size, run.strict)
+        return MapSource(self.samples, self._checked_schema(), chunk_size, run.strict, self.chunk_dir)
 
 
 class IterInput(_SamplesInput):
@@ -340,6 +373,7 @@ class IterInput(_SamplesInput):
     resumable = False
 
     def plan(self, run: RunOptions, dst: str) -> None:
+        self.chunk_dir = staging_path(dst)
         iterator = iter(self.samples)
         first = [s for s in [next(iterator, None)] if s is not None]
         self.iterator = _chain(first, iterator)
@@ -352,7 +386,7 @@ class IterInput(_SamplesInput):
         return os.urandom(16).hex()  # an iterable is never resumed: no run matches another
 
     def chunks(self, run: RunOptions, chunk_size: int) -> IterSource:
-        return IterSource(self.iterator, self._checked_schema(), self.per_shard, chunk_size)
+        return IterSource(self.iterator, self._checked_schema(), self.per_shard, chunk_size, self.chunk_dir)
 
 
 __all__ = ["IterInput", "MapInput", "is_map_style", "prepare_sample"]

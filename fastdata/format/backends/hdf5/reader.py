@@ -53,6 +53,8 @@ class HDF5ShardReader(ShardReader):
         super().__init__(path, storage, **options)
         self._map: mmap.mmap | None = None
         self._payload: np.ndarray | None = None
+        self._chunk_map: mmap.mmap | None = None
+        self._chunks: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         self._checksums: np.ndarray | None = None
         self.file = None
@@ -161,6 +163,12 @@ class HDF5ShardReader(ShardReader):
         offsets = self._array(spec.OFFSETS, "<i8", (count + 1,))
         if count and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes) or offsets[-1] != data.nbytes):
             raise CorruptRecordError(f"{self.path}: record offsets are inconsistent", shard=self.path)
+        if self.schema.chunked_fields() and self._chunks is None:
+            chunks = structure.check_dataset(self._datasets, spec.CHUNKS, "u1", structure.flat, self._stat.st_size,
+                                             self.path, contiguous=True)
+            if chunks.nbytes and chunks.offset is None:
+                raise CorruptRecordError(f"{self.path}: chunks dataset is not contiguous", shard=self.path)
+            self._chunk_map, self._chunks = self._map_range(chunks.offset or 0, chunks.nbytes)
         self._adopt_payload(index, offsets, data.offset, data.nbytes)
         return index
 
@@ -176,9 +184,13 @@ class HDF5ShardReader(ShardReader):
         self._checksums = index.checksums
 
     def _map_payload(self, file_offset: int, nbytes: int) -> None:
+        self._map, self._payload = self._map_range(file_offset, nbytes)
+
+    def _map_range(self, file_offset: int, nbytes: int) -> tuple[mmap.mmap | None, np.ndarray]:
+        """A read-only ``MADV_RANDOM`` mapping of ``nbytes`` of the shard at ``file_offset``, checked
+        to lie within the file that was opened, and the bytes as a uint8 array over it."""
         if nbytes == 0:
-            self._payload = np.zeros(0, dtype=np.uint8)
-            return
+            return None, np.zeros(0, dtype=np.uint8)
         fd = open_regular(self.path, "shard")
         try:
             st = os.fstat(fd)
@@ -188,12 +200,45 @@ class HDF5ShardReader(ShardReader):
                 raise CorruptRecordError(f"{self.path}: payload runs past the end of the file (truncated shard)",
                                          shard=self.path)
             start = file_offset - file_offset % mmap.ALLOCATIONGRANULARITY
-            self._map = mmap.mmap(fd, nbytes + file_offset - start, access=mmap.ACCESS_READ, offset=start)
+            mapping = mmap.mmap(fd, nbytes + file_offset - start, access=mmap.ACCESS_READ, offset=start)
         finally:
             os.close(fd)
-        if hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_RANDOM)
-        self._payload = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=file_offset - start)
+        if hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_RANDOM)
+        return mapping, np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=file_offset - start)
+
+    def chunk_bytes(self, first: int, table, chunk: int) -> np.ndarray | None:
+        """Chunk ``chunk`` of a value whose chunks start ``first`` bytes into the ``chunks``
+        dataset: a view of the mapping (None when the table puts it outside the dataset)."""
+        if self._chunks is None:
+            self._loaded()
+        chunks = self._chunks
+        if chunks is None:
+            return None
+        start = first + int(table.starts_of(chunk))
+        end = start + int(table.nbytes[chunk])
+        if not 0 <= start <= end <= len(chunks):
+            return None
+        return chunks[start:end]
+
+    def get_chunks(self, first: int, table, chunks: Sequence[int], where: str) -> list:
+        """As :meth:`ShardReader.get_chunks`, the whole span asked for advised at once
+        (``MADV_WILLNEED``): a cold chunk is then not read one page fault at a time."""
+        if self._chunks is None:
+            self._loaded()
+        if self._chunk_map is not None and chunks and hasattr(mmap, "MADV_WILLNEED"):
+            base = self._chunks.ctypes.data - _map_address(self._chunk_map)  # type: ignore[union-attr]
+            page = mmap.PAGESIZE
+            for j in chunks:
+                a = first + int(table.starts_of(j))
+                b = a + int(table.nbytes[j])
+                if 0 <= a <= b <= len(self._chunks):  # type: ignore[arg-type]
+                    lo = (base + a) // page * page
+                    try:
+                        self._chunk_map.madvise(mmap.MADV_WILLNEED, lo, base + b - lo)
+                    except (OSError, ValueError):  # advice only
+                        break
+        return super().get_chunks(first, table, chunks, where)
 
     def _loaded(self) -> tuple[np.ndarray, np.ndarray]:
         """``(payload, checksums)``, reading the index on first use.
@@ -280,12 +325,15 @@ class HDF5ShardReader(ShardReader):
     def close(self) -> None:
         f, self.file = getattr(self, "file", None), None
         self._payload = None
-        m, self._map = getattr(self, "_map", None), None
-        if m is not None:
-            try:
-                m.close()
-            except BufferError:  # a caller still holds a view; the GC unmaps it later
-                pass
+        self._chunks = None
+        for attr in ("_map", "_chunk_map"):
+            m = getattr(self, attr, None)
+            setattr(self, attr, None)
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:  # a caller still holds a view; the GC unmaps it later
+                    pass
         if f is not None:
             try:
                 f.close()

@@ -31,6 +31,14 @@ plus ``checksums`` uint64 (xxh3_64 of each record's bytes), ``nbytes`` int64,
 floats, small fixed arrays), and ``fields/<image>.format`` uint8,
 ``fields/<image>.width`` / ``.height`` int32 for each image field.
 
+A store whose schema has ``chunked`` fields adds:
+
+``chunks``   uint8 [total bytes]   every stored chunk of the shard, back to back, contiguous
+                                   and uncompressed (the codec compressed each chunk): chunk
+                                   ``j`` of a sample's field starts ``first + sum(nbytes[:j])``
+                                   bytes in, ``first`` being its ``fields/<name>.first`` entry
+                                   (``uint64``) and ``nbytes`` its record's chunk table
+
 Why not variable-length datasets: h5py reads them element by element through a
 slow path (h5py/h5py#59); one flat byte array plus offsets reads a contiguous
 range of samples in one call. Why contiguous: the payload then has one file
@@ -52,6 +60,7 @@ IMAGES = "images"
 RECORDS = "records"
 OFFSETS = "offsets"
 PIXELS = "pixels"
+CHUNKS = "chunks"
 INDEX_ARRAYS = INDEX_DTYPES
 #: readers' chunk cache: small and bounded (random access gains nothing from more)
 READER_CHUNK_CACHE = 1 << 20

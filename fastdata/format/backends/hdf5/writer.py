@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import io
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 
 import h5py
@@ -14,6 +16,7 @@ from fastdata.common.fileio import fsync_file
 from fastdata.common.writeback import Writeback
 from fastdata.format.backends.base import ShardWriter, StorageSpec
 from fastdata.format.backends.hdf5 import spec
+from fastdata.format.chunks import PendingChunks
 from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex
 
 
@@ -114,6 +117,25 @@ class HDF5ShardWriter(ShardWriter):
         self.index: IndexBuilder | SampleIndexBuilder = (
             IndexBuilder() if self.schema is None else SampleIndexBuilder(self.schema))
         self.offsets = [0]
+        # the chunks of chunked fields wait in an unnamed file beside the shard (nothing to
+        # clean up after a crash) and are copied into the ``chunks`` dataset at close
+        self.chunk_file: io.BufferedRandom | None = None
+        self.chunk_bytes = 0
+        self.has_chunks = bool(self.schema is not None and self.schema.chunked_fields())
+
+    def put_chunks(self, pending: PendingChunks) -> int:
+        """Chunks are appended to the shard's chunk bytes; ``first`` is the byte offset of the first."""
+        if self.chunk_file is None:
+            self.chunk_file = tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(self.path)))
+        first = self.chunk_bytes
+        with open(pending.path, "rb") as src:
+            shutil.copyfileobj(src, self.chunk_file, 1 << 20)
+        size = pending.table.stored_bytes
+        if self.chunk_file.tell() != first + size:
+            raise OSError(f"{pending.path}: holds {self.chunk_file.tell() - first} bytes of chunks, its table says "
+                          f"{size}")
+        self.chunk_bytes += size
+        return first
 
     def put(self, samples: Sequence) -> None:
         if isinstance(self.index, SampleIndexBuilder):  # version 2: the payload is the records
@@ -122,7 +144,7 @@ class HDF5ShardWriter(ShardWriter):
             self.writeback.wrote(len(data))
             for s in samples:
                 self.offsets.append(self.offsets[-1] + len(s.record))
-                self.index.add(s)
+                self.index.add(s, self.place_chunks(s))
             return
         if self.storage.mode == "raw":
             h, w = self.storage.raw_hw()
@@ -171,6 +193,10 @@ class HDF5ShardWriter(ShardWriter):
                                        "writer (please report it)")
                 if small:
                     data[...] = np.frombuffer(small, dtype=np.uint8).reshape(shape)
+                chunks_at = None
+                if self.has_chunks:
+                    chunks = f.create_dataset(spec.CHUNKS, shape=(self.chunk_bytes,), dtype=np.uint8, dcpl=dcpl)
+                    chunks_at = chunks.id.get_offset()
                 if self.storage.mode != "raw":
                     f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
                 if isinstance(index, SampleIndex):
@@ -186,8 +212,34 @@ class HDF5ShardWriter(ShardWriter):
             raw.close()
         if raw.error is not None:
             raise OSError(raw.error.errno, raw.error.strerror or str(raw.error), self.path) from raw.error
+        if self.chunk_bytes:
+            self._copy_chunks(chunks_at)
         fsync_file(self.path)
         return index
+
+    def _copy_chunks(self, offset: int | None) -> None:
+        """Copy the waiting chunk bytes into the ``chunks`` dataset's place in the file (libhdf5
+        allocated it, contiguous and never filled), in the kernel where it can."""
+        assert self.chunk_file is not None
+        if offset is None:
+            raise RuntimeError(f"{self.path}: libhdf5 did not allocate the chunks dataset in one piece")
+        self.chunk_file.flush()
+        src = self.chunk_file.fileno()
+        with open(self.path, "r+b") as dst:
+            done = 0
+            while done < self.chunk_bytes:
+                step = min(self.chunk_bytes - done, 64 << 20)
+                try:
+                    copied = os.copy_file_range(src, dst.fileno(), step, done, offset + done)
+                except OSError as err:
+                    if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    copied = os.pwrite(dst.fileno(), os.pread(src, step, done), offset + done)
+                if copied <= 0:
+                    raise OSError(errno.EIO, f"copying the chunks into {self.path} stopped at byte {done}")
+                done += copied
+        self.chunk_file.close()
+        self.chunk_file = None
 
     def abort(self) -> None:
         """Close without finishing (the pipeline deletes the file)."""
@@ -195,6 +247,9 @@ class HDF5ShardWriter(ShardWriter):
             self.payload.close()
         except OSError:
             pass
+        if self.chunk_file is not None:
+            self.chunk_file.close()
+            self.chunk_file = None
         try:
             self.writeback.close()
         except OSError:

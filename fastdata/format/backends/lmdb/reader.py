@@ -84,13 +84,14 @@ class _EnvCache:
         if entry is None:
             identity = checked_open(path)  # before LMDB maps anything: nothing it reads can fault
             env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
-                            max_spare_txns=0, max_dbs=2)
+                            max_spare_txns=0, max_dbs=3)
             try:
                 # the same file (device and inode): its times may move (the shard cache touches a
                 # shard it pins, for LRU), but another file at this path was not checked
                 if _identity(os.stat(path))[:2] != identity[:2]:
                     raise UnsafeStoreError(f"{path}: the shard file was replaced while it was opened")
-                dbs = (env.open_db(spec.RECORDS_DB, create=False), env.open_db(spec.INDEX_DB, create=False))
+                dbs = (env.open_db(spec.RECORDS_DB, create=False), env.open_db(spec.INDEX_DB, create=False),
+                       _chunks_db(env))
             except BaseException:
                 env.close()
                 raise
@@ -111,6 +112,14 @@ class _EnvCache:
 
 
 _ENVS = _EnvCache()
+
+
+def _chunks_db(env):
+    """The shard's ``chunks`` database, or None in a shard without chunked fields."""
+    try:
+        return env.open_db(spec.CHUNKS_DB, create=False)
+    except lmdb.NotFoundError:
+        return None
 
 
 class LMDBShardReader(ShardReader):
@@ -134,7 +143,7 @@ class LMDBShardReader(ShardReader):
         self._pid = os.getpid()
         self._checksums: np.ndarray | None = None  # raw mode: loaded at the first batch
         try:
-            self._key, self.env, (self.records, self.index_db) = _ENVS.acquire(path, readahead)
+            self._key, self.env, (self.records, self.index_db, self.chunks_db) = _ENVS.acquire(path, readahead)
         except (lmdb.Error, OSError) as err:
             self.env = None
             raise FormatError(f"{path}: cannot open LMDB shard ({err}); the file is missing or damaged; "
@@ -261,6 +270,29 @@ class LMDBShardReader(ShardReader):
                     out[j] = self._decode(txn.get(spec.encode_key(i)), i)
         except lmdb.Error as err:
             raise self._damaged(err, i) from None
+        return out
+
+    def get_chunks(self, first: int, table, chunks: Sequence[int], where: str) -> list:
+        """Chunks ``first + j`` of the ``chunks`` database in one read transaction, each checked
+        against its table entry (see :meth:`ShardReader.get_chunks`)."""
+        if self.chunks_db is None:
+            raise CorruptRecordError(f"{where}: the shard {self.path} has no chunks database", shard=self.path)
+        out = []
+        j = -1
+        try:
+            with self._open_env().begin(db=self.chunks_db, buffers=True) as txn:
+                for j in chunks:
+                    view = txn.get(spec.encode_key(first + j)) if 0 <= first + j < 1 << 64 else None
+                    if view is None or len(view) != int(table.nbytes[j]):
+                        raise CorruptRecordError(f"{where} chunk {j}: missing or of the wrong length in "
+                                                 f"{self.path}; run 'fastdata verify'", shard=self.path)
+                    if checksum(view) != int(table.xxh[j]):
+                        raise CorruptRecordError(f"{where} chunk {j}: checksum mismatch (the chunk is damaged); "
+                                                 "run 'fastdata verify'", shard=self.path)
+                    out.append(bytes(view))  # inside the transaction: the view dies with it
+        except lmdb.Error as err:
+            raise CorruptRecordError(f"{where} chunk {j}: unreadable, the shard's internal structure is damaged "
+                                     f"({err})", shard=self.path) from None
         return out
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:

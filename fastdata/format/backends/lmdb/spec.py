@@ -32,6 +32,15 @@ classification one) keeps the same two databases and keys; only the values diffe
     ``n * prod(shape)`` values, C order) and ``b"fields/<image>.format"`` uint8,
     ``.width`` int32, ``.height`` int32 for each image field.
 
+A store whose schema has ``chunked`` fields adds a third named database:
+
+``chunks``
+    key   = a chunk number within the shard, 8-byte big-endian (``struct.pack(">Q", k)``);
+    value = one stored chunk (``fastdata/format/codecs.py``). A value's chunks have
+            consecutive numbers in grid order: chunk ``j`` of a sample's field is key
+            ``first + j``, ``first`` being the index's ``b"fields/<name>.first"`` entry
+            (``uint64``); the record's chunk table gives each one's length and xxh3-64.
+
 The global index of a record is the shard's ``first_index`` (manifest) plus
 its key. Readers open with ``readonly=True, lock=False, max_spare_txns=0``
 (published stores are immutable; no reader-lock table) and ``readahead`` as
@@ -50,6 +59,10 @@ VERSION = 1
 VERSION_2 = 2
 RECORDS_DB = b"records"
 INDEX_DB = b"index"
+CHUNKS_DB = b"chunks"
+#: a write transaction of chunks is committed after about this many bytes (LMDB keeps a
+#: transaction's dirty pages in memory until it commits)
+CHUNK_COMMIT_BYTES = 64 << 20
 HEADER_KEY = b"header"
 KEY = struct.Struct(">Q")
 #: index key -> numpy dtype string (explicit little-endian)

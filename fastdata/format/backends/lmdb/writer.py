@@ -12,6 +12,7 @@ from fastdata.common.fileio import fsync_file
 from fastdata.common.writeback import Writeback
 from fastdata.format.backends.base import ShardWriter, StorageSpec
 from fastdata.format.backends.lmdb import spec
+from fastdata.format.chunks import PendingChunks
 from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex, encode_record
 
 
@@ -26,10 +27,12 @@ class LMDBShardWriter(ShardWriter):
         self.map_size = int(initial_map_size or spec.DEFAULT_INITIAL_MAP_SIZE)
         # lock=False: the store-level lock already guarantees a single writer.
         # sync=False: we sync once at close (env.sync + fsync) instead of per commit.
-        self.env = lmdb.open(path, subdir=False, map_size=self.map_size, max_dbs=2, lock=False,
+        self.env = lmdb.open(path, subdir=False, map_size=self.map_size, max_dbs=3, lock=False,
                              sync=False, metasync=False, readahead=False, meminit=True)
         self.records = self.env.open_db(spec.RECORDS_DB)
         self.index_db = self.env.open_db(spec.INDEX_DB)
+        self.chunks_db = self.env.open_db(spec.CHUNKS_DB) if self.schema and self.schema.chunked_fields() else None
+        self.next_chunk = 0
         self.index: IndexBuilder | SampleIndexBuilder = (
             IndexBuilder() if self.schema is None else SampleIndexBuilder(self.schema))
         self.map_growths = 0
@@ -45,6 +48,36 @@ class LMDBShardWriter(ShardWriter):
                 self.map_size *= 2
                 self.map_growths += 1
                 self.env.set_mapsize(self.map_size)
+
+    def put_chunks(self, pending: PendingChunks) -> int:
+        """Chunks go to the ``chunks`` database under consecutive keys, committed every
+        :data:`~spec.CHUNK_COMMIT_BYTES` so that a large value never sits in one transaction."""
+        first = self.next_chunk
+        batch: list[bytes] = []
+        size = 0
+
+        def flush() -> None:
+            base = self.next_chunk
+
+            def fill(txn):
+                for k, value in enumerate(batch):
+                    if not txn.put(spec.encode_key(base + k), value, db=self.chunks_db, append=True):
+                        raise RuntimeError(f"{self.path}: duplicate chunk key {base + k}")
+
+            self._commit(fill)
+            self.writeback.wrote(sum(map(len, batch)))
+            self.next_chunk += len(batch)
+            batch.clear()
+
+        for data in pending.stored():
+            batch.append(data)
+            size += len(data)
+            if size >= spec.CHUNK_COMMIT_BYTES:
+                flush()
+                size = 0
+        if batch:
+            flush()
+        return first
 
     def put(self, samples: Sequence) -> None:
         start = len(self.index)
@@ -66,7 +99,7 @@ class LMDBShardWriter(ShardWriter):
         self.writeback.wrote(sum(len(v) for v in values))
         if isinstance(self.index, SampleIndexBuilder):
             for s in samples:
-                self.index.add(s)
+                self.index.add(s, self.place_chunks(s))
             return
         for s in samples:
             self.index.add(label=s.label, xxh=s.xxh, width=s.width, height=s.height, fmt=s.fmt,

@@ -1,0 +1,141 @@
+"""Chunk codecs: how the chunks of a ``chunked`` field are compressed on disk.
+
+Every codec is declared here, once (:data:`CHUNK_CODECS`); the field kind
+(:class:`fastdata.format.fields.Chunked`), the writer, the readers, ``verify`` and
+``docs/FORMAT.md`` all look codecs up by name in this table.
+
+The compressors come from numcodecs (the codec library zarr uses, numpy its only
+dependency): a chunk stored with ``blosc-zstd`` is a Blosc frame, so a reader in any
+language decodes it with c-blosc (Python: ``numcodecs.Blosc().decode(data)``); ``zstd``
+and ``lz4`` chunks are numcodecs' ``Zstd``/``LZ4`` frames; ``raw`` chunks are the
+little-endian bytes themselves.
+
+Decoding is bounded: the caller passes the chunk's decoded size (known from the
+schema and the index) and the codec decodes into a buffer of exactly that size, so
+a hostile chunk cannot make a reader allocate more than one chunk.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fastdata.errors import CorruptRecordError
+
+#: the codec a ``Chunked`` field gets unless it names one (chosen by ``benchmarks/bench_codecs.py``)
+DEFAULT_CODEC = "blosc-zstd"
+
+
+@dataclass(frozen=True)
+class ChunkCodec:
+    """One way to store a chunk's bytes.
+
+    Attributes:
+        name: the name stored in the schema (``Chunked(codec=...)``).
+        default_level: the compression level used when the field gives none (None: no levels).
+        levels: the allowed levels ``(low, high)``, or None.
+        describe: one line for FORMAT.md.
+    """
+
+    name: str
+    default_level: int | None
+    levels: tuple[int, int] | None
+    describe: str
+
+    def _compressor(self, level: int | None, typesize: int) -> Any:
+        if self.name == "raw":
+            return None
+        numcodecs = importlib.import_module("numcodecs")
+        if self.name.startswith("blosc-"):
+            # byte shuffle groups the high and low bytes of 16-bit samples: zstd then sees long runs
+            shuffle = numcodecs.Blosc.SHUFFLE if typesize > 1 else numcodecs.Blosc.NOSHUFFLE
+            return numcodecs.Blosc(cname=self.name.split("-", 1)[1], clevel=level, shuffle=shuffle)
+        if self.name == "zstd":
+            return numcodecs.Zstd(level=level)
+        return numcodecs.LZ4(acceleration=1)
+
+    def encode(self, chunk: np.ndarray, level: int | None) -> bytes:
+        """The stored bytes of ``chunk`` (a C-contiguous, little-endian array)."""
+        if self.name == "raw":
+            return chunk.tobytes()
+        return bytes(self._compressor(level, chunk.dtype.itemsize).encode(chunk))
+
+    def decode_into(self, data: bytes | memoryview, out: np.ndarray, where: str) -> None:
+        """Decode the stored bytes ``data`` into ``out`` (a C-contiguous array of exactly the
+        chunk's decoded size): no other buffer is allocated.
+
+        Raises:
+            CorruptRecordError: ``data`` is not a chunk of this codec or decodes to another size
+                (named by ``where``).
+        """
+        target = out.reshape(-1).view(np.uint8)
+        if self.name == "raw":
+            if len(data) != target.nbytes:
+                raise CorruptRecordError(f"{where}: raw chunk of {len(data)} bytes, expected {target.nbytes}")
+            target[:] = np.frombuffer(data, dtype=np.uint8)
+            return
+        try:
+            if self.name.startswith("blosc-"):
+                blosc = importlib.import_module("numcodecs.blosc")
+                # the Blosc header (16 bytes): version, versionlz, flags, typesize, then
+                # nbytes (decoded), blocksize and cbytes (this frame's length) as uint32 LE
+                if len(data) < 16:
+                    raise ValueError("shorter than a Blosc header")
+                decoded, _block, frame = np.frombuffer(bytes(data[4:16]), dtype="<u4").tolist()
+                if decoded != target.nbytes or frame != len(data):
+                    raise ValueError(f"the header says {decoded} bytes in a frame of {frame}, expected "
+                                     f"{target.nbytes} in {len(data)}")
+                blosc.decompress(data, target)
+                return
+            numcodecs = importlib.import_module("numcodecs")
+            codec = numcodecs.Zstd() if self.name == "zstd" else numcodecs.LZ4()
+            if self.name == "lz4":
+                # numcodecs' LZ4 frames start with the decoded size (little-endian int32)
+                if len(data) < 4 or int.from_bytes(bytes(data[:4]), "little") != target.nbytes:
+                    raise ValueError(f"the frame does not say {target.nbytes} bytes")
+            decoded_view = codec.decode(data, out=target)
+            if np.asarray(decoded_view).nbytes != target.nbytes:
+                raise ValueError("short chunk")
+        except CorruptRecordError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the codecs raise several types on damaged frames
+            raise CorruptRecordError(f"{where}: cannot decode the {self.name} chunk ({type(err).__name__}: "
+                                     f"{err}); run 'fastdata verify'") from None
+
+    def check_level(self, level: int | None, where: str) -> int | None:
+        """``level`` checked against :attr:`levels` (None: the default)."""
+        if level is None:
+            return self.default_level
+        if self.levels is None:
+            raise ValueError(f"{where}: codec {self.name!r} takes no level")
+        low, high = self.levels
+        if isinstance(level, bool) or not isinstance(level, int) or not low <= level <= high:
+            raise ValueError(f"{where}: codec {self.name!r} takes a level from {low} to {high}, not {level!r}")
+        return level
+
+
+#: codec name -> codec; ``Chunked(codec=None)`` means ``"raw"``
+CHUNK_CODECS: dict[str, ChunkCodec] = {
+    codec.name: codec for codec in (
+        ChunkCodec("blosc-zstd", 5, (0, 9), "a Blosc frame: byte shuffle (items wider than one byte), zstd"),
+        ChunkCodec("blosc-lz4", 5, (0, 9), "a Blosc frame: byte shuffle (items wider than one byte), lz4"),
+        ChunkCodec("zstd", 3, (-131072, 22), "a zstd frame (numcodecs Zstd)"),
+        ChunkCodec("lz4", None, None, "numcodecs' LZ4: the decoded size (int32 LE), then an lz4 block"),
+        ChunkCodec("raw", None, None, "the chunk's little-endian bytes, uncompressed"),
+    )
+}
+
+
+def chunk_codec(name: str | None, where: str = "chunked field") -> ChunkCodec:
+    """The codec called ``name`` (None: ``"raw"``).
+
+    Raises:
+        ValueError: no such codec (the message lists them).
+    """
+    codec = CHUNK_CODECS.get("raw" if name is None else name)
+    if codec is None:
+        raise ValueError(f"{where}: codec {name!r} is not one of {', '.join(CHUNK_CODECS)} (or None)")
+    return codec
