@@ -18,10 +18,14 @@ from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
 from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.registry import reader_class
+from fastdata.format.chunks import ChunkTable, check_shape, chunk_region, iter_grid
+from fastdata.format.codecs import chunk_codec
 from fastdata.format.manifest import IMAGE_MODES_KEY, read_manifest, schema_of
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, STORE_INDEX_NAME
 from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
 from fastdata.format.record import (
+    chunk_first_key,
+    chunk_shape_key,
     FIELD_PREFIX,
     FORMAT_CODES,
     FORMAT_NAMES,
@@ -274,6 +278,10 @@ def _check_records_v2(backend: str, path: str, storage_json: dict, expected_coun
                 problems.append(f"{where}: record disagrees with the shard index ({', '.join(wrong)}): "
                                 "the record or index is damaged")
                 continue
+            for field in schema.chunked_fields():
+                problem = _check_chunks(reader, index, schema[field], field, record[field], i, decode, where)
+                if problem:
+                    problems.append(problem)
             if not decode:
                 continue
             for field in schema.image_fields():
@@ -293,6 +301,31 @@ def _check_records_v2(backend: str, path: str, storage_json: dict, expected_coun
                     problems.append(f"{where}: image field {field!r}: {native}")
             decoded += 1
     return checked, decoded, problems
+
+
+def _check_chunks(reader, index, field, name: str, table_bytes: bytes, i: int, decode: bool, where: str) -> str | None:
+    """What is wrong with the chunks of chunked field ``name`` of record ``i`` (None: nothing):
+    every chunk's length and xxh3-64 against the record's table, and with ``decode`` each one
+    decoded to its shape."""
+    named = f"{where} field {name!r}"
+    try:
+        shape = check_shape(index.arrays[chunk_shape_key(name)][i], field.chunks, field.dtype.itemsize, named)
+        table = ChunkTable.from_bytes(table_bytes, shape, field.chunks, named)
+        first = int(index.arrays[chunk_first_key(name)][i])
+        codec = chunk_codec(field.codec)
+        positions = iter_grid(shape, field.chunks)
+        for start in range(0, len(table), 64):
+            ids = list(range(start, min(start + 64, len(table))))
+            stored = reader.get_chunks(first, table, ids, named)
+            for j, data in zip(ids, stored, strict=True):
+                position = next(positions)
+                if decode:
+                    out = np.empty(tuple(r.stop - r.start for r in chunk_region(position, shape, field.chunks)),
+                                   dtype=field.dtype)
+                    codec.decode_into(data, out, f"{named} chunk {j}")
+    except FastdataError as err:
+        return str(err)
+    return None
 
 
 def _native_mismatch(actual: tuple[str, int], dtype_code: int, channels: int) -> str | None:

@@ -43,6 +43,8 @@ from fastdata.writer.ingest import SPILL_PREFIX, SPILL_SUFFIX
 
 #: most bytes read from a source at once (one slab of chunks along the first axis)
 SLAB_BYTES = 64 << 20
+#: chunks a probe reads (spread over the value) to estimate its stored size
+PROBE_CHUNKS = 8
 
 
 def _exact(block: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
@@ -128,8 +130,10 @@ def write_chunks(field: Chunked, name: str, value: Any, where: str,
         name: the field's name (for the pending chunks and messages).
         value: a numpy array or array-like with ``shape``, ``dtype`` and slicing.
         where: the sample and field, for messages (``"sample 3 field 'ct'"``).
-        chunk_dir: where the chunks wait for the shard writer; None: measure only (nothing is
-            kept: a writer's probe of a few samples to size its shards).
+        chunk_dir: where the chunks wait for the shard writer; None: a *probe* (the writer
+            sizing its shards from a few samples): only :data:`PROBE_CHUNKS` chunks spread over
+            the value are read and compressed, the others' lengths estimated from them (their
+            checksums left 0), and nothing is kept.
 
     Returns:
         The value's chunk table and its pending chunks (None when ``chunk_dir`` is None).
@@ -154,6 +158,8 @@ def write_chunks(field: Chunked, name: str, value: Any, where: str,
     if chunk_dir is not None:
         fd, path = tempfile.mkstemp(prefix=SPILL_PREFIX, suffix=SPILL_SUFFIX, dir=chunk_dir)
         out = os.fdopen(fd, "wb")
+    if chunk_dir is None:
+        return _probe(field, value, shape, count, where), None
     try:
         memmap = _memmap_reader(value)
         j = 0
@@ -187,6 +193,33 @@ def write_chunks(field: Chunked, name: str, value: Any, where: str,
         raise
     table = ChunkTable(shape, nbytes, xxh)
     return table, (PendingChunks(name, path, table) if path is not None else None)
+
+
+def _probe(field: Chunked, value: Any, shape: tuple[int, ...], count: int, where: str) -> ChunkTable:
+    """The chunk table of a probe (see :func:`write_chunks`): a few chunks measured, the rest estimated."""
+    codec = chunk_codec(field.codec)
+    nbytes = np.zeros(count, dtype=np.uint32)
+    xxh = np.zeros(count, dtype=np.uint64)
+    if count:
+        picks = sorted(set(np.linspace(0, count - 1, min(count, PROBE_CHUNKS)).round().astype(int).tolist()))
+        grid = list(iter_grid(shape, field.chunks)) if count <= 4 * PROBE_CHUNKS else None
+        for j in picks:
+            position = grid[j] if grid is not None else np.unravel_index(j, tuple(
+                -(-s // c) for s, c in zip(shape, field.chunks, strict=True)))
+            region = chunk_region(tuple(int(p) for p in position), shape, field.chunks)
+            block = np.asarray(value[region])
+            want = tuple(r.stop - r.start for r in region)
+            if block.shape != want:
+                raise SchemaError(f"{where}: the array-like returned shape {block.shape} for region "
+                                  f"{[(r.start, r.stop) for r in region]}, expected {want}")
+            stored = codec.encode(_exact(block, field.dtype, f"{where} chunk {j}"), field.level)
+            nbytes[j], xxh[j] = len(stored), checksum(stored)
+        measured = nbytes[picks]
+        estimate = int(measured.mean())
+        rest = np.ones(count, dtype=bool)
+        rest[picks] = False
+        nbytes[rest] = estimate
+    return ChunkTable(shape, nbytes, xxh)
 
 
 class MemmapRef:
