@@ -549,18 +549,19 @@ class Chunked(Field):
 
     kind = "chunked"
 
-    def __init__(self, dtype: Any, chunks: Iterable[int], codec: str | None = None, level: int | None = None):
+    def __init__(self, dtype: Any, chunks: Iterable[int], codec: str | None = "blosc-zstd", level: int | None = None):
         """Args:
             dtype: the stored numpy dtype (values of another dtype are cast when exactly
                 representable, else refused).
             chunks: the chunk shape, one positive side per axis; its length is the values'
                 number of axes (e.g. ``(64, 64, 64)`` for volumes, ``(512, 512, 3)`` for RGB slides).
-            codec: a name from :data:`fastdata.format.codecs.CHUNK_CODECS` (default
-                :data:`~fastdata.format.codecs.DEFAULT_CODEC`), or ``"raw"`` for uncompressed chunks.
+            codec: a name from :data:`fastdata.format.codecs.CHUNK_CODECS` (the default,
+                ``"blosc-zstd"``, is :data:`~fastdata.format.codecs.DEFAULT_CODEC`); ``None`` or
+                ``"raw"`` for uncompressed chunks.
             level: the codec's compression level (None: its default).
         """
         from fastdata.format.chunks import MAX_CHUNK_BYTES
-        from fastdata.format.codecs import DEFAULT_CODEC, chunk_codec
+        from fastdata.format.codecs import chunk_codec
 
         self.dtype = _dtype(dtype, "chunked field")
         try:
@@ -581,7 +582,7 @@ class Chunked(Field):
             raise SchemaError(f"chunked field: a chunk of {list(self.chunks)} {self.dtype.name} is {chunk_bytes:,} "
                               f"bytes, more than the {MAX_CHUNK_BYTES:,} a chunk may hold: use smaller chunks")
         try:
-            self.codec = chunk_codec(DEFAULT_CODEC if codec is None else codec).name
+            self.codec = chunk_codec(codec).name
             self.level = chunk_codec(self.codec).check_level(level, "chunked field")
         except ValueError as err:
             raise SchemaError(str(err)) from None

@@ -122,7 +122,8 @@ def test_a_slicing_only_array_like_is_read_in_slabs_never_whole(tmp_path):
     assert [(k[0].start, k[0].stop) for k in slabs] == [(0, 16), (16, 32), (32, 48), (48, 64)]
     # the shard planner's probe: a few single chunks (of the 4 x 3 x 2), not the whole value
     probe = [k for k in like.reads if k not in slabs]
-    assert 1 <= len(probe) <= 8 and all(r.stop - r.start <= c for k in probe for r, c in zip(k, CHUNKS))
+    assert 1 <= len(probe) <= 8 and all(r.stop - r.start <= c for k in probe
+                                    for r, c in zip(k, CHUNKS, strict=True))
 
 
 def test_slabs_larger_than_the_bound_are_read_chunk_by_chunk(tmp_path, monkeypatch):
@@ -140,7 +141,8 @@ def test_slabs_larger_than_the_bound_are_read_chunk_by_chunk(tmp_path, monkeypat
 
 def test_a_slice_of_the_wrong_shape_names_the_sample_field_and_region(tmp_path):
     bad = SliceOnly(volume(0, (40, 20, 20)), wrong_at=1)
-    with pytest.raises(SchemaError, match=r"sample 1 field 'ct': the array-like returned shape \(15, .* expected \(16, "):
+    message = r"sample 1 field 'ct': the array-like returned shape \(15, .* expected \(16, "
+    with pytest.raises(SchemaError, match=message):
         fastdata.write([{"ct": volume(1, (4, 4, 4)), "label": 0}, {"ct": bad, "label": 1}], tmp_path / "s.lmdb",
                        SCHEMA, workers=0, progress=False)
     assert not (tmp_path / "s.lmdb" / "manifest.json").exists()

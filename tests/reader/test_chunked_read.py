@@ -1,0 +1,246 @@
+"""Reading chunked fields: region reads equal numpy slicing (Hypothesis), touch only the
+chunks they need (counted), pickle light and read in DataLoader workers; damaged chunks
+and hostile indexes are clear errors before any large allocation."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import pickle
+
+import h5py
+import lmdb
+import msgpack
+import numpy as np
+import pytest
+import torch
+from helpers.volumes import SCHEMA, volume
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastdata
+from fastdata.errors import CorruptRecordError
+from fastdata.fields import Chunked
+
+SHAPES = [(64, 64, 64), (40, 33, 21), (5, 70, 9)]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunked")
+    vols = [volume(i, shape) for i, shape in enumerate(SHAPES)]
+    out = {}
+    for suffix in (".lmdb", ".h5"):
+        dst = root / f"v{suffix}"
+        fastdata.write([{"ct": v, "label": i} for i, v in enumerate(vols)], dst, SCHEMA, workers=0, progress=False)
+        out[suffix] = dst
+    return out, vols
+
+
+def _axis_key(size: int):
+    """A strategy for one axis' index: an int in range or a slice with any step."""
+    bound = st.integers(-size - 3, size + 3) | st.none()
+    step = st.integers(-7, 7).filter(lambda s: s != 0) | st.none()
+    as_slice = st.builds(slice, bound, bound, step)
+    return as_slice | st.integers(-size, size - 1) if size else as_slice
+
+
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_region_reads_equal_numpy_slicing(stores, suffix, data):
+    paths, vols = stores
+    ds = fastdata.open_dataset(paths[suffix])
+    i = data.draw(st.integers(0, len(vols) - 1))
+    arr, want = ds[i]["ct"], vols[i]
+    key = tuple(data.draw(_axis_key(n)) for n in want.shape[:data.draw(st.integers(1, 3))])
+    if data.draw(st.booleans()):
+        key = (*key, Ellipsis)
+    got = arr[key]
+    assert got.shape == want[key].shape and got.dtype == want.dtype
+    assert np.array_equal(got, want[key])
+
+
+def test_a_region_touches_only_its_chunks(stores):
+    paths, vols = stores
+    ds = fastdata.open_dataset(paths[".lmdb"])
+    arr = ds[0]["ct"]  # 64^3 in chunks of 16^3: 64 chunks
+    patch = arr[10:42, 20:52, 30:62]  # axes touch chunks 0-2, 1-3, 1-3
+    assert np.array_equal(patch, vols[0][10:42, 20:52, 30:62])
+    assert arr.chunks_read == 3 * 3 * 3
+    assert arr.chunks_read * 16 ** 3 * 2 <= 4 * patch.nbytes  # bytes decoded <= 4x the patch's own
+    aligned = ds[0]["ct"]
+    aligned[16:48, 16:48, 16:48]
+    assert aligned.chunks_read == 8
+    strided = ds[0]["ct"]
+    assert np.array_equal(strided[::32, 5, 5], vols[0][::32, 5, 5])
+    assert strided.chunks_read == 2  # rows 0 and 32: chunks 0 and 2 along the axis, never 1 or 3
+
+
+def test_a_lazy_array_pickles_light_and_reads_in_a_spawned_process(stores):
+    paths, vols = stores
+    arr = fastdata.open_dataset(paths[".h5"])[0]["ct"]
+    arr[0, 0, 0]  # its dataset has the shard open in this process: none of that travels
+    blob = pickle.dumps(arr)
+    assert len(blob) < 20_000 < vols[0].nbytes
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        got = pool.apply(_region_sum, (blob,))
+    assert got == int(vols[0][3:40, ::3, 7].astype(np.int64).sum())
+
+
+def _region_sum(blob: bytes) -> int:
+    return int(pickle.loads(blob)[3:40, ::3, 7].astype(np.int64).sum())
+
+
+class _Regions(torch.utils.data.Dataset):
+    """Reads one fixed region of every sample (what a patch dataset does)."""
+
+    def __init__(self, store):
+        self.ds = fastdata.open_dataset(store)
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.ds[i]["ct"][:4, :4, :4].astype(np.int32))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_read_regions(stores, context):
+    paths, vols = stores
+    ds = _Regions(paths[".lmdb"])
+    ds.ds[0]["ct"][0, 0, 0]  # the parent has the shard open before the workers start
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    got = [t.numpy() for t in loader]
+    assert all(np.array_equal(g, v[:4, :4, :4]) for g, v in zip(got, vols, strict=True))
+
+
+def test_bad_indices_are_index_errors(stores):
+    paths, _ = stores
+    arr = fastdata.open_dataset(paths[".lmdb"])[1]["ct"]
+    for key, message in [((40, 0, 0), "out of bounds for axis 0"), ((0, 0, 0, 0), "too many indices"),
+                         (([1, 2],), "basic indexing"), ((..., ...), "single ellipsis")]:
+        with pytest.raises(IndexError, match=message):
+            arr[key]
+    assert arr.chunks_read == 0
+
+
+def test_a_region_over_the_read_limit_is_refused_before_allocating(stores, monkeypatch):
+    paths, _ = stores
+    arr = fastdata.open_dataset(paths[".lmdb"])[0]["ct"]
+    monkeypatch.setenv("FASTDATA_MAX_REGION_BYTES", str(1000))
+    with pytest.raises(ValueError, match="more than the 1,000 one read may allocate"):
+        arr[...]
+    assert arr[:5, :5, :5].shape == (5, 5, 5)  # 250 bytes: fine
+
+
+def _flip_in_file(path, needle: bytes, at: int) -> None:
+    data = path.read_bytes()
+    where = data.find(needle)
+    assert where >= 0 and data.find(needle, where + 1) < 0, "the chunk's bytes must occur once in the shard"
+    with open(path, "r+b") as fh:
+        fh.seek(where + at)
+        byte = fh.read(1)
+        fh.seek(where + at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+def test_a_damaged_chunk_names_the_sample_field_and_chunk(tmp_path, suffix):
+    dst = tmp_path / f"d{suffix}"
+    fastdata.write([{"ct": volume(i, (32, 32, 32)), "label": i} for i in range(2)], dst, SCHEMA, workers=0,
+                   progress=False)
+    ds = fastdata.open_dataset(dst)
+    arr = ds[1]["ct"]
+    stored = ds._reader(0).get_chunks(arr._first, arr._table, [5], "x")[0]
+    ds.close()
+    _flip_in_file(dst / f"shard-00000{suffix}", bytes(stored), len(stored) // 2)
+    fresh = fastdata.open_dataset(dst)[1]["ct"]
+    assert np.array_equal(fresh[:16, :16, :16], volume(1, (32, 32, 32))[:16, :16, :16])  # chunk 0 is fine
+    with pytest.raises(CorruptRecordError, match=r"sample 1\) field 'ct' chunk 5: checksum mismatch"):
+        fresh[16:, :16, 16:]  # chunk (1, 0, 1) = 5
+    report = fastdata.verify(str(dst))
+    assert not report.ok and any("field 'ct' chunk 5: checksum mismatch" in p for p in report.problems)
+
+
+def _in_a_fresh_process(fn, *args):
+    """``fn(*args)`` in a spawned interpreter: one that has no LMDB environment or HDF5 file of
+    this process's datasets open (both refuse a second open of a file in one process)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _set_shape(shard: str, shape: list[int]) -> None:
+    with h5py.File(shard, "r+") as f:
+        f["fields/ct.shape"][0] = shape
+
+
+def test_a_hostile_shape_in_the_index_is_refused_before_any_allocation(tmp_path):
+    dst = tmp_path / "h.h5"
+    fastdata.write([{"ct": volume(0, (20, 20, 20)), "label": 0}], dst, SCHEMA, workers=0, progress=False)
+    shard = str(dst / "shard-00000.h5")
+    _in_a_fresh_process(_set_shape, shard, [1 << 40, 1 << 40, 1 << 20])  # exabytes, 2^92 chunks
+    with pytest.raises(CorruptRecordError, match="chunks, more than the"):
+        fastdata.open_dataset(dst)[0]
+    _in_a_fresh_process(_set_shape, shard, [2000, 2000, 2000])  # within the chunk limit, not the table's length
+    with pytest.raises(CorruptRecordError, match="chunk table of 96 bytes, expected"):
+        fastdata.open_dataset(dst)[0]
+
+
+def test_the_chunk_layout_reads_with_lmdb_h5py_and_numcodecs_alone(stores):
+    """What FORMAT.md promises: a reader with no fastdata code gets the values back."""
+    paths, vols = stores
+    for suffix, path in paths.items():
+        assert np.array_equal(_in_a_fresh_process(_read_without_fastdata, path, suffix), vols[1]), suffix
+
+
+def _read_without_fastdata(path, suffix: str) -> np.ndarray:
+    """Sample 1's ``ct`` of the store ``path``, read as FORMAT.md describes, with no fastdata code."""
+    import json
+
+    import numcodecs
+
+    if True:
+        manifest = json.loads((path / "manifest.json").read_text())
+        field = next(f for f in manifest["schema"] if f["name"] == "ct")
+        assert field["codec"] == "blosc-zstd"
+        chunks = tuple(field["chunks"])
+        shard = path / manifest["shards"][0]["name"]
+        if suffix == ".lmdb":
+            env = lmdb.open(str(shard), subdir=False, readonly=True, lock=False, max_dbs=3)
+            with env.begin() as txn:
+                index_db, records_db, chunks_db = (env.open_db(n, txn=txn, create=False)
+                                                   for n in (b"index", b"records", b"chunks"))
+                shapes = np.frombuffer(txn.get(b"fields/ct.shape", db=index_db), "<i8").reshape(-1, 3)
+                firsts = np.frombuffer(txn.get(b"fields/ct.first", db=index_db), "<u8")
+                record = msgpack.unpackb(txn.get((1).to_bytes(8, "big"), db=records_db))
+                entries = np.frombuffer(record["ct"], dtype=[("nbytes", "<u4"), ("xxh", "<u8")])
+                stored = [txn.get(int(firsts[1] + j).to_bytes(8, "big"), db=chunks_db) for j in range(len(entries))]
+            env.close()
+        else:
+            with h5py.File(shard, "r") as f:
+                shapes, firsts = f["fields/ct.shape"][()], f["fields/ct.first"][()]
+                offsets = f["offsets"][()]
+                record = msgpack.unpackb(f["records"][offsets[1]:offsets[2]].tobytes())
+                entries = np.frombuffer(record["ct"], dtype=[("nbytes", "<u4"), ("xxh", "<u8")])
+                starts = int(firsts[1]) + np.concatenate([[0], np.cumsum(entries["nbytes"].astype(np.int64))])
+                stored = [f["chunks"][starts[j]:starts[j + 1]].tobytes() for j in range(len(entries))]
+        shape = tuple(int(s) for s in shapes[1])
+        grid = [math.ceil(s / c) for s, c in zip(shape, chunks, strict=True)]
+        out = np.zeros(shape, dtype="<u2")
+        for j, data in enumerate(stored):
+            pos = np.unravel_index(j, grid)
+            region = tuple(slice(p * c, min((p + 1) * c, s)) for p, c, s in zip(pos, chunks, shape, strict=True))
+            block = np.frombuffer(numcodecs.Blosc().decode(data), dtype="<u2")
+            out[region] = block.reshape([r.stop - r.start for r in region])
+        return out
+
+
+def test_a_chunked_schema_round_trips_through_the_manifest():
+    from fastdata.format.fields import Schema
+
+    schema = Schema.of({"ct": Chunked("int16", (8, 16, 4), codec="zstd", level=7), "raw": Chunked("float32", (5,),
+                                                                                                 codec=None)})
+    back = Schema.from_json(schema.to_json())
+    assert back == schema and back["raw"].codec == "raw" and back["ct"].level == 7
