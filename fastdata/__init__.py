@@ -11,6 +11,7 @@ Public API::
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
     fastdata.seed_worker, fastdata.loader, fastdata.collate
     fastdata.DistributedShardSampler
+    fastdata.PatchDataset, fastdata.Stitcher, fastdata.stitch
     fastdata.diagnose
     fastdata.errors, fastdata.fields, fastdata.transforms, fastdata.targets, fastdata.synth
 
@@ -53,6 +54,9 @@ _LAZY = {
     "loader": "fastdata.reader.loader",
     "DistributedShardSampler": "fastdata.reader.sampler",
     "diagnose": "fastdata.tools.diagnose",
+    "PatchDataset": "fastdata.reader.patches",
+    "Stitcher": "fastdata.reader.patches",
+    "stitch": "fastdata.reader.patches",
 }
 #: public modules: ``fastdata.<name>`` is the module itself (thin alias modules beside this file)
 _MODULES = ("fields", "transforms", "targets", "synth", "synth_coco")
@@ -66,6 +70,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset  # noqa: F401
     from fastdata.reader.loader import loader  # noqa: F401
     from fastdata.reader.open import open_dataset  # noqa: F401
+    from fastdata.reader.patches import PatchDataset, Stitcher, stitch  # noqa: F401
     from fastdata.reader.sampler import DistributedShardSampler  # noqa: F401
     from fastdata.reader.seeding import seed_worker  # noqa: F401
     from fastdata.tools.diagnose import diagnose  # noqa: F401

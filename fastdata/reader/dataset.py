@@ -667,6 +667,13 @@ class StoreDataset(Dataset):
             return self._skip_to_next(index, err, functools.partial(self._load, epoch))[1]
         return self._finish(image, index)
 
+    def replace_damaged(self, index: int, err: CorruptRecordError, load: Callable[[int], Any]) -> tuple[int, Any]:
+        """What a dataset built on this one (e.g. :class:`fastdata.PatchDataset`, which finds a damaged
+        chunk only when it reads a patch) does with damage in sample ``index``: this dataset's
+        ``on_error`` policy, as for its own reads (raise ``err``, or count, warn and return
+        ``(k, load(k))`` for the next readable sample ``k``)."""
+        return self._skip_to_next(index, err, load)
+
     def _skip_to_next(self, index: int, err: CorruptRecordError, load: Callable[[int], Any]) -> tuple[int, Any]:
         """The one ``on_error`` policy for a damaged sample, shared by every read path.
 

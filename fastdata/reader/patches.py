@@ -33,6 +33,7 @@ datasets pickle without handles).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fastdata.errors import CorruptRecordError
 from fastdata.reader.batching import Samples
 from fastdata.reader.seeding import EpochIndex, epoch_of, sample_rng
 
@@ -511,7 +513,20 @@ class PatchDataset(Dataset):
         epoch = epoch_of(index, self.epoch)
         p = self._check_index(index)
         sample = self.sample_of(p)
-        return self._patch(p, sample, self._base_sample(sample, epoch), epoch)
+        return self._patch_or_replace(p, sample, lambda: self._base_sample(sample, epoch), epoch)
+
+    def _patch_or_replace(self, p: int, sample: int, load: Callable[[], Mapping], epoch: int | None) -> Any:
+        """Patch ``p`` of ``sample`` (``load()`` gives the sample); a damaged chunk found while cutting it
+        goes to the base's ``on_error`` policy (``replace_damaged``): raised, or the same patch number
+        cut from the next readable sample (uniform and weighted samplers; a grid tile belongs to its
+        sample's shape, so damage under the grid sampler is always raised)."""
+        try:
+            return self._patch(p, sample, load(), epoch)
+        except CorruptRecordError as err:
+            replace = getattr(self.base, "replace_damaged", None)
+            if replace is None or self.sampler == "grid":
+                raise
+            return replace(sample, err, lambda k: self._patch(p, k, self._base_sample(k, epoch), epoch))[1]
 
     def __getitems__(self, indices: Sequence[int]) -> Samples:
         """A batch of patch dicts (the DataLoader calls this): each distinct sample of the batch is
@@ -525,8 +540,10 @@ class PatchDataset(Dataset):
         get_many = getattr(self.base, "__getitems__", None)
         loaded = get_many(wanted) if callable(get_many) else [self.base[i] for i in wanted]
         by_sample = dict(zip(distinct, loaded, strict=True))
-        out = Samples(self._patch(p, s, by_sample[s], epoch) for p, s in zip(patches, samples, strict=True))
-        out.skips = int(getattr(loaded, "skips", 0))
+        before = self.skipped
+        out = Samples(self._patch_or_replace(p, s, functools.partial(by_sample.__getitem__, s), epoch)
+                      for p, s in zip(patches, samples, strict=True))
+        out.skips = int(getattr(loaded, "skips", 0)) + self.skipped - before
         out.token = str(getattr(loaded, "token", ""))
         out.ragged = tuple(getattr(loaded, "ragged", ()))
         return out
