@@ -18,6 +18,8 @@ a hostile chunk cannot make a reader allocate more than one chunk.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,37 @@ from fastdata.errors import CorruptRecordError
 
 #: the codec a ``Chunked`` field gets unless it names one (chosen by ``benchmarks/bench_codecs.py``)
 DEFAULT_CODEC = "blosc-zstd"
+_blosc_ready_pid: int | None = None
+
+
+def _blosc() -> Any:
+    """``numcodecs.blosc``, set up once per process.
+
+    * In a child process (a writer worker, a DataLoader worker) Blosc's own threads are off
+      unless the user chose (``numcodecs.blosc.use_threads`` left at None): there is already
+      a process per core, so threads would only oversubscribe them. The main process keeps
+      numcodecs' default (threads when called from a main thread: a single process decoding a
+      large region is faster with them).
+    * numcodecs guards Blosc with a ``multiprocessing.Lock`` it makes on first use. In a process
+      started by forkserver or spawn (the writer's workers, whenever the converter has threads,
+      which numpy's BLAS pool alone gives it) such a lock is a named semaphore registered with
+      the resource tracker, which reports it as leaked when the pool ends its workers: one
+      warning per worker at the end of every conversion. So fastdata gives numcodecs that lock
+      first, made by the fork context (an unnamed semaphore, nothing registered). It only does
+      so while numcodecs has made none (its ``_MUTEX_IS_INIT``), and if numcodecs ever drops
+      these globals nothing is done.
+    """
+    global _blosc_ready_pid
+    blosc = importlib.import_module("numcodecs.blosc")
+    if _blosc_ready_pid != os.getpid():
+        if blosc.use_threads is None and multiprocessing.parent_process() is not None:
+            blosc.use_threads = False
+        if (getattr(blosc, "_MUTEX_IS_INIT", True) is False and getattr(blosc, "_MUTEX", False) is None
+                and "fork" in multiprocessing.get_all_start_methods()):
+            blosc._MUTEX = multiprocessing.get_context("fork").Lock()
+            blosc._MUTEX_IS_INIT = True
+        _blosc_ready_pid = os.getpid()
+    return blosc
 
 
 @dataclass(frozen=True)
@@ -50,6 +83,7 @@ class ChunkCodec:
             return None
         numcodecs = importlib.import_module("numcodecs")
         if self.name.startswith("blosc-"):
+            _blosc()
             # byte shuffle groups the high and low bytes of 16-bit samples: zstd then sees long runs
             shuffle = numcodecs.Blosc.SHUFFLE if typesize > 1 else numcodecs.Blosc.NOSHUFFLE
             return numcodecs.Blosc(cname=self.name.split("-", 1)[1], clevel=level, shuffle=shuffle)
@@ -79,7 +113,7 @@ class ChunkCodec:
             return
         try:
             if self.name.startswith("blosc-"):
-                blosc = importlib.import_module("numcodecs.blosc")
+                blosc = _blosc()
                 # the Blosc header (16 bytes): version, versionlz, flags, typesize, then
                 # nbytes (decoded), blocksize and cbytes (this frame's length) as uint32 LE
                 if len(data) < 16:

@@ -52,3 +52,18 @@ def test_medical_images_example_reads_16_bit_and_bands_unchanged(tmp_path):
     for part in (ct, bands):
         assert all(math.isfinite(v) for v in (part["normalized_mean"], part["normalized_std"]))
         assert 0.5 < part["normalized_std"] < 2.0  # normalized with the data's own range, not 0-255
+
+
+def test_ct_patches_example_trains_on_patches_and_stitches_grid_inference(tmp_path):
+    summary = tmp_path / "summary.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "ct_patches.py"), "--volumes", "3", "--shape", "64", "80", "72",
+           "--batches", "2", "--json", str(summary)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    assert result["scans"] == 3 and result["batches"] == 2 and result["batch_shape"] == [8, 32, 32, 32]
+    assert result["stored_bytes"] < result["raw_bytes"]  # compressed chunks
+    assert result["labelled_fraction"] > 0.2  # half the patches are centred on labelled voxels
+    assert result["stitched_equal"] and result["tiles"] > 3
+    assert "leaked semaphore" not in proc.stderr
