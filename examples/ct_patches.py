@@ -83,8 +83,10 @@ def main(argv=None) -> int:
         foreground.append(float((batch["label"] > 0).float().mean()))
         if k + 1 == args.batches:
             break
+    overall = float(np.mean([np.count_nonzero(np.asarray(ds[i]["label"])) / ds[i]["label"].size
+                             for i in range(len(ds))]))
     print(f"loaded {len(shapes)} batches of {shapes[0]} patches with {args.workers} workers; "
-          f"{np.mean(foreground):.0%} of their voxels labelled")
+          f"{np.mean(foreground):.0%} of their voxels labelled ({overall:.0%} of the scans' voxels are)")
 
     # -- inference: overlapping tiles of every scan, stitched back ---------------------------
     grid = fastdata.PatchDataset(ds, (64, 64, 64), fields=("ct",), sampler="grid", overlap=16)
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"scans": report.images, "stored_bytes": stored, "raw_bytes": raw, "batch_shape": shapes[0],
                        "batches": len(shapes), "labelled_fraction": float(np.mean(foreground)),
+                       "scans_labelled_fraction": overall,
                        "tiles": len(grid), "stitched_equal": all(agree)}, fh)
     return 0
 

@@ -50,7 +50,7 @@ def _blosc() -> Any:
       these globals nothing is done.
     """
     global _blosc_ready_pid
-    blosc = importlib.import_module("numcodecs.blosc")
+    blosc: Any = importlib.import_module("numcodecs.blosc")
     if _blosc_ready_pid != os.getpid():
         if blosc.use_threads is None and multiprocessing.parent_process() is not None:
             blosc.use_threads = False

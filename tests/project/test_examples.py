@@ -64,6 +64,7 @@ def test_ct_patches_example_trains_on_patches_and_stitches_grid_inference(tmp_pa
     result = json.loads(summary.read_text())
     assert result["scans"] == 3 and result["batches"] == 2 and result["batch_shape"] == [8, 32, 32, 32]
     assert result["stored_bytes"] < result["raw_bytes"]  # compressed chunks
-    assert result["labelled_fraction"] > 0.2  # half the patches are centred on labelled voxels
+    # half the patches are centred on labelled voxels: more of their voxels are labelled than of the scans'
+    assert result["labelled_fraction"] > 1.5 * result["scans_labelled_fraction"]
     assert result["stitched_equal"] and result["tiles"] > 3
     assert "leaked semaphore" not in proc.stderr
