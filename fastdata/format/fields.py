@@ -544,7 +544,7 @@ class Chunked(Field):
     nibabel's ``dataobj``) and reads it chunk by chunk: the whole value is never in memory.
     Readers return a lazy array (:class:`fastdata.reader.chunked.ChunkedArray`).
 
-    Chunk layout and codecs: :mod:`fastdata.format.chunks`, :mod:`fastdata.format.codecs`.
+    Chunk layout and codecs: :mod:`fastdata.format.chunks`, :mod:`fastdata.format.chunk_codecs`.
     """
 
     kind = "chunked"
@@ -555,13 +555,13 @@ class Chunked(Field):
                 representable, else refused).
             chunks: the chunk shape, one positive side per axis; its length is the values'
                 number of axes (e.g. ``(64, 64, 64)`` for volumes, ``(512, 512, 3)`` for RGB slides).
-            codec: a name from :data:`fastdata.format.codecs.CHUNK_CODECS` (the default,
-                ``"blosc-zstd"``, is :data:`~fastdata.format.codecs.DEFAULT_CODEC`); ``None`` or
+            codec: a name from :data:`fastdata.format.chunk_codecs.CHUNK_CODECS` (the default,
+                ``"blosc-zstd"``, is :data:`~fastdata.format.chunk_codecs.DEFAULT_CODEC`); ``None`` or
                 ``"raw"`` for uncompressed chunks.
             level: the codec's compression level (None: its default).
         """
         from fastdata.format.chunks import MAX_CHUNK_BYTES
-        from fastdata.format.codecs import chunk_codec
+        from fastdata.format.chunk_codecs import chunk_codec
 
         self.dtype = _dtype(dtype, "chunked field")
         try:

@@ -25,7 +25,7 @@ import numpy as np
 
 from fastdata.errors import CorruptRecordError, FastdataError, StoreChangedError
 from fastdata.format.chunks import ChunkTable, chunk_region, grid_shape, linear_index
-from fastdata.format.codecs import chunk_codec
+from fastdata.format.chunk_codecs import chunk_codec
 from fastdata.format.fields import Chunked
 
 #: chunks fetched from the shard at once (one read transaction / one readahead advice)

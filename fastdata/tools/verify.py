@@ -19,7 +19,7 @@ from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, Re
 from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.chunks import ChunkTable, check_shape, chunk_region, iter_grid
-from fastdata.format.codecs import chunk_codec
+from fastdata.format.chunk_codecs import chunk_codec
 from fastdata.format.manifest import IMAGE_MODES_KEY, read_manifest, schema_of
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, STORE_INDEX_NAME
 from fastdata.format.store_index import MANIFEST_KEY, parse_store_index

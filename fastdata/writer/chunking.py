@@ -36,7 +36,7 @@ from fastdata.format.chunks import (
     chunk_region,
     iter_grid,
 )
-from fastdata.format.codecs import chunk_codec
+from fastdata.format.chunk_codecs import chunk_codec
 from fastdata.format.fields import Chunked, SchemaError
 from fastdata.format.record import checksum
 from fastdata.writer.ingest import SPILL_PREFIX, SPILL_SUFFIX

@@ -36,7 +36,7 @@ A store whose schema has ``chunked`` fields adds a third named database:
 
 ``chunks``
     key   = a chunk number within the shard, 8-byte big-endian (``struct.pack(">Q", k)``);
-    value = one stored chunk (``fastdata/format/codecs.py``). A value's chunks have
+    value = one stored chunk (``fastdata/format/chunk_codecs.py``). A value's chunks have
             consecutive numbers in grid order: chunk ``j`` of a sample's field is key
             ``first + j``, ``first`` being the index's ``b"fields/<name>.first"`` entry
             (``uint64``); the record's chunk table gives each one's length and xxh3-64.
