@@ -82,6 +82,10 @@ def _cmd_info(args) -> int:
     print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
     print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
     _print_images(data)
+    for name, census in (data.get("arrays") or {}).items():
+        shapes = ("no samples" if census["min_shape"] is None else
+                  f"shapes {tuple(census['min_shape'])} .. {tuple(census['max_shape'])}")
+        print(f"{printable(name) + ':':<9} {shapes}; {format_size(census['raw_bytes'])} of values uncompressed")
     if data.get("schema"):
         from fastdata.format.fields import Schema
 

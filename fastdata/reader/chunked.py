@@ -214,6 +214,22 @@ class ChunkedArray:
         drops = tuple(i for i, a in enumerate(axes) if a.drop)
         return out.reshape(tuple(n for i, n in enumerate(out_shape) if i not in drops)) if drops else out
 
+    def read(self, start: Sequence[int], size: Sequence[int]) -> np.ndarray:
+        """The box of ``size`` starting at ``start`` (one entry per axis), refused unless it lies
+        inside the array (where ``arr[a:b]`` would clip like numpy).
+
+        Raises:
+            IndexError: the box reaches outside the array (naming the sample, field and axis).
+        """
+        if len(start) != self.ndim or len(size) != self.ndim:
+            raise IndexError(f"{self._where}: read() takes {self.ndim} starts and sizes, got {len(start)} and "
+                             f"{len(size)}")
+        for axis, (a, n, s) in enumerate(zip(start, size, self.shape, strict=True)):
+            if a < 0 or n < 0 or a + n > s:
+                raise IndexError(f"{self._where}: region [{a}, {a + n}) is outside axis {axis} of size {s} "
+                                 f"(shape {self.shape})")
+        return self[tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size, strict=True))]
+
     def _fetch(self, chunks: Sequence[int]) -> list:
         try:
             return self._shards.get(self._shard).get_chunks(self._first, self._table, chunks, self._where)

@@ -63,7 +63,7 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
             raise RemoteStoreError(f"{store}: storage_options apply to remote URLs only, not to a local path")
         m = read_manifest(store)
         where = os.path.abspath(store)
-    images, images_error = _images_held(where, m, remote)
+    images, arrays, images_error = _census(where, m, remote)
     return {
         "path": where,
         "backend": m["backend"],
@@ -80,6 +80,7 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "options": m["options"],
         "schema": m.get("schema"),
         "images": images,
+        "arrays": arrays,
         "images_error": images_error,
         "image_modes": _default_modes(m),
     }
@@ -101,14 +102,16 @@ def _default_modes(m: dict) -> dict[str, str]:
     return out
 
 
-def _images_held(where: str, m: dict, remote: RemoteStore | None) -> tuple[dict | None, str | None]:
-    """``({image field: image_census}, None)`` from the store index file (``index.fdi``: no shard is
-    opened), or ``(None, why)`` when the store has none (made by an older fastdata) or it is
-    unreadable. A store made before dtypes were recorded counts its images as "not recorded"."""
+def _census(where: str, m: dict, remote: RemoteStore | None) -> tuple[dict | None, dict | None, str | None]:
+    """``({image field: image_census}, {chunked field: array census}, None)`` from the store index
+    file (``index.fdi``: no shard is opened), or ``(None, None, why)`` when the store has none (made
+    by an older fastdata) or it is unreadable. A store made before dtypes were recorded counts its
+    images as "not recorded". An array census gives the smallest and largest shape and the values'
+    bytes uncompressed (``raw_bytes``)."""
     from fastdata.writer.census import image_census
 
     if MANIFEST_KEY not in m:
-        return None, f"not recorded (no {STORE_INDEX_NAME}: the store was made by an older fastdata)"
+        return None, None, f"not recorded (no {STORE_INDEX_NAME}: the store was made by an older fastdata)"
     schema = schema_of(m)
     try:
         if remote is not None:
@@ -119,8 +122,16 @@ def _images_held(where: str, m: dict, remote: RemoteStore | None) -> tuple[dict 
             data = read_regular(path, m[MANIFEST_KEY]["bytes"] + 1, "store index")
             indexes = parse_store_index(data, m, None if m["version"] == 1 else schema, path)
     except (FastdataError, OSError) as err:
-        return None, f"unreadable ({err})"
-    return {name: image_census(indexes, name) for name in schema.image_fields()}, None
+        return None, None, f"unreadable ({err})"
+    arrays = {}
+    for name in schema.chunked_fields():
+        shapes = [index.arrays[chunk_shape_key(name)] for index in indexes if len(index)]
+        both = np.concatenate(shapes) if shapes else np.zeros((0, schema[name].ndim), dtype=np.int64)
+        values = int(np.prod(both.astype(object), axis=1).sum()) if len(both) else 0
+        arrays[name] = {"min_shape": both.min(axis=0).tolist() if len(both) else None,
+                        "max_shape": both.max(axis=0).tolist() if len(both) else None,
+                        "raw_bytes": values * schema[name].dtype.itemsize}
+    return {name: image_census(indexes, name) for name in schema.image_fields()}, arrays, None
 
 
 #: :attr:`VerifyReport.status` values

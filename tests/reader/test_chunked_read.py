@@ -126,6 +126,17 @@ def test_bad_indices_are_index_errors(stores):
     assert arr.chunks_read == 0
 
 
+def test_read_refuses_a_box_outside_the_array_where_slicing_clips(stores):
+    paths, vols = stores
+    arr = fastdata.open_dataset(paths[".h5"])[1]["ct"]  # (40, 33, 21)
+    assert np.array_equal(arr.read((30, 0, 5), (10, 33, 16)), vols[1][30:40, :, 5:21])
+    with pytest.raises(IndexError, match=r"field 'ct': region \[30, 41\) is outside axis 0 of size 40"):
+        arr.read((30, 0, 0), (11, 4, 4))
+    with pytest.raises(IndexError, match="outside axis 2"):
+        arr.read((0, 0, -1), (1, 1, 2))
+    assert arr[30:41].shape == (10, 33, 21)  # numpy's clipping, for slices
+
+
 def test_a_region_over_the_read_limit_is_refused_before_allocating(stores, monkeypatch):
     paths, _ = stores
     arr = fastdata.open_dataset(paths[".lmdb"])[0]["ct"]

@@ -244,3 +244,17 @@ def test_a_conversion_with_worker_processes_leaves_no_leaked_semaphore_warning(t
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) == int(volume(0).astype(np.int64).sum())
     assert "leaked semaphore" not in proc.stderr
+
+
+def test_info_lists_the_shapes_and_verify_decodes_every_chunk(tmp_path, capsys):
+    from fastdata.cli.main import main
+
+    dst = tmp_path / "s.h5"
+    fastdata.write([{"ct": volume(i), "label": i} for i in range(3)], dst, SCHEMA, workers=0, progress=False)
+    assert main(["info", str(dst)]) == 0
+    raw = sum(volume(i).nbytes for i in range(3))
+    assert f"ct:       shapes (5, 16, 9) .. (40, 70, 21); {raw / 1024:.1f} KiB of values uncompressed" in \
+        capsys.readouterr().out
+    assert fastdata.info(str(dst))["arrays"]["ct"]["raw_bytes"] == raw
+    assert main(["verify", str(dst), "--decode"]) == 0
+    assert "3 records verified, 3 decoded" in capsys.readouterr().out
