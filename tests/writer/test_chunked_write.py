@@ -195,7 +195,7 @@ def test_shards_are_sized_by_the_stored_chunks(tmp_path):
     assert [v.tobytes() for v in _values(tmp_path / "s.h5")] == [v.tobytes() for v in vols]
 
 
-def test_sigkill_then_resume_of_memmapped_volumes_equals_a_clean_run(tmp_path):
+def test_sigkill_then_resume_of_memmapped_volumes_equals_a_clean_run(tmp_path, monkeypatch):
     paths = write_memmaps(tmp_path, 18)
     dst = tmp_path / "out.lmdb"
     script = textwrap.dedent(f"""
@@ -211,14 +211,11 @@ def test_sigkill_then_resume_of_memmapped_volumes_equals_a_clean_run(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sigkill_once_a_shard_is_staged(proc, dst, "writer")
     assert not (dst / "manifest.json").exists()
-    os.environ["FASTDATA_MIN_SHARD_SIZE"] = "1"
-    try:
-        report = fastdata.write(MemmapVolumes(paths), dst, SCHEMA, workers=2, shard_size=40000, resume=True,
-                                progress=False)
-        clean = tmp_path / "clean.lmdb"
-        fastdata.write(MemmapVolumes(paths), clean, SCHEMA, workers=0, shard_size=40000, progress=False)
-    finally:
-        del os.environ["FASTDATA_MIN_SHARD_SIZE"]
+    monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
+    report = fastdata.write(MemmapVolumes(paths), dst, SCHEMA, workers=2, shard_size=40000, resume=True,
+                            progress=False)
+    clean = tmp_path / "clean.lmdb"
+    fastdata.write(MemmapVolumes(paths), clean, SCHEMA, workers=0, shard_size=40000, progress=False)
     assert report.resumed_shards >= 1
     assert [v.tobytes() for v in _values(dst)] == [volume(i).tobytes() for i in range(18)]
     shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
