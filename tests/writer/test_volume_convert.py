@@ -106,6 +106,19 @@ def test_a_flat_folder_has_no_label_and_4d_volumes_chunk_their_fourth_axis_by_on
         assert np.array_equal(ds[i]["image"][:, :, :, 1:3], arrays[name][:, :, :, 1:3])
 
 
+@pytest.mark.parametrize("ext", [".nii", ".nii.gz"])
+def test_big_endian_files_keep_their_values(tmp_path, ext):
+    array = volume(3, (19, 23, 17), "int16")
+    header = nib.Nifti1Header(endianness=">")
+    header.set_data_dtype(np.int16)
+    (tmp_path / "be").mkdir()
+    nib.Nifti1Image(array, affine_of(3), header=header).to_filename(str(tmp_path / "be" / f"v{ext}"))
+    assert nib.load(str(tmp_path / "be" / f"v{ext}")).get_data_dtype() == np.dtype(">i2")
+    fastdata.convert(tmp_path / "be", tmp_path / "be.lmdb", chunks=CHUNKS, workers=0, progress=False)
+    got = fastdata.open_dataset(tmp_path / "be.lmdb")[0]["image"][...]
+    assert got.dtype == np.int16 and np.array_equal(got, array)
+
+
 # --------------------------------------------------------------------------- lists, label volumes
 
 
