@@ -47,6 +47,7 @@ def _run_convert(convert, args):
         max_side=args.max_side, quality=args.quality, raw=args.raw, lossless=args.lossless,
         image_mode=args.image_mode, dicom_tags=args.dicom_tags, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
+        chunks=args.chunks, codec=args.codec, max_pixels=args.max_pixels,
         **_list_options(args), **_upload_options(args),
     )
 
@@ -201,14 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    c = sub.add_parser("convert", help="convert an image folder or list file into a store",
+    c = sub.add_parser("convert", help="convert an image folder, list file or NIfTI volumes into a store",
                        description="Convert an ImageFolder tree (SRC/<class>/<images>) or a CSV/TSV list "
                                    "(path,label) into an LMDB or HDF5 store at DST (a directory, or a URL: "
                                    "s3://bucket/train.lmdb, gs://, az://; shards are written in a local staging "
-                                   "folder, each uploaded and checked as it finishes, the manifest last).")
+                                   "folder, each uploaded and checked as it finishes, the manifest last). "
+                                   "NIfTI volumes (a folder of .nii/.nii.gz files, a CSV/TSV/JSONL list with "
+                                   "image[,label] columns naming them, or a Decathlon dataset.json) become "
+                                   "chunked arrays (fields image, label, affine, spacing, scl_slope, scl_inter), "
+                                   "and so do the TIFF images of a folder given --chunks or --max-pixels "
+                                   "(read tile by tile); read them by region with fastdata.open_dataset.")
     c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows (when every "
                    "label is an integer, it is the target itself: classes '0'..max label; otherwise labels are "
-                   "class names, numbered in sorted order)")
+                   "class names, numbered in sorted order); or NIfTI volumes: a folder of .nii/.nii.gz files "
+                   "(class subfolders give a label), a list whose image column names them (a label column of "
+                   "NIfTI paths names label volumes; other columns are kept as fields), or a Decathlon "
+                   "dataset.json (its training image/label pairs)")
     c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
                    "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     from fastdata.format.backends.registry import format_choices
@@ -241,6 +250,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "general store (fields image, label, then one per tag; read in the worker processes); "
                         "without it a DICOM folder makes an ordinary classification store")
     c.add_argument("--quality", type=int, metavar="Q", help="JPEG quality for --max-side (default 90)")
+    from fastdata.format.codecs import CHUNK_CODECS
+
+    c.add_argument("--chunks", metavar="N,N[,N...]", default=None,
+                   help="chunk shape of chunked arrays: for NIfTI volumes (default 64,64,64; 256,256 for 2-D ones; "
+                        "axes after those given are chunked by 1, e.g. a 4-D volume's time axis), and, for a folder "
+                        "of TIFF images, rows,columns (default 512,512, every band in each chunk): each image is "
+                        "then stored as a chunked HxW[xC] array read tile by tile")
+    c.add_argument("--codec", choices=list(CHUNK_CODECS), default=None,
+                   help="codec of the chunks of chunked arrays (default blosc-zstd)")
+    c.add_argument("--max-pixels", metavar="N", default=None,
+                   help="for a folder of TIFF images stored as chunked arrays: the most pixels (height x width) one "
+                        "image may have, e.g. 2G (k/M/G decimal); default: the decompression-bomb limit "
+                        "(PIL.Image.MAX_IMAGE_PIXELS, 89,478,485), which an image over it is rejected naming. "
+                        "Implies chunked storage (default --chunks 512,512)")
     c.add_argument("--strict", action="store_true", default=None,
                    help="stop at the first unusable input instead of skipping it")
     again = c.add_mutually_exclusive_group()
@@ -373,6 +396,8 @@ def _run_coco(args):
                                        ("--raw", args.raw), ("--lossless", args.lossless),
                                        ("--image-mode", args.image_mode), ("--dicom-tags", args.dicom_tags),
                                        ("--lmdb-map-size", args.lmdb_map_size),
+                                       ("--chunks", args.chunks), ("--codec", args.codec),
+                                       ("--max-pixels", args.max_pixels),
                                        ("--schema", getattr(args, "schema", None))) if value is not None]
     if unused:
         raise ValueError(f"{', '.join(unused)} do(es) not apply to --coco: COCO images are stored as they are, "

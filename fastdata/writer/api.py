@@ -15,10 +15,11 @@ is all cores; 0 is no worker process, everything runs in this process (as PyTorc
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fastdata.common.paths import check_local_path
+from fastdata.errors import RejectedInputError
 from fastdata.format.fields import Schema
 from fastdata.writer.remote_sink import refuse_remote_source
 from fastdata.writer.report import ConvertReport
@@ -29,6 +30,7 @@ from fastdata.writer.sources.dicom import DicomFolderInput
 from fastdata.writer.sources.folder import FolderInput
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput, is_general_list
+from fastdata.writer.sources.volumes import BOMB_HINT, chunked_input
 
 __all__ = ["convert", "convert_coco", "convert_table", "write"]
 
@@ -55,8 +57,11 @@ def convert(
     schema=None,
     storage_options: dict | None = None,
     staging_dir: str | os.PathLike | None = None,
+    chunks: str | Sequence[int] | None = None,
+    codec: str | None = None,
+    max_pixels: int | str | None = None,
 ) -> ConvertReport:
-    """Convert an ImageFolder tree or a CSV/TSV list file into a fastdata store.
+    """Convert an ImageFolder tree, a CSV/TSV list file or NIfTI volumes into a fastdata store.
 
     Under ``torchrun`` (an initialised process group of several ranks) an image folder or
     ``path,label`` list is converted by all ranks together, shard ``k`` by rank ``k % world_size``
@@ -66,7 +71,10 @@ def convert(
         src: image folder (class subfolders) or a ``.csv``/``.tsv`` list of ``path,label``
             (a classification store, layout version 1); or a JSONL list, or a CSV/TSV list
             whose header names more columns than ``path,label`` (a general store, layout
-            version 2, written by :func:`convert_table`).
+            version 2, written by :func:`convert_table`). Or NIfTI volumes: a folder of
+            ``.nii``/``.nii.gz`` files, a CSV/TSV/JSONL list whose ``image`` column names them (and
+            ``label`` a label volume each), or a Decathlon ``dataset.json``: a general store of
+            ``Chunked`` volumes (:mod:`fastdata.writer.sources.volumes`).
         dst: destination directory, or a URL (``s3://bucket/train.lmdb``, ``gs://``, ``az://``: shards
             are staged locally and uploaded as each finishes, manifest last; see
             :mod:`fastdata.writer.remote_sink`); its suffix picks the backend unless ``format`` is given.
@@ -105,16 +113,40 @@ def convert(
         storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
         staging_dir: local directory shards of a URL ``dst`` are written in before upload
             (default: under the cache directory).
+        chunks: the chunk shape of chunked arrays (``"64,64,64"`` or ``(64, 64, 64)``): for NIfTI
+            volumes (default 64 per spatial axis, 1 on the others) and, given for an image folder,
+            its TIFF images become ``Chunked`` (H, W[, C]) arrays read tile by tile (default 512x512).
+        codec: the chunks' codec (:data:`fastdata.format.codecs.CHUNK_CODECS`; default ``"blosc-zstd"``).
+        max_pixels: the pixel limit (H x W) of one image of a TIFF folder stored as chunked arrays
+            (``int`` or ``"2G"``; default :func:`fastdata.common.imageio.pixel_limit`, the
+            decompression-bomb limit); implies chunked storage.
 
     Returns:
         A :class:`ConvertReport`.
 
     Raises:
         ValueError: conflicting or invalid options (e.g. ``resume`` with ``overwrite``, a negative ``workers``).
+        MissingExtraError: NIfTI volumes without nibabel (``pip install 'fastdata[volumes]'``).
         FastdataError subclasses, each naming the file or store at fault.
     """
     src = os.fspath(src)
     refuse_remote_source(src)
+    options = WriteOptions(
+        format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
+        progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
+        staging_dir=staging_dir)
+    chunked = chunked_input(src, chunks=chunks, codec=codec, max_pixels=max_pixels)
+    if chunked is not None:
+        given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
+                                          ("--lossless", lossless), ("--image-mode", image_mode),
+                                          ("--dicom-tags", dicom_tags), ("--schema", schema)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply to chunked arrays (NIfTI volumes, TIFF images "
+                             "with --chunks/--max-pixels): their values are stored exactly as read")
+        return WriteSession(chunked, dst, options).run()
+    if chunks is not None or codec is not None or max_pixels is not None:
+        raise ValueError(f"{src}: --chunks/--codec/--max-pixels apply to NIfTI volumes (a folder, a list naming "
+                         ".nii/.nii.gz files, a dataset.json) and to folders of TIFF images")
     if is_general_list(src, schema):
         if any(v is not None for v in (max_side, quality, raw, lossless, image_mode, dicom_tags)):
             raise ValueError(f"{src}: --max-side/--quality/--raw/--lossless/--image-mode/--dicom-tags apply to image "
@@ -134,10 +166,16 @@ def convert(
     else:
         source = FolderInput(src, max_side=max_side, quality=quality, raw=raw, lossless=lossless,
                              image_mode=image_mode)
-    return WriteSession(source, dst, WriteOptions(
-        format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
-        progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
-        staging_dir=staging_dir)).run()
+    try:
+        report = WriteSession(source, dst, options).run()
+    except RejectedInputError as err:
+        if "decompression bomb" in str(err):
+            raise RejectedInputError(f"{err}; {BOMB_HINT}") from None
+        raise
+    bombs = sum(1 for _, reason in report.rejected_items if "decompression bomb" in reason)
+    if bombs:
+        report.notes.append(f"{bombs} image(s) refused by the decompression-bomb limit: {BOMB_HINT}")
+    return report
 
 
 def convert_table(
