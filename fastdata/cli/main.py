@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "general store (fields image, label, then one per tag; read in the worker processes); "
                         "without it a DICOM folder makes an ordinary classification store")
     c.add_argument("--quality", type=int, metavar="Q", help="JPEG quality for --max-side (default 90)")
-    from fastdata.format.codecs import CHUNK_CODECS
+    from fastdata.format.chunk_codecs import CHUNK_CODECS
 
     c.add_argument("--chunks", metavar="N,N[,N...]", default=None,
                    help="chunk shape of chunked arrays: for NIfTI volumes (default 64,64,64; 256,256 for 2-D ones; "

@@ -126,7 +126,7 @@ from fastdata.common.extensions import IMG_EXTENSIONS
 from fastdata.common.imageio import pixel_limit
 from fastdata.common.units import parse_size
 from fastdata.errors import MissingExtraError, RejectedInputError, SourceError
-from fastdata.format.codecs import DEFAULT_CODEC
+from fastdata.format.chunk_codecs import DEFAULT_CODEC
 from fastdata.format.fields import (
     JSON,
     RESERVED_NAMES,
