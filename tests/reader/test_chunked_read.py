@@ -182,6 +182,21 @@ def _in_a_fresh_process(fn, *args):
         return pool.apply(fn, args)
 
 
+def _set_first(shard: str, first: int) -> None:
+    with h5py.File(shard, "r+") as f:
+        f["fields/ct.first"][0] = first
+
+
+def test_chunks_the_index_places_outside_the_chunk_data_are_errors_not_reads(tmp_path):
+    dst = tmp_path / "f.h5"
+    fastdata.write([{"ct": volume(0, (20, 20, 20)), "label": 0}], dst, SCHEMA, workers=0, progress=False)
+    _in_a_fresh_process(_set_first, str(dst / "shard-00000.h5"), 1 << 40)  # a terabyte past the data
+    arr = fastdata.open_dataset(dst)[0]["ct"]
+    with pytest.raises(CorruptRecordError, match="field 'ct' chunk 0: missing or of the wrong length"):
+        arr[:2, :2, :2]
+    assert not fastdata.verify(str(dst)).ok
+
+
 def _set_shape(shard: str, shape: list[int]) -> None:
     with h5py.File(shard, "r+") as f:
         f["fields/ct.shape"][0] = shape
