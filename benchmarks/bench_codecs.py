@@ -432,7 +432,7 @@ def recommend(results: list[Result], min_decompress: float, min_compress: float,
 
 
 def machine() -> dict[str, Any]:
-    """CPU, cores this process may use, Python and the codec packages' versions."""
+    """CPU, cores this process may use, the load average, Python and the codec packages' versions."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -446,7 +446,9 @@ def machine() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "python": sys.version.split()[0], **versions}
+    # other processes compete for the cores
+    load = tuple(round(x, 1) for x in os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": cores, "load_average": load, "python": sys.version.split()[0], **versions}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -538,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"| {module} | {cost['seconds'] * 1e3:.0f} | {cost['modules']} | "
                   f"{', '.join(cost['packages']) or '-'} |")
+    # the speeds are this machine's under its load at the time: say what the load was
+    report["load_average_end"] = tuple(round(x, 1) for x in os.getloadavg()) if hasattr(os, "getloadavg") else None
+    print(f"\nload average (1, 5, 15 min) at the start {info['load_average']}, at the end "
+          f"{report['load_average_end']}; speeds are one thread's on this machine under that load")
     print(f"\nrule: {rule}")
     if pick is None:
         print("recommended: none fits the rule (lower --min-decompress-mbps?)")
