@@ -30,7 +30,7 @@ per data kind sorted by ratio, then the recommendation rule and what it picks.
 Usage::
 
     PYTHONPATH=. python benchmarks/bench_codecs.py                       # 256^3 in 64^3 chunks, ~6 min on 2 cores
-    PYTHONPATH=. python benchmarks/bench_codecs.py --shape 512 512 512 --repeats 3 --json codecs512.json
+    PYTHONPATH=. python benchmarks/bench_codecs.py --shape 512 512 512 --repeats 3 --exclude clevel=9,level=9
     PYTHONPATH=. python benchmarks/bench_codecs.py --only blosc --skip-2d   # names containing "blosc", 3-D only
 
 It needs numpy and the codecs it measures (``pip install numcodecs zstandard lz4 blosc2``),
