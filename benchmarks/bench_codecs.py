@@ -10,14 +10,16 @@ Picks the default codec of the chunked array field kind by measurement. The data
   whole-slide image would be, to check that the default is not bad for 8-bit data.
 
 For every candidate (numcodecs Blosc with zstd/lz4 and no shuffle / byte shuffle /
-bitshuffle at a few levels, numcodecs Zstd and LZ4, the ``blosc2`` package, plain
-``zstandard``) it measures, on one thread (Blosc's thread pools set to 1):
+bitshuffle at a few levels, with Blosc's automatic block size and with 256 KiB blocks,
+numcodecs Zstd and LZ4, the ``blosc2`` package, plain ``zstandard``) it measures, on one
+thread (Blosc's thread pools set to 1):
 
 * ratio: raw bytes / stored bytes over all chunks (each codec's own framing included);
 * compress and decompress MB/s (10^6 raw bytes per second): one chunk per call, the whole
-  chunk list timed per repeat, median over ``--repeats``; decompression goes through each
-  library's plain call that returns a new buffer, as a reader would; every chunk's round
-  trip is checked once;
+  chunk list timed per pass, median over ``--repeats`` passes; the passes of all candidates
+  are interleaved round by round, so that load from other processes does not favour some;
+  decompression goes through each library's plain call that returns a new buffer, as a
+  reader would; every chunk's round trip is checked once;
 * import ms: the codec's module imported in a fresh interpreter that has already imported
   numpy (fastdata always has), median of ``--import-repeats`` runs, with the third-party
   packages the import pulls in.
@@ -27,8 +29,8 @@ per data kind sorted by ratio, then the recommendation rule and what it picks.
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/bench_codecs.py                       # 256^3 in 64^3 chunks, ~3 min on 2 cores
-    PYTHONPATH=. python benchmarks/bench_codecs.py --shape 512 512 512 --repeats 3 --json codecs512.json
+    PYTHONPATH=. python benchmarks/bench_codecs.py                       # 256^3 in 64^3 chunks, ~6 min on 2 cores
+    PYTHONPATH=. python benchmarks/bench_codecs.py --shape 512 512 512 --repeats 3 --exclude clevel=9,level=9
     PYTHONPATH=. python benchmarks/bench_codecs.py --only blosc --skip-2d   # names containing "blosc", 3-D only
 
 It needs numpy and the codecs it measures (``pip install numcodecs zstandard lz4 blosc2``),
@@ -61,6 +63,8 @@ from fastdata.tools.synth_volumes import ct_volume  # noqa: E402
 Encode = Callable[[np.ndarray], bytes]
 Decode = Callable[[bytes], Any]
 
+#: an explicit Blosc block: half of a 64^3 uint16 chunk (smaller chunks are one block)
+_BIG_BLOCK = 256 * 1024
 #: packages whose versions the report names
 _VERSIONED = ("numpy", "numcodecs", "blosc2", "zstandard", "lz4")
 
@@ -101,13 +105,13 @@ class Result:
 # --------------------------------------------------------------------------- candidates
 
 
-def _numcodecs_blosc(cname: str, clevel: int, shuffle: str) -> Callable[[], tuple[Encode, Decode]]:
+def _numcodecs_blosc(cname: str, clevel: int, shuffle: str, blocksize: int = 0) -> Callable[[], tuple[Encode, Decode]]:
     def make() -> tuple[Encode, Decode]:
         numcodecs = importlib.import_module("numcodecs")  # optional, and without type information
         numcodecs.blosc.set_nthreads(1)  # one thread: readers decode in DataLoader workers, one chunk each
         blosc = numcodecs.Blosc
         modes = {"noshuffle": blosc.NOSHUFFLE, "shuffle": blosc.SHUFFLE, "bitshuffle": blosc.BITSHUFFLE}
-        codec = blosc(cname=cname, clevel=clevel, shuffle=modes[shuffle])
+        codec = blosc(cname=cname, clevel=clevel, shuffle=modes[shuffle], blocksize=blocksize)
         return codec.encode, codec.decode
 
     return make
@@ -174,6 +178,14 @@ def candidates() -> list[Candidate]:
                 params = f"cname={cname!r}, clevel={clevel}, shuffle={shuffle.upper()}"
                 out.append(Candidate(f"numcodecs.Blosc {cname} {shuffle}", params, "numcodecs",
                                      _numcodecs_blosc(cname, clevel, shuffle)))
+    # Blosc's automatic block grows with clevel (32 KiB at zstd clevel 1, 256 KiB at 5 for 2-byte
+    # items): larger blocks at a low level separate block size from zstd level (clevel 1 is zstd
+    # level 1, 3 is 5, 5 is 9, 9 is 22)
+    for cname, shuffle, clevel in (("zstd", "shuffle", 1), ("zstd", "shuffle", 3), ("zstd", "bitshuffle", 1),
+                                   ("lz4", "bitshuffle", 5)):
+        params = f"cname={cname!r}, clevel={clevel}, shuffle={shuffle.upper()}, blocksize={_BIG_BLOCK}"
+        out.append(Candidate(f"numcodecs.Blosc {cname} {shuffle}", params, "numcodecs",
+                             _numcodecs_blosc(cname, clevel, shuffle, _BIG_BLOCK)))
     # level 0 is zstd's default (3): zarr 3's default codec for numeric arrays
     for level in (1, 3, 9):
         out.append(Candidate("numcodecs.Zstd", f"level={level}", "numcodecs", _numcodecs_zstd(level)))
@@ -249,8 +261,7 @@ def photo_like_rgb(height: int, width: int, seed: int = 0) -> np.ndarray:
             return w
 
         wy, wx = weights(height, cells_y), weights(width, cells_x)
-        rows = np.tensordot(wy, grid, axes=(1, 0))  # (height, cells_x, channels)
-        return np.einsum("hxc,wx->hwc", rows, wx, optimize=True).astype(np.float32)
+        return np.stack([wy @ grid[:, :, c] @ wx.T for c in range(channels)], axis=-1)
 
     img = np.full((height, width, 3), 128.0, np.float32) + rng.uniform(-30, 30, 3).astype(np.float32)
     amplitude = 40.0
@@ -278,43 +289,65 @@ def photo_like_rgb(height: int, width: int, seed: int = 0) -> np.ndarray:
 # --------------------------------------------------------------------------- measurement
 
 
-def measure(candidate: Candidate, chunks: list[np.ndarray], repeats: int) -> Result:
-    """Ratio and one-thread speeds of one candidate over ``chunks``.
+def measure(chosen: list[Candidate], chunks: list[np.ndarray], repeats: int,
+            progress: Callable[[str], None] = lambda line: None) -> list[Result]:
+    """Ratio and one-thread speeds of every candidate over ``chunks``.
+
+    The timed passes are interleaved, one pass of every candidate per round (in an order that
+    rotates from round to round), so that a burst of load from other processes on a shared
+    machine spreads over all candidates instead of biasing the few measured while it lasted.
 
     Args:
-        candidate (Candidate): the codec configuration.
+        chosen (list[Candidate]): the codec configurations.
         chunks (list[numpy.ndarray]): contiguous chunks of one array.
-        repeats (int): timed passes over all chunks, for compression and for decompression.
+        repeats (int): timed passes over all chunks per candidate, for compression and for
+            decompression.
+        progress (Callable[[str], None]): called with a line before each round.
 
     Returns:
-        Result: medians over the repeats; ``skipped`` set when the library is missing.
+        list[Result]: one per candidate, in ``chosen``'s order: medians over the repeats;
+        ``skipped`` set when the library is missing.
     """
-    result = Result(candidate.name, candidate.params, candidate.module)
-    try:
-        encode, decode = candidate.make()
-    except ImportError as err:
-        result.skipped = f"not installed ({err.name or err})"
-        return result
+    results = [Result(c.name, c.params, c.module) for c in chosen]
+    codecs: dict[int, tuple[Encode, Decode]] = {}
+    for i, candidate in enumerate(chosen):
+        try:
+            codecs[i] = candidate.make()
+        except ImportError as err:
+            results[i].skipped = f"not installed ({err.name or err})"
     raw = sum(c.nbytes for c in chunks)
-    stored: list[bytes] = []
-    for _ in range(repeats):
+    stored: dict[int, list[bytes]] = {}
+    live = list(codecs)
+
+    def rounds(kind: str) -> Iterator[int]:
+        for r in range(repeats):
+            progress(f"{kind} round {r + 1}/{repeats}")
+            shift = r % len(live) if live else 0
+            yield from live[shift:] + live[:shift]
+
+    for i in rounds("compress"):
+        encode = codecs[i][0]
         t0 = time.perf_counter()
-        stored = [encode(c) for c in chunks]
-        result.compress_runs_s.append(time.perf_counter() - t0)
-    for original, buf in zip(chunks, stored, strict=True):  # lossless, or the row is worthless
-        decoded = np.frombuffer(memoryview(decode(buf)), dtype=original.dtype)
-        if not np.array_equal(decoded, original.ravel()):
-            raise AssertionError(f"{candidate.name} ({candidate.params}) did not round-trip a chunk")
-    for _ in range(repeats):
+        stored[i] = [encode(c) for c in chunks]
+        results[i].compress_runs_s.append(time.perf_counter() - t0)
+    for i in live:  # lossless, or the row is worthless
+        for original, buf in zip(chunks, stored[i], strict=True):
+            decoded = np.frombuffer(memoryview(codecs[i][1](buf)), dtype=original.dtype)
+            if not np.array_equal(decoded, original.ravel()):
+                raise AssertionError(f"{chosen[i].name} ({chosen[i].params}) did not round-trip a chunk")
+    for i in rounds("decompress"):
+        decode = codecs[i][1]
         t0 = time.perf_counter()
-        for buf in stored:
+        for buf in stored[i]:
             decode(buf)
-        result.decompress_runs_s.append(time.perf_counter() - t0)
-    result.stored_bytes = sum(len(b) for b in stored)
-    result.ratio = raw / result.stored_bytes
-    result.compress_mbps = raw / statistics.median(result.compress_runs_s) / 1e6
-    result.decompress_mbps = raw / statistics.median(result.decompress_runs_s) / 1e6
-    return result
+        results[i].decompress_runs_s.append(time.perf_counter() - t0)
+    for i in live:
+        result = results[i]
+        result.stored_bytes = sum(len(b) for b in stored[i])
+        result.ratio = raw / result.stored_bytes
+        result.compress_mbps = raw / statistics.median(result.compress_runs_s) / 1e6
+        result.decompress_mbps = raw / statistics.median(result.decompress_runs_s) / 1e6
+    return results
 
 
 _IMPORT_PROBE = """
@@ -399,7 +432,7 @@ def recommend(results: list[Result], min_decompress: float, min_compress: float,
 
 
 def machine() -> dict[str, Any]:
-    """CPU, cores this process may use, Python and the codec packages' versions."""
+    """CPU, cores this process may use, the load average, Python and the codec packages' versions."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -413,7 +446,9 @@ def machine() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "python": sys.version.split()[0], **versions}
+    # other processes compete for the cores
+    load = tuple(round(x, 1) for x in os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": cores, "load_average": load, "python": sys.version.split()[0], **versions}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -482,7 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[Result]] = {}
     for kind, (array, chunk_shape, description) in datasets.items():
         chunks = chunked(array, chunk_shape)
-        results[kind] = [measure(c, chunks, args.repeats) for c in chosen]
+        def progress(line: str, kind: str = kind) -> None:
+            print(f"{kind}: {line}", file=sys.stderr, flush=True)
+
+        results[kind] = measure(chosen, chunks, args.repeats, progress)
         report["data"][kind] = {"description": description, "chunks": len(chunks), "raw_bytes": int(array.nbytes),
                                 "results": [asdict(r) for r in results[kind]]}
         del chunks
@@ -502,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"| {module} | {cost['seconds'] * 1e3:.0f} | {cost['modules']} | "
                   f"{', '.join(cost['packages']) or '-'} |")
+    # the speeds are this machine's under its load at the time: say what the load was
+    report["load_average_end"] = tuple(round(x, 1) for x in os.getloadavg()) if hasattr(os, "getloadavg") else None
+    print(f"\nload average (1, 5, 15 min) at the start {info['load_average']}, at the end "
+          f"{report['load_average_end']}; speeds are one thread's on this machine under that load")
     print(f"\nrule: {rule}")
     if pick is None:
         print("recommended: none fits the rule (lower --min-decompress-mbps?)")
