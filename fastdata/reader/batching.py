@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from fastdata.reader import batch_ring
+from fastdata.reader.chunked import ChunkedArray
 
 #: skips counted in DataLoader workers, received with their batches: dataset token -> count
 WORKER_SKIPS: defaultdict[str, int] = defaultdict(int)
@@ -289,6 +290,10 @@ def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
     5. a **list** of the values for anything else: strings, bytes, JSON values
        (dicts, lists), PIL images, ``None``, or a mix of types.
 
+    A chunked field's lazy arrays (:class:`~fastdata.reader.chunked.ChunkedArray`) are read whole
+    first, where the batch is collated (in a DataLoader worker), then collated as numpy arrays:
+    to train on parts of them, cut patches with :class:`fastdata.PatchDataset`.
+
     Rule 3 depends on the batch: a ragged field whose samples happen to share a
     length (every image with 2 boxes) is stacked by rule 2. Name such fields in
     ``ragged`` (``functools.partial(collate_samples, ragged={"boxes", "labels"})``)
@@ -369,6 +374,10 @@ def _as_tensor(value: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 def _collate_values(values: list, always_list: bool) -> Any:
     """One field over the batch, by the rule of :func:`collate_samples`."""
+    if values and all(isinstance(v, ChunkedArray) for v in values):
+        # read here, in the worker that collates: a lazy array sent on to the main process would be
+        # read there, by one process, whatever the worker count
+        values = [v[...] for v in values]
     if all(isinstance(v, torch.Tensor) or _is_numeric_array(v) for v in values):
         tensors = [_as_tensor(v) for v in values]
         if not always_list and len({(t.shape, t.dtype) for t in tensors}) == 1:

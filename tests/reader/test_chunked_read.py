@@ -270,3 +270,12 @@ def test_a_chunked_schema_round_trips_through_the_manifest():
                                                                                                  codec=None)})
     back = Schema.from_json(schema.to_json())
     assert back == schema and back["raw"].codec == "raw" and back["ct"].level == 7
+
+
+def test_fastdata_collate_reads_whole_values_in_the_workers(tmp_path):
+    dst = tmp_path / "same.lmdb"
+    vols = [volume(i, (12, 10, 8)) for i in range(4)]
+    fastdata.write([{"ct": v, "label": i} for i, v in enumerate(vols)], dst, SCHEMA, workers=0, progress=False)
+    batches = list(fastdata.loader(fastdata.open_dataset(dst), batch_size=2, shuffle=False, num_workers=2))
+    assert [type(b["ct"]) for b in batches] == [torch.Tensor, torch.Tensor]  # read and stacked, not lazy
+    assert np.array_equal(torch.cat([b["ct"] for b in batches]).numpy(), np.stack(vols))
