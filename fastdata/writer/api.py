@@ -30,7 +30,7 @@ from fastdata.writer.sources.dicom import DicomFolderInput
 from fastdata.writer.sources.folder import FolderInput
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput, is_general_list
-from fastdata.writer.sources.volumes import BOMB_HINT, chunked_input
+from fastdata.writer.sources.volumes.input import BOMB_HINT, chunked_input
 
 __all__ = ["convert", "convert_coco", "convert_table", "write"]
 

@@ -20,7 +20,10 @@ from fastdata.cli.main import main
 from fastdata.errors import RejectedInputError, SourceError
 from fastdata.format.fields import Chunked, Float, Int, String
 from fastdata.format.manifest import read_manifest, schema_of
-from fastdata.writer.sources import volumes
+from fastdata.writer.sources.volumes.input import VolumeInput, encode_file
+from fastdata.writer.sources.volumes.nifti import VolumeSamples, volume_layout, volume_schema
+from fastdata.writer.sources.volumes.scan import NIFTI_SUFFIXES, scan_file_folder
+from fastdata.writer.sources.volumes.tiff import TIFF_SUFFIXES, TiffRegions, TiffSamples, image_layout, open_tiff
 
 nib = pytest.importorskip("nibabel")
 tifffile = pytest.importorskip("tifffile")
@@ -258,7 +261,7 @@ def _encode_peak(samples, schema) -> int:
     """Peak bytes numpy allocates while sample 0 is read and compressed (tracemalloc sees numpy)."""
     tracemalloc.start()
     try:
-        result = volumes.encode_file(samples, schema, 0, None)
+        result = encode_file(samples, schema, 0, None)
         assert not isinstance(result, str), result
         return tracemalloc.get_traced_memory()[1]
     finally:
@@ -270,9 +273,9 @@ def test_uncompressed_nii_is_read_slab_by_slab_and_nii_gz_whole(tmp_path):
     peaks = {}
     for ext in (".nii", ".nii.gz"):
         write_nifti(tmp_path / ext[1:] / f"v{ext}", array)
-        scan = volumes.scan_file_folder(str(tmp_path / ext[1:]), volumes.NIFTI_SUFFIXES, "NIfTI")
-        layout = volumes.volume_layout(scan, (8, 32, 32))
-        peaks[ext] = _encode_peak(volumes.VolumeSamples(scan, layout), volumes.volume_schema(scan, layout, "lz4"))
+        scan = scan_file_folder(str(tmp_path / ext[1:]), NIFTI_SUFFIXES, "NIfTI")
+        layout = volume_layout(scan, (8, 32, 32))
+        peaks[ext] = _encode_peak(VolumeSamples(scan, layout), volume_schema(scan, layout, "lz4"))
     assert peaks[".nii"] < array.nbytes / 3, peaks
     assert peaks[".nii.gz"] >= array.nbytes, peaks
 
@@ -289,7 +292,7 @@ def test_resume_fingerprint_is_stable_for_the_same_files_and_changes_with_them(t
     run = RunOptions("lmdb", StorageSpec(), parse_size_spec("1GiB"), False)
 
     def fingerprint() -> str:
-        source = volumes.VolumeInput(str(tmp_path / "v"), None, None)
+        source = VolumeInput(str(tmp_path / "v"), None, None)
         source.plan(run, str(tmp_path / "out.lmdb"))
         return source.fingerprint(run)
 
@@ -403,9 +406,9 @@ def test_one_band_tiffs_make_a_2d_store_and_a_region_decodes_only_its_tiles(tmp_
     schema = schema_of(read_manifest(str(tmp_path / "g.lmdb")))
     assert schema["image"].chunks == (512, 512) and "label" not in schema.names
     assert np.array_equal(fastdata.open_dataset(tmp_path / "g.lmdb")[0]["image"][...], gray)
-    tif, page, _, dtype = volumes.open_tiff(str(tmp_path / "g" / "x.tif").encode(), "x.tif", None)
+    tif, page, _, dtype = open_tiff(str(tmp_path / "g" / "x.tif").encode(), "x.tif", None)
     with tif:
-        regions = volumes.TiffRegions(tif, page, dtype, 2, "x.tif")
+        regions = TiffRegions(tif, page, dtype, 2, "x.tif")
         assert np.array_equal(regions[300:520, 10:300], gray[300:520, 10:300])
         assert regions.decoded == 4  # tiles (1, 0), (1, 1), (2, 0), (2, 1) of 4 x 5
 
@@ -413,10 +416,10 @@ def test_one_band_tiffs_make_a_2d_store_and_a_region_decodes_only_its_tiles(tmp_
 def test_tiff_read_holds_a_slab_not_the_image(tmp_path):
     big = image(6, (2048, 1536, 3))  # 9.4 MB decoded; a slab of 128 rows is 0.6 MB
     write_tiff(tmp_path / "b" / "big.tif", big, tile=(128, 128), compression="zlib", photometric="rgb")
-    scan = volumes.scan_file_folder(str(tmp_path / "b"), volumes.TIFF_SUFFIXES, "TIFF")
-    layout = volumes.image_layout(scan, (128, 128), None)
+    scan = scan_file_folder(str(tmp_path / "b"), TIFF_SUFFIXES, "TIFF")
+    layout = image_layout(scan, (128, 128), None)
     schema = fastdata.fields.Schema.of({"image": Chunked(layout.dtype, layout.chunks, codec="lz4")})
-    peak = _encode_peak(volumes.TiffSamples(scan, layout, None), schema)
+    peak = _encode_peak(TiffSamples(scan, layout, None), schema)
     assert peak < big.nbytes / 4, peak
 
 

@@ -7,6 +7,8 @@ sample kept around):
 - :mod:`~fastdata.writer.sources.folder`: ImageFolder trees and ``path,label`` lists.
 - :mod:`~fastdata.writer.sources.table`: JSONL and CSV/TSV lists with typed fields (parsing, and
   :mod:`~fastdata.writer.sources.table.input`, the source).
+- :mod:`~fastdata.writer.sources.volumes`: NIfTI volumes and large TIFF images as chunked arrays
+  (scanning, reading, and :mod:`~fastdata.writer.sources.volumes.input`, the sources).
 - :mod:`~fastdata.writer.sources.coco`: a COCO instances annotation file and its image folder.
 - :mod:`~fastdata.writer.sources.python`: samples from Python (map-style datasets and iterables).
 """

@@ -1,0 +1,302 @@
+"""NIfTI files read through nibabel: the header (:func:`nifti_header`), the raw values of a
+``.nii`` region by region (:class:`NiftiRegions`) or of a ``.nii.gz`` decompressed once, whole
+(:class:`WholeVolume`, :func:`read_gzip_values`), and a NIfTI source's store layout, schema and
+samples (:class:`VolumeLayout`, :func:`volume_schema`, :class:`VolumeSamples`)."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from fastdata.errors import RejectedInputError, SourceError
+from fastdata.format.fields import Field, Float, Int, NDArray, Schema
+from fastdata.writer.sources.volumes.common import (
+    OpenedSample,
+    chunk_shape,
+    chunked_field,
+    named,
+    native_dtype,
+    require_extra,
+)
+from fastdata.writer.sources.volumes.scan import FileScan
+
+__all__ = ["GZIP_PIECE_BYTES", "NiftiRegions", "PLANE_CHUNK", "VOLUME_CHUNK", "VolumeLayout", "VolumeSamples",
+           "WholeVolume", "nifti_header", "read_gzip_values", "require_nibabel", "volume_layout", "volume_schema"]
+
+#: chunk side of the spatial axes of a 3-D (or more) volume, and of a 2-D one
+VOLUME_CHUNK, PLANE_CHUNK = 64, 256
+
+
+def require_nibabel() -> ModuleType:
+    """nibabel, or a :class:`~fastdata.errors.MissingExtraError` naming the ``volumes`` extra."""
+    return require_extra("nibabel", "reading NIfTI volumes")
+
+
+class NiftiRegions:
+    """The raw (unscaled) values of an uncompressed ``.nii``, read region by region through a
+    nibabel ``ArrayProxy`` of scaling 1/0; a read error is a :class:`RejectedInputError`."""
+
+    def __init__(self, proxy: Any, dtype: np.dtype, name: str):
+        self.proxy, self.name = proxy, name
+        self.shape = tuple(int(s) for s in proxy.shape)
+        self.dtype = dtype
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        try:
+            block = np.asarray(self.proxy[key])
+        except Exception as err:  # noqa: BLE001 - nibabel raises OSError, ValueError, EOFError, ...
+            raise RejectedInputError(f"{named(self.name)}truncated or corrupt NIfTI data ({type(err).__name__}: "
+                                     f"{err})") from None
+        return block if block.dtype.isnative else block.astype(block.dtype.newbyteorder("="))
+
+
+class WholeVolume:
+    """A ``.nii.gz``'s raw values, decompressed whole on the first read (see
+    :mod:`~fastdata.writer.sources.volumes`: a gzip stream read slab by slab is decompressed
+    again for every slab)."""
+
+    def __init__(self, path: str, image: Any, dtype: np.dtype, name: str):
+        self.path, self.image, self.name = path, image, name
+        self.shape = tuple(int(s) for s in image.shape)
+        self.dtype = dtype
+        self.data: np.ndarray | None = None
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if self.data is None:
+            try:
+                self.data = read_gzip_values(self.path, int(self.image.dataobj.offset), self.shape,
+                                             np.dtype(self.image.get_data_dtype()))
+            except Exception as err:  # noqa: BLE001 - gzip, zlib and nibabel errors of a damaged file
+                raise RejectedInputError(f"{named(self.name)}truncated or corrupt NIfTI data ({type(err).__name__}: "
+                                         f"{err})") from None
+        return self.data[key]
+
+    def close(self) -> None:
+        self.data = None
+
+
+#: bytes decompressed at once into a ``.nii.gz``'s array (gzip's own ``read`` of the whole file
+#: would first make a bytes object as large as the volume, then copy it: twice the memory)
+GZIP_PIECE_BYTES = 16 << 20
+
+
+def read_gzip_values(path: str, offset: int, shape: tuple[int, ...], stored: np.dtype) -> np.ndarray:
+    """The voxels of a ``.nii.gz`` (Fortran order, from byte ``offset`` of the decompressed stream),
+    decompressed piece by piece straight into one array of the native byte order: the volume's
+    size in memory, and no more.
+
+    Raises:
+        EOFError: the stream ends before the voxels do; gzip/zlib errors for a damaged stream.
+    """
+    out = np.empty(math.prod(shape) * stored.itemsize, dtype=np.uint8)
+    view = memoryview(out.data)
+    with gzip.open(path, "rb") as fh:
+        skip = offset
+        while skip > 0:
+            header = fh.read(min(skip, GZIP_PIECE_BYTES))
+            if not header:
+                raise EOFError("the file ends inside its header")
+            skip -= len(header)
+        done = 0
+        while done < len(out):
+            got = fh.readinto(view[done:done + GZIP_PIECE_BYTES])
+            if not got:
+                raise EOFError(f"the file ends after {done:,} of its {len(out):,} bytes of voxels")
+            done += got
+    values = out.view(stored)
+    if not stored.isnative:
+        values = values.byteswap(inplace=True).view(stored.newbyteorder("="))
+    return values.reshape(shape, order="F")
+
+
+def nifti_header(path: bytes, name: str) -> tuple[Any, tuple[int, ...], np.dtype]:
+    """``(image, shape, stored dtype)`` of the NIfTI file at ``path`` (its header only).
+
+    Raises:
+        RejectedInputError: not a NIfTI-1/2 file nibabel reads, or of a non-numeric dtype (``name`` first).
+    """
+    nib = require_nibabel()
+    try:
+        image = nib.load(os.fsdecode(path))
+    except FileNotFoundError:
+        raise RejectedInputError(f"{named(name)}file not found") from None
+    except Exception as err:  # noqa: BLE001 - ImageFileError, OSError, EOFError, struct errors, ...
+        raise RejectedInputError(f"{named(name)}not a readable NIfTI file ({type(err).__name__}: {err})") from None
+    if not isinstance(image, nib.Nifti1Image | nib.Nifti2Image) or not nib.is_proxy(image.dataobj):
+        raise RejectedInputError(f"{named(name)}not a NIfTI-1/2 image (nibabel read it as {type(image).__name__})")
+    try:
+        dtype = np.dtype(image.get_data_dtype())
+        shape = tuple(int(s) for s in image.shape)
+    except Exception as err:  # noqa: BLE001
+        raise RejectedInputError(f"{named(name)}unusable NIfTI header ({type(err).__name__}: {err})") from None
+    if dtype.kind not in "biuf":
+        raise RejectedInputError(f"{named(name)}NIfTI data type {dtype} is not a numeric type fastdata stores "
+                                 "(RGB and complex volumes are not supported)")
+    if not shape or 0 in shape:
+        raise RejectedInputError(f"{named(name)}NIfTI volume of shape {shape} holds no voxel")
+    return image, shape, dtype
+
+
+def _nifti_values(path: bytes, name: str, dtype: np.dtype, opened: OpenedSample) -> tuple[Any, Any, tuple[int, ...]]:
+    """``(image, array-like of its raw values, shape)`` of a NIfTI file, whose stored dtype must cast
+    to ``dtype`` exactly."""
+    image, shape, stored = nifti_header(path, name)
+    if stored != dtype and not np.can_cast(native_dtype(stored), dtype, "safe"):
+        raise RejectedInputError(f"{named(name)}stored dtype {stored} does not fit the store's {dtype} exactly "
+                                 "(it was chosen from the other volumes: convert this one separately)")
+    if os.fsdecode(path).lower().endswith(".gz"):
+        whole = WholeVolume(os.fsdecode(path), image, dtype, name)
+        opened.closers.append(whole.close)
+        return image, whole, shape
+    from nibabel.arrayproxy import ArrayProxy
+
+    proxy = ArrayProxy(os.fsdecode(path), (shape, stored, int(image.dataobj.offset), 1.0, 0.0))
+    return image, NiftiRegions(proxy, dtype, name), shape
+
+
+@dataclass(frozen=True)
+class VolumeLayout:
+    """What every volume of a store shares: axes, dtype and chunks of ``image`` and ``label``."""
+
+    ndim: int
+    dtype: np.dtype
+    chunks: tuple[int, ...]
+    label_ndim: int | None = None
+    label_dtype: np.dtype | None = None
+    label_chunks: tuple[int, ...] | None = None
+
+    @property
+    def spatial(self) -> int:
+        return min(3, self.ndim)
+
+
+def _common(shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[int, np.dtype]:
+    """The most common number of axes (ties: the fewest) and the dtype all of those cast to exactly."""
+    counts = Counter(len(s) for s, _ in shapes_dtypes)
+    ndim = min(counts, key=lambda n: (-counts[n], n))
+    dtype = np.result_type(*(native_dtype(d) for s, d in shapes_dtypes if len(s) == ndim))
+    return ndim, native_dtype(dtype)
+
+
+class VolumeSamples:
+    """The samples of a NIfTI source: ``open(i)`` reads volume ``i``'s header (and its label's),
+    checks them against the store's :class:`VolumeLayout` and returns array-likes the chunk writer
+    reads slab by slab (in whichever process calls it: the converter's workers)."""
+
+    def __init__(self, scan: FileScan, layout: VolumeLayout):
+        self.scan, self.layout = scan, layout
+
+    def __len__(self) -> int:
+        return len(self.scan)
+
+    def input_name(self, i: int) -> str:
+        return os.fsdecode(self.scan.relpaths[i])
+
+    def input_path(self, i: int) -> str:
+        return os.fsdecode(self.scan.paths[i])
+
+    def relpath(self, i: int) -> bytes:
+        return self.scan.relpaths[i]
+
+    def input_bytes(self, i: int) -> int:
+        paths = [self.scan.paths[i]] + ([self.scan.label_paths[i]] if self.scan.label_paths else [])
+        return sum(os.stat(p).st_size for p in paths if os.path.isfile(p))
+
+    def open(self, i: int) -> OpenedSample:
+        """Sample ``i``'s values (fields: :mod:`~fastdata.writer.sources.volumes`).
+
+        Raises:
+            RejectedInputError: a file is unreadable, or does not fit the layout (the file named).
+        """
+        layout, scan = self.layout, self.scan
+        opened = OpenedSample()
+        try:
+            image, values, shape = _nifti_values(scan.paths[i], "", layout.dtype, opened)
+            if len(shape) != layout.ndim:
+                raise RejectedInputError(f"{len(shape)}-D volume of shape {shape} in a store of {layout.ndim}-D "
+                                         "volumes (most of them): convert volumes of other dimensions separately")
+            proxy = image.dataobj
+            zooms = image.header.get_zooms()
+            out = opened.values
+            out["image"] = values
+            if scan.label_paths is not None:
+                assert layout.label_dtype is not None and scan.label_relpaths is not None
+                label_name = os.fsdecode(scan.label_relpaths[i])
+                _, label_values, label_shape = _nifti_values(scan.label_paths[i], f"label {label_name}",
+                                                             layout.label_dtype, opened)
+                if label_shape[:layout.spatial] != shape[:layout.spatial]:
+                    raise RejectedInputError(
+                        f"label volume {label_name} has shape {label_shape}, image {self.input_name(i)} has shape "
+                        f"{shape}: they differ on the {layout.spatial} spatial axes")
+                if len(label_shape) != layout.label_ndim:
+                    raise RejectedInputError(f"label volume {label_name} is {len(label_shape)}-D, the store's label "
+                                             f"volumes are {layout.label_ndim}-D")
+                out["label"] = label_values
+            elif scan.labels is not None:
+                out["label"] = scan.labels[i]
+            out["affine"] = np.asarray(image.affine, dtype=np.float64)
+            out["spacing"] = np.asarray(zooms[:layout.spatial], dtype=np.float64)
+            out["scl_slope"], out["scl_inter"] = float(proxy.slope), float(proxy.inter)
+            for name, (_, column) in scan.extras.items():
+                out[name] = column[i]
+        except BaseException:
+            opened.close()
+            raise
+        return opened
+
+
+def volume_layout(scan: FileScan, chunks: tuple[int, ...] | None) -> VolumeLayout:
+    """The store's layout from every volume's header (read here, in the converting process).
+
+    Raises:
+        SourceError: no volume (or no label volume) can be read at all, naming the first failure.
+    """
+    headers, failures = [], []
+    for path, rel in zip(scan.paths, scan.relpaths, strict=True):
+        try:
+            headers.append(nifti_header(path, os.fsdecode(rel))[1:])
+        except RejectedInputError as err:
+            failures.append(str(err))
+    if not headers:
+        raise SourceError(f"{scan.root}: none of the {len(scan)} volume(s) can be read; the first: {failures[0]}")
+    ndim, dtype = _common(headers)
+    if ndim < 2:
+        raise SourceError(f"{scan.root}: the volumes are 1-D: fastdata stores volumes of at least 2 axes")
+    default = (PLANE_CHUNK, PLANE_CHUNK) if ndim == 2 else (VOLUME_CHUNK,) * 3
+    image_chunks = chunk_shape(ndim, chunks, default, "volumes")
+    layout = VolumeLayout(ndim, dtype, image_chunks)
+    if scan.label_paths is not None:
+        assert scan.label_relpaths is not None
+        labels = []
+        for path, rel in zip(scan.label_paths, scan.label_relpaths, strict=True):
+            try:
+                labels.append(nifti_header(path, os.fsdecode(rel))[1:])
+            except RejectedInputError:
+                pass
+        if not labels:
+            raise SourceError(f"{scan.root}: none of the {len(scan)} label volume(s) can be read")
+        label_ndim, label_dtype = _common(labels)
+        spatial = min(3, ndim)
+        label_chunks = image_chunks[:min(spatial, label_ndim)] + (1,) * (label_ndim - min(spatial, label_ndim))
+        layout = VolumeLayout(ndim, dtype, image_chunks, label_ndim, label_dtype, label_chunks)
+    return layout
+
+
+def volume_schema(scan: FileScan, layout: VolumeLayout, codec: str | None) -> Schema:
+    """The schema of a NIfTI source (fields: :mod:`~fastdata.writer.sources.volumes`)."""
+    fields: list[tuple[str, Field]] = [("image", chunked_field(layout.dtype, layout.chunks, codec))]
+    if layout.label_dtype is not None and layout.label_chunks is not None:
+        fields.append(("label", chunked_field(layout.label_dtype, layout.label_chunks, codec)))
+    elif scan.labels is not None:
+        fields.append(("label", Int()))
+    fields += [("affine", NDArray("float64", (4, 4))), ("spacing", NDArray("float64", (layout.spatial,))),
+               ("scl_slope", Float()), ("scl_inter", Float())]
+    fields += [(name, f) for name, (f, _) in scan.extras.items()]
+    return Schema(tuple(fields))
