@@ -10,13 +10,17 @@ Cases (``--cases``, default both):
 * ``volume``: one ``S^3`` uint16 CT-like volume (default 512^3, 256 MiB: ``--volume-side``) from
   :func:`fastdata.tools.synth_volumes.ct_volume`, ``Chunked("uint16", (64, 64, 64))``.
 
-Each write is ``fastdata.write([{"x": np.memmap(...)}], dst, {"x": Chunked(...)}, workers=W)`` in a
-fresh Python process, for every ``--workers`` value (default 2 and 0), into every ``--backends``
-store (default LMDB); the default codec (blosc-zstd level 5). A thread samples the writer's process
+Each write is ``fastdata.write(samples, dst, {"x": Chunked(...)}, workers=W)`` in a fresh Python
+process, for every ``--workers`` value (default 2 and 0), every ``--inputs`` form of ``samples``
+(``list``: ``[{"x": np.memmap(...)}]``, a map-style dataset; ``iter``: ``iter([{"x": np.memmap(...)}])``,
+an iterable, which the writer feeds to its workers sample by sample) and every ``--backends`` store
+(default LMDB); the default codec (blosc-zstd level 5). A thread samples the writer's process
 tree (the process, its worker processes, multiprocessing's forkserver and resource tracker) every
 50 ms with :func:`fastdata.bench.memory.process_tree_memory`: peak total PSS, peak total RSS (which
-counts shared pages once per process), the largest RSS of any one process, and the tree's figures
-just before the write (the interpreter and its imports). Target: peak RSS under 400 MB.
+counts shared pages once per process), the largest RSS of any one process, the peaks of the tree's
+anonymous and file-backed PSS (``/proc/PID/smaps_rollup``: file-backed pages are the mapped files,
+the source memmap's included), and the tree's figures just before the write (the interpreter and
+its imports). Target: peak RSS under 400 MB.
 
 With one sample, a single worker reads and compresses all its chunks (the workers share samples,
 not the chunks of one sample), so ``workers=2`` is not expected to be faster than ``workers=0``.
@@ -38,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -81,6 +86,23 @@ CASES = {
 
 
 # --------------------------------------------------------------------------- the measured child
+def split_pss(pids: list[int]) -> dict[str, int]:
+    """PSS split into anonymous (heap, copies) and file-backed (mapped files: the memmap's pages, the
+    store's, libraries') parts, summed over ``pids`` (``/proc/PID/smaps_rollup``; 0 where unavailable)."""
+    out = {"anon_pss": 0, "file_pss": 0}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss_Anon:"):
+                        out["anon_pss"] += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss_File:"):
+                        out["file_pss"] += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return out
+
+
 class TreeSampler:
     """Peaks of the process tree's memory, sampled in a thread."""
 
@@ -89,7 +111,7 @@ class TreeSampler:
 
         self._snap = process_tree_memory
         self.interval = interval
-        self.peak = {"pss": 0, "rss": 0, "rss_one": 0, "uss": 0, "processes": 0}
+        self.peak = {"pss": 0, "rss": 0, "rss_one": 0, "uss": 0, "anon_pss": 0, "file_pss": 0, "processes": 0}
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -97,7 +119,8 @@ class TreeSampler:
     def sample(self) -> dict:
         snap = self._snap()
         now = {"pss": snap.total_pss, "rss": snap.total_rss, "uss": snap.total_uss,
-               "rss_one": max(p.rss for p in snap.processes), "processes": len(snap.processes)}
+               "rss_one": max(p.rss for p in snap.processes), "processes": len(snap.processes),
+               **split_pss([p.pid for p in snap.processes])}
         for k, v in now.items():
             self.peak[k] = max(self.peak[k], v)
         self.samples += 1
@@ -128,7 +151,8 @@ def child(args) -> dict:
     before = sampler.sample()
     with sampler:
         t0 = time.perf_counter()
-        fastdata.write([{"x": arr}], args.dst, {"x": Chunked(dtype, chunks)}, workers=args.child_workers,
+        samples = [{"x": arr}] if args.child_input == "list" else iter([{"x": arr}])
+        fastdata.write(samples, args.dst, {"x": Chunked(dtype, chunks)}, workers=args.child_workers,
                        overwrite=True, progress=False)
         elapsed = time.perf_counter() - t0
     return {"elapsed_s": elapsed, "before": before, "peak": sampler.peak, "samples": sampler.samples}
@@ -173,35 +197,36 @@ def run_case(case: str, side: int, work: str, args) -> dict:
         (make_image if case == "image" else make_volume)(source, side)
         print(f"{case}: made {source} ({raw / MB:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
+    combos = [(backend, workers, kind) for backend in args.backends.split(",")
+              for workers in [int(w) for w in args.workers.split(",")] for kind in args.inputs.split(",")]
     for _ in range(args.repeats):
-        for backend in args.backends.split(","):
-            for workers in [int(w) for w in args.workers.split(",")]:
-                dst = os.path.join(work, f"{case}-{side}-w{workers}.{'lmdb' if backend == 'lmdb' else 'h5'}")
-                shutil.rmtree(dst, ignore_errors=True)
-                if args.cold_source:
-                    from fastdata.bench.cache import evict_page_cache
+        for backend, workers, kind in combos:
+            dst = os.path.join(work, f"{case}-{side}-w{workers}.{'lmdb' if backend == 'lmdb' else 'h5'}")
+            shutil.rmtree(dst, ignore_errors=True)
+            if args.cold_source:
+                from fastdata.bench.cache import evict_page_cache
 
-                    evict_page_cache([source])
-                else:
-                    with open(source, "rb") as f:
-                        while f.read(64 << 20):
-                            pass
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--side", str(side),
-                       "--source", source, "--dst", dst, "--child-workers", str(workers)]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                if out.returncode:
-                    raise SystemExit(f"writer child failed ({case}, {backend}, workers={workers}):\n"
-                                     f"{out.stderr[-3000:]}")
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                r |= {"case": case, "backend": backend, "workers": workers, "shape": shape, "dtype": dtype,
-                      "chunks": chunks, "raw_bytes": raw, "stored_bytes": dir_bytes(dst),
-                      "mb_s": raw / MB / r["elapsed_s"],
-                      "regions_checked": read_back(dst, source, dtype, shape, chunks)}
-                print(f"    {case} {backend} workers={workers}: {r['elapsed_s']:.1f} s, {r['mb_s']:.0f} MiB/s, "
-                      f"peak RSS {r['peak']['rss'] / MB:.0f} MiB (one process {r['peak']['rss_one'] / MB:.0f}), "
-                      f"peak PSS {r['peak']['pss'] / MB:.0f} MiB, store {r['stored_bytes'] / MB:.0f} MiB", flush=True)
-                rows.append(r)
-                shutil.rmtree(dst, ignore_errors=True)
+                evict_page_cache([source])
+            else:
+                with open(source, "rb") as f:
+                    while f.read(64 << 20):
+                        pass
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--side", str(side),
+                   "--source", source, "--dst", dst, "--child-workers", str(workers), "--child-input", kind]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if out.returncode:
+                raise SystemExit(f"writer child failed ({case}, {backend}, workers={workers}, {kind}):\n"
+                                 f"{out.stderr[-3000:]}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            r |= {"case": case, "backend": backend, "workers": workers, "input": kind, "shape": shape, "dtype": dtype,
+                  "chunks": chunks, "raw_bytes": raw, "stored_bytes": dir_bytes(dst),
+                  "mb_s": raw / MB / r["elapsed_s"],
+                  "regions_checked": read_back(dst, source, dtype, shape, chunks)}
+            print(f"    {case} {backend} workers={workers} {kind}: {r['elapsed_s']:.1f} s, {r['mb_s']:.0f} MiB/s, "
+                  f"peak RSS {r['peak']['rss'] / MB:.0f} MiB (one process {r['peak']['rss_one'] / MB:.0f}), "
+                  f"peak PSS {r['peak']['pss'] / MB:.0f} MiB, store {r['stored_bytes'] / MB:.0f} MiB", flush=True)
+            rows.append(r)
+            shutil.rmtree(dst, ignore_errors=True)
     return {"rows": rows}
 
 
@@ -209,12 +234,14 @@ def summarize(rows: list[dict]) -> list[dict]:
     """Medians over repeats, per (case, backend, workers)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["case"], r["backend"], r["workers"]), []).append(r)
+        groups.setdefault((r["case"], r["backend"], r["workers"], r["input"]), []).append(r)
     out = []
-    for (case, backend, workers), rs in groups.items():
-        med = {k: statistics.median(r["peak"][k] for r in rs) for k in ("rss", "rss_one", "pss", "processes")}
-        out.append({"case": case, "backend": backend, "workers": workers, "n": len(rs), "shape": rs[0]["shape"],
-                    "dtype": rs[0]["dtype"], "chunks": rs[0]["chunks"], "raw_bytes": rs[0]["raw_bytes"],
+    for (case, backend, workers, kind), rs in groups.items():
+        med = {k: statistics.median(r["peak"][k] for r in rs)
+               for k in ("rss", "rss_one", "pss", "anon_pss", "file_pss", "processes")}
+        out.append({"case": case, "backend": backend, "workers": workers, "input": kind, "n": len(rs),
+                    "shape": rs[0]["shape"], "dtype": rs[0]["dtype"], "chunks": rs[0]["chunks"],
+                    "raw_bytes": rs[0]["raw_bytes"],
                     "stored_bytes": rs[0]["stored_bytes"], "elapsed_s": statistics.median(r["elapsed_s"] for r in rs),
                     "mb_s": statistics.median(r["mb_s"] for r in rs), "peak": med,
                     "before_rss": statistics.median(r["before"]["rss"] for r in rs),
@@ -224,16 +251,20 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def markdown(res: dict, command: str) -> str:
-    lines = ["| value | chunks | store | workers | raw MiB | stored MiB | s | MiB/s | peak RSS MiB (tree) | "
-             "largest one process | peak PSS MiB | before write RSS / PSS | read-back |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| value | chunks | store | workers | samples given as | raw MiB | stored MiB | s | MiB/s | "
+             "peak RSS MiB (tree) | largest one process | peak PSS MiB | anon / file PSS peaks | "
+             "before write RSS / PSS | read-back |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res["summary"]:
         shape = "x".join(map(str, r["shape"]))
         ok = "meets" if r["peak"]["rss"] < 400 * MB else "above"
         lines.append(f"| {shape} {r['dtype']} | {'x'.join(map(str, r['chunks']))} | {r['backend']} | {r['workers']} | "
+                     f"{'a list' if r['input'] == 'list' else 'an iterator'} | "
                      f"{r['raw_bytes'] / MB:.0f} | {r['stored_bytes'] / MB:.0f} | {r['elapsed_s']:.1f} | "
                      f"{r['mb_s']:.0f} | {r['peak']['rss'] / MB:.0f} (< 400: {ok}) | {r['peak']['rss_one'] / MB:.0f} | "
-                     f"{r['peak']['pss'] / MB:.0f} | {r['before_rss'] / MB:.0f} / {r['before_pss'] / MB:.0f} | "
+                     f"{r['peak']['pss'] / MB:.0f} | "
+                     f"{r['peak']['anon_pss'] / MB:.0f} / {r['peak']['file_pss'] / MB:.0f} | "
+                     f"{r['before_rss'] / MB:.0f} / {r['before_pss'] / MB:.0f} | "
                      f"{r['regions_checked']} regions equal |")
     m = res["machine"]
     n = res["summary"][0]["n"] if res["summary"] else 0
@@ -260,12 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--volume-side", type=int, default=512, help="the volume is SIDE^3 uint16 (default 512)")
     p.add_argument("--workers", default="2,0", help="comma-separated writer worker counts (default 2,0)")
     p.add_argument("--backends", default="lmdb", help="comma-separated: lmdb, hdf5 (default lmdb)")
+    p.add_argument("--inputs", default="list,iter",
+                   help="comma-separated: how the one sample is given: list ([{...}], a map-style dataset), iter "
+                        "(iter([{...}])) (default both)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every write (medians)")
     p.add_argument("--cold-source", action="store_true", help="evict the source file from the page cache first")
     p.add_argument("--workdir", help="keep the source files here (default: a temporary folder, removed)")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--md", help="write the markdown table here")
-    for flag in ("--child", "--side", "--source", "--dst", "--child-workers"):
+    for flag in ("--child", "--side", "--source", "--dst", "--child-workers", "--child-input"):
         p.add_argument(flag, help=argparse.SUPPRESS, type=int if flag in ("--side", "--child-workers") else str)
     args = p.parse_args(argv)
     if args.child:
@@ -281,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     temp = None if args.workdir else tempfile.mkdtemp(prefix="fastdata-chunked-write-")
     work = args.workdir or temp
     os.makedirs(work, exist_ok=True)
-    command = "python benchmarks/bench_chunked_write.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    command = shlex.join(["python", "benchmarks/bench_chunked_write.py", *(argv or sys.argv[1:])])
     res: dict = {"machine": {"cores": os.cpu_count(), "mem_gb": psutil.virtual_memory().total / 2 ** 30,
                              "python": platform.python_version(), "platform": platform.platform(),
                              "fastdata_commit": git_commit(), "numpy": np.__version__,
