@@ -200,6 +200,10 @@ def _probe(field: Chunked, value: Any, shape: tuple[int, ...], count: int, where
     codec = chunk_codec(field.codec)
     nbytes = np.zeros(count, dtype=np.uint32)
     xxh = np.zeros(count, dtype=np.uint64)
+    if _memmap_reader(value) is not None:
+        # a mapping of its own per chunk, unmapped after it: the caller's memmap (probed in the
+        # converter's main process) would keep every page the probe touched in that process
+        value = MemmapRef(value)
     if count:
         picks = sorted(set(np.linspace(0, count - 1, min(count, PROBE_CHUNKS)).round().astype(int).tolist()))
         grid = list(iter_grid(shape, field.chunks)) if count <= 4 * PROBE_CHUNKS else None

@@ -202,13 +202,25 @@ class _SampleSource(ChunkSource):
         return f"sample {i}"
 
 
+def portable_samples(samples: Any, schema: Schema) -> Any:
+    """A list or tuple of sample dicts with its chunked values in a form that pickles light
+    (:func:`fastdata.writer.chunking.portable`: memmaps and h5py datasets as references), since
+    the samples travel to every worker process; any other map-style dataset as it is (it makes
+    its values in the workers, from ``__getitem__``)."""
+    chunked = schema.chunked_fields()
+    if not chunked or not isinstance(samples, list | tuple):
+        return samples
+    return [{k: portable(v) if k in chunked else v for k, v in s.items()} if isinstance(s, Mapping) else s
+            for s in samples]
+
+
 class MapSource(_SampleSource):
     """A map-style dataset, split into index ranges (the plans) the workers read themselves."""
 
     def __init__(self, samples: Any, schema: Schema, chunk_size: int, strict: bool = True,
                  chunk_dir: str | None = None):
         self.schema, self.chunk_size, self.strict, self.chunk_dir = schema, chunk_size, strict, chunk_dir
-        self.worker_init = (set_samples, (samples,))
+        self.worker_init = (set_samples, (portable_samples(samples, schema),))
         # a dataset may name its inputs (e.g. a COCO image's file name) for rejected.tsv
         self._names = getattr(samples, "input_name", None)
 
