@@ -46,8 +46,8 @@ Also measured:
 * stored size: the store (default codec) vs the raw bytes vs the ``.nii.gz`` files of the same volumes;
 * region reads in one process (no DataLoader): random ``--patch``^3 regions of the ``ct`` volumes of the
   largest scenario, MB/s of output, fastdata's ``ChunkedArray`` vs a zarr v3 array of the same data with
-  the same chunks and codec (``BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", blocksize=2**18)``); both with their
-  default threading (wall time and the process's CPU time are reported);
+  the same chunks and codec (``BloscCodec(cname="zstd", clevel=1, shuffle="shuffle",
+  blocksize=2**18)``); both with their default threading (wall time and the process's CPU time are reported);
 * worker memory: peak PSS (and RSS) of the loader's process tree (main + workers, sampled every 50 ms
   by :class:`fastdata.bench.memory.MemorySampler`) over ``--memory-epochs`` epochs of the same number
   of patches from ``--memory-volumes`` volumes of 512^3 vs of 128^3 (``--memory-sides``), each run in a
@@ -605,7 +605,8 @@ def in_process_tables(res: dict, command: str) -> list[str]:
                   f"| fastdata ChunkedArray | {rr['fastdata']['median_mb_s']:.0f} | "
                   f"{rr['fastdata']['median_cpu_s_per_gb']:.2f} | "
                   f"{fmt_ratio(rr['x_zarr'], 0.8)} |",
-                  f"| zarr {rr['zarr_version']} (BloscCodec zstd 1 shuffle 256 KiB blocks, 64^3) | {rr['zarr']['median_mb_s']:.0f} | "
+                  f"| zarr {rr['zarr_version']} (BloscCodec zstd 1 shuffle 256 KiB blocks, 64^3) | "
+                  f"{rr['zarr']['median_mb_s']:.0f} | "
                   f"{rr['zarr']['median_cpu_s_per_gb']:.2f} | 1.00 |",
                   f"zarr store: {rr['zarr_bytes'] / MB:.1f} MB"]
     m = res.get("memory")
