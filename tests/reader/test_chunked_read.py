@@ -4,16 +4,14 @@ and hostile indexes are clear errors before any large allocation."""
 
 from __future__ import annotations
 
-import math
 import multiprocessing
+import os
 import pickle
 
-import h5py
-import lmdb
-import msgpack
 import numpy as np
 import pytest
 import torch
+from helpers.backends import first_in_ci
 from helpers.volumes import SCHEMA, volume
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -106,7 +104,7 @@ class _Regions(torch.utils.data.Dataset):
         return torch.from_numpy(self.ds[i]["ct"][:4, :4, :4].astype(np.int32))
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", first_in_ci(["fork", "spawn"]))  # spawn pickling: the test above
 def test_dataloader_workers_read_regions(stores, context):
     paths, vols = stores
     ds = _Regions(paths[".lmdb"])
@@ -175,41 +173,42 @@ def test_a_damaged_chunk_names_the_sample_field_and_chunk(tmp_path, suffix):
     assert not report.ok and any("field 'ct' chunk 5: checksum mismatch" in p for p in report.problems)
 
 
-def _in_a_fresh_process(fn, *args):
-    """``fn(*args)`` in a spawned interpreter: one that has no LMDB environment or HDF5 file of
-    this process's datasets open (both refuse a second open of a file in one process)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+def _in_a_fresh_process(name: str, *args):
+    """``helpers.raw_store.<name>(*args)`` in a new interpreter that imports no fastdata code (and
+    has none of this process's LMDB environments or HDF5 files open: both refuse a second open of a
+    file in one process)."""
+    import subprocess
+    import sys
 
-
-def _set_first(shard: str, first: int) -> None:
-    with h5py.File(shard, "r+") as f:
-        f["fields/ct.first"][0] = first
+    helpers = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("import pickle, sys; sys.path.insert(0, sys.argv[1]); import helpers.raw_store as raw; "
+              "args = pickle.loads(bytes.fromhex(sys.argv[2])); out = getattr(raw, sys.argv[3])(*args); "
+              "assert not any(m.startswith('fastdata') for m in sys.modules), 'fastdata was imported'; "
+              "sys.stdout.buffer.write(pickle.dumps(out))")
+    proc = subprocess.run([sys.executable, "-c", script, helpers, pickle.dumps(args).hex(), name],
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    return pickle.loads(proc.stdout)
 
 
 def test_chunks_the_index_places_outside_the_chunk_data_are_errors_not_reads(tmp_path):
     dst = tmp_path / "f.h5"
     fastdata.write([{"ct": volume(0, (20, 20, 20)), "label": 0}], dst, SCHEMA, workers=0, progress=False)
-    _in_a_fresh_process(_set_first, str(dst / "shard-00000.h5"), 1 << 40)  # a terabyte past the data
+    _in_a_fresh_process("set_first", str(dst / "shard-00000.h5"), 1 << 40)  # a terabyte past the data
     arr = fastdata.open_dataset(dst)[0]["ct"]
     with pytest.raises(CorruptRecordError, match="field 'ct' chunk 0: missing or of the wrong length"):
         arr[:2, :2, :2]
     assert not fastdata.verify(str(dst)).ok
 
 
-def _set_shape(shard: str, shape: list[int]) -> None:
-    with h5py.File(shard, "r+") as f:
-        f["fields/ct.shape"][0] = shape
-
-
 def test_a_hostile_shape_in_the_index_is_refused_before_any_allocation(tmp_path):
     dst = tmp_path / "h.h5"
     fastdata.write([{"ct": volume(0, (20, 20, 20)), "label": 0}], dst, SCHEMA, workers=0, progress=False)
     shard = str(dst / "shard-00000.h5")
-    _in_a_fresh_process(_set_shape, shard, [1 << 40, 1 << 40, 1 << 20])  # exabytes, 2^92 chunks
+    _in_a_fresh_process("set_shape", shard, [1 << 40, 1 << 40, 1 << 20])  # exabytes, 2^92 chunks
     with pytest.raises(CorruptRecordError, match="chunks, more than the"):
         fastdata.open_dataset(dst)[0]
-    _in_a_fresh_process(_set_shape, shard, [2000, 2000, 2000])  # within the chunk limit, not the table's length
+    _in_a_fresh_process("set_shape", shard, [2000, 2000, 2000])  # within the chunk limit, not the table's length
     with pytest.raises(CorruptRecordError, match="chunk table of 96 bytes, expected"):
         fastdata.open_dataset(dst)[0]
 
@@ -218,49 +217,8 @@ def test_the_chunk_layout_reads_with_lmdb_h5py_and_numcodecs_alone(stores):
     """What FORMAT.md promises: a reader with no fastdata code gets the values back."""
     paths, vols = stores
     for suffix, path in paths.items():
-        assert np.array_equal(_in_a_fresh_process(_read_without_fastdata, path, suffix), vols[1]), suffix
+        assert np.array_equal(_in_a_fresh_process("read_without_fastdata", path, suffix), vols[1]), suffix
 
-
-def _read_without_fastdata(path, suffix: str) -> np.ndarray:
-    """Sample 1's ``ct`` of the store ``path``, read as FORMAT.md describes, with no fastdata code."""
-    import json
-
-    import numcodecs
-
-    if True:
-        manifest = json.loads((path / "manifest.json").read_text())
-        field = next(f for f in manifest["schema"] if f["name"] == "ct")
-        assert field["codec"] == "blosc-zstd"
-        chunks = tuple(field["chunks"])
-        shard = path / manifest["shards"][0]["name"]
-        if suffix == ".lmdb":
-            env = lmdb.open(str(shard), subdir=False, readonly=True, lock=False, max_dbs=3)
-            with env.begin() as txn:
-                index_db, records_db, chunks_db = (env.open_db(n, txn=txn, create=False)
-                                                   for n in (b"index", b"records", b"chunks"))
-                shapes = np.frombuffer(txn.get(b"fields/ct.shape", db=index_db), "<i8").reshape(-1, 3)
-                firsts = np.frombuffer(txn.get(b"fields/ct.first", db=index_db), "<u8")
-                record = msgpack.unpackb(txn.get((1).to_bytes(8, "big"), db=records_db))
-                entries = np.frombuffer(record["ct"], dtype=[("nbytes", "<u4"), ("xxh", "<u8")])
-                stored = [txn.get(int(firsts[1] + j).to_bytes(8, "big"), db=chunks_db) for j in range(len(entries))]
-            env.close()
-        else:
-            with h5py.File(shard, "r") as f:
-                shapes, firsts = f["fields/ct.shape"][()], f["fields/ct.first"][()]
-                offsets = f["offsets"][()]
-                record = msgpack.unpackb(f["records"][offsets[1]:offsets[2]].tobytes())
-                entries = np.frombuffer(record["ct"], dtype=[("nbytes", "<u4"), ("xxh", "<u8")])
-                starts = int(firsts[1]) + np.concatenate([[0], np.cumsum(entries["nbytes"].astype(np.int64))])
-                stored = [f["chunks"][starts[j]:starts[j + 1]].tobytes() for j in range(len(entries))]
-        shape = tuple(int(s) for s in shapes[1])
-        grid = [math.ceil(s / c) for s, c in zip(shape, chunks, strict=True)]
-        out = np.zeros(shape, dtype="<u2")
-        for j, data in enumerate(stored):
-            pos = np.unravel_index(j, grid)
-            region = tuple(slice(p * c, min((p + 1) * c, s)) for p, c, s in zip(pos, chunks, shape, strict=True))
-            block = np.frombuffer(numcodecs.Blosc().decode(data), dtype="<u2")
-            out[region] = block.reshape([r.stop - r.start for r in region])
-        return out
 
 
 def test_a_chunked_schema_round_trips_through_the_manifest():
