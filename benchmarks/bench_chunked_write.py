@@ -14,7 +14,7 @@ Each write is ``fastdata.write(samples, dst, {"x": Chunked(...)}, workers=W)`` i
 process, for every ``--workers`` value (default 2 and 0), every ``--inputs`` form of ``samples``
 (``list``: ``[{"x": np.memmap(...)}]``, a map-style dataset; ``iter``: ``iter([{"x": np.memmap(...)}])``,
 an iterable, which the writer feeds to its workers sample by sample) and every ``--backends`` store
-(default LMDB); the default codec (blosc-zstd level 5). A thread samples the writer's process
+(default LMDB); the default codec (blosc-zstd level 1, 256 KiB Blosc blocks). A thread samples the writer's process
 tree (the process, its worker processes, multiprocessing's forkserver and resource tracker) every
 50 ms with :func:`fastdata.bench.memory.process_tree_memory`: peak total PSS, peak total RSS (which
 counts shared pages once per process), the largest RSS of any one process, the peaks of the tree's
