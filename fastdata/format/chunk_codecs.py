@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ DEFAULT_CODEC = "blosc-zstd"
 #: Blosc's block size (see :meth:`ChunkCodec._compressor`)
 BLOSC_BLOCK_BYTES = 1 << 18
 _blosc_ready_pid: int | None = None
+#: a Blosc header's nbytes, blocksize and cbytes (uint32 LE at bytes 4-16)
+_BLOSC_SIZES = struct.Struct("<III")
 
 
 def _blosc() -> Any:
@@ -129,7 +132,7 @@ class ChunkCodec:
                 # nbytes (decoded), blocksize and cbytes (this frame's length) as uint32 LE
                 if len(data) < 16:
                     raise ValueError("shorter than a Blosc header")
-                decoded, _block, frame = np.frombuffer(bytes(data[4:16]), dtype="<u4").tolist()
+                decoded, _block, frame = _BLOSC_SIZES.unpack_from(data, 4)
                 if decoded != target.nbytes or frame != len(data):
                     raise ValueError(f"the header says {decoded} bytes in a frame of {frame}, expected "
                                      f"{target.nbytes} in {len(data)}")

@@ -195,18 +195,21 @@ class ChunkedArray:
         per_axis = [a.pieces(c, s) for a, c, s in zip(axes, self.chunks, self.shape, strict=True)]
         grid = grid_shape(self.shape, self.chunks)
         jobs = [(linear_index(tuple(p[0] for p in combo), grid), combo) for combo in itertools.product(*per_axis)]
+        scratch: dict[tuple[int, ...], np.ndarray] = {}  # one decode buffer per chunk shape (edges differ)
+
+        def place(k: int, data: Any) -> None:
+            j, combo = batch[k]
+            position = tuple(p[0] for p in combo)
+            shape = tuple(r.stop - r.start for r in chunk_region(position, self.shape, self.chunks))
+            decoded = scratch.get(shape)
+            if decoded is None:
+                decoded = scratch[shape] = np.empty(shape, dtype=self._field.dtype)
+            self._codec.decode_into(data, decoded, f"{self._where} chunk {j}")  # damage: reported by _read
+            out[tuple(p[2] for p in combo)] = decoded[tuple(p[1] for p in combo)]
+
         for start in range(0, len(jobs), FETCH_BATCH):
             batch = jobs[start:start + FETCH_BATCH]
-            stored = self._fetch([j for j, _ in batch])
-            for (j, combo), data in zip(batch, stored, strict=True):
-                position = tuple(p[0] for p in combo)
-                decoded = np.empty(tuple(r.stop - r.start for r in chunk_region(position, self.shape, self.chunks)),
-                                   dtype=self._field.dtype)
-                try:
-                    self._codec.decode_into(data, decoded, f"{self._where} chunk {j}")
-                except CorruptRecordError as err:
-                    raise self._damaged(err) from None
-                out[tuple(p[2] for p in combo)] = decoded[tuple(p[1] for p in combo)]
+            self._read([j for j, _ in batch], place)
             self.chunks_read += len(batch)
         flips = tuple(slice(None, None, -1) if a.flip else slice(None) for a in axes)
         if any(a.flip for a in axes):
@@ -230,9 +233,11 @@ class ChunkedArray:
                                  f"(shape {self.shape})")
         return self[tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size, strict=True))]
 
-    def _fetch(self, chunks: Sequence[int]) -> list:
+    def _read(self, chunks: Sequence[int], consume) -> None:
+        """``consume(k, stored bytes)`` for each of ``chunks``, decoded where they lie (see
+        :meth:`~fastdata.format.backends.base.ShardReader.read_chunks`)."""
         try:
-            return self._shards.get(self._shard).get_chunks(self._first, self._table, chunks, self._where)
+            self._shards.get(self._shard).read_chunks(self._first, self._table, chunks, self._where, consume)
         except CorruptRecordError as err:
             raise self._damaged(err) from None
         except (StoreChangedError, FastdataError):

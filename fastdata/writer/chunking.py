@@ -261,7 +261,9 @@ class H5DatasetRef:
         if self._dataset is None:
             import h5py
 
-            self._dataset = h5py.File(self.path, "r", locking=False)[self.name]
+            # h5py's default locking, as the caller opened it: in a process that still has the file
+            # open (the converter itself may write a chunk of samples), other flags fail to open it
+            self._dataset = h5py.File(self.path, "r")[self.name]
         return np.asarray(self._dataset[key])
 
 

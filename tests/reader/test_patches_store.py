@@ -80,13 +80,13 @@ def test_weighted_patches_are_centred_on_foreground(stores):
 def test_a_patch_reads_only_the_chunks_it_covers(stores, monkeypatch):
     paths, _ = stores
     fetched: list[int] = []
-    original = ChunkedArray._fetch
+    original = ChunkedArray._read
 
-    def counting(self, chunks):
+    def counting(self, chunks, consume):
         fetched.append(len(chunks))
-        return original(self, chunks)
+        return original(self, chunks, consume)
 
-    monkeypatch.setattr(ChunkedArray, "_fetch", counting)
+    monkeypatch.setattr(ChunkedArray, "_read", counting)
     ds = fastdata.PatchDataset(fastdata.open_dataset(paths[".lmdb"]), PATCH, fields=("ct",),
                                patches_per_sample=5, seed=4)
     for p in range(len(ds)):

@@ -187,6 +187,14 @@ class ShardReader(abc.ABC):
         (its ``.first`` index entry), unchecked (see :meth:`get_chunks`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot read chunked fields")
 
+    def read_chunks(self, first: int, table: ChunkTable, chunks: Sequence[int], where: str, consume) -> None:
+        """Call ``consume(k, data)`` for the ``k``-th of chunks ``chunks`` with its stored bytes,
+        checked as :meth:`get_chunks` checks them. ``data`` may be a view into the shard that is
+        valid only during the call (an LMDB transaction's buffer): ``consume`` decodes it there,
+        without a copy of the stored bytes."""
+        for k, data in enumerate(self.get_chunks(first, table, chunks, where)):
+            consume(k, data)
+
     def get_chunks(self, first: int, table: ChunkTable, chunks: Sequence[int], where: str) -> list:
         """The stored bytes of chunks ``chunks`` (grid numbers) of one value, each checked against
         its table entry (length and xxh3-64).

@@ -274,14 +274,20 @@ class LMDBShardReader(ShardReader):
 
     def get_chunks(self, first: int, table, chunks: Sequence[int], where: str) -> list:
         """Chunks ``first + j`` of the ``chunks`` database in one read transaction, each checked
-        against its table entry (see :meth:`ShardReader.get_chunks`)."""
+        against its table entry (see :meth:`ShardReader.get_chunks`), copied out of the map."""
+        out: list = []
+        self.read_chunks(first, table, chunks, where, lambda k, view: out.append(bytes(view)))
+        return out
+
+    def read_chunks(self, first: int, table, chunks: Sequence[int], where: str, consume) -> None:
+        """One read transaction; ``consume`` gets each chunk as a buffer into the map, valid while
+        it runs (see :meth:`ShardReader.read_chunks`): a chunk is decoded from the map, not copied."""
         if self.chunks_db is None:
             raise CorruptRecordError(f"{where}: the shard {self.path} has no chunks database", shard=self.path)
-        out = []
         j = -1
         try:
             with self._open_env().begin(db=self.chunks_db, buffers=True) as txn:
-                for j in chunks:
+                for k, j in enumerate(chunks):
                     view = txn.get(spec.encode_key(first + j)) if 0 <= first + j < 1 << 64 else None
                     if view is None or len(view) != int(table.nbytes[j]):
                         raise CorruptRecordError(f"{where} chunk {j}: missing or of the wrong length in "
@@ -289,11 +295,10 @@ class LMDBShardReader(ShardReader):
                     if checksum(view) != int(table.xxh[j]):
                         raise CorruptRecordError(f"{where} chunk {j}: checksum mismatch (the chunk is damaged); "
                                                  "run 'fastdata verify'", shard=self.path)
-                    out.append(bytes(view))  # inside the transaction: the view dies with it
+                    consume(k, view)
         except lmdb.Error as err:
             raise CorruptRecordError(f"{where} chunk {j}: unreadable, the shard's internal structure is damaged "
                                      f"({err})", shard=self.path) from None
-        return out
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
         """Raw mode: one read transaction in key order, one copy into ``out``.
