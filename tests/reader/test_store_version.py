@@ -126,7 +126,16 @@ def test_a_shard_replaced_in_place_is_refused_when_opened(store):
 
 def _loader_read(ds, context: str) -> list:
     loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context=context)
-    return [int(x) for _, labels in loader for x in labels]
+    it = iter(loader)
+    try:
+        return [int(x) for _, labels in it for x in labels]
+    except StoreChangedError as err:
+        # Drop the traceback (as test_on_error_matrix.read_all does): its frames hold the iterator,
+        # whose worker the garbage collector would otherwise shut down later, mid-way through
+        # another test, after torch's 5 s join timeout; this way it stops here, while it still listens.
+        error = err.with_traceback(None)
+    del it
+    raise error
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
