@@ -99,7 +99,9 @@ def test_bench_and_tune_read_a_url_with_storage_options(remote_store, tmp_path, 
     assert endpoint not in (out / "results.json").read_text()  # options stay out of the results
     assert cached_shard_files(cache)  # the runner read through the cache it was given
     capsys.readouterr()
-    assert main(["tune", url, "--memory-budget", "4GiB", "--batch-size", "4", "--max-workers", "1",
+    # --max-workers 0: the probe and one measurement, each a fresh process that must get the options
+    # (a worker count adds runs, not another way for the options to travel; tests/bench/test_tune.py tunes workers)
+    assert main(["tune", url, "--memory-budget", "4GiB", "--batch-size", "4", "--max-workers", "0",
                  "--max-batches", "1", "--epochs", "1", "--transform", "rrc224", "--out", str(tmp_path / "tune"),
                  "--quiet", *opts]) == 0
     shown = capsys.readouterr().out
