@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch.utils.data
-from helpers.backends import NAME_SUFFIXES
+from helpers.backends import NAME_SUFFIXES, first_in_ci
 from helpers.images import make_tree
 
 import fastdata
@@ -138,7 +138,11 @@ def _loader_read(ds, context: str) -> list:
     raise error
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+# spawn over one backend in CI, the other nightly: the fork variants run over every backend
+@pytest.mark.parametrize("store,context", [
+    *((b, "fork") for b in sorted(BACKENDS)),
+    *(pytest.param(p.values[0], "spawn", marks=p.marks) for p in first_in_ci(sorted(BACKENDS))),
+], indirect=["store"])
 def test_rewritten_store_raises_in_a_dataloader_worker(trees, store, context):
     ds = fastdata.open_dataset(store, output="tensor")
     ds[0]
