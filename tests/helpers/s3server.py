@@ -200,7 +200,7 @@ class S3Server:
                 raise RuntimeError(f"weed exited with {self.proc.returncode}; see {self.log_path}")
             if self._answers():
                 return self
-            time.sleep(0.2)
+            time.sleep(0.05)  # the gateway answers ~3 s after the start: poll finely, answer soon
         self.kill()
         raise RuntimeError(f"weed did not serve S3 within {timeout} s; see {self.log_path}")
 

@@ -19,7 +19,8 @@ from fastdata.cli.main import EXIT_FAILED_CHECK, EXIT_NOT_A_STORE, main
 from fastdata.remote.location import RemoteLocation
 
 #: botocore retries a refused connection on its own; one attempt keeps the unreachable tests quick
-ONE_ATTEMPT = 'config_kwargs={"retries": {"max_attempts": 1}}'
+#: (its ``max_attempts`` counts the retries: 1 was a second attempt after a backoff of about 0.5 s)
+ONE_ATTEMPT = 'config_kwargs={"retries": {"max_attempts": 0}}'
 
 
 def cached_shard_files(cache_dir) -> list[str]:
