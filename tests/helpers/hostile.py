@@ -487,7 +487,8 @@ class HTTPStoreServer:
                 return io.BytesIO(data)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # polled every 50 ms: shutdown() waits for the loop's next poll, 0.5 s by default (at every test's end)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     @property

@@ -16,7 +16,7 @@ import io
 import json
 import os
 import subprocess
-import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -111,12 +111,20 @@ def test_strict_still_stops_on_a_file_image_folder_cannot_load(real_photo_tree, 
 
 # ----------------------------------------------------------------------------- empty sources
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fastdata", *args], capture_output=True, text=True, timeout=120,
-                          check=False)
+def _cli(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``fastdata ARGS`` through the CLI in this process: its exit code, stdout and stderr."""
+    from fastdata.cli.main import main
+
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:  # on stderr, as a subprocess would print them
+        warnings.simplefilter("default")
+        code = main(list(args))
+    out = capsys.readouterr()
+    err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return subprocess.CompletedProcess(["fastdata", *args], code, out.out, err)
 
 
-def test_a_tree_without_images_is_an_error_naming_folder_and_extensions(tmp_path):
+def test_a_tree_without_images_is_an_error_naming_folder_and_extensions(tmp_path, capsys):
     src = tmp_path / "notes"
     for cls in ("a", "b"):
         (src / cls).mkdir(parents=True)
@@ -125,7 +133,7 @@ def test_a_tree_without_images_is_an_error_naming_folder_and_extensions(tmp_path
         fastdata.convert(str(src), str(tmp_path / "s.lmdb"), workers=1, progress=False)
     message = str(err.value)
     assert str(src) in message and all(ext in message for ext in IMG_EXTENSIONS), message
-    done = _cli("convert", str(src), str(tmp_path / "cli.lmdb"), "--workers", "1")
+    done = _cli(capsys, "convert", str(src), str(tmp_path / "cli.lmdb"), "--workers", "1")
     assert done.returncode != 0 and "no image files" in done.stderr and "Traceback" not in done.stderr, done
     assert "wrote 0 images" not in done.stdout
     assert not os.path.exists(tmp_path / "cli.lmdb")
@@ -177,7 +185,7 @@ def test_class_folders_named_like_splits_are_warned_about(tmp_path):
 
 # ----------------------------------------------------------------------------- destination
 
-def test_a_destination_inside_the_source_folder_is_refused(tmp_path):
+def test_a_destination_inside_the_source_folder_is_refused(tmp_path, capsys):
     src = tmp_path / "imgs"
     make_jpeg(src / "a" / "x.jpg", size=(16, 12))
     for dst in (src / "out.lmdb", src / "a" / "deeper" / "out.h5"):
@@ -188,7 +196,7 @@ def test_a_destination_inside_the_source_folder_is_refused(tmp_path):
     os.symlink(src, tmp_path / "alias")
     with pytest.raises(SourceError, match="inside the source folder"):
         fastdata.convert(str(src), str(tmp_path / "alias" / "out.lmdb"), workers=1, progress=False)
-    done = _cli("convert", str(src), str(src / "out.lmdb"), "--workers", "1")
+    done = _cli(capsys, "convert", str(src), str(src / "out.lmdb"), "--workers", "1")
     assert done.returncode != 0 and "inside the source folder" in done.stderr and "Traceback" not in done.stderr
     assert scan(str(src)).classes == ["a"]                       # no phantom class was created
     # control: next to the source is fine, and a list file's folder may hold the store

@@ -47,7 +47,8 @@ class Server:
                 self._answer(False)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # polled every 50 ms: shutdown() waits for the loop's next poll, 0.5 s by default
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     @property
     def url(self) -> str:

@@ -19,7 +19,8 @@ from fastdata.cli.main import EXIT_FAILED_CHECK, EXIT_NOT_A_STORE, main
 from fastdata.remote.location import RemoteLocation
 
 #: botocore retries a refused connection on its own; one attempt keeps the unreachable tests quick
-ONE_ATTEMPT = 'config_kwargs={"retries": {"max_attempts": 1}}'
+#: (its ``max_attempts`` counts the retries: 1 was a second attempt after a backoff of about 0.5 s)
+ONE_ATTEMPT = 'config_kwargs={"retries": {"max_attempts": 0}}'
 
 
 def cached_shard_files(cache_dir) -> list[str]:
@@ -99,7 +100,9 @@ def test_bench_and_tune_read_a_url_with_storage_options(remote_store, tmp_path, 
     assert endpoint not in (out / "results.json").read_text()  # options stay out of the results
     assert cached_shard_files(cache)  # the runner read through the cache it was given
     capsys.readouterr()
-    assert main(["tune", url, "--memory-budget", "4GiB", "--batch-size", "4", "--max-workers", "1",
+    # --max-workers 0: the probe and one measurement, each a fresh process that must get the options
+    # (a worker count adds runs, not another way for the options to travel; tests/bench/test_tune.py tunes workers)
+    assert main(["tune", url, "--memory-budget", "4GiB", "--batch-size", "4", "--max-workers", "0",
                  "--max-batches", "1", "--epochs", "1", "--transform", "rrc224", "--out", str(tmp_path / "tune"),
                  "--quiet", *opts]) == 0
     shown = capsys.readouterr().out

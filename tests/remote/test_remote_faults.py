@@ -236,7 +236,11 @@ def _kill_mid_download_and_fail(server, bucket, tmp_path, monkeypatch):
 
 def test_server_killed_mid_download_and_gone_is_one_clear_error(lone_s3, tmp_path, monkeypatch):
     server, bucket = lone_s3
+    # the retries' sleeps (1.5 s of them), recorded instead of slept: a server that is gone stays gone
+    backoffs: list[int] = []
+    monkeypatch.setattr(location_module, "_backoff", backoffs.append)
     _kill_mid_download_and_fail(server, bucket, tmp_path, monkeypatch)
+    assert backoffs and set(backoffs) == {0, 1}, backoffs  # each failed read was retried twice, then given up
 
 
 # The restart: nightly (see above).

@@ -161,7 +161,8 @@ def test_an_http_store_reads_like_the_local_one_and_an_unreachable_server_is_nam
     local = str(tmp_path / "www" / "train.lmdb")
     fastdata.convert(small_tree, local, shard_size="20kB", progress=False)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler.make(str(tmp_path / "www")))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # polled every 50 ms: shutdown() waits for the loop's next poll, 0.5 s by default
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/train.lmdb"
         ref, ds = fastdata.open_dataset(local, output="numpy"), fastdata.open_dataset(url, output="numpy")

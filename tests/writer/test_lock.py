@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 from helpers.images import make_tree
@@ -55,17 +56,27 @@ def src(tmp_path):
     return make_tree(tmp_path / "src", classes={"cat": 4, "dog": 3}, size=(24, 16))
 
 
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fastdata", *args], capture_output=True, text=True, timeout=timeout)
+def _cli(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``fastdata ARGS`` through the CLI in this process: its exit code, stdout and stderr (what is
+    checked; the lock holders and the killed converter are the processes these tests need)."""
+    from fastdata.cli.main import main
+
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:  # on stderr, as a subprocess would print them
+        warnings.simplefilter("default")
+        code = main(list(args))
+    out = capsys.readouterr()
+    err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return subprocess.CompletedProcess(["fastdata", *args], code, out.out, err)
 
 
-def test_second_converter_is_refused_and_touches_nothing(src, tmp_path, holder):
+def test_second_converter_is_refused_and_touches_nothing(src, tmp_path, holder, capsys):
     dst = str(tmp_path / "out.lmdb")
     live = holder(dst)
     before = sorted(os.listdir(dst))
     with pytest.raises(StoreLockedError, match=rf"another converter \(pid {live.pid}\)"):
         fastdata.convert(src, dst, workers=1, progress=False)
-    done = _cli("convert", src, dst, "--workers", "1")
+    done = _cli(capsys, "convert", src, dst, "--workers", "1")
     assert done.returncode == 2 and f"pid {live.pid}" in done.stderr, done.stderr
     assert sorted(os.listdir(dst)) == before
     # the holder finishes: now the same command works
@@ -85,7 +96,7 @@ def test_overwrite_is_refused_while_another_converter_holds_the_lock(src, tmp_pa
 
 
 @pytest.mark.parametrize("state", ["complete", "unfinished"])
-def test_a_live_writer_is_named_first_whatever_the_flags(src, tmp_path, holder, state):
+def test_a_live_writer_is_named_first_whatever_the_flags(src, tmp_path, holder, state, capsys):
     """Another converter writing DST is the first thing said, before "already holds a store",
     "holds an unfinished conversion" or a resume mismatch (which would send the user to
     --overwrite while a converter is still writing there)."""
@@ -99,7 +110,7 @@ def test_a_live_writer_is_named_first_whatever_the_flags(src, tmp_path, holder, 
     live = holder(dst)
     before = sorted(os.listdir(dst))
     for flags in ([], ["--resume"], ["--resume", "--shard-size", "2MiB"], ["--overwrite"]):
-        done = _cli("convert", src, dst, "--workers", "1", *flags)
+        done = _cli(capsys, "convert", src, dst, "--workers", "1", *flags)
         assert done.returncode == 2, (flags, done.stderr)
         assert f"being written by another converter (pid {live.pid})" in done.stderr, (flags, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1
@@ -119,7 +130,7 @@ def test_stale_lock_of_a_killed_holder_is_taken_over_with_its_pid(src, tmp_path,
     assert fastdata.verify(dst).ok
 
 
-def test_lock_of_a_converter_killed_mid_run_is_stale_at_once(tmp_path):
+def test_lock_of_a_converter_killed_mid_run_is_stale_at_once(tmp_path, capsys):
     """A real converter SIGKILLed mid-run: its workers may still be alive for a
     moment, but none of them holds the lock, so --resume proceeds immediately
     and reports the dead converter's pid."""
@@ -146,7 +157,7 @@ def test_lock_of_a_converter_killed_mid_run_is_stale_at_once(tmp_path):
             break
     else:
         pytest.fail("could not kill the converter while it held the lock")
-    done = _cli("convert", src, dst, "--workers", "2", "--shard-size", "20k", "--resume")
+    done = _cli(capsys, "convert", src, dst, "--workers", "2", "--shard-size", "20k", "--resume")
     assert done.returncode == 0, done.stderr
     assert f"took over the lock of converter pid {proc.pid}" in done.stderr
     assert fastdata.verify(dst).ok

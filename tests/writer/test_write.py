@@ -180,7 +180,10 @@ def test_verify_finds_a_flipped_byte_in_a_record(tmp_path, backend):
         assert skipping[4]["label"] == sample(5)["label"]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+# spawn: nightly; in CI tests/reader/test_packed_batches.py::test_a_dict_batch_from_workers_is_one_segment_and_
+# equals_the_in_process_batch[spawn] reads a general store in spawn workers, and tests/reader/test_dataset_mp.py::
+# test_loader_matrix[hdf5-spawn-persistent] reopens HDF5 shards in them
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("backend", first_in_ci(sorted(BACKENDS)))
 def test_dataloader_workers_read_a_general_store(tmp_path, backend, context):
     dst = tmp_path / f"s{BACKENDS[backend]}"
