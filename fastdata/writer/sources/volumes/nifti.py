@@ -25,7 +25,7 @@ from fastdata.writer.sources.volumes.common import (
     native_dtype,
     require_extra,
 )
-from fastdata.writer.sources.volumes.scan import FileScan
+from fastdata.writer.sources.volumes.scan import FileScan, ScannedSamples
 
 __all__ = ["GZIP_PIECE_BYTES", "NiftiRegions", "PLANE_CHUNK", "VOLUME_CHUNK", "VolumeLayout", "VolumeSamples",
            "WholeVolume", "nifti_header", "read_gzip_values", "require_nibabel", "volume_layout", "volume_schema"]
@@ -185,29 +185,17 @@ def _common(shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[int,
     return ndim, native_dtype(dtype)
 
 
-class VolumeSamples:
+class VolumeSamples(ScannedSamples):
     """The samples of a NIfTI source: ``open(i)`` reads volume ``i``'s header (and its label's),
     checks them against the store's :class:`VolumeLayout` and returns array-likes the chunk writer
     reads slab by slab (in whichever process calls it: the converter's workers)."""
 
     def __init__(self, scan: FileScan, layout: VolumeLayout):
-        self.scan, self.layout = scan, layout
+        super().__init__(scan)
+        self.layout = layout
 
-    def __len__(self) -> int:
-        return len(self.scan)
-
-    def input_name(self, i: int) -> str:
-        return os.fsdecode(self.scan.relpaths[i])
-
-    def input_path(self, i: int) -> str:
-        return os.fsdecode(self.scan.paths[i])
-
-    def relpath(self, i: int) -> bytes:
-        return self.scan.relpaths[i]
-
-    def input_bytes(self, i: int) -> int:
-        paths = [self.scan.paths[i]] + ([self.scan.label_paths[i]] if self.scan.label_paths else [])
-        return sum(os.stat(p).st_size for p in paths if os.path.isfile(p))
+    def files_of(self, i: int) -> list[bytes]:
+        return [self.scan.paths[i]] + ([self.scan.label_paths[i]] if self.scan.label_paths else [])
 
     def open(self, i: int) -> OpenedSample:
         """Sample ``i``'s values (fields: :mod:`~fastdata.writer.sources.volumes`).

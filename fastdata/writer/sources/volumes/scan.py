@@ -393,3 +393,29 @@ def is_volume_source(src: str) -> bool:
     return lower.endswith(LIST_SUFFIXES) and _is_volume_list(src)
 
 
+class ScannedSamples:
+    """What the samples of a scanned source share: sample ``i`` is the ``i``-th file of the scan,
+    named by its path relative to the source. Subclasses add ``open(i)``."""
+
+    def __init__(self, scan: FileScan):
+        self.scan = scan
+
+    def __len__(self) -> int:
+        return len(self.scan)
+
+    def input_name(self, i: int) -> str:
+        return os.fsdecode(self.scan.relpaths[i])
+
+    def input_path(self, i: int) -> str:
+        return os.fsdecode(self.scan.paths[i])
+
+    def relpath(self, i: int) -> bytes:
+        return self.scan.relpaths[i]
+
+    def files_of(self, i: int) -> list[bytes]:
+        """The files sample ``i`` is read from."""
+        return [self.scan.paths[i]]
+
+    def input_bytes(self, i: int) -> int:
+        return sum(os.stat(p).st_size for p in self.files_of(i) if os.path.isfile(p))
+

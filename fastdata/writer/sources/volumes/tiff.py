@@ -16,7 +16,7 @@ import numpy as np
 from fastdata.common.imageio import pixel_limit
 from fastdata.errors import RejectedInputError, SourceError
 from fastdata.writer.sources.volumes.common import OpenedSample, chunk_shape, named, native_dtype, require_extra
-from fastdata.writer.sources.volumes.scan import FileScan
+from fastdata.writer.sources.volumes.scan import FileScan, ScannedSamples
 
 __all__ = ["IMAGE_CHUNKS", "ImageLayout", "MAX_SEGMENT_BYTES", "READ_BUFFER_BYTES", "TIFF_SUFFIXES", "TiffRegions",
            "TiffSamples", "image_layout", "open_tiff", "require_tifffile"]
@@ -205,27 +205,12 @@ class ImageLayout:
     chunks: tuple[int, ...]
 
 
-class TiffSamples:
+class TiffSamples(ScannedSamples):
     """The samples of a TIFF folder: ``open(i)`` opens image ``i`` as a :class:`TiffRegions`."""
 
     def __init__(self, scan: FileScan, layout: ImageLayout, max_pixels: int | None):
-        self.scan, self.layout, self.max_pixels = scan, layout, max_pixels
-
-    def __len__(self) -> int:
-        return len(self.scan)
-
-    def input_name(self, i: int) -> str:
-        return os.fsdecode(self.scan.relpaths[i])
-
-    def input_path(self, i: int) -> str:
-        return os.fsdecode(self.scan.paths[i])
-
-    def relpath(self, i: int) -> bytes:
-        return self.scan.relpaths[i]
-
-    def input_bytes(self, i: int) -> int:
-        path = self.scan.paths[i]
-        return os.stat(path).st_size if os.path.isfile(path) else 0
+        super().__init__(scan)
+        self.layout, self.max_pixels = layout, max_pixels
 
     def open(self, i: int) -> OpenedSample:
         """Image ``i``'s values (``image``, and ``label`` with class folders).
