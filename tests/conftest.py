@@ -18,9 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers package
 
-from pathlib import Path  # noqa: E402
-
-from helpers.images import make_jpeg, make_tree  # noqa: E402
+from helpers.images import make_small_tree, make_tree  # noqa: E402
 
 
 def pytest_configure(config):
@@ -46,20 +44,7 @@ def jpeg_tree():
 def small_tree(tmp_path) -> str:
     """3 classes x 8 JPEGs; some in nested subfolders (two levels), one with an
     uppercase ``.JPG`` extension, varied sizes. Returns the root path."""
-    root = tmp_path / "small_tree"
-    seed = 7
-    for ci, cls in enumerate(("ant", "bee", "wasp")):
-        for i in range(8):
-            if i < 4:
-                rel = Path(cls) / f"img_{i}.jpg"
-            elif i < 6:
-                rel = Path(cls) / "sub" / f"img_{i}.jpg"
-            else:
-                rel = Path(cls) / "sub" / "deeper" / f"img_{i}.jpg"
-            if ci == 1 and i == 2:
-                rel = rel.with_suffix(".JPG")
-            make_jpeg(root / rel, size=(40 + 8 * i, 32 + 4 * ci), seed=seed + ci * 100 + i)
-    return str(root)
+    return make_small_tree(tmp_path / "small_tree")
 
 
 # -- a real S3 server (SeaweedFS) for the remote-store tests ---------------------------------
