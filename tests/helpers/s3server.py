@@ -193,6 +193,10 @@ class S3Server:
     def start(self, timeout: float = 60.0) -> S3Server:
         """Start the server and wait until its S3 gateway answers."""
         self.spawn()
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 60.0) -> S3Server:
+        """Wait until the S3 gateway of the server :meth:`spawn` started answers."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -263,3 +267,22 @@ class S3Server:
             return self._ready.pop(0)
         self.make_bucket(name)
         return name
+
+
+#: servers started ahead of the tests that take them (see :func:`start_early`), by fixture name
+_EARLY: dict[str, S3Server] = {}
+
+
+def start_early(use: str, root: str) -> None:
+    """Spawn a server for the fixture ``use`` now, without waiting: SeaweedFS takes ~3 s to serve
+    (its own bootstrap waits; 0.3 s of CPU), which then pass while other tests run."""
+    server = S3Server(root)
+    server.spawn()
+    _EARLY[use] = server
+
+
+def take_early(use: str) -> S3Server | None:
+    """The server :func:`start_early` started for ``use``, once it serves (None if there is none);
+    each is taken once."""
+    server = _EARLY.pop(use, None)
+    return server.wait() if server is not None else None

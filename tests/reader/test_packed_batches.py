@@ -79,10 +79,12 @@ def test_a_dict_batch_from_workers_is_one_segment_and_equals_the_in_process_batc
         # the images were decoded into one segment, the ragged fields packed into another
         assert len({t.untyped_storage().data_ptr() for t in g["image"]}) == 1
         assert len(_storages(g)) == 2
-    # control: the same batches collated without packing arrive one segment per tensor
-    plain = list(DataLoader(ds, batch_size=8, num_workers=2, collate_fn=collate_samples,
-                            multiprocessing_context=start_method))
-    assert all(len(_storages(b)) > 8 for b in plain)
+    # control: the same batches collated without packing arrive one segment per tensor (what the
+    # check above would see; it does not depend on the start method: with fork only, not twice)
+    if start_method == "fork":
+        plain = list(DataLoader(ds, batch_size=8, num_workers=2, collate_fn=collate_samples,
+                                multiprocessing_context=start_method))
+        assert all(len(_storages(b)) > 8 for b in plain)
 
 
 def test_a_coco_batch_from_workers_is_one_segment(tmp_path):

