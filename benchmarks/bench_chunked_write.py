@@ -86,30 +86,13 @@ CASES = {
 
 
 # --------------------------------------------------------------------------- the measured child
-def split_pss(pids: list[int]) -> dict[str, int]:
-    """PSS split into anonymous (heap, copies) and file-backed (mapped files: the memmap's pages, the
-    store's, libraries') parts, summed over ``pids`` (``/proc/PID/smaps_rollup``; 0 where unavailable)."""
-    out = {"anon_pss": 0, "file_pss": 0}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss_Anon:"):
-                        out["anon_pss"] += int(line.split()[1]) * 1024
-                    elif line.startswith("Pss_File:"):
-                        out["file_pss"] += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return out
-
-
 class TreeSampler:
     """Peaks of the process tree's memory, sampled in a thread."""
 
     def __init__(self, interval: float = 0.05):
-        from fastdata.bench.memory import process_tree_memory
+        from fastdata.bench.memory import process_tree_memory, pss_split
 
-        self._snap = process_tree_memory
+        self._snap, self._split = process_tree_memory, pss_split
         self.interval = interval
         self.peak = {"pss": 0, "rss": 0, "rss_one": 0, "uss": 0, "anon_pss": 0, "file_pss": 0, "processes": 0}
         self.samples = 0
@@ -120,7 +103,7 @@ class TreeSampler:
         snap = self._snap()
         now = {"pss": snap.total_pss, "rss": snap.total_rss, "uss": snap.total_uss,
                "rss_one": max(p.rss for p in snap.processes), "processes": len(snap.processes),
-               **split_pss([p.pid for p in snap.processes])}
+               **{f"{k}_pss": v for k, v in self._split([p.pid for p in snap.processes]).items()}}
         for k, v in now.items():
             self.peak[k] = max(self.peak[k], v)
         self.samples += 1

@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastdata  # noqa: E402
 from fastdata.bench.cache import evict_page_cache, resident_fraction  # noqa: E402
-from fastdata.bench.memory import MemorySampler  # noqa: E402
+from fastdata.bench.memory import MemorySampler, pss_split  # noqa: E402
 from fastdata.fields import Chunked  # noqa: E402
 from fastdata.reader.seeding import seed_worker  # noqa: E402
 from fastdata.tools.synth_volumes import ct_pair  # noqa: E402
@@ -444,23 +444,6 @@ def region_reads(vols: Volumes, args) -> dict:
 
 
 # --------------------------------------------------------------------------- worker memory
-def smaps_split(pids: list[int]) -> dict[str, int]:
-    """``Pss_Anon`` (heap, copy-on-write copies) and ``Pss_File`` (mapped files: libraries, the store's
-    mapped pages, which the kernel can drop) summed over ``pids``, in bytes (``/proc/PID/smaps_rollup``)."""
-    out = {"anon": 0, "file": 0}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss_Anon:"):
-                        out["anon"] += int(line.split()[1]) * 1024
-                    elif line.startswith("Pss_File:"):
-                        out["file"] += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return out
-
-
 def memory_child(store: str, args) -> dict:
     """In a fresh process: ``--memory-epochs`` epochs of patches through ``fastdata.loader``, the
     process tree's memory sampled in a thread (and its anonymous / file-backed split in another)."""
@@ -477,7 +460,7 @@ def memory_child(store: str, args) -> dict:
     def split() -> None:
         me = psutil.Process()
         while not stop.wait(0.1):
-            now = smaps_split([me.pid] + [c.pid for c in me.children(recursive=True)])
+            now = pss_split([me.pid] + [c.pid for c in me.children(recursive=True)])
             for k in peaks:
                 peaks[k] = max(peaks[k], now[k])
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["ProcessMemory", "MemorySnapshot", "process_tree_memory", "MemorySampler"]
+__all__ = ["ProcessMemory", "MemorySnapshot", "process_tree_memory", "MemorySampler", "pss_split"]
 
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
@@ -373,3 +373,22 @@ class MemorySampler:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def pss_split(pids: list[int]) -> dict[str, int]:
+    """PSS summed over ``pids``, split into ``anon`` (heap, copy-on-write copies: what the processes
+    really hold) and ``file`` (mapped files: libraries, a store's or a memmap's pages, which the
+    kernel can drop), in bytes, from ``/proc/PID/smaps_rollup`` (0 for a process that cannot be read)."""
+    out = {"anon": 0, "file": 0}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss_Anon:"):
+                        out["anon"] += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss_File:"):
+                        out["file"] += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return out
+

@@ -746,6 +746,22 @@ def shard_index_bytes(dst: str, backend: str, name: str, schema: Schema | None) 
             return encode_shard_index(reader.read_index())
 
 
+def count_labels(dst: str, backend: str, results: list[ShardResult], schema: Schema, classes: int,
+                 field: str = "label") -> None:
+    """Set each finished shard's ``class_counts`` from the int field ``field`` of its index sidecar
+    (rejected inputs are not in it), for general stores whose sources know the class of each sample."""
+    import numpy as np
+
+    from fastdata.format.record import FIELD_PREFIX, SampleIndex
+    from fastdata.format.store_index import decode_shard_index
+
+    for r in results:
+        index = decode_shard_index(shard_index_bytes(dst, backend, r.name, schema), schema, r.name)
+        assert isinstance(index, SampleIndex), "a general store's shards hold a SampleIndex"
+        labels = np.asarray(index.arrays[FIELD_PREFIX + field], dtype=np.int64)
+        r.class_counts = np.bincount(labels, minlength=classes).tolist()
+
+
 def _tsv_field(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
 

@@ -29,10 +29,8 @@ from fastdata.common.imagemodes import check_mode
 from fastdata.errors import SourceError
 from fastdata.format.fields import JSON, Image, Int, Schema, SchemaError
 from fastdata.format.manifest import CLASS_TABLES_KEY
-from fastdata.format.record import FIELD_PREFIX, SampleIndex
-from fastdata.format.store_index import decode_shard_index
 from fastdata.writer.ingest import Rejected, read_bytes
-from fastdata.writer.pipeline import ShardResult, shard_index_bytes
+from fastdata.writer.pipeline import ShardResult, count_labels
 from fastdata.writer.plan import ShardPlan
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.folder import SourceScan, check_destination_outside, scan_folder
@@ -170,12 +168,7 @@ class DicomFolderInput(MapInput):
     def finish_results(self, dst: str, backend: str, results: list[ShardResult]) -> None:
         """Each shard's ``class_counts`` from the labels its index sidecar holds (rejected files
         are not in it)."""
-        schema = self._checked_schema()
-        for r in results:
-            index = decode_shard_index(shard_index_bytes(dst, backend, r.name, schema), schema, r.name)
-            assert isinstance(index, SampleIndex), "a general store's shards hold a SampleIndex"
-            labels = np.asarray(index.arrays[FIELD_PREFIX + "label"], dtype=np.int64)
-            r.class_counts = np.bincount(labels, minlength=len(self.classes())).tolist()
+        count_labels(dst, backend, results, self._checked_schema(), len(self.classes()))
 
     def report_notes(self) -> list[str]:
         mode = self._checked_schema()["image"]

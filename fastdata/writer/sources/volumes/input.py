@@ -20,12 +20,11 @@ from fastdata.errors import RejectedInputError, SourceError
 from fastdata.format.chunk_codecs import DEFAULT_CODEC
 from fastdata.format.fields import Chunked, Field, Int, Schema, SchemaError
 from fastdata.format.manifest import CLASS_TABLES_KEY, canonical_json
-from fastdata.format.record import FIELD_PREFIX, EncodedSample, SampleIndex, encode_sample
-from fastdata.format.store_index import decode_shard_index
+from fastdata.format.record import EncodedSample, encode_sample
 from fastdata.writer.chunking import write_chunks
 from fastdata.writer.ingest import spill
 from fastdata.writer.options import check_shard_count
-from fastdata.writer.pipeline import ShardResult, shard_index_bytes, staging_path
+from fastdata.writer.pipeline import ShardResult, count_labels, staging_path
 from fastdata.writer.plan import ShardPlan
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.python import MapInput, MapSource
@@ -259,12 +258,7 @@ class _FilesInput(MapInput):
         """Each shard's ``class_counts`` from the labels its index sidecar holds, with class labels."""
         if not self.classes():
             return
-        schema = self._checked_schema()
-        for r in results:
-            index = decode_shard_index(shard_index_bytes(dst, backend, r.name, schema), schema, r.name)
-            assert isinstance(index, SampleIndex), "a general store's shards hold a SampleIndex"
-            labels = np.asarray(index.arrays[FIELD_PREFIX + "label"], dtype=np.int64)
-            r.class_counts = np.bincount(labels, minlength=len(self.classes())).tolist()
+        count_labels(dst, backend, results, self._checked_schema(), len(self.classes()))
 
     def report_notes(self) -> list[str]:
         return list(self.notes)
