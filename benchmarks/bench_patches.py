@@ -7,7 +7,8 @@ and their uint8 organ labels (:func:`fastdata.tools.synth_volumes.ct_pair`, seed
 ``.npy`` and as ``.nii.gz`` (``nibabel.save``, its default gzip level), and written with
 ``fastdata.write(..., workers=2)`` into an LMDB and an HDF5 store with
 ``{"ct": Chunked("uint16", (64,) * 3), "label": Chunked("uint8", (64,) * 3)}``: the default codec
-(blosc-zstd level 1, byte shuffle, 256 KiB Blosc blocks) and the default 64^3 chunks of the issue. Scenarios are
+(blosc-lz4 level 5, byte shuffle, 256 KiB Blosc blocks) and the 64^3 chunks of the issue; a third store
+(LMDB) with ``codec="blosc-zstd"`` (level 1), the smaller store, shows what that choice costs. Scenarios are
 ``SIDExCOUNT`` (default ``256x8,512x4``: 8 volumes of 256^3 and 4 of 512^3).
 
 Every contender yields the same thing: batches (``--batch-size``, default 4) of ``--patch``^3
@@ -15,8 +16,8 @@ Every contender yields the same thing: batches (``--batch-size``, default 4) of 
 inside the volume, ``--patches-per-volume`` (default 8) patches per volume per epoch, through 2
 DataLoader worker processes (``--workers``):
 
-* ``fastdata-lmdb`` / ``fastdata-hdf5``  ``fastdata.PatchDataset(fastdata.open_dataset(store), (96,) * 3,
-  fields=("ct", "label"), sampler="uniform", patches_per_sample=k, output="tensor")`` through
+* ``fastdata-lmdb`` / ``fastdata-hdf5`` / ``fastdata-lmdb-zstd``  ``fastdata.PatchDataset(fastdata.open_dataset(
+  store), (96,) * 3, fields=("ct", "label"), sampler="uniform", patches_per_sample=k, output="tensor")`` through
   ``fastdata.loader`` (persistent workers, shuffled): each patch decodes only the chunks it touches;
 * ``npy``       a map-style Dataset whose item ``p`` ``np.load``s the whole ``.npy`` volume (and label) of
   volume ``p // k`` and crops (what a user writes first), plain DataLoader, same settings;
@@ -91,19 +92,22 @@ import fastdata  # noqa: E402
 from fastdata.bench.cache import evict_page_cache, resident_fraction  # noqa: E402
 from fastdata.bench.memory import MemorySampler, pss_split  # noqa: E402
 from fastdata.fields import Chunked  # noqa: E402
+from fastdata.format.chunk_codecs import BLOSC_BLOCK_BYTES, CHUNK_CODECS, DEFAULT_CODEC  # noqa: E402
 from fastdata.reader.seeding import seed_worker  # noqa: E402
 from fastdata.tools.synth_volumes import ct_pair  # noqa: E402
 
 MB = 1 << 20
 CHUNKS = (64, 64, 64)
-CONTENDERS = ("fastdata-lmdb", "fastdata-hdf5", "npy", "nibabel", "torchio")
+CONTENDERS = ("fastdata-lmdb", "fastdata-hdf5", "fastdata-lmdb-zstd", "npy", "nibabel", "torchio")
+#: the stores of a scenario: kind -> (backend, codec); the first is the one measured in process
+STORES = {"lmdb": ("lmdb", DEFAULT_CODEC), "hdf5": ("hdf5", DEFAULT_CODEC), "lmdb-zstd": ("lmdb", "blosc-zstd")}
 BASELINES = ("npy", "nibabel", "torchio")
 TARGETS = {"npy@256": 4.0, "npy@512": 20.0, "nibabel": 20.0, "torchio": 1.0}
 
 
 # --------------------------------------------------------------------------- data
-def schema() -> dict:
-    return {"ct": Chunked("uint16", CHUNKS), "label": Chunked("uint8", CHUNKS)}
+def schema(codec: str = DEFAULT_CODEC) -> dict:
+    return {"ct": Chunked("uint16", CHUNKS, codec=codec), "label": Chunked("uint8", CHUNKS, codec=codec)}
 
 
 def dir_bytes(path: str) -> int:
@@ -132,13 +136,15 @@ class Volumes:
     def nii(self, i: int, field: str) -> str:
         return os.path.join(self.root, f"{i:03d}_{field}.nii.gz")
 
-    def store(self, backend: str) -> str:
-        return os.path.join(self.root, f"x{self.count}.{'lmdb' if backend == 'lmdb' else 'h5'}")
+    def store(self, kind: str) -> str:
+        backend, codec = STORES[kind]
+        tag = "" if codec == DEFAULT_CODEC else f"-{codec}"
+        return os.path.join(self.root, f"x{self.count}{tag}.{'lmdb' if backend == 'lmdb' else 'h5'}")
 
     def _stamp(self, kind: str) -> Path:
         return Path(self.root) / f".{kind}-{self.count}.done"
 
-    def prepare(self, kinds: tuple[str, ...] = ("npy", "nii", "lmdb", "hdf5")) -> dict:
+    def prepare(self, kinds: tuple[str, ...] = ("npy", "nii", *STORES)) -> dict:
         """Generate what is missing (npy first: every other form is made from it); seconds spent."""
         spent: dict[str, float] = {}
         missing = [i for i in range(self.count) if not all(os.path.isfile(self.npy(i, f)) for f in ("ct", "label"))]
@@ -159,14 +165,14 @@ class Volumes:
                     nib.save(nib.Nifti1Image(np.load(self.npy(i, field)), np.eye(4)), self.nii(i, field))
             self._stamp("nii").touch()
             spent["nii.gz"] = time.perf_counter() - t0
-        for backend in ("lmdb", "hdf5"):
-            if backend in kinds and not self._stamp(backend).exists():
+        for kind, (_backend, codec) in STORES.items():
+            if kind in kinds and not self._stamp(f"{kind}-{codec}").exists():
                 t0 = time.perf_counter()
                 samples = [{f: np.load(self.npy(i, f), mmap_mode="r") for f in ("ct", "label")}
                            for i in range(self.count)]
-                fastdata.write(samples, self.store(backend), schema(), workers=2, overwrite=True, progress=False)
-                self._stamp(backend).touch()
-                spent[backend] = time.perf_counter() - t0
+                fastdata.write(samples, self.store(kind), schema(codec), workers=2, overwrite=True, progress=False)
+                self._stamp(f"{kind}-{codec}").touch()
+                spent[kind] = time.perf_counter() - t0
         return spent
 
     def check_store(self, store: str) -> None:
@@ -252,12 +258,12 @@ class Contender:
         common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
                       persistent_workers=args.workers > 0, prefetch_factor=2 if args.workers else None)
         if name.startswith("fastdata-"):
-            backend = name.split("-", 1)[1]
+            kind = name.split("-", 1)[1]
             cls = ClosingPatches if cold else fastdata.PatchDataset
-            self.dataset = cls(fastdata.open_dataset(vols.store(backend)), (args.patch,) * 3, fields=("ct", "label"),
+            self.dataset = cls(fastdata.open_dataset(vols.store(kind)), (args.patch,) * 3, fields=("ct", "label"),
                                sampler="uniform", patches_per_sample=args.patches_per_volume, seed=0, output="tensor")
             self.loader = fastdata.loader(self.dataset, **common)
-            self.files = files_under(vols.store(backend))
+            self.files = files_under(vols.store(kind))
         elif name in ("npy", "nibabel"):
             ds = CropDataset(vols, args.patch, args.patches_per_volume, name)
             self.loader = torch.utils.data.DataLoader(ds, worker_init_fn=seed_worker, **common)
@@ -387,25 +393,32 @@ def stored_sizes(vols: Volumes) -> dict:
                       "nii_gz": sum(os.path.getsize(vols.nii(i, field)) for i in range(vols.count))}
     ds.close()
     out["total"] = {k: out["ct"][k] + out["label"][k] for k in ("raw", "fastdata_chunks", "nii_gz")}
-    out["total"]["lmdb_dir"] = dir_bytes(vols.store("lmdb"))
-    out["total"]["hdf5_dir"] = dir_bytes(vols.store("hdf5"))
+    for kind in STORES:
+        out["total"][f"{kind}_dir"] = dir_bytes(vols.store(kind))
     return out
 
 
+def zarr_codec() -> tuple[str, int]:
+    """The Blosc compressor name and level of the default codec (zarr gets the same)."""
+    codec = CHUNK_CODECS[DEFAULT_CODEC]
+    assert codec.name.startswith("blosc-") and codec.default_level is not None
+    return codec.name.split("-", 1)[1], codec.default_level
+
+
 def region_reads(vols: Volumes, args) -> dict:
-    """Random regions of the ``ct`` volumes: fastdata ChunkedArray vs zarr v3 (same chunks, same codec)."""
+    """Random regions of the ``ct`` volumes: fastdata ChunkedArray vs zarr v3 (same chunks, same codec: the
+    default store's Blosc compressor, level and shuffle)."""
     import zarr
     from zarr.codecs import BloscCodec
 
-    from fastdata.format.chunk_codecs import BLOSC_BLOCK_BYTES
-
-    paths = [os.path.join(vols.root, f"{i:03d}_ct.zarr") for i in range(vols.count)]
-    stamp = Path(vols.root) / f".zarr-{vols.count}.done"
+    cname, level = zarr_codec()
+    paths = [os.path.join(vols.root, f"{i:03d}_ct-{cname}.zarr") for i in range(vols.count)]
+    stamp = Path(vols.root) / f".zarr-{cname}-{vols.count}.done"
     if not stamp.exists():
         for i, path in enumerate(paths):
             shutil.rmtree(path, ignore_errors=True)
             z = zarr.create_array(store=path, shape=(vols.side,) * 3, chunks=CHUNKS, dtype="uint16",
-                                  compressors=BloscCodec(cname="zstd", clevel=1, shuffle="shuffle",
+                                  compressors=BloscCodec(cname=cname, clevel=level, shuffle="shuffle",
                                                          blocksize=BLOSC_BLOCK_BYTES), zarr_format=3)
             src = np.load(vols.npy(i, "ct"), mmap_mode="r")
             for z0 in range(0, vols.side, CHUNKS[0]):
@@ -440,6 +453,7 @@ def region_reads(vols: Volumes, args) -> dict:
     out["regions"] = len(regions)
     out["zarr_bytes"] = sum(dir_bytes(p) for p in paths)
     out["zarr_version"] = zarr.__version__
+    out["codec"] = f"{cname} {level}"
     return out
 
 
@@ -548,10 +562,11 @@ def loader_tables(res: dict) -> list[str]:
             lines.append(f"| {sres['count']} x {side}^3 | {cache} | " + " | ".join(cells) + " | "
                          f"{fmt_ratio(x.get('npy'), npy_target)} | {fmt_ratio(x.get('nibabel'), TARGETS['nibabel'])} | "
                          f"{fmt_ratio(x.get('torchio'), TARGETS['torchio'])} |")
-    lines += ["", "fastdata-hdf5 vs the baselines (same rounds): " + "; ".join(
-        f"{scen} {cache}: " + ", ".join(f"x {b} {v:.2f}" for b, v in sres[cache]["rows"]["fastdata-hdf5"]["x"].items())
-        for scen, sres in res["scenarios"].items() for cache in ("warm", "cold")
-        if cache in sres and "fastdata-hdf5" in sres[cache]["rows"])]
+    for other in ("fastdata-hdf5", "fastdata-lmdb-zstd"):
+        lines += ["", f"{other} vs the baselines (same rounds): " + "; ".join(
+            f"{scen} {cache}: " + ", ".join(f"x {b} {v:.2f}" for b, v in sres[cache]["rows"][other]["x"].items())
+            for scen, sres in res["scenarios"].items() for cache in ("warm", "cold")
+            if cache in sres and other in sres[cache]["rows"])]
     cold_cached = [f"{scen} {name} {r['cached_max']:.0%}" for scen, sres in res["scenarios"].items()
                    if "cold" in sres for name, r in sres["cold"]["rows"].items() if "cached_max" in r]
     if cold_cached:
@@ -570,7 +585,7 @@ def in_process_tables(res: dict, command: str) -> list[str]:
         lines.append(f"| {sres['count']} x {sres['side']}^3 | mean {d['mean']:.2f}x (median {d['median']:.2f}, "
                      f"{d['min']:.2f}-{d['max']:.2f}, {d['patches']} patches) | {d['from_positions_mean']:.2f}x | "
                      f"{d['expected_uniform']:.2f}x | <= 4x: {'meets' if d['mean'] <= 4 else 'above'} |")
-    lines += ["", "| volumes | field | raw MB | fastdata blosc-zstd MB (x smaller) | .nii.gz MB (x smaller) |",
+    lines += ["", f"| volumes | field | raw MB | fastdata {DEFAULT_CODEC} MB (x smaller) | .nii.gz MB (x smaller) |",
               "|---|---|---:|---:|---:|"]
     for sres in res["scenarios"].values():
         for field in ("ct", "label", "total"):
@@ -579,7 +594,9 @@ def in_process_tables(res: dict, command: str) -> list[str]:
                          f"{s['fastdata_chunks'] / MB:.1f} ({s['raw'] / s['fastdata_chunks']:.2f}) | "
                          f"{s['nii_gz'] / MB:.1f} ({s['raw'] / s['nii_gz']:.2f}) |")
         t = sres["sizes"]["total"]
-        lines.append(f"| | store dirs | | lmdb {t['lmdb_dir'] / MB:.1f}, hdf5 {t['hdf5_dir'] / MB:.1f} | |")
+        lines.append("| | store dirs (MB, x smaller than raw) | | " + ", ".join(
+            f"{kind} {t[f'{kind}_dir'] / MB:.1f} ({t['raw'] / t[f'{kind}_dir']:.2f})" for kind in STORES
+            if f"{kind}_dir" in t) + " | |")
     rr = res.get("regions")
     if rr:
         lines += ["", f"Region reads, one process: {rr['regions']} random {a['patch']}^3 regions of the ct volumes "
@@ -588,7 +605,7 @@ def in_process_tables(res: dict, command: str) -> list[str]:
                   f"| fastdata ChunkedArray | {rr['fastdata']['median_mb_s']:.0f} | "
                   f"{rr['fastdata']['median_cpu_s_per_gb']:.2f} | "
                   f"{fmt_ratio(rr['x_zarr'], 0.8)} |",
-                  f"| zarr {rr['zarr_version']} (BloscCodec zstd 1 shuffle 256 KiB blocks, 64^3) | "
+                  f"| zarr {rr['zarr_version']} (BloscCodec {rr['codec']} shuffle 256 KiB blocks, 64^3) | "
                   f"{rr['zarr']['median_mb_s']:.0f} | "
                   f"{rr['zarr']['median_cpu_s_per_gb']:.2f} | 1.00 |",
                   f"zarr store: {rr['zarr_bytes'] / MB:.1f} MB"]
@@ -698,8 +715,8 @@ def main(argv: list[str] | None = None) -> int:
             spent = vols.prepare()
             if spent:
                 print(f"{name}: prepared " + ", ".join(f"{k} {v:.0f} s" for k, v in spent.items()), flush=True)
-            for backend in ("lmdb", "hdf5"):
-                vols.check_store(vols.store(backend))
+            for kind in STORES:
+                vols.check_store(vols.store(kind))
             sres: dict = {"side": side, "count": count, "prepare_s": spent}
             sres["sizes"] = stored_sizes(vols)
             sres["decoded"] = decoded_per_patch(vols, args)

@@ -5,7 +5,7 @@ Every codec is declared here, once (:data:`CHUNK_CODECS`); the field kind
 ``docs/FORMAT.md`` all look codecs up by name in this table.
 
 The compressors come from numcodecs (the codec library zarr uses, numpy its only
-dependency): a chunk stored with ``blosc-zstd`` is a Blosc frame, so a reader in any
+dependency): a chunk stored with ``blosc-lz4`` or ``blosc-zstd`` is a Blosc frame, so a reader in any
 language decodes it with c-blosc (Python: ``numcodecs.Blosc().decode(data)``); ``zstd``
 and ``lz4`` chunks are numcodecs' ``Zstd``/``LZ4`` frames; ``raw`` chunks are the
 little-endian bytes themselves.
@@ -29,7 +29,7 @@ import numpy as np
 from fastdata.errors import CorruptRecordError
 
 #: the codec a ``Chunked`` field gets unless it names one (chosen by ``benchmarks/bench_codecs.py``)
-DEFAULT_CODEC = "blosc-zstd"
+DEFAULT_CODEC = "blosc-lz4"
 #: Blosc's block size (see :meth:`ChunkCodec._compressor`)
 BLOSC_BLOCK_BYTES = 1 << 18
 _blosc_ready_pid: int | None = None
@@ -94,10 +94,11 @@ class ChunkCodec:
         if self.name.startswith("blosc-"):
             _blosc()
             cname = self.name.split("-", 1)[1]
-            # byte shuffle groups the high and low bytes of 16-bit samples, so zstd sees long runs;
-            # lz4 does better still on single bits (measured: ratio 2.68 vs 2.26 on CT-like uint16)
-            shuffle = (numcodecs.Blosc.NOSHUFFLE if typesize == 1 and cname == "zstd" else
-                       numcodecs.Blosc.BITSHUFFLE if cname == "lz4" else numcodecs.Blosc.SHUFFLE)
+            # byte shuffle groups the high and low bytes of wider items, so the compressor sees long
+            # runs; one-byte items (labels, 8-bit images) have nothing to shuffle. Bit shuffle gives
+            # lz4 a better ratio (2.39 vs 1.90 on the CT-like chunks) but decodes at a third of the
+            # speed (3.4 vs 11 GB/s), and the patch loader is bound by decoding (bench_codecs.py)
+            shuffle = numcodecs.Blosc.NOSHUFFLE if typesize == 1 else numcodecs.Blosc.SHUFFLE
             # 256 KiB blocks: Blosc's automatic block at low levels is 32 KiB, which halves the
             # decompression speed and costs 3% of the ratio (benchmarks/bench_codecs.py)
             return numcodecs.Blosc(cname=cname, clevel=level, shuffle=shuffle, blocksize=BLOSC_BLOCK_BYTES)
@@ -168,12 +169,16 @@ class ChunkCodec:
 #: codec name -> codec; ``Chunked(codec=None)`` means ``"raw"``
 CHUNK_CODECS: dict[str, ChunkCodec] = {
     codec.name: codec for codec in (
-        # level 1 (Blosc's clevel 1 is zstd level 1): within 3% of the best ratio measured (clevel 9,
-        # zstd level 22, which compresses at 3 MB/s), 5x faster to compress than clevel 5 and faster
-        # to decompress (CT-like uint16 in 64^3 chunks: ratio 3.57, 461 MB/s in, 1825 MB/s out on
-        # one thread; benchmarks/bench_codecs.py)
+        # the default: a random 96^3 patch on a 64^3 grid decodes 3.9x its own bytes, so patches/s are
+        # bound by decompression; Blosc lz4 with byte shuffle decompresses CT-like uint16 at ~11 GB/s on
+        # one thread (stores 3.3x smaller than raw, about .nii.gz's size) and doubled the patch loader's
+        # rate over blosc-zstd (benchmarks/bench_codecs.py, bench_patches.py)
+        ChunkCodec("blosc-lz4", 5, (0, 9), "a Blosc frame: byte shuffle (items wider than one byte), lz4"),
+        # the smaller store: level 1 (Blosc's clevel 1 is zstd level 1) is within 3% of the best ratio
+        # measured (clevel 9, zstd level 22, which compresses at 3 MB/s), 5x faster to compress than
+        # clevel 5 and faster to decompress (ratio 3.57 vs 2.3-2.4 for blosc-lz4 on the CT-like volume,
+        # ~1.8-2.5 GB/s out on one thread: about half the patch rate)
         ChunkCodec("blosc-zstd", 1, (0, 9), "a Blosc frame: byte shuffle (items wider than one byte), zstd"),
-        ChunkCodec("blosc-lz4", 5, (0, 9), "a Blosc frame: bit shuffle, lz4"),
         ChunkCodec("zstd", 3, (-131072, 22), "a zstd frame (numcodecs Zstd)"),
         ChunkCodec("lz4", None, None, "numcodecs' LZ4: the decoded size (int32 LE), then an lz4 block"),
         ChunkCodec("raw", None, None, "the chunk's little-endian bytes, uncompressed"),

@@ -9,6 +9,7 @@ from helpers.samples import jpeg
 from torch.utils.data import DataLoader
 
 import fastdata
+from fastdata.fields import Int, NDArray
 from fastdata.reader import batching
 from fastdata.reader.batching import PackedBatch, collate_samples
 
@@ -25,7 +26,9 @@ def _unpack_here(batch):
 
 def test_packing_keeps_values_dtypes_shapes_and_strides():
     hwc = torch.arange(5 * 7 * 3, dtype=torch.uint8).reshape(5, 7, 3)
-    wide = torch.arange(40, dtype=torch.float64).reshape(4, 10)
+    # more than BY_VALUE_BYTES in all, so the batch travels in one shared segment (smaller ones travel
+    # inside the pickle: test_small_tensors_travel_inside_the_pickle)
+    wide = torch.arange(40 * 1000, dtype=torch.float64).reshape(40, 1000)
     boxes = torch.arange(8.0).reshape(2, 4).as_subclass(_Boxes)
     boxes.canvas = (5, 7)
     batch = ({"image": [hwc.permute(2, 0, 1), hwc[1:].permute(2, 0, 1)],
@@ -205,3 +208,56 @@ def test_an_image_a_worker_keeps_is_never_overwritten_by_later_batches(tmp_path)
             assert bool(batch["kept_intact"].all())
             for label, image in zip(batch["label"].tolist(), batch["image"], strict=True):
                 assert torch.equal(image, reference[label])
+
+
+def _fixed_store(tmp_path, n=32):
+    samples = [{"x": np.full((64, 64), i, dtype=np.float32), "y": i, "m": np.arange(3, dtype=np.int16) + i}
+               for i in range(n)]
+    dst = str(tmp_path / "fixed.lmdb")
+    schema = {"x": NDArray("float32", (64, 64)), "y": Int(), "m": NDArray("int16", (3,))}
+    fastdata.write(samples, dst, schema, workers=0, progress=False)
+    return dst
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "control"])
+def test_fixed_shape_dict_fields_are_stacked_into_ring_slots(tmp_path, ring, monkeypatch):
+    """Fields of one shape and dtype are stacked into one slot of the worker's ring (only the slot
+    number crosses the queue; slots come back once a batch is gone); without a ring the same
+    batches arrive as before (control: no batch through the ring)."""
+    from fastdata.reader import batch_ring
+    if not ring:
+        monkeypatch.setattr(batch_ring, "_ring_unavailable", True)  # inherited by the forked workers
+    ds = fastdata.open_dataset(_fixed_store(tmp_path), output="tensor")
+    want = [fastdata.collate(ds.__getitems__(list(range(b, b + 4)))) for b in range(0, 32, 4)]
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=fastdata.collate, persistent_workers=True,
+                        multiprocessing_context="fork", sampler=range(32))
+    through_ring = []
+    for _epoch in range(2):
+        before = batch_ring.received["ring"]
+        for g, w in zip(loader, want, strict=True):
+            assert list(g) == list(w)
+            for key in w:
+                assert g[key].dtype == w[key].dtype and torch.equal(g[key], w[key])
+            if ring and _epoch == 1:  # every batch through the ring by now: x and m in one slot
+                assert g["x"].untyped_storage().data_ptr() == g["m"].untyped_storage().data_ptr()
+        through_ring.append(batch_ring.received["ring"] - before)
+    if ring:
+        # the first batch of each worker announces its ring; the batches it made before the main
+        # process mapped the ring (prefetch_factor 2 ahead) travel as before; every later one uses it
+        assert through_ring[0] >= 8 - 2 * 2 and through_ring[1] == 8, through_ring
+    else:
+        assert through_ring == [0, 0]
+
+
+def test_small_tensors_travel_inside_the_pickle():
+    """A packed batch whose tensors total at most BY_VALUE_BYTES needs no shared segment (no
+    descriptor round trip to the worker); a larger one gets one segment."""
+    small = {"a": torch.arange(10), "b": torch.ones(3, 4)}
+    got = _unpack_here(small)
+    assert all(torch.equal(got[k], small[k]) for k in small)
+    assert not any(got[k].is_shared() for k in small)
+    big = {"a": torch.arange(batching.BY_VALUE_BYTES // 8 + 1), "b": torch.ones(3, 4)}
+    got = _unpack_here(big)
+    assert all(torch.equal(got[k], big[k]) for k in big)
+    assert all(got[k].is_shared() for k in big)
+    assert got["a"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()

@@ -9,7 +9,10 @@ checksums of whole files, resume, manifest) lives in the shared pipeline.
 from __future__ import annotations
 
 import abc
+import ctypes
+import mmap
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,6 +23,40 @@ from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.chunks import ChunkTable, PendingChunks
 from fastdata.format.fields import Schema
 from fastdata.format.record import SampleIndex, ShardIndex, checksum, chunk_first_key
+
+
+_madvise: object = None  # libc's madvise, False where it is unavailable (set on first use)
+
+
+def release_mapped_pages(view) -> None:
+    """Take the pages under ``view`` (a buffer into a read-only file mapping of a shard, which
+    has been used) out of this process's page tables: ``madvise(MADV_DONTNEED)``, which for a
+    shared file mapping only unmaps them; the page cache keeps them and the next access maps
+    them again with a minor fault. Without this a worker reading random chunks of a large
+    store ends up mapping most of it: clean page cache, but counted in the worker's RSS and
+    PSS, which then grow with the store instead of staying flat (measured: 481 vs 286 MB peak
+    PSS for 2 workers over 512^3 vs 128^3 volumes, the difference all file-backed). Linux only;
+    elsewhere a no-op. Advice only: a failure is ignored."""
+    global _madvise
+    if _madvise is False:
+        return
+    if _madvise is None:
+        try:
+            if not sys.platform.startswith("linux"):
+                raise OSError("MADV_DONTNEED only unmaps on Linux")
+            call = ctypes.CDLL(None, use_errno=True).madvise
+            call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            call.restype = ctypes.c_int
+            _madvise = call
+        except (OSError, AttributeError):
+            _madvise = False
+            return
+    nbytes = len(view)
+    if nbytes < mmap.PAGESIZE:
+        return  # within a page or two shared with neighbours: not worth a system call
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    lo = address - address % mmap.PAGESIZE
+    _madvise(lo, address + nbytes - lo, mmap.MADV_DONTNEED)  # type: ignore[operator]
 
 
 @dataclass(frozen=True)
@@ -187,6 +224,10 @@ class ShardReader(abc.ABC):
         (its ``.first`` index entry), unchecked (see :meth:`get_chunks`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot read chunked fields")
 
+    #: whether :meth:`chunk_bytes` returns views of a file mapping (released after each chunk is
+    #: consumed: :func:`release_mapped_pages`)
+    maps_chunks: ClassVar[bool] = False
+
     def read_chunks(self, first: int, table: ChunkTable, chunks: Sequence[int], where: str, consume) -> None:
         """Call ``consume(k, data)`` for the ``k``-th of chunks ``chunks`` with its stored bytes,
         checked as :meth:`get_chunks` checks them. ``data`` may be a view into the shard that is
@@ -194,6 +235,8 @@ class ShardReader(abc.ABC):
         without a copy of the stored bytes."""
         for k, data in enumerate(self.get_chunks(first, table, chunks, where)):
             consume(k, data)
+            if self.maps_chunks:
+                release_mapped_pages(data)
 
     def get_chunks(self, first: int, table: ChunkTable, chunks: Sequence[int], where: str) -> list:
         """The stored bytes of chunks ``chunks`` (grid numbers) of one value, each checked against

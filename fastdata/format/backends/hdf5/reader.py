@@ -48,6 +48,8 @@ class HDF5ShardReader(ShardReader):
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True
+    #: chunk_bytes() returns views of the chunks' mapping (released once decoded)
+    maps_chunks = True
 
     def __init__(self, path: str, storage: StorageSpec, **options):
         super().__init__(path, storage, **options)

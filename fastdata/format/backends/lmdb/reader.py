@@ -11,7 +11,7 @@ import numpy as np
 
 from fastdata.common.fileio import open_regular
 from fastdata.errors import CorruptRecordError, FormatError, UnsafeStoreError
-from fastdata.format.backends.base import ShardReader, StorageSpec
+from fastdata.format.backends.base import ShardReader, StorageSpec, release_mapped_pages
 from fastdata.format.backends.lmdb import spec
 from fastdata.format.backends.lmdb.structure import check_structure
 from fastdata.format.record import (
@@ -296,6 +296,7 @@ class LMDBShardReader(ShardReader):
                         raise CorruptRecordError(f"{where} chunk {j}: checksum mismatch (the chunk is damaged); "
                                                  "run 'fastdata verify'", shard=self.path)
                     consume(k, view)
+                    release_mapped_pages(view)  # decoded: this worker need not keep the pages mapped
         except lmdb.Error as err:
             raise CorruptRecordError(f"{where} chunk {j}: unreadable, the shard's internal structure is damaged "
                                      f"({err})", shard=self.path) from None
