@@ -328,9 +328,9 @@ def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
             if not isinstance(sample, (tuple, list)) or len(sample) != len(first):
                 raise ValueError(f"collate_samples: sample {i} of the batch is not a tuple of {len(first)} "
                                  "items like sample 0")
-        columns = zip(*batch, strict=True)
+        positions = zip(*batch, strict=True)
         return tuple(list(col) if isinstance(col[0], Mapping) else _collate_values(list(col), False)
-                     for col in columns)
+                     for col in positions)
     return _collate_values(list(batch), False)
 
 
