@@ -11,7 +11,7 @@ import numpy as np
 
 from fastdata.common.fileio import check_regular, open_regular
 from fastdata.errors import CorruptRecordError, FormatError, UnsafeStoreError
-from fastdata.format.backends.base import ShardReader, StorageSpec
+from fastdata.format.backends.base import MappedPages, ShardReader, StorageSpec
 from fastdata.format.backends.hdf5 import spec, structure
 from fastdata.format.record import (
     OPTIONAL_INDEX_ARRAYS,
@@ -48,8 +48,6 @@ class HDF5ShardReader(ShardReader):
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True
-    #: chunk_bytes() returns views of the chunks' mapping (released once decoded)
-    maps_chunks = True
 
     def __init__(self, path: str, storage: StorageSpec, **options):
         super().__init__(path, storage, **options)
@@ -171,6 +169,7 @@ class HDF5ShardReader(ShardReader):
             if chunks.nbytes and chunks.offset is None:
                 raise CorruptRecordError(f"{self.path}: chunks dataset is not contiguous", shard=self.path)
             self._chunk_map, self._chunks = self._map_range(chunks.offset or 0, chunks.nbytes)
+            self.mapped_pages = MappedPages()  # chunk_bytes() gives views of this mapping
         self._adopt_payload(index, offsets, data.offset, data.nbytes)
         return index
 
@@ -326,6 +325,7 @@ class HDF5ShardReader(ShardReader):
 
     def close(self) -> None:
         f, self.file = getattr(self, "file", None), None
+        self.mapped_pages = None
         self._payload = None
         self._chunks = None
         for attr in ("_map", "_chunk_map"):

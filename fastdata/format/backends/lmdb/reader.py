@@ -11,7 +11,7 @@ import numpy as np
 
 from fastdata.common.fileio import open_regular
 from fastdata.errors import CorruptRecordError, FormatError, UnsafeStoreError
-from fastdata.format.backends.base import ShardReader, StorageSpec, release_mapped_pages
+from fastdata.format.backends.base import MappedPages, ShardReader, StorageSpec
 from fastdata.format.backends.lmdb import spec
 from fastdata.format.backends.lmdb.structure import check_structure
 from fastdata.format.record import (
@@ -285,6 +285,9 @@ class LMDBShardReader(ShardReader):
         if self.chunks_db is None:
             raise CorruptRecordError(f"{where}: the shard {self.path} has no chunks database", shard=self.path)
         j = -1
+        pages = self.mapped_pages
+        if pages is None:
+            pages = self.mapped_pages = MappedPages()  # the environment's map (one per path and process)
         try:
             with self._open_env().begin(db=self.chunks_db, buffers=True) as txn:
                 for k, j in enumerate(chunks):
@@ -296,7 +299,7 @@ class LMDBShardReader(ShardReader):
                         raise CorruptRecordError(f"{where} chunk {j}: checksum mismatch (the chunk is damaged); "
                                                  "run 'fastdata verify'", shard=self.path)
                     consume(k, view)
-                    release_mapped_pages(view)  # decoded: this worker need not keep the pages mapped
+                    pages.used(view)  # decoded: this process need not keep its pages mapped
         except lmdb.Error as err:
             raise CorruptRecordError(f"{where} chunk {j}: unreadable, the shard's internal structure is damaged "
                                      f"({err})", shard=self.path) from None
@@ -342,6 +345,7 @@ class LMDBShardReader(ShardReader):
         return self.env
 
     def close(self) -> None:
+        self.mapped_pages = None
         env, self.env = getattr(self, "env", None), None
         if env is not None and self._pid == os.getpid():
             _ENVS.release(self._key)
