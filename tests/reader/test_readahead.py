@@ -10,6 +10,7 @@ import pytest
 
 import fastdata
 from fastdata.bench import cache
+from fastdata.format.backends.lmdb import reader as lmdb_reader
 from fastdata.format.manifest import read_manifest
 from fastdata.reader.dataset import READAHEAD_RECORD_BYTES, wants_readahead
 
@@ -50,7 +51,9 @@ def test_dataset_resolves_the_default_once_and_keeps_an_explicit_choice(tmp_path
     ds.close()
 
 
-def _major_faults_reading(store: str, readahead, indices: np.ndarray, files: list[str]) -> int:
+def _major_faults_reading(store: str, readahead, indices: np.ndarray, files: list[str], prefetch: bool,
+                          monkeypatch) -> int:
+    monkeypatch.setattr(lmdb_reader, "PREFETCH", prefetch)
     ds = fastdata.open_dataset(store, readahead=readahead, output="numpy")
     ds.__getitems__(indices[:1].tolist())  # libraries and the B-tree's pages: not counted
     ds.close()
@@ -75,7 +78,10 @@ def _device_read_ahead_kb(path) -> int | None:
     return None
 
 
-def test_a_cold_record_is_read_with_a_few_faults_not_one_per_page(tmp_path):
+@pytest.fixture
+def cold_store(tmp_path):
+    """A store of multi-page ImageNet-like records on a disk whose page cache can be evicted:
+    (store, its shard files, pages per record)."""
     from fastdata.synth import make_image_folder
 
     if _device_read_ahead_kb(tmp_path) == 0:
@@ -93,9 +99,30 @@ def test_a_cold_record_is_read_with_a_few_faults_not_one_per_page(tmp_path):
     files = [os.path.join(store, s["name"]) for s in manifest["shards"]]
     pages = sum(s["bytes"] for s in manifest["shards"]) / sum(s["count"] for s in manifest["shards"]) / 4096
     assert pages > 8  # records of many pages: the case the default is for
+    return store, files, pages
+
+
+def test_a_cold_record_is_read_with_a_few_faults_not_one_per_page(cold_store, monkeypatch):
+    store, files, pages = cold_store
     indices = np.random.default_rng(0).permutation(48)[:32]
-    paged = _major_faults_reading(store, False, indices, files)
-    default = _major_faults_reading(store, None, indices, files)
-    # control: without readahead every page of a cold record is a synchronous read
+    paged = _major_faults_reading(store, False, indices, files, False, monkeypatch)
+    default = _major_faults_reading(store, None, indices, files, False, monkeypatch)
+    # control: without readahead (and without the prefetch) every page of a cold record is a
+    # synchronous read
     assert paged >= 0.5 * pages * len(indices), (paged, pages)
     assert default <= 3 * len(indices), (default, paged)
+
+
+def test_a_cold_batch_is_prefetched_whole_before_it_is_read(cold_store, monkeypatch):
+    """The writer records each record's span in the shard; a reader asks the kernel for the
+    whole batch at once before reading it, so the reads that follow wait on no synchronous
+    fault of their own (control: the same batch without the prefetch, one or more major
+    faults per record). Without the OS readahead (the default for stores of small records
+    larger than half the memory), where each page would otherwise be a read of its own; with
+    it, this small store would be read ahead whole by the first fault, hiding the difference."""
+    store, files, pages = cold_store
+    indices = np.random.default_rng(1).permutation(48)[:32]
+    without = _major_faults_reading(store, False, indices, files, False, monkeypatch)
+    with_prefetch = _major_faults_reading(store, False, indices, files, True, monkeypatch)
+    assert without >= len(indices), without
+    assert with_prefetch <= 0.25 * len(indices), (with_prefetch, without)

@@ -122,6 +122,42 @@ def _chunks_db(env):
         return None
 
 
+#: ask the kernel for a batch's records (and a region's chunks) before reading them, where the
+#: shard knows their spans; ``FASTDATA_PREFETCH=0`` turns it off (the tests' control)
+PREFETCH = os.environ.get("FASTDATA_PREFETCH", "1") != "0"
+#: spans closer than this are advised as one range (fewer system calls; the gap is read too)
+_MERGE_GAP = 64 << 10
+
+
+def advise_spans(fd: int, spans: np.ndarray, file_size: int) -> int:
+    """``posix_fadvise(WILLNEED)`` for each ``(offset, length)`` of ``spans`` (clamped to the
+    file: spans are advice from the shard, not trusted), in offset order, neighbours merged; the
+    kernel reads them asynchronously, all at once, so the synchronous page faults of the reads
+    that follow find the pages in the page cache or already on their way. Returns the number of
+    advice calls made."""
+    if not len(spans) or not hasattr(os, "posix_fadvise"):
+        return 0
+    starts = np.minimum(spans[:, 0], file_size).astype(np.int64)
+    ends = np.minimum(starts + np.minimum(spans[:, 1], file_size).astype(np.int64), file_size)
+    order = np.argsort(starts, kind="stable")
+    calls = 0
+    lo = hi = -1
+    for a, b in zip(starts[order].tolist(), ends[order].tolist(), strict=True):
+        if b <= a:
+            continue
+        if lo >= 0 and a <= hi + _MERGE_GAP:
+            hi = max(hi, b)
+            continue
+        if lo >= 0:
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            calls += 1
+        lo, hi = a, b
+    if lo >= 0:
+        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        calls += 1
+    return calls
+
+
 class LMDBShardReader(ShardReader):
     """Opens the environment read-only without a lock table and without spare
     transactions: a parent holding a read transaction when workers fork makes them fail
@@ -142,6 +178,12 @@ class LMDBShardReader(ShardReader):
         super().__init__(path, storage, **options)
         self._pid = os.getpid()
         self._checksums: np.ndarray | None = None  # raw mode: loaded at the first batch
+        #: the index's record / chunk spans (None: not read yet; False: the shard has none)
+        self._spans: dict[bytes, np.ndarray | bool] = {}
+        self._advice_fd: int | None = None  # for posix_fadvise, opened at the first prefetch
+        self._advice_pid = -1  # the process that opened it
+        #: advice calls made (for tests and diagnosis)
+        self.prefetches = 0
         try:
             self._key, self.env, (self.records, self.index_db, self.chunks_db) = _ENVS.acquire(path, readahead)
         except (lmdb.Error, OSError) as err:
@@ -255,11 +297,49 @@ class LMDBShardReader(ShardReader):
         except lmdb.Error as err:
             raise self._damaged(err, local_index) from None
 
+    def _spans_of(self, key: bytes) -> np.ndarray | None:
+        """The index's ``key`` spans (``[n, 2]`` uint64), or None: absent, damaged, or prefetching
+        off. Only advice: a value not covered (or covered wrongly) is read all the same."""
+        if not PREFETCH:
+            return None
+        spans = self._spans.get(key)
+        if spans is None:
+            try:
+                with self._open_env().begin(db=self.index_db) as txn:
+                    raw = txn.get(key)
+                    data = bytes(raw) if raw is not None else b""
+            except lmdb.Error:
+                data = b""
+            ok = bool(data) and len(data) % 16 == 0
+            spans = self._spans[key] = np.frombuffer(data, dtype="<u8").reshape(-1, 2) if ok else False
+        return spans if spans is not False else None  # type: ignore[return-value]
+
+    def _prefetch(self, key: bytes, ids) -> None:
+        """Ask the kernel for the values ``ids`` (records or chunks) before they are read."""
+        spans = self._spans_of(key)
+        if spans is None:
+            return
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < len(spans))]
+        if self._advice_fd is None or self._advice_pid != os.getpid():
+            try:
+                self._advice_fd, self._advice_pid = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), os.getpid()
+            except OSError:
+                self._spans[key] = False
+                return
+        try:
+            self.prefetches += advise_spans(self._advice_fd, spans[ids], os.fstat(self._advice_fd).st_size)
+        except OSError:  # advice only
+            pass
+
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
-        """One read transaction for the whole batch; keys visited in sorted order (how
-        fast a cold record comes in is the environment's ``readahead``: py-lmdb faults in
-        every page of a value inside ``get``, so there is nothing to advise after it)."""
+        """One read transaction for the whole batch; keys visited in sorted order. py-lmdb faults
+        in every page of a value inside ``get``, one synchronous read at a time when the store is
+        cold; so where the shard knows its records' spans, the whole batch is asked for first
+        (:func:`advise_spans`), and the reads find it in the page cache or on its way."""
         self._load_checksums()
+        if len(local_indices) > 1:
+            self._prefetch(spec.RECORD_SPANS_KEY, local_indices)
         order = np.argsort(np.asarray(local_indices), kind="stable")
         out: list = [None] * len(local_indices)
         i = -1
@@ -288,6 +368,8 @@ class LMDBShardReader(ShardReader):
         pages = self.mapped_pages
         if pages is None:
             pages = self.mapped_pages = MappedPages()  # the environment's map (one per path and process)
+        if len(chunks) > 1:
+            self._prefetch(spec.CHUNK_SPANS_KEY, [first + j for j in chunks])
         try:
             with self._open_env().begin(db=self.chunks_db, buffers=True) as txn:
                 for k, j in enumerate(chunks):
@@ -345,6 +427,9 @@ class LMDBShardReader(ShardReader):
         return self.env
 
     def close(self) -> None:
+        fd, self._advice_fd = getattr(self, "_advice_fd", None), None
+        if fd is not None and self._advice_pid == os.getpid():
+            os.close(fd)
         self.mapped_pages = None
         env, self.env = getattr(self, "env", None), None
         if env is not None and self._pid == os.getpid():

@@ -41,6 +41,14 @@ A store whose schema has ``chunked`` fields adds a third named database:
             ``first + j``, ``first`` being the index's ``b"fields/<name>.first"`` entry
             (``uint64``); the record's chunk table gives each one's length and xxh3-64.
 
+Both versions may add ``b"record_spans"`` (and, with a ``chunks`` database,
+``b"chunk_spans"``) to ``index``: uint64 little-endian ``[n, 2]``, each record's (each chunk's)
+byte offset in the shard file and length, learned from the finished file by the writer
+(Linux). Readers use them only as advice, to ask the kernel for a batch's pages before
+reading it (``posix_fadvise(WILLNEED)``, deepest first in offset order); what they read
+still comes from LMDB's own lookups, so a wrong span costs a useless read-ahead, never
+wrong data. Shards without them read the same way, without the prefetch.
+
 The global index of a record is the shard's ``first_index`` (manifest) plus
 its key. Readers open with ``readonly=True, lock=False, max_spare_txns=0``
 (published stores are immutable; no reader-lock table) and ``readahead`` as
@@ -64,6 +72,9 @@ CHUNKS_DB = b"chunks"
 #: transaction's dirty pages in memory until it commits)
 CHUNK_COMMIT_BYTES = 64 << 20
 HEADER_KEY = b"header"
+#: index keys of the advisory (offset, length) spans of records and chunks (see the module docstring)
+RECORD_SPANS_KEY = b"record_spans"
+CHUNK_SPANS_KEY = b"chunk_spans"
 KEY = struct.Struct(">Q")
 #: index key -> numpy dtype string (explicit little-endian)
 INDEX_ARRAYS = INDEX_DTYPES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import lmdb
@@ -14,6 +15,52 @@ from fastdata.format.backends.base import ShardWriter, StorageSpec
 from fastdata.format.backends.lmdb import spec
 from fastdata.format.chunks import PendingChunks
 from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex, encode_record
+
+
+def _mappings_of(path: str) -> list[tuple[int, int, int]]:
+    """``(start, end, file offset)`` of this process's mappings of ``path`` (Linux /proc)."""
+    real = os.path.realpath(path)
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].rstrip("\n") == real:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                out.append((start, end, int(parts[2], 16)))
+    return out
+
+
+def value_spans(env, db, path: str, count: int) -> np.ndarray | None:
+    """``[count, 2]`` uint64: the file offset and length of the values under keys ``0..count-1``
+    of ``db``, as they lie in the finished file ``path`` (read back through LMDB's map, whose
+    pages the write just left in the page cache); None where that cannot be learned (no
+    ``/proc/self/maps``, a key missing, a value outside the map).
+
+    py-lmdb does not expose the map's address, so the address of each value (a buffer into the
+    map) is located in this process's mappings of the file."""
+    if not count:
+        return np.zeros((0, 2), dtype="<u8")
+    try:
+        mappings = _mappings_of(path)
+    except OSError:
+        return None
+    out = np.zeros((count, 2), dtype="<u8")
+    try:
+        with env.begin(db=db, buffers=True) as txn:
+            for i in range(count):
+                view = txn.get(spec.encode_key(i))
+                if view is None:
+                    return None
+                if not len(view):
+                    continue  # nothing to read ahead: (0, 0)
+                address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+                where = next(((a, off) for a, b, off in mappings if a <= address and address + len(view) <= b), None)
+                if where is None:
+                    return None
+                out[i] = (address - where[0] + where[1], len(view))
+    except lmdb.Error:
+        return None
+    return out
 
 
 class LMDBShardWriter(ShardWriter):
@@ -116,10 +163,17 @@ class LMDBShardWriter(ShardWriter):
             arrays = {name: np.ascontiguousarray(getattr(index, name), dtype=dtype)
                       for name, dtype in spec.INDEX_ARRAYS.items()}
 
+        spans = {spec.RECORD_SPANS_KEY: value_spans(self.env, self.records, self.path, len(index))}
+        if self.chunks_db is not None:
+            spans[spec.CHUNK_SPANS_KEY] = value_spans(self.env, self.chunks_db, self.path, self.next_chunk)
+
         def fill(txn):
             txn.put(spec.HEADER_KEY, header, db=self.index_db)
             for name, arr in arrays.items():
                 txn.put(name.encode(), arr.tobytes(), db=self.index_db)
+            for key, span in spans.items():
+                if span is not None:
+                    txn.put(key, span.tobytes(), db=self.index_db)
 
         self._commit(fill)
         self.writeback.close()

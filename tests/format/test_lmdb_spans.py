@@ -1,0 +1,98 @@
+"""LMDB shards record where each record and chunk lies in the file (the index's ``record_spans``
+and ``chunk_spans``): the bytes at each span are exactly the value LMDB returns for that key, so
+a reader can ask the kernel for a batch before reading it. Advice only: a shard without spans,
+or with wrong ones, reads the same values."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lmdb
+import numpy as np
+import pytest
+
+import fastdata
+from fastdata.fields import Chunked, Int
+from fastdata.format.backends.lmdb import reader as lmdb_reader
+from fastdata.format.backends.lmdb import spec
+from fastdata.format.manifest import read_manifest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="spans are learned from /proc")
+
+
+def _shards(store) -> list[str]:
+    return [os.path.join(store, s["name"]) for s in read_manifest(str(store))["shards"]]
+
+
+def _check_spans(path: str, db_name: bytes, key: bytes) -> int:
+    env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_dbs=3)
+    try:
+        with env.begin() as txn:
+            spans = np.frombuffer(txn.get(key, db=env.open_db(spec.INDEX_DB, txn=txn, create=False)), "<u8")
+            spans = spans.reshape(-1, 2)
+            db = env.open_db(db_name, txn=txn, create=False)
+            values = [txn.get(spec.encode_key(i), db=db) for i in range(len(spans))]
+            assert txn.stat(db)["entries"] == len(spans)
+    finally:
+        env.close()
+    with open(path, "rb") as fh:
+        for (offset, length), value in zip(spans.tolist(), values, strict=True):
+            fh.seek(offset)
+            assert fh.read(length) == value
+    return len(spans)
+
+
+def test_record_and_chunk_spans_point_at_the_values(tmp_path):
+    rng = np.random.default_rng(0)
+    vols = [rng.integers(0, 4096, (20 + i, 17, 9), dtype=np.uint16) for i in range(5)]
+    store = tmp_path / "s.lmdb"
+    fastdata.write([{"ct": v, "k": i} for i, v in enumerate(vols)], store,
+                   {"ct": Chunked("uint16", (8, 8, 8)), "k": Int()}, workers=0, progress=False)
+    (shard,) = _shards(store)
+    assert _check_spans(shard, spec.RECORDS_DB, spec.RECORD_SPANS_KEY) == 5
+    assert _check_spans(shard, spec.CHUNKS_DB, spec.CHUNK_SPANS_KEY) == sum(
+        -(-v.shape[0] // 8) * 3 * 2 for v in vols)
+
+
+def test_classification_store_records_spans(tmp_path):
+    from fastdata.synth import make_image_folder
+
+    make_image_folder(tmp_path / "src", num_classes=2, per_class=6, size="cifar", seed=0)
+    store = tmp_path / "c.lmdb"
+    fastdata.convert(str(tmp_path / "src"), str(store), workers=1, progress=False)
+    assert sum(_check_spans(p, spec.RECORDS_DB, spec.RECORD_SPANS_KEY) for p in _shards(store)) == 12
+
+
+def test_wrong_spans_are_only_advice(tmp_path, monkeypatch):
+    """Spans pointing past the file or at the wrong place change nothing that is read."""
+    store = tmp_path / "s.lmdb"
+    rng = np.random.default_rng(1)
+    vols = [rng.integers(0, 4096, (24, 24, 24), dtype=np.uint16) for _ in range(3)]
+    fastdata.write([{"ct": v} for v in vols], store, {"ct": Chunked("uint16", (8, 8, 8))}, workers=0,
+                   progress=False)
+    bogus = np.array([[1 << 62, 1 << 40]] * 40 + [[0, 5]] * 41, dtype="<u8")  # past the file, or wrong
+    monkeypatch.setattr(lmdb_reader.LMDBShardReader, "_spans_of", lambda self, key: bogus)
+    calls = []
+    real = lmdb_reader.advise_spans
+    monkeypatch.setattr(lmdb_reader, "advise_spans",
+                        lambda fd, spans, size: calls.append(len(spans)) or real(fd, spans, size))
+    ds = fastdata.open_dataset(store)
+    for i, v in enumerate(vols):
+        assert np.array_equal(ds[i]["ct"][...], v)
+    assert calls  # the bogus spans were advised (clamped to the file), and changed nothing read
+    ds.close()
+
+
+def test_advice_is_clamped_to_the_file_and_merged(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 100_000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        spans = np.array([[0, 10], [20, 10], [1 << 40, 1 << 40], [90_000, 1 << 50], [50, 0]], dtype="<u8")
+        # [0, 10) and [20, 30) merged (closer than 64 KiB); past the end: nothing; [90000, 100000)
+        # clamped, a call of its own (further than 64 KiB); the empty one skipped
+        assert lmdb_reader.advise_spans(fd, spans, 100_000) == 2
+        assert lmdb_reader.advise_spans(fd, np.array([[0, 10], [10 << 20, 10]], dtype="<u8"), 20 << 20) == 2
+    finally:
+        os.close(fd)
