@@ -60,6 +60,8 @@ from fastdata.reader.seeding import seed_worker  # noqa: E402
 from fastdata.synth import make_image_folder  # noqa: E402
 
 CONTENDERS = ("fastdata-lmdb", "fastdata-hdf5", "webdataset", "litdata")
+#: the control: fastdata-lmdb with the batch prefetch off in its workers
+CONTROLS = ("fastdata-lmdb-noprefetch",)
 SHARD_BYTES = 64 << 20
 
 
@@ -128,29 +130,50 @@ def _wds_pair(sample, decode=_Decode()):  # noqa: B008 - one decoder per process
     return decode(sample["jpg"]), int(sample["cls"])
 
 
-class _LitData:
-    """litdata.StreamingDataset yielding ``(image, label)`` decoded by the shared function."""
+try:  # the bench venv's peer; a module-level class, so that spawned workers can unpickle it
+    import litdata as _litdata
 
-    def __new__(cls, root: str):
-        import litdata
+    class LitDataPairs(_litdata.StreamingDataset):
+        """litdata.StreamingDataset yielding ``(image, label)`` decoded by the shared function."""
 
-        class Decoded(litdata.StreamingDataset):
-            decode = _Decode()
+        decode = _Decode()
 
-            def __getitem__(self, index):
-                item = super().__getitem__(index)
-                return self.decode(item["jpg"]), int(item["cls"])
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return self.decode(item["jpg"]), int(item["cls"])
+except ImportError:  # pragma: no cover - reported when the contender is asked for
+    _litdata = None
 
-        return Decoded(root, shuffle=True, seed=0)
+
+class NoPrefetch(CloseAfterFetch):
+    """The control: LMDB's batch prefetch (``posix_fadvise`` of a batch's records) off in the
+    worker that reads (a module switch of that process only)."""
+
+    def __init__(self, inner, close: bool):
+        super().__init__(inner)
+        self.closing = close
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices):
+        from fastdata.format.backends.lmdb import reader
+
+        reader.PREFETCH = False
+        if self.closing:
+            return super().__getitems__(indices)
+        return self.inner.__getitems__(indices)
 
 
 def make_loader(name: str, paths: dict, args, cold: bool):
     common = dict(batch_size=args.batch_size, num_workers=args.workers, persistent_workers=True,
                   prefetch_factor=args.prefetch_factor)
     if name.startswith("fastdata-"):
-        ds = fastdata.open_dataset(paths[name], output="tensor", decode=transforms.RandomResizedCrop(224))
+        ds = fastdata.open_dataset(paths[name.removesuffix("-noprefetch")], output="tensor",
+                                   decode=transforms.RandomResizedCrop(224))
         ds.seed = 0
-        return fastdata.loader(CloseAfterFetch(ds) if cold else ds, shuffle=True, **common), ds
+        wrapped = NoPrefetch(ds, cold) if name.endswith("-noprefetch") else CloseAfterFetch(ds) if cold else ds
+        return fastdata.loader(wrapped, shuffle=True, **common), ds
     if name == "webdataset":
         import webdataset as wds
 
@@ -162,13 +185,17 @@ def make_loader(name: str, paths: dict, args, cold: bool):
                                prefetch_factor=args.prefetch_factor, worker_init_fn=seed_worker)
         return loader, None
     if name == "litdata":
-        import litdata
-
-        return litdata.StreamingDataLoader(_LitData(paths["litdata"]), **common), None
+        if _litdata is None:
+            raise SystemExit("the litdata contender needs litdata (pip install litdata)")
+        # LitData's workers keep its chunk files mapped, so that an eviction leaves them cached:
+        # cold, its workers end with each epoch (and their mappings with them)
+        return _litdata.StreamingDataLoader(LitDataPairs(paths["litdata"], shuffle=True, seed=0),
+                                            **{**common, "persistent_workers": not cold}), None
     raise ValueError(name)
 
 
 def store_files(name: str, paths: dict) -> list[str]:
+    name = name.removesuffix("-noprefetch")
     if name.startswith("fastdata-"):
         return [os.path.join(paths[name], s["name"]) for s in read_manifest(paths[name])["shards"]]
     files = files_under(paths[name])
@@ -283,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=int, default=2000)
     p.add_argument("--setups", default="evict", help="comma-separated: evict, limit (limit needs --memory-limit)")
     p.add_argument("--memory-limit", type=int, default=0, metavar="MB", help="memory cgroup for the 'limit' setup")
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contenders", default=",".join(CONTENDERS + CONTROLS),
+                   help=f"comma-separated, of {', '.join(CONTENDERS + CONTROLS)}")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
