@@ -19,7 +19,8 @@ def hf_rows(n: int, seed: int = 0) -> dict[str, list]:
     floats with a NaN, captions, ragged boxes, fixed-size embeddings and a nested struct."""
     rng = np.random.default_rng(seed)
     return {
-        "image": [{"bytes": jpeg(seed * 1000 + i, size=(12 + i % 5, 10)), "path": f"img_{i:04d}.jpg"} for i in range(n)],
+        "image": [{"bytes": jpeg(seed * 1000 + i, size=(12 + i % 5, 10)), "path": f"img_{i:04d}.jpg"}
+                  for i in range(n)],
         "label": [i % len(NAMES) for i in range(n)],
         "idx": [i * 3 - 7 for i in range(n)],
         "score": [float("nan") if i == 1 else float(np.float32(i / 7)) for i in range(n)],

@@ -122,8 +122,8 @@ def first_value(info: ParquetFileInfo, column: str) -> Any:
     try:
         for g, rows in enumerate(info.row_groups):
             if rows:
-                for batch in f.iter_batches(batch_size=64, row_groups=[g], columns=[column], use_threads=False):
-                    for v in batch.column(0).to_pylist():
+                for batch in f.iter_batches(batch_size=16, row_groups=[g], use_threads=False):
+                    for v in batch.column(batch.schema.get_field_index(column)).to_pylist():
                         if v is not None:
                             return v
         return None

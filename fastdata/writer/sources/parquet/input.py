@@ -98,7 +98,6 @@ class ParquetRows:
 
     def __init__(self, files: list[ParquetFileInfo], layout: Layout, names: list[str]):
         self.files, self.layout, self.names = files, layout, names
-        self.columns = [c.name for c in layout.columns]
 
 
 class _Cursor:
@@ -113,8 +112,9 @@ class _Cursor:
             self.file.close()
             raise SourceError(f"{info.path} changed since the conversion started (its row groups differ); "
                               "convert it again with --overwrite")
-        self.batches = self.file.iter_batches(batch_size=max(1, batch_rows), row_groups=[group],
-                                              columns=rows.columns, use_threads=False)
+        # every column (each is a field): names are not given, since a name with a dot such as
+        # "image.path" would also select the nested field "path" of a column "image"
+        self.batches = self.file.iter_batches(batch_size=max(1, batch_rows), row_groups=[group], use_threads=False)
         self.pos = 0
         self.held: pa.RecordBatch | None = None
 
