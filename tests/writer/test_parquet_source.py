@@ -253,7 +253,7 @@ def test_a_column_type_no_field_holds_is_refused_naming_file_and_column(tmp_path
     pq.write_table(table, src)
     code = main(["convert", str(src), str(tmp_path / "out.lmdb")])
     err = capsys.readouterr().err
-    assert code == 2 and str(src) in err and "column 'when' has Arrow type timestamp[s]" in err, err
+    assert code == 2 and str(src) in err and "column 'when' has Arrow type timestamp[" in err, err
 
 
 def test_image_column_names_a_column_of_paths_or_bytes(tmp_path):
@@ -319,7 +319,7 @@ def test_options_for_images_are_refused_for_parquet(tmp_path):
     with pytest.raises(ValueError, match="--max-side do\\(es\\) not apply to Parquet files"):
         fastdata.convert(src, tmp_path / "out.lmdb", max_side=64)
     with pytest.raises(ValueError, match="--image-column applies to Parquet files"):
-        fastdata.convert(tmp_path, tmp_path / "out.lmdb", image_column="x")
+        fastdata.convert(tmp_path / "images", tmp_path / "out.lmdb", image_column="x")
 
 
 def test_without_pyarrow_a_parquet_source_names_the_extra(tmp_path):
