@@ -216,14 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "'data/train-*.parquet'; needs pip install 'fastdata[parquet]') become a general "
                                    "store with one field per column: Hugging Face image columns "
                                    "(struct<bytes, path>) and binary columns of images keep their bytes exactly, "
-                                   "ClassLabel columns keep their class names; see the Parquet rules below.")
+                                   "ClassLabel columns keep their class names; see the Parquet rules below. "
+                                   "WebDataset tar shards (a .tar file, a quoted brace pattern such as "
+                                   "'shards/train-{000000..000099}.tar', a glob, or a folder of .tar files) become "
+                                   "a general store with a field per member extension plus __key__.")
     c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows (when every "
                    "label is an integer, it is the target itself: classes '0'..max label; otherwise labels are "
                    "class names, numbered in sorted order); or NIfTI volumes: a folder of .nii/.nii.gz files "
                    "(class subfolders give a label), a list whose image column names them (a label column of "
                    "NIfTI paths names label volumes; other columns are kept as fields), or a Decathlon "
                    "dataset.json (its training image/label pairs); or Parquet files: a .parquet file, a folder "
-                   "holding .parquet files, or a glob (quote it: 'data/train-*.parquet')")
+                   "holding .parquet files, or a glob (quote it: 'data/train-*.parquet'); or WebDataset shards: "
+                   "a .tar file, a brace pattern 'train-{000000..000099}.tar', a glob or a folder of .tar files")
     c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
                    "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     from fastdata.format.backends.registry import format_choices
@@ -367,6 +371,17 @@ Parquet files (a general store, layout version 2; pyarrow needed):
   dataset_info.json / README.md beside them) is a class field with its names. All files
   must have the same columns. Each shard holds whole row groups (what --resume keeps).
   e.g.  fastdata convert 'data/train-*.parquet' train.lmdb
+
+WebDataset tar shards (a general store):
+  members are grouped into samples by key (the path up to the first '.' of the file
+  name); each extension becomes a field: jpg/jpeg/png/webp/tif/tiff/bmp/ppm (and e.g.
+  seg.png) -> image bytes stored as they are (validated), cls/cls2/index -> int,
+  txt/text -> string, json -> json, npy -> ragged array (no pickles), anything else ->
+  bytes; __key__ keeps the key. Nothing is extracted (absolute or '..' names are only
+  keys; links are skipped). A sample lacking an extension the others have, a bad
+  value, or a member claiming more bytes than the file holds is skipped and listed in
+  rejected.tsv (--strict stops). Uncompressed .tar only (gunzip a .tar.gz first).
+  e.g.  fastdata convert 'shards/train-{000000..000099}.tar' train.lmdb
 
 --schema declares fields instead of inferring them (the others are still inferred):
 """

@@ -33,6 +33,7 @@ from fastdata.writer.sources.parquet.detect import hf_kind, parquet_files
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput, is_general_list
 from fastdata.writer.sources.volumes.input import BOMB_HINT, chunked_input
+from fastdata.writer.sources.webdataset import TarInput, tar_files
 
 __all__ = ["convert", "convert_coco", "convert_table", "write"]
 
@@ -64,7 +65,7 @@ def convert(
     max_pixels: int | str | None = None,
     image_column: str | Sequence[str] | None = None,
 ) -> ConvertReport:
-    """Convert an ImageFolder tree, a CSV/TSV list file, NIfTI volumes or Parquet files into a fastdata store.
+    """Convert an ImageFolder tree, a list file, NIfTI volumes, Parquet files or WebDataset shards into a store.
 
     Under ``torchrun`` (an initialised process group of several ranks) an image folder or
     ``path,label`` list is converted by all ranks together, shard ``k`` by rank ``k % world_size``
@@ -80,7 +81,10 @@ def convert(
             ``Chunked`` volumes (:mod:`fastdata.writer.sources.volumes`). Or Parquet files: a
             ``.parquet`` file, a folder of them or a glob (``data/train-*.parquet``): a general store
             with a field per column, image bytes kept as they are and Hugging Face ``ClassLabel``
-            names kept (:mod:`fastdata.writer.sources.parquet`; needs pyarrow).
+            names kept (:mod:`fastdata.writer.sources.parquet`; needs pyarrow). Or WebDataset tar
+            shards: a ``.tar`` file, a brace pattern (``shards/train-{000000..000099}.tar``), a glob or
+            a folder of them: a field per member extension plus ``__key__``
+            (:mod:`fastdata.writer.sources.webdataset`).
         dst: destination directory, or a URL (``s3://bucket/train.lmdb``, ``gs://``, ``az://``: shards
             are staged locally and uploaded as each finishes, manifest last; see
             :mod:`fastdata.writer.remote_sink`); its suffix picks the backend unless ``format`` is given.
@@ -162,6 +166,16 @@ def convert(
     if image_column is not None:
         raise ValueError(f"{src}: --image-column applies to Parquet files (a .parquet file, a folder or a glob of "
                          "them)")
+    tars = tar_files(src)
+    if tars is not None:
+        given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
+                                          ("--lossless", lossless), ("--image-mode", image_mode),
+                                          ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks),
+                                          ("--codec", codec), ("--max-pixels", max_pixels)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply to WebDataset shards: every member extension "
+                             "becomes a field and image bytes are stored as they are")
+        return WriteSession(TarInput(src, tars), dst, options).run()
     chunked = chunked_input(src, chunks=chunks, codec=codec, max_pixels=max_pixels)
     if chunked is not None:
         given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),

@@ -14,4 +14,5 @@ sample kept around):
 - :mod:`~fastdata.writer.sources.parquet`: Parquet files through pyarrow (their columns as fields,
   image bytes as they are), and :mod:`~fastdata.writer.sources.hf`: Hugging Face ``datasets``
   objects through the same Arrow code.
+- :mod:`~fastdata.writer.sources.webdataset`: WebDataset tar shards (members grouped into samples by key).
 """
