@@ -21,6 +21,7 @@ from helpers.stores import general_records  # noqa: E402
 import fastdata  # noqa: E402
 from fastdata.errors import RejectedInputError, ResumeMismatchError  # noqa: E402
 from fastdata.fields import SchemaError, String  # noqa: E402
+from fastdata.reader.dataset import ImagesReducedWarning  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ["cat", "dog", "fish"]
@@ -96,6 +97,19 @@ def test_images_given_as_file_paths_are_read_from_their_files(tmp_path):
     fastdata.write(ds, dst, workers=0)
     assert [r["image"] for r in general_records(dst)] == [jpeg(i) for i in range(4)]
     assert [r["path"] for r in general_records(dst)] == [p.encode() for p in paths]
+
+
+def test_an_image_feature_with_a_mode_reads_back_in_that_mode(tmp_path):
+    """``Image(mode="L")`` decodes to grayscale in ``datasets``: the store's default read mode is "L" too."""
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": jpeg(i), "path": None} for i in range(3)]},
+                                    features=datasets.Features({"image": datasets.Image(mode="L")}))
+    fastdata.write(ds, tmp_path / "out.lmdb", workers=0)
+    with pytest.warns(ImagesReducedWarning, match="read in image_mode='L'"):  # as datasets reduces them
+        store = fastdata.open_dataset(tmp_path / "out.lmdb", output="numpy")
+    assert store.schema["image"].mode == "L"
+    assert [r["image"] for r in general_records(tmp_path / "out.lmdb")] == [jpeg(i) for i in range(3)]
+    for i in range(3):
+        assert np.array_equal(store[i]["image"], np.asarray(ds[i]["image"]))
 
 
 def test_a_non_image_in_an_image_column_stops_the_write_or_is_reported(tmp_path):

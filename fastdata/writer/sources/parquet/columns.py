@@ -215,12 +215,15 @@ def column_for(name: str, t: pa.DataType, feature: Any, forced_image: bool, null
     s = _storage(t)
     kind = _feature_type(feature)
     if forced_image or kind == "Image" or (is_image_struct(s) and kind in ("", "Image")):
+        # datasets' Image(mode="L") decodes to that mode: the store's default read mode says the same
+        mode = feature.get("mode") if kind == "Image" else None
+        image = Image(mode if mode in ("RGB", "L", "RGBA") else None)
         if is_image_struct(s) or pa.types.is_struct(s) and "bytes" in {s.field(i).name for i in range(s.num_fields)}:
-            return Column(name, name, "image", Image(), image_form="struct")
+            return Column(name, name, "image", image, image_form="struct")
         if _is_binary(s):
-            return Column(name, name, "image", Image(), image_form="binary")
+            return Column(name, name, "image", image, image_form="binary")
         if _is_string(s):
-            return Column(name, name, "image", Image(), image_form="path")
+            return Column(name, name, "image", image, image_form="path")
         raise SourceError(f"{where}: column {name!r} ({t}) cannot be an image column: an image column holds "
                           "encoded bytes (binary), a struct<bytes, path> or file paths (strings)")
     names = _class_names(feature)
