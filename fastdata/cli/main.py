@@ -368,7 +368,8 @@ Parquet files (a general store, layout version 2; pyarrow needed):
   or --image-column NAME; their bytes are stored exactly as they are, each decoded once
   to check it (an unusable one is skipped and listed in rejected.tsv; --strict stops).
   A Hugging Face ClassLabel column (names from the files' schema metadata, or a
-  dataset_info.json / README.md beside them) is a class field with its names. All files
+  dataset_info.json / README.md beside them) is a class field with its names (holding
+  -1, "no label": a plain int field, its names in the manifest's metadata). All files
   must have the same columns. Each shard holds whole row groups (what --resume keeps).
   e.g.  fastdata convert 'data/train-*.parquet' train.lmdb
 

@@ -122,6 +122,22 @@ def test_a_non_image_in_an_image_column_stops_the_write_or_is_reported(tmp_path)
     assert report.images == 4 and [p for p, _ in report.rejected_items] == ["sample 3"]
 
 
+def test_labels_minus_one_are_plain_ints_unless_the_dataset_selects_only_labelled_rows(tmp_path):
+    data = columns(6)
+    data["label"] = [-1, 0, -1, 1, 2, -1]
+    ds = datasets.Dataset.from_dict(data, features=FEATURES)
+    report = fastdata.write(ds, tmp_path / "all.lmdb", workers=0)
+    assert any("holds label -1 (no label)" in w for w in report.warnings)
+    store = fastdata.open_dataset(tmp_path / "all.lmdb", output="numpy")
+    assert store.classes == [] and [store[i]["label"] for i in range(6)] == data["label"]
+    labelled = ds.filter(lambda row: row["label"] >= 0)  # an indices mapping over the same table
+    fastdata.write(labelled, tmp_path / "labelled.lmdb", workers=0)
+    store = fastdata.open_dataset(tmp_path / "labelled.lmdb", output="numpy")
+    assert store.classes == NAMES and store.targets.tolist() == [0, 1, 2]
+    with pytest.raises(SchemaError, match=r"sample 0 field 'label': label -1 \(no label\).*cast_column"):
+        fastdata.write(ds.to_iterable_dataset(), tmp_path / "it.lmdb", workers=0)
+
+
 def test_a_dataset_dict_needs_a_split_and_the_error_lists_them(tmp_path):
     dd = datasets.DatasetDict({"train": make_dataset(6), "test": make_dataset(3)})
     with pytest.raises(ValueError, match=r"several splits \('train', 'test'\): pass split="):

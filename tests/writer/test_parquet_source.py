@@ -132,6 +132,24 @@ def test_a_row_group_cursor_reads_forward_ranges_exactly(tmp_path):
         cursor.close()
 
 
+def test_a_split_labelled_minus_one_keeps_its_labels_as_ints_and_out_of_range_labels_are_rejects(tmp_path):
+    """A Hub test split is labelled -1 ("no label"): a class field cannot hold it (every sample of
+    one is in a class), so the column is a plain int field, its names in the manifest's metadata.
+    A label past the names is a reported reject."""
+    rows = hf_rows(5)
+    rows["label"] = [-1] * 5
+    dst = tmp_path / "test.lmdb"
+    report = fastdata.convert(write_hf_parquet(tmp_path / "test.parquet", rows), dst, workers=0)
+    assert any("'label' holds label -1 (no label): stored as a plain int field" in w for w in report.warnings)
+    ds = fastdata.open_dataset(dst, output="numpy")
+    assert ds.classes == [] and [ds[i]["label"] for i in range(5)] == [-1] * 5
+    assert read_manifest(str(dst))["metadata"]["class_names"] == {"label": NAMES}
+    rows["label"] = [0, 1, 7, 2, 0]
+    report = fastdata.convert(write_hf_parquet(tmp_path / "odd.parquet", rows), tmp_path / "odd.lmdb", workers=0)
+    assert report.rejected_items == [("odd.parquet row 2", "column 'label': label 7 is not a class index (0..2)")]
+    assert fastdata.open_dataset(tmp_path / "odd.lmdb").classes == NAMES
+
+
 def test_a_non_image_in_an_image_column_is_a_reported_reject_and_strict_makes_it_fatal(tmp_path):
     rows = hf_rows(6)
     rows["image"][2] = {"bytes": b"not an image at all", "path": "broken.jpg"}

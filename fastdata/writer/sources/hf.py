@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import xxhash
 
 from fastdata.common.units import format_size
@@ -120,7 +121,12 @@ class DatasetInput(ArrowInput):
                     return value
             return None
 
-        layout = make_layout(schema, self.ds.features.to_dict(), (), nulls, first_binary, "the datasets.Dataset")
+        def minimum(column: str) -> int | None:
+            values = self.view.select_columns([column])[:].column(column)  # the rows it selects, one column
+            return pc.min(values).as_py() if len(values) else None
+
+        layout = make_layout(schema, self.ds.features.to_dict(), (), nulls, first_binary, "the datasets.Dataset",
+                             minimum)
         self._set_layout(layout, WRITE_SOURCE, "its ClassLabel features")
         per_row = (int(table.nbytes) // max(1, table.num_rows)) + ROW_OVERHEAD
         per_shard = max(1, run.shard_size.bytes // per_row)
@@ -161,6 +167,8 @@ class _Examples:
         self.examples, self.layout = examples, layout
         self.images = [c.name for c in layout.columns if c.role == "image"] if layout is not None else None
         self.renamed = {c.name: c.field_name for c in layout.columns} if layout is not None else {}
+        self.labels = [c.name for c in layout.columns if c.role == "class"] if layout is not None else []
+        self.seen = 0
         self.pil_count = self.pil_bytes = self.pil_pixel_bytes = 0
 
     def _image(self, value: Any) -> Any:
@@ -181,6 +189,13 @@ class _Examples:
             if not isinstance(example, Mapping):
                 yield example  # (the schema check names what it is)
                 continue
+            for name in self.labels:
+                if isinstance(example.get(name), int) and example[name] < 0:
+                    raise SchemaError(
+                        f"sample {self.seen} field {name!r}: label {example[name]} (no label) in a ClassLabel column, "
+                        "whose every sample a class field holds in a class; write it as plain integers: "
+                        f"ds.cast_column({name!r}, datasets.Value('int64'))")
+            self.seen += 1
             images = self.images if self.images is not None else [
                 k for k, v in example.items() if isinstance(v, Mapping) and "bytes" in v
                 or type(v).__module__.startswith("PIL.")]

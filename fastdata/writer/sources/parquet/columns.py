@@ -10,7 +10,8 @@ column                                             field
 ``struct<bytes: binary, path: string>`` (HF        ``image``: the bytes as they are (a null
 ``Image``), a binary column whose first value is   ``bytes`` with a ``path``: that file's bytes);
 an image, a column named by ``image_columns``      never decoded and re-encoded
-HF ``ClassLabel`` (an integer column)              class field: ``int64`` indices, names kept
+HF ``ClassLabel`` (an integer column)              class field: ``int64`` indices, names kept (a
+                                                   column holding -1, "no label": ``int``)
 list of HF ``ClassLabel``                          multi-label class field (ragged ``int64``)
 integers, booleans                                 ``int`` of that dtype (``bool``: 0/1)
 floats                                             ``float`` of that dtype (NaN kept)
@@ -89,10 +90,12 @@ class Layout:
     class_tables: dict[str, list[str]]
     #: remarks for the report (renamed columns, nullable columns stored as json)
     remarks: list[str] = field(default_factory=list)
+    #: plain int fields of ClassLabel columns holding -1 ("no label") -> their class names
+    class_names: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """What decides the stored values, for the resume fingerprint."""
-        return {"schema": self.schema.to_json(), "class_tables": self.class_tables,
+        return {"schema": self.schema.to_json(), "class_tables": self.class_tables, "class_names": self.class_names,
                 "columns": [[c.name, c.field_name, c.role, c.image_form] for c in self.columns]}
 
 
@@ -269,8 +272,13 @@ def column_for(name: str, t: pa.DataType, feature: Any, forced_image: bool, null
 
 
 def make_layout(schema: pa.Schema, features: Mapping[str, Any] | None, image_columns: tuple[str, ...],
-                nulls: Mapping[str, int | None], first_binary: Callable[[str], bytes | None], where: str) -> Layout:
+                nulls: Mapping[str, int | None], first_binary: Callable[[str], bytes | None], where: str,
+                minimum: Callable[[str], int | None] = lambda column: None) -> Layout:
     """The fields of every column of ``schema`` (see :func:`column_for`); ``where`` names the input in errors.
+
+    ``minimum(column)`` is a ``ClassLabel`` column's smallest value (None: unknown). A column holding
+    -1 (Hugging Face's "no label", as in a test split) is stored as a plain int field, its names
+    kept in :attr:`Layout.class_names`: a class field's every sample is in one of its classes.
 
     Raises:
         SourceError: a column named by ``image_columns`` does not exist, or a column has no field kind.
@@ -284,9 +292,16 @@ def make_layout(schema: pa.Schema, features: Mapping[str, Any] | None, image_col
     columns: list[Column] = []
     taken: set[str] = set()
     remarks: list[str] = []
+    unlabelled: dict[str, list[str]] = {}
     for f in schema:
         col = column_for(f.name, f.type, (features or {}).get(f.name), f.name in image_columns,
                          nulls.get(f.name), functools.partial(first_binary, f.name), where)
+        if col.role == "class" and (low := minimum(f.name)) is not None and low < 0:
+            unlabelled[f.name] = list(col.classes)
+            remarks.append(f"column {f.name!r} holds label {low} (no label): stored as a plain int field, not "
+                           f"a class field; its {len(col.classes)} class names are in the manifest's "
+                           "metadata (class_names)")
+            col = Column(col.name, col.field_name, "int", col.field)
         field_name = _field_name(f.name, taken)
         taken.add(field_name)
         if field_name != f.name:
@@ -300,7 +315,9 @@ def make_layout(schema: pa.Schema, features: Mapping[str, Any] | None, image_col
     if not columns:
         raise SourceError(f"{where}: no columns")
     class_tables = {c.field_name: list(c.classes) for c in columns if c.role in ("class", "multilabel")}
-    return Layout(tuple(columns), Schema(tuple((c.field_name, c.field) for c in columns)), class_tables, remarks)
+    renamed = {c.name: c.field_name for c in columns}
+    return Layout(tuple(columns), Schema(tuple((c.field_name, c.field) for c in columns)), class_tables, remarks,
+                  {renamed[k]: v for k, v in unlabelled.items()})
 
 
 def _is_number_or_text(t: pa.DataType) -> bool:
@@ -397,7 +414,7 @@ def _image_values(col: Column, arr: pa.Array, base_dir: str) -> tuple[list[Any],
 
 
 def _class_values(col: Column, values: list[Any]) -> list[Any]:
-    """Class indices checked against the names (-1, Hugging Face's "no label", is kept)."""
+    """Class indices checked against the names (every sample of a class field is in a class)."""
     n = len(col.classes)
     out: list[Any] = []
     for v in values:
@@ -405,7 +422,7 @@ def _class_values(col: Column, values: list[Any]) -> list[Any]:
             out.append(v if isinstance(v, Bad) else Bad("null label"))
             continue
         items = np.asarray(v).reshape(-1)
-        bad = [int(x) for x in items if not (-1 <= int(x) < n) or col.role == "multilabel" and int(x) < 0]
+        bad = [int(x) for x in items if not 0 <= int(x) < n]
         out.append(Bad(f"label {bad[0]} is not a class index (0..{n - 1})") if bad else v)
     return out
 

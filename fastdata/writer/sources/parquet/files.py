@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from fastdata.errors import SourceError
 
-__all__ = ["ParquetFileInfo", "read_footers", "hf_features", "null_counts", "first_value", "open_parquet"]
+__all__ = ["ParquetFileInfo", "read_footers", "hf_features", "null_counts", "first_value", "open_parquet",
+           "column_minimum"]
 
 #: the schema metadata key ``datasets`` writes its features under
 HF_METADATA_KEY = b"huggingface"
@@ -114,6 +116,28 @@ def null_counts(schema: pa.Schema, metas: list[pq.FileMetaData]) -> dict[str, in
                 else:
                     out[name] = known + stats.null_count
     return out
+
+
+def column_minimum(infos: list[ParquetFileInfo], metas: list[pq.FileMetaData], column: str) -> int | None:
+    """The smallest value of the integer ``column`` over every file: from the row groups' statistics,
+    or, in a file without them, from the column itself (one integer column is read). None: no values."""
+    low: int | None = None
+    for info, meta in zip(infos, metas, strict=True):
+        leaves = {meta.schema.column(c).path: c for c in range(meta.num_columns)}
+        c = leaves.get(column)
+        stats = [meta.row_group(g).column(c).statistics if c is not None else None
+                 for g in range(meta.num_row_groups) if meta.row_group(g).num_rows]
+        if all(st is not None and st.has_min_max for st in stats):
+            values = [int(st.min) for st in stats if st is not None]
+        else:
+            try:
+                values = [v for v in [pc.min(pq.read_table(info.path, columns=[column]).column(column)).as_py()]
+                          if v is not None]
+            except (pa.ArrowException, OSError) as err:
+                raise _unreadable(info.path, err) from None
+        if values:
+            low = min(values) if low is None else min(low, *values)
+    return low
 
 
 def first_value(info: ParquetFileInfo, column: str) -> Any:

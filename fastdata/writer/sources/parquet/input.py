@@ -33,17 +33,17 @@ from fastdata.errors import RejectedInputError, ResumeMismatchError, SourceError
 from fastdata.format.fields import SchemaError
 from fastdata.format.manifest import CLASS_TABLES_KEY, target_field
 from fastdata.format.names import PLAN_FILE, STAGING_DIR
-from fastdata.format.record import FIELD_PREFIX, EncodedSample, SampleIndex, encode_sample
-from fastdata.format.store_index import decode_shard_index
+from fastdata.format.record import EncodedSample, encode_sample
 from fastdata.writer.ingest import spill
 from fastdata.writer.options import check_shard_count
-from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, io_error, shard_index_bytes
+from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, count_labels, io_error
 from fastdata.writer.plan import ShardPlan, plan_shards
 from fastdata.writer.resume import RecordedRun, RunOptions, option_differences
 from fastdata.writer.sources.base import WriteSource
 from fastdata.writer.sources.parquet.columns import Layout, make_layout, row_values
 from fastdata.writer.sources.parquet.files import (
     ParquetFileInfo,
+    column_minimum,
     first_value,
     hf_features,
     null_counts,
@@ -277,31 +277,26 @@ class ArrowInput(WriteSource):
         return [(self.recorded_source, remark) for remark in self._layout().remarks]
 
     def manifest_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {CLASS_TABLES_KEY: self._layout().class_tables}
-        if self.metadata is not None:
-            extra["metadata"] = self.metadata
+        layout = self._layout()
+        extra: dict[str, Any] = {CLASS_TABLES_KEY: layout.class_tables}
+        metadata = dict(self.metadata or {})
+        if layout.class_names:  # ClassLabel columns holding -1, stored as plain ints
+            metadata["class_names"] = layout.class_names
+        if metadata or self.metadata is not None:
+            extra["metadata"] = metadata
         return extra
 
     def report_notes(self) -> list[str]:
         return list(self.notes)
 
     def finish_results(self, dst: str, backend: str, results: list[ShardResult]) -> None:
-        """Each shard's ``class_counts`` from the single-label class field of its index sidecar;
-        rows labelled -1 (Hugging Face's "no label", e.g. a test split) are counted in none."""
-        target, schema = self._target(), self._layout().schema
-        unlabelled = 0
-        for r in results:
-            if target is None:
+        """Each shard's ``class_counts`` from the single-label class field of its index sidecar."""
+        target = self._target()
+        if target is None:
+            for r in results:
                 r.class_counts = []
-                continue
-            # from the index sidecar, not the shard: a shard uploaded to a URL destination is no longer here
-            index = decode_shard_index(shard_index_bytes(dst, backend, r.name, schema), schema, r.name)
-            assert isinstance(index, SampleIndex), "a general store's shards hold a SampleIndex"
-            labels = np.asarray(index.arrays[FIELD_PREFIX + target], dtype=np.int64)
-            unlabelled += int((labels < 0).sum())
-            r.class_counts = np.bincount(labels[labels >= 0], minlength=len(self.classes())).tolist()
-        if unlabelled:
-            self.notes.append(f"{target}: {unlabelled} sample(s) have label -1 (no label), counted in no class")
+            return
+        count_labels(dst, backend, results, self._layout().schema, len(self.classes()), target)
 
 
 class ParquetInput(ArrowInput):
@@ -323,7 +318,8 @@ class ParquetInput(ArrowInput):
         features, found = hf_features(schema, self.paths)
         where = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} (and {len(self.paths) - 1} more)"
         layout = make_layout(schema, features, self.image_columns, null_counts(schema, metas),
-                             lambda column: first_value(infos[0], column), where)
+                             lambda column: first_value(infos[0], column), where,
+                             lambda column: column_minimum(infos, metas, column))
         self._set_layout(layout, self.recorded_source, found or "the Parquet files")
         names = [os.path.basename(p) for p in self.paths]
         if len(set(names)) < len(names):  # files of several folders: named relative to their common folder
