@@ -144,6 +144,9 @@ def convert(
             files without pyarrow (``pip install 'fastdata[parquet]'``).
         FastdataError subclasses, each naming the file or store at fault.
     """
+    if hf_kind(src) is not None:
+        raise ValueError(f"convert takes a path; a datasets.{hf_kind(src)} is written with fastdata.write(ds, dst) "
+                         "(split= for a DatasetDict)")
     src = os.fspath(src)
     refuse_remote_source(src)
     options = WriteOptions(

@@ -147,6 +147,8 @@ def test_a_dataset_dict_needs_a_split_and_the_error_lists_them(tmp_path):
     assert fastdata.write(dd, tmp_path / "test.lmdb", split="test", workers=0).images == 3
     with pytest.raises(ValueError, match="split= picks a split"):
         fastdata.write([{"x": 1}], tmp_path / "list.lmdb", split="train")
+    with pytest.raises(ValueError, match=r"a datasets.DatasetDict is written with fastdata.write\(ds, dst\)"):
+        fastdata.convert(dd, tmp_path / "c.lmdb")
 
 
 def test_a_dataset_write_resumes_and_refuses_another_dataset(tmp_path):

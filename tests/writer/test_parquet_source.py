@@ -239,14 +239,14 @@ def test_class_names_come_from_a_dataset_info_or_a_card_beside_the_files(tmp_pat
 def test_arrow_types_become_field_kinds(tmp_path):
     """bool -> int bool, int8 -> int8, a nullable int -> json keeping None (with a warning),
     non-image binary -> bytes, list of strings and maps -> json, a plain int label -> int, and a
-    column named like no field is renamed (reported)."""
+    column named like no field is renamed (reported), never onto another column's name."""
     table = pa.table({
         "image": pa.array([png(i) for i in range(3)], pa.binary()),
         "flag": [True, False, True], "small": pa.array([-1, 2, 3], pa.int8()),
         "maybe": pa.array([1, None, 3], pa.int64()), "blob": [b"\x00\x01", b"", b"x"],
         "words": [["a"], [], ["b", "c"]],
         "attrs": pa.array([[("k", 1)], [], [("j", 2)]], pa.map_(pa.string(), pa.int64())),
-        "label": [5, 6, 7], "image.path": ["a", "b", "c"]})
+        "label": [5, 6, 7], "image.path": ["a", "b", "c"], "image_path": ["x", "y", "z"]})
     src = tmp_path / "t.parquet"
     pq.write_table(table, src)
     dst = tmp_path / "out.lmdb"
@@ -261,7 +261,7 @@ def test_arrow_types_become_field_kinds(tmp_path):
     assert [ds[i]["maybe"] for i in range(3)] == [1, None, 3]
     assert [ds[i]["blob"] for i in range(3)] == [b"\x00\x01", b"", b"x"]
     assert [ds[i]["small"] for i in range(3)] == [-1, 2, 3] and [ds[i]["flag"] for i in range(3)] == [1, 0, 1]
-    assert ds[2]["words"] == ["b", "c"] and ds[2]["image_path"] == "c"
+    assert ds[2]["words"] == ["b", "c"] and ds[2]["image_path"] == "c" and ds[2]["image_path_"] == "z"
 
 
 def test_a_column_type_no_field_holds_is_refused_naming_file_and_column(tmp_path, capsys):

@@ -196,7 +196,7 @@ def _list_item(feature: Any) -> Any:
 
 def _field_name(name: str, taken: set[str]) -> str:
     """``name`` as a field name: kept when it is one, else its other characters as ``_``."""
-    if _FIELD_NAME.match(name) and name not in RESERVED_NAMES:
+    if _FIELD_NAME.match(name) and name not in RESERVED_NAMES and name not in taken:
         return name
     out = re.sub(r"[^A-Za-z0-9_]", "_", name)[:60] or "column"
     if not re.match(r"^[A-Za-z_]", out):
