@@ -33,7 +33,8 @@ from fastdata.writer.sources.parquet.detect import hf_kind, parquet_files
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput, is_general_list
 from fastdata.writer.sources.volumes.input import BOMB_HINT, chunked_input
-from fastdata.writer.sources.webdataset import TarInput, tar_files
+from fastdata.writer.sources.webdataset.input import TarInput
+from fastdata.writer.sources.webdataset.names import tar_files
 
 __all__ = ["convert", "convert_coco", "convert_table", "write"]
 
