@@ -205,3 +205,40 @@ def test_fastdata_imports_neither_datasets_nor_pyarrow_until_given_such_an_input
         result = subprocess.run([sys.executable, "-c", script, str(Path(tmp) / "x.lmdb")], capture_output=True,
                                 text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+def test_sigkill_then_resume_of_a_dataset_write_equals_a_clean_run(tmp_path):
+    """``fastdata.write(ds, dst)`` of a Dataset (saved with ``save_to_disk``, memory-mapped) killed once a
+    shard is finished, then run again with ``resume=True``: the finished shards are kept and the store
+    equals an uninterrupted write's."""
+    import os
+    import subprocess
+
+    from helpers.procs import sigkill_once_a_shard_is_staged
+
+    from fastdata.format.manifest import read_manifest
+
+    make_dataset(60).save_to_disk(str(tmp_path / "ds"))
+    script = ("import sys, datasets, fastdata\n"
+              "ds = datasets.load_from_disk(sys.argv[1])\n"
+              "r = fastdata.write(ds, sys.argv[2], workers=1, shard_size=3000, resume=sys.argv[3] == 'resume')\n"
+              "print(r.resumed_shards)\n")
+    env = {**os.environ, "FASTDATA_MIN_SHARD_SIZE": "1", "PYTHONPATH": str(ROOT)}
+
+    def command(dst, mode):
+        return [sys.executable, "-c", script, str(tmp_path / "ds"), str(dst), mode]
+
+    dst = tmp_path / "out.lmdb"
+    proc = subprocess.Popen(command(dst, "new"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sigkill_once_a_shard_is_staged(proc, dst, "write")
+    assert not (dst / "manifest.json").exists()
+    again = subprocess.run(command(dst, "resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert int(again.stdout.split()[-1]) >= 1  # the finished shards were kept, not rewritten
+    clean = tmp_path / "clean.lmdb"
+    done = subprocess.run(command(clean, "new"), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
+    assert len(read_manifest(str(dst))["shards"]) > 1
+    assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
+    assert fastdata.verify(str(dst)).ok
