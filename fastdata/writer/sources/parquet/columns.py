@@ -122,13 +122,18 @@ def _storage(t: pa.DataType) -> pa.DataType:
             return t
 
 
+def _never(t: pa.DataType) -> bool:
+    return False
+
+
 def _is_string(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", bool)(t)
+    # (the view types exist from pyarrow 16 on)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", _never)(t)
 
 
 def _is_binary(t: pa.DataType) -> bool:
     return (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
-            or getattr(pa.types, "is_binary_view", bool)(t))
+            or getattr(pa.types, "is_binary_view", _never)(t))
 
 
 def _is_list(t: pa.DataType) -> bool:
