@@ -7,7 +7,9 @@ row group is a plan unit, so ``--resume`` keeps or rewrites whole ones), about `
 bytes of them. The workers open the files themselves and read their chunk's rows a page at
 a time (:func:`encode_parquet_chunk`): a worker keeps one open row group cursor, which moves
 forward to the next chunk it is given in that row group, so memory stays a chunk's rows
-whatever the size of the files and of their row groups.
+whatever the size of the files and of their row groups. (Parquet pages cannot be skipped
+unread: the rows before its chunk that other workers took are read and dropped, which costs
+their decompression, not their image decoding.)
 
 Every row is encoded by :func:`encode_rows`: its image bytes stored as they are, each fully
 decoded once to be validated (an unusable image rejects the row, reported in
