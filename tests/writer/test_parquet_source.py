@@ -348,3 +348,13 @@ def test_without_pyarrow_a_parquet_source_names_the_extra(tmp_path):
     assert result.returncode == 2, result.stderr
     assert 'converting Parquet files needs pyarrow, which is not installed: pip install "fastdata[parquet]"' in (
         result.stderr)
+
+
+def test_convert_help_documents_parquet_and_webdataset_sources():
+    from fastdata.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = sub.choices["convert"].format_help()
+    for words in ("--image-column", "'data/train-*.parquet'", "struct<bytes, path>", "ClassLabel",
+                  "'shards/train-{000000..000099}.tar'", "__key__", "cls/cls2/index -> int"):
+        assert words in text, words
