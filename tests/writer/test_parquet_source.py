@@ -144,6 +144,11 @@ def test_a_split_labelled_minus_one_keeps_its_labels_as_ints_and_out_of_range_la
     ds = fastdata.open_dataset(dst, output="numpy")
     assert ds.classes == [] and [ds[i]["label"] for i in range(5)] == [-1] * 5
     assert read_manifest(str(dst))["metadata"]["class_names"] == {"label": NAMES}
+    from helpers.parquet import hf_table
+
+    pq.write_table(hf_table(rows), tmp_path / "nostats.parquet", write_statistics=False)  # the column is read
+    report = fastdata.convert(tmp_path / "nostats.parquet", tmp_path / "nostats.lmdb", workers=0)
+    assert fastdata.open_dataset(tmp_path / "nostats.lmdb").classes == [] and report.images == 5
     rows["label"] = [0, 1, 7, 2, 0]
     report = fastdata.convert(write_hf_parquet(tmp_path / "odd.parquet", rows), tmp_path / "odd.lmdb", workers=0)
     assert report.rejected_items == [("odd.parquet row 2", "column 'label': label 7 is not a class index (0..2)")]
