@@ -47,7 +47,7 @@ def _run_convert(convert, args):
         max_side=args.max_side, quality=args.quality, raw=args.raw, lossless=args.lossless,
         image_mode=args.image_mode, dicom_tags=args.dicom_tags, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
-        chunks=args.chunks, codec=args.codec, max_pixels=args.max_pixels,
+        chunks=args.chunks, codec=args.codec, max_pixels=args.max_pixels, image_column=args.image_column,
         **_list_options(args), **_upload_options(args),
     )
 
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    c = sub.add_parser("convert", help="convert an image folder, list file or NIfTI volumes into a store",
+    c = sub.add_parser("convert", help="convert an image folder, list file, NIfTI volumes or Parquet files to a store",
                        description="Convert an ImageFolder tree (SRC/<class>/<images>) or a CSV/TSV list "
                                    "(path,label) into an LMDB or HDF5 store at DST (a directory, or a URL: "
                                    "s3://bucket/train.lmdb, gs://, az://; shards are written in a local staging "
@@ -211,13 +211,23 @@ def build_parser() -> argparse.ArgumentParser:
                                    "image[,label] columns naming them, or a Decathlon dataset.json) become "
                                    "chunked arrays (fields image, label, affine, spacing, scl_slope, scl_inter), "
                                    "and so do the TIFF images of a folder given --chunks or --max-pixels "
-                                   "(read tile by tile); read them by region with fastdata.open_dataset.")
+                                   "(read tile by tile); read them by region with fastdata.open_dataset. "
+                                   "Parquet files (a .parquet file, a folder of them, or a quoted glob such as "
+                                   "'data/train-*.parquet'; needs pip install 'fastdata[parquet]') become a general "
+                                   "store with one field per column: Hugging Face image columns "
+                                   "(struct<bytes, path>) and binary columns of images keep their bytes exactly, "
+                                   "ClassLabel columns keep their class names; see the Parquet rules below. "
+                                   "WebDataset tar shards (a .tar file, a quoted brace pattern such as "
+                                   "'shards/train-{000000..000099}.tar', a glob, or a folder of .tar files) become "
+                                   "a general store with a field per member extension plus __key__.")
     c.add_argument("src", metavar="SRC", help="image folder, or a .csv/.tsv file of path,label rows (when every "
                    "label is an integer, it is the target itself: classes '0'..max label; otherwise labels are "
                    "class names, numbered in sorted order); or NIfTI volumes: a folder of .nii/.nii.gz files "
                    "(class subfolders give a label), a list whose image column names them (a label column of "
                    "NIfTI paths names label volumes; other columns are kept as fields), or a Decathlon "
-                   "dataset.json (its training image/label pairs)")
+                   "dataset.json (its training image/label pairs); or Parquet files: a .parquet file, a folder "
+                   "holding .parquet files, or a glob (quote it: 'data/train-*.parquet'); or WebDataset shards: "
+                   "a .tar file, a brace pattern 'train-{000000..000099}.tar', a glob or a folder of .tar files")
     c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
                    "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     from fastdata.format.backends.registry import format_choices
@@ -282,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--staging-dir", metavar="DIR",
                    help="local folder a URL DST's shards are written in before upload (at most 3 shards at a "
                         "time; default: under $FASTDATA_CACHE_DIR, else ~/.cache/fastdata)")
+    c.add_argument("--image-column", action="append", metavar="NAME", default=None,
+                   help="for Parquet files: store this column's values as images (binary bytes, a "
+                        "struct<bytes, path> or file paths relative to the file's folder) besides the columns "
+                        "recognised as images; repeatable, or NAME,NAME")
     _add_list_arguments(c)
     c.set_defaults(func=_cmd_convert)
 
@@ -345,6 +359,31 @@ lists with more fields than path,label (a general store, layout version 2):
   (cat|dog). Undeclared CSV columns are int, float or string.
   e.g.  {"path": "a.jpg", "boxes": [[1, 2, 30, 40]], "caption": "a cat", "label": ["cat", "dog"]}
 
+Parquet files (a general store, layout version 2; pyarrow needed):
+  every column becomes a field, by its Arrow type: integers -> int, floats -> float
+  (NaN kept), strings -> string, lists of numbers -> ragged arrays, fixed-size lists
+  (Hugging Face Array2D/Array3D) -> ndarray, binary -> bytes in a json field, structs,
+  maps and other lists -> json; a number or string column holding nulls -> json. Image
+  columns: Hugging Face's struct<bytes, path>, a binary column whose values are images,
+  or --image-column NAME; their bytes are stored exactly as they are, each decoded once
+  to check it (an unusable one is skipped and listed in rejected.tsv; --strict stops).
+  A Hugging Face ClassLabel column (names from the files' schema metadata, or a
+  dataset_info.json / README.md beside them) is a class field with its names (holding
+  -1, "no label": a plain int field, its names in the manifest's metadata). All files
+  must have the same columns. Each shard holds whole row groups (what --resume keeps).
+  e.g.  fastdata convert 'data/train-*.parquet' train.lmdb
+
+WebDataset tar shards (a general store):
+  members are grouped into samples by key (the path up to the first '.' of the file
+  name); each extension becomes a field: jpg/jpeg/png/webp/tif/tiff/bmp/ppm (and e.g.
+  seg.png) -> image bytes stored as they are (validated), cls/cls2/index -> int,
+  txt/text -> string, json -> json, npy -> ragged array (no pickles), anything else ->
+  bytes; __key__ keeps the key. Nothing is extracted (absolute or '..' names are only
+  keys; links are skipped). A sample lacking an extension the others have, a bad
+  value, or a member claiming more bytes than the file holds is skipped and listed in
+  rejected.tsv (--strict stops). Uncompressed .tar only (gunzip a .tar.gz first).
+  e.g.  fastdata convert 'shards/train-{000000..000099}.tar' train.lmdb
+
 --schema declares fields instead of inferring them (the others are still inferred):
 """
 
@@ -398,7 +437,7 @@ def _run_coco(args):
                                        ("--image-mode", args.image_mode), ("--dicom-tags", args.dicom_tags),
                                        ("--lmdb-map-size", args.lmdb_map_size),
                                        ("--chunks", args.chunks), ("--codec", args.codec),
-                                       ("--max-pixels", args.max_pixels),
+                                       ("--max-pixels", args.max_pixels), ("--image-column", args.image_column),
                                        ("--schema", getattr(args, "schema", None))) if value is not None]
     if unused:
         raise ValueError(f"{', '.join(unused)} do(es) not apply to --coco: COCO images are stored as they are, "

@@ -2,7 +2,8 @@
 
 The core (convert, verify, info, the datasets, the transforms) needs none of these.
 The demo, the synthetic datasets (:mod:`fastdata.tools.synth`) and the benchmark plots do,
-and they come with the ``bench`` extra: ``pip install "fastdata[bench]"``.
+and they come with the ``bench`` extra: ``pip install "fastdata[bench]"``; converting Parquet
+files or ``datasets`` objects needs pyarrow (the ``parquet`` extra).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = ["MissingExtraError", "require"]
 _PROVIDERS = {
     "cv2": ("opencv-python-headless", "bench"),
     "matplotlib": ("matplotlib", "bench"),
+    "pyarrow": ("pyarrow", "parquet"),
 }
 
 
@@ -25,7 +27,7 @@ def require(module: str, purpose: str) -> ModuleType:
     """Import ``module`` or say, in one line, which extra provides it.
 
     Args:
-        module (str): import name, one of ``cv2``, ``matplotlib``.
+        module (str): import name, one of ``cv2``, ``matplotlib``, ``pyarrow``.
         purpose (str): what needs it, e.g. ``"fastdata demo"`` (starts the message).
 
     Returns:

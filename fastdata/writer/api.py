@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from fastdata.common.extras import require
 from fastdata.common.paths import check_local_path
 from fastdata.errors import RejectedInputError
 from fastdata.format.fields import Schema
@@ -28,9 +29,12 @@ from fastdata.writer.sources.base import WriteSource
 from fastdata.writer.sources.coco import CocoInput
 from fastdata.writer.sources.dicom import DicomFolderInput
 from fastdata.writer.sources.folder import FolderInput
+from fastdata.writer.sources.parquet.detect import hf_kind, parquet_files
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput, is_general_list
 from fastdata.writer.sources.volumes.input import BOMB_HINT, chunked_input
+from fastdata.writer.sources.webdataset.input import TarInput
+from fastdata.writer.sources.webdataset.names import tar_files
 
 __all__ = ["convert", "convert_coco", "convert_table", "write"]
 
@@ -60,8 +64,9 @@ def convert(
     chunks: str | Sequence[int] | None = None,
     codec: str | None = None,
     max_pixels: int | str | None = None,
+    image_column: str | Sequence[str] | None = None,
 ) -> ConvertReport:
-    """Convert an ImageFolder tree, a CSV/TSV list file or NIfTI volumes into a fastdata store.
+    """Convert an ImageFolder tree, a list file, NIfTI volumes, Parquet files or WebDataset shards into a store.
 
     Under ``torchrun`` (an initialised process group of several ranks) an image folder or
     ``path,label`` list is converted by all ranks together, shard ``k`` by rank ``k % world_size``
@@ -74,7 +79,13 @@ def convert(
             version 2, written by :func:`convert_table`). Or NIfTI volumes: a folder of
             ``.nii``/``.nii.gz`` files, a CSV/TSV/JSONL list whose ``image`` column names them (and
             ``label`` a label volume each), or a Decathlon ``dataset.json``: a general store of
-            ``Chunked`` volumes (:mod:`fastdata.writer.sources.volumes`).
+            ``Chunked`` volumes (:mod:`fastdata.writer.sources.volumes`). Or Parquet files: a
+            ``.parquet`` file, a folder of them or a glob (``data/train-*.parquet``): a general store
+            with a field per column, image bytes kept as they are and Hugging Face ``ClassLabel``
+            names kept (:mod:`fastdata.writer.sources.parquet`; needs pyarrow). Or WebDataset tar
+            shards: a ``.tar`` file, a brace pattern (``shards/train-{000000..000099}.tar``), a glob or
+            a folder of them: a field per member extension plus ``__key__``
+            (:mod:`fastdata.writer.sources.webdataset`).
         dst: destination directory, or a URL (``s3://bucket/train.lmdb``, ``gs://``, ``az://``: shards
             are staged locally and uploaded as each finishes, manifest last; see
             :mod:`fastdata.writer.remote_sink`); its suffix picks the backend unless ``format`` is given.
@@ -121,21 +132,54 @@ def convert(
         max_pixels: the pixel limit (H x W) of one image of a TIFF folder stored as chunked arrays
             (``int`` or ``"2G"``; default :func:`fastdata.common.imageio.pixel_limit`, the
             decompression-bomb limit); implies chunked storage.
+        image_column: Parquet columns to store as images besides those recognised (a Hugging Face
+            image struct, a binary column whose first value is an image): a name, a comma-separated
+            list or a list of names; each a binary, ``struct<bytes, path>`` or file path column.
 
     Returns:
         A :class:`ConvertReport`.
 
     Raises:
         ValueError: conflicting or invalid options (e.g. ``resume`` with ``overwrite``, a negative ``workers``).
-        MissingExtraError: NIfTI volumes without nibabel (``pip install 'fastdata[volumes]'``).
+        MissingExtraError: NIfTI volumes without nibabel (``pip install 'fastdata[volumes]'``), Parquet
+            files without pyarrow (``pip install 'fastdata[parquet]'``).
         FastdataError subclasses, each naming the file or store at fault.
     """
+    if hf_kind(src) is not None:
+        raise ValueError(f"convert takes a path; a datasets.{hf_kind(src)} is written with fastdata.write(ds, dst) "
+                         "(split= for a DatasetDict)")
     src = os.fspath(src)
     refuse_remote_source(src)
     options = WriteOptions(
         format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
         progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
         staging_dir=staging_dir)
+    files = parquet_files(src)
+    if files is not None:
+        given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
+                                          ("--lossless", lossless), ("--image-mode", image_mode),
+                                          ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks),
+                                          ("--codec", codec), ("--max-pixels", max_pixels)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply to Parquet files: every column becomes a field "
+                             "and image bytes are stored as they are")
+        require("pyarrow", "converting Parquet files")
+        from fastdata.writer.sources.parquet.input import ParquetInput
+
+        return WriteSession(ParquetInput(src, files, _names(image_column)), dst, options).run()
+    if image_column is not None:
+        raise ValueError(f"{src}: --image-column applies to Parquet files (a .parquet file, a folder or a glob of "
+                         "them)")
+    tars = tar_files(src)
+    if tars is not None:
+        given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
+                                          ("--lossless", lossless), ("--image-mode", image_mode),
+                                          ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks),
+                                          ("--codec", codec), ("--max-pixels", max_pixels)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply to WebDataset shards: every member extension "
+                             "becomes a field and image bytes are stored as they are")
+        return WriteSession(TarInput(src, tars), dst, options).run()
     chunked = chunked_input(src, chunks=chunks, codec=codec, max_pixels=max_pixels)
     if chunked is not None:
         given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
@@ -177,6 +221,15 @@ def convert(
     if bombs:
         report.notes.append(f"{bombs} image(s) refused by the decompression-bomb limit: {BOMB_HINT}")
     return report
+
+
+def _names(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Column names given as ``"a,b"``, ``["a", "b"]`` or None."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else list(value)
+    names = (name.strip() for item in items for name in str(item).split(","))
+    return tuple(dict.fromkeys(name for name in names if name))
 
 
 def convert_table(
@@ -246,12 +299,18 @@ def write(
     metadata: Mapping[str, Any] | None = None,
     storage_options: dict | None = None,
     staging_dir: str | os.PathLike | None = None,
+    split: str | None = None,
 ) -> ConvertReport:
     """Write ``samples`` (dicts of field name -> value) into a general fastdata store.
 
     Args:
         samples: a map-style dataset (``__len__`` + ``__getitem__``: a list, a torch
-            ``Dataset``) or any iterable of dicts. Image values may be encoded bytes (stored as
+            ``Dataset``) or any iterable of dicts. Or a Hugging Face ``datasets.Dataset`` (a
+            ``DatasetDict`` with ``split=``), read through Arrow: encoded image bytes kept as they
+            are (never decoded to PIL and re-encoded), ``ClassLabel`` columns as class fields with
+            their names, arrays as ragged/fixed-shape fields, resumable; or a
+            ``datasets.IterableDataset``, written as an iterable (see
+            :mod:`fastdata.writer.sources.hf`). Image values may be encoded bytes (stored as
             they are), a path (read in a worker), a PIL image (stored as PNG; modes ``I;16``, ``I``
             and ``F`` losslessly as TIFF), or a numpy array or torch tensor, HxW or HxWxC (channels
             last) of any dtype of :data:`~fastdata.common.imageio.ARRAY_IMAGE_DTYPES` and any channel
@@ -286,6 +345,7 @@ def write(
         storage_options: fsspec options for a URL ``dst`` (endpoint, credentials, ...).
         staging_dir: local directory shards of a URL ``dst`` are written in before upload
             (default: under the cache directory).
+        split: the split of a ``datasets.DatasetDict`` to write (``"train"``); only for one.
 
     Returns:
         A :class:`~fastdata.writer.report.ConvertReport` (``images`` counts samples).
@@ -294,11 +354,21 @@ def write(
         SchemaError: a sample does not match the schema, or an image array's dtype (complex, bool,
             object, datetime, ...) or shape cannot be an image (names the sample and field); nothing is published.
         RejectedInputError: an image value is unreadable or not a usable image.
-        ValueError: ``resume`` with an iterable, or an invalid option.
+        ValueError: ``resume`` with an iterable, or an invalid option; a ``DatasetDict`` without
+            ``split`` (the message lists its splits).
         FastdataError subclasses for the destination (exists, locked, I/O).
     """
-    source: WriteSource = (MapInput(samples, schema, metadata) if is_map_style(samples)
-                           else IterInput(samples, schema, metadata))
+    source: WriteSource
+    if hf_kind(samples) is not None:
+        require("pyarrow", "writing a datasets object")
+        from fastdata.writer.sources.hf import hf_source
+
+        source = hf_source(samples, split=split, schema=schema, metadata=metadata)
+    elif split is not None:
+        raise ValueError("split= picks a split of a datasets.DatasetDict; these samples are not one")
+    else:
+        source = (MapInput(samples, schema, metadata) if is_map_style(samples)
+                  else IterInput(samples, schema, metadata))
     return WriteSession(source, dst, WriteOptions(
         format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
         progress=progress, chunk_size=chunk_size, storage_options=storage_options, staging_dir=staging_dir)).run()

@@ -11,4 +11,8 @@ sample kept around):
   (scanning, reading, and :mod:`~fastdata.writer.sources.volumes.input`, the sources).
 - :mod:`~fastdata.writer.sources.coco`: a COCO instances annotation file and its image folder.
 - :mod:`~fastdata.writer.sources.python`: samples from Python (map-style datasets and iterables).
+- :mod:`~fastdata.writer.sources.parquet`: Parquet files through pyarrow (their columns as fields,
+  image bytes as they are), and :mod:`~fastdata.writer.sources.hf`: Hugging Face ``datasets``
+  objects through the same Arrow code.
+- :mod:`~fastdata.writer.sources.webdataset`: WebDataset tar shards (members grouped into samples by key).
 """

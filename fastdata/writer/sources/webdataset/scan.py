@@ -1,0 +1,266 @@
+"""A WebDataset source's samples from the tar headers alone (:class:`TarScan`), the field of each
+member extension (:func:`layout_of`), and a member's bytes as its field's value (:func:`member_value`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fastdata.errors import SourceError
+from fastdata.format.fields import (
+    JSON,
+    NUMERIC_DTYPES,
+    RESERVED_NAMES,
+    Field,
+    Image,
+    Int,
+    NDArray,
+    Ragged,
+    Schema,
+    String,
+)
+from fastdata.writer.ingest import MAX_INPUT_BYTES
+
+__all__ = ["KEY_FIELD", "TarLayout", "TarScan", "layout_of", "member_value", "read_at"]
+
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "tif", "tiff", "bmp", "ppm", "pgm", "pbm"})
+INT_EXTENSIONS = frozenset({"cls", "cls2", "index"})
+TEXT_EXTENSIONS = frozenset({"txt", "text"})
+JSON_EXTENSIONS = frozenset({"json", "jsn"})
+#: WebDataset's split of a member path into key and extension: the key ends at the first dot of the file name
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")
+KEY_FIELD = "__key__"
+
+
+class TarScan:
+    """Every tar's samples from its headers: per sample its key, tar and members (extension code,
+    data offset, size), and why it is unusable where it is (a member beyond the end of the file)."""
+
+    def __init__(self, files: list[str]):
+        self.files = [os.path.abspath(f) for f in files]
+        self.names = [os.path.basename(f) for f in files]
+        if len(set(self.names)) < len(self.names):
+            common = os.path.commonpath(self.files)
+            self.names = [os.path.relpath(f, common) for f in self.files]
+        self.stats: list[tuple[int, int]] = []
+        self.keys: list[str] = []
+        self.tar = array("i")
+        self.first = array("q")
+        self.count = array("i")
+        self.bad: dict[int, str] = {}
+        self.member_ext = array("h")
+        self.member_offset = array("q")
+        self.member_size = array("q")
+        self.exts: list[str] = []
+        self._codes: dict[str, int] = {}
+        #: members that are not files (links, devices) or have no extension: skipped
+        self.skipped = 0
+        for t, path in enumerate(self.files):
+            self._scan(t, path)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _code(self, ext: str) -> int:
+        code = self._codes.get(ext)
+        if code is None:
+            if len(self.exts) >= 1024:
+                raise SourceError(f"{self.files[-1]}: more than 1,024 member extensions: not a WebDataset shard set")
+            code = self._codes[ext] = len(self.exts)
+            self.exts.append(ext)
+        return code
+
+    def _scan(self, t: int, path: str) -> None:
+        try:
+            st = os.stat(path)
+            tf = tarfile.open(path, "r:")
+        except (tarfile.TarError, OSError) as err:
+            raise SourceError(f"{path}: not a readable tar file ({err})") from None
+        self.stats.append((st.st_size, st.st_mtime_ns))
+        size = st.st_size
+        with tf:
+            key: str | None = None
+            seen: set[str] = set()
+            overran = False  # the last member claims more bytes than the file holds
+            while True:
+                try:
+                    member = tf.next()
+                except (tarfile.TarError, OSError) as err:
+                    if overran:  # nothing follows a member that runs past the end (it is rejected)
+                        break
+                    raise SourceError(f"{path}: damaged tar header near byte {tf.offset:,} ({err})") from None
+                if member is None:
+                    break
+                if not member.isreg():
+                    self.skipped += not member.isdir()
+                    continue
+                match = _KEY_EXT.match(member.name)
+                if match is None:
+                    self.skipped += 1
+                    continue
+                if match.group(1) != key:
+                    key, seen = match.group(1), set()
+                    self.keys.append(key)
+                    self.tar.append(t)
+                    self.first.append(len(self.member_offset))
+                    self.count.append(0)
+                i = len(self.keys) - 1
+                ext = match.group(2).lower()
+                if ext in seen:
+                    self.bad.setdefault(i, f"two members with the extension {ext!r}")
+                seen.add(ext)
+                overran = member.offset_data + member.size > size
+                if overran:
+                    self.bad.setdefault(i, f"member {member.name!r} claims {member.size:,} bytes, more than the "
+                                           f"{max(0, size - member.offset_data):,} left in the file")
+                self.member_ext.append(self._code(ext))
+                self.member_offset.append(member.offset_data)
+                self.member_size.append(member.size)
+                self.count[i] += 1
+            end = tf.offset
+        # tarfile ends the listing quietly at a damaged header: where it stopped must be the end
+        if end + 512 <= size:
+            with open(path, "rb") as fh:
+                fh.seek(end)
+                block = fh.read(512)
+            if block.strip(b"\0"):
+                raise SourceError(f"{path}: the tar header at byte {end:,} is damaged; the members after it "
+                                  "cannot be read")
+
+    def members(self, i: int) -> list[tuple[int, int, int]]:
+        a = self.first[i]
+        return [(self.member_ext[j], self.member_offset[j], self.member_size[j]) for j in range(a, a + self.count[i])]
+
+    def sample_bytes(self) -> np.ndarray:
+        sizes = np.frombuffer(self.member_size.tobytes(), dtype=np.int64)
+        firsts = np.frombuffer(self.first.tobytes(), dtype=np.int64)
+        sums = np.add.reduceat(sizes, firsts) if len(sizes) and len(firsts) else np.zeros(len(firsts), np.int64)
+        return sums.astype(np.int64)
+
+
+def _field_name(ext: str, taken: set[str]) -> str:
+    out = re.sub(r"[^A-Za-z0-9_]", "_", ext)[:60] or "value"
+    if not re.match(r"^[A-Za-z_]", out):
+        out = "_" + out
+    while out in RESERVED_NAMES or out in taken:
+        out += "_"
+    return out
+
+
+def _kind_of(ext: str) -> str:
+    last = ext.rsplit(".", 1)[-1]
+    if last in IMAGE_EXTENSIONS:
+        return "image"
+    if ext in INT_EXTENSIONS:
+        return "int"
+    if ext in TEXT_EXTENSIONS:
+        return "string"
+    if ext in JSON_EXTENSIONS:
+        return "json"
+    if last == "npy":
+        return "npy"
+    return "bytes"
+
+
+@dataclass(frozen=True)
+class TarLayout:
+    """Each extension's field (what the workers need; it pickles)."""
+
+    #: (extension, field name, kind) per field after ``__key__``
+    fields: tuple[tuple[str, str, str], ...]
+    schema: Schema
+    exts: tuple[str, ...]
+
+
+def read_at(fd: int, offset: int, size: int) -> bytes:
+    parts, done = [], 0
+    while done < size:
+        piece = os.pread(fd, size - done, offset + done)
+        if not piece:
+            raise OSError(f"the file ends {size - done:,} bytes short of a member")
+        parts.append(piece)
+        done += len(piece)
+    return b"".join(parts)
+
+
+def _npy(data: bytes) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"not a .npy array ({err})") from None
+
+
+def member_value(kind: str, data: bytes) -> Any:
+    if kind == "int":
+        text = data.decode("ascii", "replace").strip()
+        if not re.fullmatch(r"[+-]?\d+", text):
+            raise ValueError(f"{text[:40]!r} is not an integer")
+        return int(text)
+    if kind == "string":
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if kind == "json":
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as err:
+            raise ValueError(f"not JSON ({err})") from None
+    if kind == "npy":
+        return _npy(data)
+    return data  # image (validated by the caller), bytes
+
+
+def layout_of(scan: TarScan) -> TarLayout:
+    """The field of every extension the shards hold (a ``.npy`` field's dtype and inner shape from its first one)."""
+    taken = {KEY_FIELD}
+    fields: list[tuple[str, str, str]] = []
+    schema_fields: list[tuple[str, Field]] = [(KEY_FIELD, String())]
+    for code, ext in enumerate(scan.exts):
+        kind = _kind_of(ext)
+        name = _field_name(ext, taken)
+        taken.add(name)
+        field: Field
+        if kind == "image":
+            field = Image()
+        elif kind == "int":
+            field = Int("int64")
+        elif kind == "string":
+            field = String()
+        elif kind == "npy":
+            field = _npy_field(scan, code) or JSON()
+            kind = "npy" if not isinstance(field, JSON) else "bytes"
+        else:
+            field = JSON()
+        fields.append((ext, name, kind))
+        schema_fields.append((name, field))
+    return TarLayout(tuple(fields), Schema(tuple(schema_fields)), tuple(scan.exts))
+
+
+def _npy_field(scan: TarScan, code: int) -> Field | None:
+    j = next((j for j in range(len(scan.member_ext)) if scan.member_ext[j] == code), None)
+    if j is None or scan.member_size[j] > MAX_INPUT_BYTES:
+        return None
+    t = int(np.searchsorted(np.frombuffer(scan.first.tobytes(), dtype=np.int64), j, side="right")) - 1
+    path = scan.files[scan.tar[t]]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            array_ = _npy(read_at(fd, scan.member_offset[j], scan.member_size[j]))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return None
+    if array_.dtype.name not in NUMERIC_DTYPES:
+        return None
+    if array_.ndim == 0:
+        return NDArray(array_.dtype.name, ())
+    return Ragged(array_.dtype.name, array_.shape[1:])
