@@ -1,6 +1,7 @@
 """``fastdata convert`` of WebDataset tar shards: members grouped into samples by key, image bytes
 stored bit-exact, ``cls``/``txt``/``json``/``npy`` values decoded, nothing ever extracted; bad
-members reported. Every tar is written by Python's tarfile; nothing is mocked."""
+members reported. The tars are written by Python's tarfile (exact member names and sizes, hostile ones
+included) and by webdataset's own ShardWriter; nothing is mocked."""
 
 from __future__ import annotations
 
@@ -157,3 +158,64 @@ def test_a_folder_of_tars_is_a_webdataset_source_and_an_image_folder_is_not(tmp_
     write_tar(tmp_path / "tree" / "backup.tar", [("x.jpg", jpeg(1))])
     tree = fastdata.convert(tmp_path / "tree", tmp_path / "tree.lmdb", workers=0)
     assert tree.images == 1 and read_manifest(str(tmp_path / "tree.lmdb"))["version"] == 1  # an ImageFolder
+
+
+def test_shards_written_by_webdataset_read_as_webdataset_reads_them(tmp_path):
+    """Shards made by ``webdataset.ShardWriter`` (its own naming, member order and encoders):
+    the store holds, per sample in tar order, what ``webdataset.WebDataset`` itself yields
+    (the raw member bytes; image bytes bit-exact, ``cls`` as the int it encoded)."""
+    wds = pytest.importorskip("webdataset")
+    root = tmp_path / "shards"
+    root.mkdir()
+    with wds.ShardWriter(str(root / "part-%06d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(10):
+            sink.write({"__key__": f"sample{i:04d}", "jpg": jpeg(i), "cls": i % 3, "txt": f"caption {i}",
+                        "json": {"id": i}})
+    urls = sorted(str(p) for p in root.glob("*.tar"))
+    assert len(urls) == 3
+    want = list(wds.WebDataset(urls, shardshuffle=False))  # raw bytes per member, in tar order
+    dst = tmp_path / "out.h5"
+    assert main(["convert", str(root / "part-{000000..000002}.tar"), str(dst), "--workers", "2"]) == 0
+    ds = fastdata.open_dataset(dst, output="numpy")
+    records = general_records(dst)
+    assert len(ds) == len(want) == 10
+    for i, sample_ in enumerate(want):
+        got = ds[i]
+        assert got["__key__"] == sample_["__key__"]
+        assert records[i]["jpg"] == sample_["jpg"]  # bit-exact
+        assert got["cls"] == int(sample_["cls"]) == i % 3
+        assert got["txt"] == sample_["txt"].decode()
+        assert got["json"] == json.loads(sample_["json"])
+    assert fastdata.verify(str(dst)).ok
+
+
+def test_sigkill_then_resume_of_a_tar_conversion_equals_a_clean_run(tmp_path):
+    """``fastdata convert shards/ out.lmdb`` killed once a shard is finished, then run again with
+    ``--resume``: the finished shards are kept and the store equals an uninterrupted run's."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.procs import sigkill_once_a_shard_is_staged
+
+    write_shards(tmp_path / "shards", 120, 10)
+    env = {**os.environ, "FASTDATA_MIN_SHARD_SIZE": "1"}
+
+    def command(dst, *extra):
+        return [sys.executable, "-m", "fastdata", "convert", str(tmp_path / "shards"), str(dst),
+                "--shard-size", "4000", "--workers", "2", *extra]
+
+    dst = tmp_path / "out.lmdb"
+    proc = subprocess.Popen(command(dst), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sigkill_once_a_shard_is_staged(proc, dst, "convert")
+    assert not (dst / "manifest.json").exists()
+    again = subprocess.run(command(dst, "--resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resum" in (again.stdout + again.stderr).lower(), again.stdout + again.stderr
+    clean = tmp_path / "clean.lmdb"
+    done = subprocess.run(command(clean), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
+    assert len(read_manifest(str(dst))["shards"]) > 1
+    assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
+    assert fastdata.verify(str(dst)).ok
