@@ -24,12 +24,13 @@ from fastdata.common.imageio import (
     ImageDecodeError,
     ImageInfo,
     decode_image,
+    encode_ppm,
     encode_lossless,
     inspect_image,
     open_image,
     stored_format,
 )
-from fastdata.format.backends.base import Sample, StorageSpec
+from fastdata.format.backends.base import RAW_NATIVE_MODES, Sample, StorageSpec
 from fastdata.format.record import MAX_RECORD_BYTES, EncodedSample, checksum
 
 DEFAULT_REENCODE_QUALITY = 90
@@ -143,6 +144,8 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
         data = _read_bytes(path)
     if storage.mode == "lossless":
         return lossless_sample(path, relpath, label, data)
+    if storage.mode in RAW_NATIVE_MODES and storage.keeps_raw(relpath):
+        return raw_native_sample(path, relpath, label, data, storage.reencode_max_side())
     if storage.mode not in ("raw", "reencode"):  # stored as given: only checked
         info = inspect(data)
         return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
@@ -165,8 +168,7 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
             rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)
         data, fmt, width, height = rgb.tobytes(), "RAW", w, h
     else:  # reencode, larger than max_side: an RGB JPEG
-        scale = storage.reencode_max_side() / max(width, height)
-        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        size = capped_size(width, height, storage.reencode_max_side())
         rgb = im.convert("RGB").resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
         buf = io.BytesIO()
         rgb.save(buf, format="JPEG", quality=storage.quality or DEFAULT_REENCODE_QUALITY)
@@ -174,6 +176,46 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     # both are 8-bit RGB: raw pixels are HxWx3 uint8, and the JPEG is saved from an RGB image
     return IngestedSample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data),
                           relpath=relpath, warning=warning, dtype="uint8", channels=3)
+
+
+def capped_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """``(width, height)`` scaled so that the longer side is ``max_side`` (each side
+    ``max(1, round(side * max_side / longer))``), or unchanged when it is already at most that:
+    the size ``--max-side`` re-encoding and ``--storage raw|mixed`` store an image at."""
+    longer = max(width, height)
+    if longer <= max_side:
+        return width, height
+    scale = max_side / longer
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def raw_native_rgb(im: Image.Image, max_side: int) -> np.ndarray:
+    """The pixels ``--storage raw|mixed`` stores of a decoded image: ``im.convert("RGB")`` (what
+    ImageFolder's loader gives: gray, palette, CMYK, 16-bit and alpha images become 8-bit RGB),
+    then, when the longer side exceeds ``max_side``, ``resize(capped_size(...), LANCZOS,
+    reducing_gap=3.0)``: the resize ``--max-side`` re-encoding uses. Images small enough are not
+    resized."""
+    rgb = im.convert("RGB")
+    size = capped_size(rgb.width, rgb.height, max_side)
+    if size != rgb.size:
+        rgb = rgb.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    return np.asarray(rgb)
+
+
+def raw_native_sample(path: bytes, relpath: bytes, label: int, data: bytes, max_side: int) -> IngestedSample:
+    """One image as ``--storage raw|mixed`` stores its raw share: a binary PPM
+    (:func:`fastdata.common.imageio.encode_ppm`) of :func:`raw_native_rgb`'s pixels.
+
+    Raises:
+        Rejected: the input is not a usable image.
+    """
+    im = open_validated(data)
+    warning = extension_mismatch(path, stored_format(im))
+    pixels = raw_native_rgb(im, max_side)
+    im.close()
+    ppm = encode_ppm(pixels)
+    return IngestedSample(image=ppm, label=label, width=int(pixels.shape[1]), height=int(pixels.shape[0]),
+                          fmt="PPM", xxh=checksum(ppm), relpath=relpath, warning=warning, dtype="uint8", channels=3)
 
 
 #: formats the lossless storage mode keeps as they are: JPEG and WebP are smaller than any lossless
