@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 import fastdata
-from fastdata.common.imageio import encode_ppm
+from fastdata.common.imageio import decode_image, encode_ppm
 from fastdata.synth import make_image_folder
 from fastdata.tools.verify import info
 from fastdata.transforms import RandomResizedCrop
@@ -69,7 +69,7 @@ def main() -> None:
             print(f"  {name:<16} {size / 1e6:8.1f} MB  {size / base:5.2f}x the JPEG store")
         jpegs = _files(src)
         # exactly the raw store's records (the writer's own function): larger images scaled down to --max-side
-        ppms = [encode_ppm(raw_native_rgb(Image.open(io.BytesIO(j)), args.max_side)) for j in jpegs]
+        ppms = [encode_ppm(raw_native_rgb(decode_image(j, "RGB"), args.max_side)) for j in jpegs]
     resized = sum(max(Image.open(io.BytesIO(j)).size) > args.max_side for j in jpegs)
     rrc = RandomResizedCrop(224)
     rates: dict[str, list[float]] = {"jpeg": [], "ppm": []}

@@ -30,6 +30,7 @@ from fastdata.common.imageio import (
     open_image,
     stored_format,
 )
+from fastdata.errors import ImageModeError
 from fastdata.format.backends.base import RAW_NATIVE_MODES, Sample, StorageSpec
 from fastdata.format.record import MAX_RECORD_BYTES, EncodedSample, checksum
 
@@ -189,33 +190,41 @@ def capped_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def raw_native_rgb(im: Image.Image, max_side: int) -> np.ndarray:
-    """The pixels ``--storage raw|mixed`` stores of a decoded image: ``im.convert("RGB")`` (what
-    ImageFolder's loader gives: gray, palette, CMYK, 16-bit and alpha images become 8-bit RGB),
-    then, when the longer side exceeds ``max_side``, ``resize(capped_size(...), LANCZOS,
-    reducing_gap=3.0)``: the resize ``--max-side`` re-encoding uses. Images small enough are not
-    resized."""
-    rgb = im.convert("RGB")
-    size = capped_size(rgb.width, rgb.height, max_side)
-    if size != rgb.size:
-        rgb = rgb.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
-    return np.asarray(rgb)
+def raw_native_rgb(rgb: np.ndarray, max_side: int) -> np.ndarray:
+    """The pixels ``--storage raw|mixed`` stores of an image decoded to 8-bit RGB (``rgb``,
+    HxWx3 uint8): as they are when the longer side is at most ``max_side``, else
+    ``Image.fromarray(rgb).resize(capped_size(...), LANCZOS, reducing_gap=3.0)``, the resize of
+    ``--max-side`` re-encoding."""
+    size = capped_size(rgb.shape[1], rgb.shape[0], max_side)
+    if size == (rgb.shape[1], rgb.shape[0]):
+        return rgb
+    return np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0))
 
 
 def raw_native_sample(path: bytes, relpath: bytes, label: int, data: bytes, max_side: int) -> IngestedSample:
     """One image as ``--storage raw|mixed`` stores its raw share: a binary PPM
-    (:func:`fastdata.common.imageio.encode_ppm`) of :func:`raw_native_rgb`'s pixels.
+    (:func:`fastdata.common.imageio.encode_ppm`) of its pixels in read mode ``"RGB"``
+    (:func:`fastdata.common.imageio.decode_image`: pixel-identical to ``Image.open(f).convert("RGB")``,
+    what ImageFolder's loader gives: gray, palette, CMYK, 16-bit and alpha images become 8-bit RGB),
+    capped by :func:`raw_native_rgb`. The original format is not kept, so neither is a warning
+    about its file name's extension.
 
     Raises:
-        Rejected: the input is not a usable image.
+        Rejected: the input is not a usable image, or has no 8-bit RGB form (a DICOM, a TIFF of
+            more than 4 bands: stored as they are without ``--storage``).
     """
-    im = open_validated(data)
-    warning = extension_mismatch(path, stored_format(im))
-    pixels = raw_native_rgb(im, max_side)
-    im.close()
+    try:
+        rgb = decode_image(data, "RGB")
+    except ImageModeError:
+        raise Rejected("the image has no 8-bit RGB form (a DICOM, or a TIFF of more than 4 bands or of several "
+                       "bands over 8 bits); --storage raw|mixed stores RGB pixels: convert it without --storage "
+                       "to keep it as it is") from None
+    except ImageDecodeError as err:
+        raise Rejected(str(err)) from None
+    pixels = raw_native_rgb(rgb, max_side)
     ppm = encode_ppm(pixels)
     return IngestedSample(image=ppm, label=label, width=int(pixels.shape[1]), height=int(pixels.shape[0]),
-                          fmt="PPM", xxh=checksum(ppm), relpath=relpath, warning=warning, dtype="uint8", channels=3)
+                          fmt="PPM", xxh=checksum(ppm), relpath=relpath, dtype="uint8", channels=3)
 
 
 #: formats the lossless storage mode keeps as they are: JPEG and WebP are smaller than any lossless

@@ -86,6 +86,17 @@ def test_raw_records_are_the_decoded_pixels_capped_as_documented(tmp_path, tree)
     assert split["raw"]["bytes"] == sum(len(r["image"]) for r in records)
 
 
+def test_an_image_without_an_rgb_form_is_rejected_with_the_reason(tmp_path):
+    import tifffile
+
+    root = make_tree(tmp_path / "src", classes={"cat": 2}, size=(40, 30))
+    tifffile.imwrite(root + "/cat/bands.tif", np.zeros((20, 20, 5), np.uint8), planarconfig="contig")
+    report = fastdata.convert(root, tmp_path / "r.lmdb", storage="raw", max_side=MAX_SIDE, workers=0, progress=False)
+    assert report.images == 2 and report.rejected == 1
+    reason = read_manifest(str(tmp_path / "r.lmdb"))["rejected"][0]
+    assert "no 8-bit RGB form" in str(reason), reason
+
+
 def test_mixed_store_follows_the_hash_rule_and_keeps_the_rest_bit_exact(tmp_path):
     root = make_tree(tmp_path / "src", classes={"cat": 20, "dog": 20}, size=(80, 60))
     dst = tmp_path / "mixed.h5"
@@ -165,7 +176,8 @@ def test_transforms_on_a_ppm_equal_those_on_a_png_and_jpeg_of_the_same_pixels(si
                         t.decode_into(ppm, out, np.random.default_rng(seed))
                         assert np.array_equal(out, a)
                 # other read modes: the pixels as stored are the RGB pixels
-                assert np.array_equal(t(ppm, np.random.default_rng(0), mode="unchanged"), t(ppm, np.random.default_rng(0)))
+                unchanged = t(ppm, np.random.default_rng(0), mode="unchanged")
+                assert np.array_equal(unchanged, t(ppm, np.random.default_rng(0)))
 
 
 def test_rrc_box_on_a_ppm_is_the_jpeg_box_and_the_crop_within_tolerance_with_dct_scaling():
@@ -185,7 +197,7 @@ def test_rrc_box_on_a_ppm_is_the_jpeg_box_and_the_crop_within_tolerance_with_dct
 @pytest.mark.parametrize("kind", ["raw", "mixed", "jpeg"])
 def test_open_dataset_rrc_with_two_workers(tmp_path, kind):
     root = make_tree(tmp_path / "src", classes={"cat": 6, "dog": 6}, size=(120, 90))
-    dst = tmp_path / "s.lmdb"
+    dst = tmp_path / ("s.h5" if kind == "raw" else "s.lmdb")  # both backends' record reads
     options = {"raw": {"storage": "raw", "max_side": 100},
                "mixed": {"storage": "mixed", "raw_fraction": 0.5, "max_side": 100}, "jpeg": {}}[kind]
     fastdata.convert(root, dst, workers=0, progress=False, **options)
@@ -254,6 +266,25 @@ def test_verify_finds_a_ppm_header_that_disagrees_with_the_index(tmp_path):
     H.resign(store)
     problems = verify(store).problems
     assert len(problems) == 1 and "record 0" in problems[0] and "30x40" in problems[0], problems
+    # bytes after the pixels: readers ignore them (as Pillow does), verify does not
+    rec = decode_record(H.stored_item("lmdb", shard, 1))
+    img = rec.image + b"\0" * 5
+    H.replace_item(store, "lmdb", shard, 1, encode_record(img, label=rec.label, width=40, height=30, fmt="PPM",
+                                                          relpath=rec.relpath), checksummed=img)
+    H.resign(store)
+    problems = verify(store).problems
+    assert len(problems) == 2 and "record 1" in problems[1] and "5 bytes after" in problems[1], problems
+    assert fastdata.open_dataset(store, decode=RandomResizedCrop(16), output="numpy")[1][0].shape == (16, 16, 3)
+
+
+def test_raw_shards_are_planned_from_the_pixels_they_will_hold(tmp_path):
+    """The planner cannot know decoded sizes: each raw image counts as a max-side square (its upper
+    bound), so shards of raw images stay near the target instead of holding the files' few KB each."""
+    root = make_tree(tmp_path / "src", classes={"cat": 6}, size=(80, 60))
+    dst = tmp_path / "p.lmdb"
+    fastdata.convert(root, dst, storage="raw", max_side=MAX_SIDE, shard_size=3 * (3 * MAX_SIDE**2 + 32), workers=0,
+                     progress=False)
+    assert [s["count"] for s in read_manifest(str(dst))["shards"]] == [3, 3]
 
 
 # -- option errors, before anything is written ----------------------------------------------------------------
