@@ -190,7 +190,7 @@ class StorageSpec:
 
     def to_json(self) -> dict:
         out: dict = {"mode": self.mode, "max_side": self.max_side, "quality": self.quality,
-               "raw_shape": list(self.raw_shape) if self.raw_shape else None}
+                     "raw_shape": list(self.raw_shape) if self.raw_shape else None}
         if self.mode == "mixed":  # only there: the manifests of the other modes keep their keys
             out["raw_fraction"] = self.raw_fraction
         return out
