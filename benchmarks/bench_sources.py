@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         have_litdata = True
     except ImportError:
         have_litdata = False
-    out_dir = os.path.join(args.workdir, "out")
+    out_dir = os.path.join(args.workdir, "out.lmdb")  # litdata's output takes the same name
     kinds = {"folder": (data["folder"], "convert"), "parquet": (data["parquet"], "convert"),
              "webdataset": (data["webdataset"], "convert"), "write(dataset)": (data["dataset"], "write-dataset")}
     if have_litdata:

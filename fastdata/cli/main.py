@@ -45,7 +45,8 @@ def _run_convert(convert, args):
     return convert(
         args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
         max_side=args.max_side, quality=args.quality, raw=args.raw, lossless=args.lossless,
-        image_mode=args.image_mode, dicom_tags=args.dicom_tags, strict=args.strict, resume=args.resume,
+        storage=args.storage, raw_fraction=args.raw_fraction, image_mode=args.image_mode,
+        dicom_tags=args.dicom_tags, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
         chunks=args.chunks, codec=args.codec, max_pixels=args.max_pixels, image_column=args.image_column,
         **_list_options(args), **_upload_options(args),
@@ -76,12 +77,19 @@ def _cmd_info(args) -> int:
     mode = storage["mode"] + (f" (max side {storage['max_side']}, quality {storage['quality']})"
                               if storage["mode"] == "reencode" else
                               f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})"
-                              if storage["mode"] == "raw" else "")
+                              if storage["mode"] == "raw" else
+                              f" (pixels up to {storage['max_side']} px, raw fraction {storage['raw_fraction']:g})"
+                              if storage["mode"] == "mixed" else
+                              f" (pixels up to {storage['max_side']} px)" if storage["mode"] == "raw-native" else "")
     print(f"store:    {printable(data['path'])}")
     print(f"backend:  {data['backend']} (layout version {data['version']})")
     print(f"storage:  {mode}")
     print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
     print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
+    split = data.get("raw_split")
+    if split:
+        print(f"records:  {split['raw']['count']} raw (PPM pixels, {format_size(split['raw']['bytes'])}), "
+              f"{split['encoded']['count']} encoded ({format_size(split['encoded']['bytes'])})")
     _print_images(data)
     for name, census in (data.get("arrays") or {}).items():
         shapes = ("no samples" if census["min_shape"] is None else
@@ -240,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "kB/MB/GB and k/M/G are decimal (2G = 2GB = 2,000,000,000 bytes), KiB/MiB/GiB binary")
     mode = c.add_mutually_exclusive_group()
     mode.add_argument("--max-side", type=int, metavar="N",
-                      help="re-encode as JPEG only images whose longer side exceeds N pixels")
+                      help="re-encode as JPEG only images whose longer side exceeds N pixels (with --storage "
+                           "raw|mixed: the longest side of the stored pixels)")
     mode.add_argument("--raw", metavar="HxW", help="store decoded uint8 RGB pixels resized to HxW (e.g. 32x32)")
     from fastdata.common.imagemodes import IMAGE_MODES
     from fastdata.writer.options import LOSSLESS_CODECS
@@ -260,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "general store (fields image, label, then one per tag; read in the worker processes); "
                         "without it a DICOM folder makes an ordinary classification store")
     c.add_argument("--quality", type=int, metavar="Q", help="JPEG quality for --max-side (default 90)")
+    c.add_argument("--storage", choices=("raw", "mixed"), default=None,
+                   help="'raw': store every image's decoded RGB pixels at its own size, the longer side capped at "
+                        "--max-side N (required, >= 32; Pillow LANCZOS), as a PPM record readers crop and resize "
+                        "without decoding (several times the disk of JPEGs); 'mixed': --raw-fraction F of the images "
+                        "so (chosen by a hash of the relative path), the rest kept as they are")
+    c.add_argument("--raw-fraction", type=float, default=None, metavar="F",
+                   help="with --storage mixed: the share of images stored as pixels, 0 to 1")
     from fastdata.format.chunk_codecs import CHUNK_CODECS
 
     c.add_argument("--chunks", metavar="N,N[,N...]", default=None,
@@ -434,6 +450,7 @@ def _run_coco(args):
                          f"not on {group.world_size} ranks")
     unused = [flag for flag, value in (("--max-side", args.max_side), ("--quality", args.quality),
                                        ("--raw", args.raw), ("--lossless", args.lossless),
+                                       ("--storage", args.storage), ("--raw-fraction", args.raw_fraction),
                                        ("--image-mode", args.image_mode), ("--dicom-tags", args.dicom_tags),
                                        ("--lmdb-map-size", args.lmdb_map_size),
                                        ("--chunks", args.chunks), ("--codec", args.codec),

@@ -182,6 +182,104 @@ def validate_image(data: Buffer) -> tuple[str, int, int]:
         im.close()
 
 
+# -- raw-native pixels: binary PPM (P6, maxval 255) ---------------------------------------------------------
+#
+# What ``convert --storage raw|mixed`` stores per image: a few bytes of header (``P6\n<w> <h>\n255\n``) and
+# the RGB pixels, row by row. The header makes each record self-describing (every decode path learns the size
+# from the bytes alone), and Pillow/OpenCV read the record as the standard file it is. Its "decode" is
+# :func:`ppm_pixels`: a header parse and a zero-copy view.
+
+_PPM_MAGIC = b"P6"
+#: the longest header :func:`ppm_header` parses (one a writer makes is under 20 bytes; a longer one, e.g. with
+#: comments, is left to Pillow)
+_PPM_HEADER_MAX = 256
+_PPM_WHITESPACE = b" \t\n\r\x0b\x0c"  # (an int of it: one byte of a header)
+
+
+def encode_ppm(rgb: np.ndarray) -> bytes:
+    """``rgb`` (HxWx3 uint8) as a binary PPM: ``P6``, width, height, maxval 255, then the pixels.
+
+    Args:
+        rgb (numpy.ndarray): HxWx3 uint8 pixels.
+
+    Returns:
+        bytes: the PPM file, ``len(header) + H * W * 3`` bytes.
+
+    Raises:
+        ValueError: ``rgb`` is not HxWx3 uint8 or is empty.
+    """
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.size == 0:
+        raise ValueError(f"a PPM holds non-empty HxWx3 uint8 pixels, got {rgb.dtype} of shape {rgb.shape}")
+    return b"P6\n%d %d\n255\n" % (rgb.shape[1], rgb.shape[0]) + np.ascontiguousarray(rgb).tobytes()
+
+
+def ppm_header(data: Buffer) -> tuple[int, int, int] | None:
+    """``(width, height, offset of the pixels)`` of a binary 8-bit PPM (``P6``, maxval 255), checked against
+    the bytes: the pixels must all be there (extra bytes after them are ignored, as by Pillow) and the size
+    within :func:`pixel_limit`, so the caller can view them without reading past the end.
+
+    Args:
+        data (bytes | bytearray | memoryview): stored bytes.
+
+    Returns:
+        tuple[int, int, int] | None: None when ``data`` is not such a PPM by its first bytes (another format,
+        another maxval, comments or an overlong header): Pillow decides those.
+
+    Raises:
+        ImageDecodeError: a ``P6`` header that is malformed (a size that is not a number, zero), that
+            claims more pixels than the bytes hold (truncated, or a lying header), or a decompression bomb.
+    """
+    head = bytes(data[:_PPM_HEADER_MAX])
+    if head[:2] != _PPM_MAGIC or len(head) < 3 or head[2] not in _PPM_WHITESPACE:
+        return None
+    tokens: list[int] = []
+    pos = 2
+    while len(tokens) < 3:  # width, height, maxval: each after whitespace, each followed by one
+        while pos < len(head) and head[pos] in _PPM_WHITESPACE:
+            pos += 1
+        if pos < len(head) and head[pos] == ord("#"):
+            return None  # a comment: Pillow's parser (a writer never makes one)
+        start = pos
+        while pos < len(head) and 48 <= head[pos] <= 57:
+            pos += 1
+        if pos == len(head):
+            if len(head) == _PPM_HEADER_MAX:
+                return None  # an overlong header: Pillow's
+            raise ImageDecodeError(f"truncated PPM header ({len(head)} bytes: {head[:40]!r})")
+        if pos == start or pos - start > 9 or head[pos] not in _PPM_WHITESPACE:
+            raise ImageDecodeError(f"malformed PPM header {head[:min(pos + 1, 40)]!r}: width, height and maxval "
+                                   "must be decimal numbers separated by whitespace")
+        tokens.append(int(head[start:pos]))
+    width, height, maxval = tokens
+    if maxval != 255:
+        return None  # 16-bit or another scale: Pillow's
+    offset = pos + 1  # exactly one whitespace byte after maxval
+    if width == 0 or height == 0:
+        raise ImageDecodeError(f"PPM header says {width}x{height}: an image has at least one pixel")
+    if width * height > pixel_limit():
+        raise ImageDecodeError(f"decompression bomb: PPM header says {width}x{height}, over the limit of "
+                               f"{pixel_limit():,} pixels (PIL.Image.MAX_IMAGE_PIXELS)")
+    need = offset + width * height * 3
+    if len(data) < need:
+        raise ImageDecodeError(f"truncated PPM: the header says {width}x{height} ({need:,} bytes with the header), "
+                               f"the data holds {len(data):,} bytes")
+    return width, height, offset
+
+
+def ppm_pixels(data: Buffer) -> np.ndarray | None:
+    """The pixels of a binary 8-bit PPM (:func:`ppm_header`) as a read-only HxWx3 uint8 view of ``data``
+    (no copy, no decode), or None when ``data`` is not one (decode it another way).
+
+    Raises:
+        ImageDecodeError: as :func:`ppm_header`.
+    """
+    header = ppm_header(data)
+    if header is None:
+        return None
+    width, height, offset = header
+    return np.frombuffer(data, dtype=np.uint8, count=width * height * 3, offset=offset).reshape(height, width, 3)
+
+
 def decode_rgb_array(data: Buffer) -> np.ndarray:
     """Writable HxWx3 uint8 RGB array of ``data`` through Pillow under the policy
     (pixel-identical to ``numpy.array(Image.open(f).convert("RGB"))``).
@@ -189,6 +287,9 @@ def decode_rgb_array(data: Buffer) -> np.ndarray:
     Raises:
         ImageDecodeError: as :func:`open_image`.
     """
+    pixels = ppm_pixels(data)  # a raw-native record: the pixels are the bytes
+    if pixels is not None:
+        return pixels.copy()
     im = open_image(data)
     try:
         # np.array, not np.asarray: Pillow's array interface hands out read-only bytes,
@@ -600,6 +701,9 @@ def _decode_unchanged(data: Buffer) -> tuple[str, np.ndarray]:
     """(stored format, pixels as stored) by content: the native decoders, else simplejpeg/Pillow."""
     if len(data) == 0:
         raise ImageDecodeError("empty file (0 bytes)")
+    pixels = ppm_pixels(data)
+    if pixels is not None:
+        return "PPM", pixels.copy()
     kind = _sniff(data)
     if kind == "TIFF":
         return "TIFF", _decode_tiff(data)  # type: ignore[return-value]
@@ -763,6 +867,9 @@ def decode_image(data: Buffer, mode: str = "RGB") -> np.ndarray:
                 return simplejpeg.decode_jpeg(data, colorspace="RGB")
             except ValueError:
                 pass
+        pixels = ppm_pixels(data)
+        if pixels is not None:
+            return pixels.copy()
     im = _pillow_form(data, mode)
     try:
         # np.array, not np.asarray: Pillow's array interface hands out read-only bytes

@@ -262,8 +262,15 @@ def _validate_storage(storage: dict, where: str) -> None:
     keys = {"mode", "max_side", "quality", "raw_shape"}
     mode = storage.get("mode")
     shape = storage.get("raw_shape")
+    if mode == "mixed":
+        keys = keys | {"raw_fraction"}
+    fraction = storage.get("raw_fraction")
     ok = set(storage) == keys and (
-        (mode in ("original", "lossless") and storage["max_side"] is None and storage["quality"] is None
+        (mode in ("raw-native", "mixed") and type(storage["max_side"]) is int and storage["max_side"] >= 32
+         and storage["quality"] is None and shape is None
+         and (mode == "raw-native" or (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+                                        and 0 <= fraction <= 1)))
+        or (mode in ("original", "lossless") and storage["max_side"] is None and storage["quality"] is None
          and shape is None)
         or (mode == "reencode" and positive_int(storage["max_side"]) and type(storage["quality"]) is int
             and 1 <= storage["quality"] <= 100 and shape is None)

@@ -29,6 +29,7 @@ from fastdata.common.imageio import (
     decode_unchanged_into,
     fast_jpeg_size,
     open_image,
+    ppm_pixels,
 )
 from fastdata.errors import ImageModeError
 
@@ -83,6 +84,11 @@ def decode_numpy_into(data: bytes, fmt: str, out: np.ndarray, raw_shape: tuple[i
             pass
     if mode == "unchanged" and fmt != "RAW" and out.flags.c_contiguous and decode_unchanged_into(data, out):
         return
+    if mode in ("RGB", "unchanged") and fmt == "PPM":
+        pixels = ppm_pixels(data)  # a raw-native record: its pixels straight into ``out``, one copy
+        if pixels is not None and pixels.shape == out.shape and out.dtype == np.uint8:
+            out[...] = pixels
+            return
     array = decode_numpy(data, fmt, raw_shape, mode)
     if array.ndim == 2:
         array = array[:, :, None]

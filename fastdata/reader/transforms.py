@@ -61,7 +61,7 @@ import simplejpeg
 import torch
 from PIL import Image  # resampling of fractional windows only; decoding goes through .imageio
 
-from fastdata.common.imageio import decode_image, decode_rgb_array, fast_jpeg_size
+from fastdata.common.imageio import decode_image, decode_rgb_array, fast_jpeg_size, ppm_header, ppm_pixels
 from fastdata.common.imagemodes import check_mode
 from fastdata.reader.seeding import get_rng
 
@@ -118,9 +118,15 @@ def _decode_jpeg(data: Buffer, size: tuple[int, int], factor: int, fast: bool = 
 
 
 def _pil_decode(data: Buffer) -> np.ndarray:
-    """Pillow decode -> writable HxWx3 uint8 RGB, as torchvision's pil_loader does, under
-    the image policy (allowed formats only, by content; decompression bombs refused)."""
-    return decode_rgb_array(data)
+    """Every non-JPEG-fast-path decode of the "RGB" pipeline: HxWx3 uint8 RGB, as torchvision's
+    pil_loader gives it. A raw-native record (a binary 8-bit PPM, ``convert --storage raw|mixed``)
+    is not decoded at all: its pixels are a read-only view of ``data``
+    (:func:`fastdata.common.imageio.ppm_pixels`; its header checked against the bytes), which the
+    crops and resizes below take as any decoded image, so the same crop box and the same resize
+    kernel apply as to a JPEG of those pixels. Anything else goes through Pillow under the image
+    policy (allowed formats only, by content; decompression bombs refused) into a writable array."""
+    pixels = ppm_pixels(data)
+    return decode_rgb_array(data) if pixels is None else pixels
 
 
 def _native_decode(data: Buffer, mode: str) -> np.ndarray:
@@ -158,7 +164,8 @@ def full_decode(data: Buffer, mode: str = "RGB") -> np.ndarray:
         img = _decode_jpeg(data, size, 1)
         if img is not None:
             return img
-    return _pil_decode(data)
+    img = _pil_decode(data)
+    return img if img.flags.writeable else img.copy()  # a PPM record's view of the stored bytes
 
 
 # ------------------------------------------------------------------- resize and crop
@@ -229,7 +236,10 @@ def _resize(src: np.ndarray, out_hw: tuple[int, int], out: np.ndarray | None = N
         _check_shape(out, shape)
     # A contiguous HWC array is a channels-last NCHW tensor, which the vectorised
     # uint8 kernel wants; a crop view would take a generic path about 2x slower.
-    src_t = torch.from_numpy(np.ascontiguousarray(src)).permute(2, 0, 1).unsqueeze(0)
+    src = np.ascontiguousarray(src)
+    if not src.flags.writeable:  # rows of a PPM record's view: torch.from_numpy warns on read-only memory
+        src = src.copy()
+    src_t = torch.from_numpy(src).permute(2, 0, 1).unsqueeze(0)
     dst_t = torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0)
     if _AA_BILINEAR_OUT is not None:
         _AA_BILINEAR_OUT(src_t, [oh, ow], False, None, None, out=dst_t)
@@ -444,9 +454,12 @@ class DecodeTransform:
 
 def _rgb_is_unchanged(data: Buffer, mode: str) -> bool:
     """Whether ``data`` read "unchanged" is its RGB form: a colour JPEG the fast path decodes (its
-    stored pixels are 8-bit RGB), which then keeps the DCT-scaled decode of the RGB path."""
-    if mode != "unchanged" or _jpeg_size(data) is None:
+    stored pixels are 8-bit RGB), which then keeps the DCT-scaled decode of the RGB path, or a
+    raw-native PPM record, which then keeps its zero-copy view."""
+    if mode != "unchanged":
         return False
+    if _jpeg_size(data) is None:
+        return ppm_header(data) is not None  # a raw-native record: 8-bit RGB as stored
     try:
         return simplejpeg.decode_jpeg_header(data)[2] != "Gray"
     except ValueError:
@@ -673,7 +686,8 @@ class Resize(_DirectTransform):
             img = _pil_decode(data)
             target = self._target(img.shape[:2])
         if img.shape[:2] == target:
-            return _emit(img, out) if out is not None else img
+            # (a PPM record's pixels are a read-only view of the stored bytes: copied)
+            return _emit(img, out) if out is not None or not img.flags.writeable else img
         return _resize(img, target, out)
 
     def _produce_native(self, data, rng, out, mode):

@@ -16,7 +16,7 @@ import numpy as np
 from fastdata.common.fileio import file_checksum, read_regular
 from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
-from fastdata.format.backends.base import ShardReader, StorageSpec
+from fastdata.format.backends.base import RAW_NATIVE_MODES, ShardReader, StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.chunks import ChunkTable, check_shape, chunk_region, iter_grid
 from fastdata.format.chunk_codecs import chunk_codec
@@ -63,7 +63,7 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
             raise RemoteStoreError(f"{store}: storage_options apply to remote URLs only, not to a local path")
         m = read_manifest(store)
         where = os.path.abspath(store)
-    images, arrays, images_error = _census(where, m, remote)
+    images, arrays, images_error, raw_split = _census(where, m, remote)
     return {
         "path": where,
         "backend": m["backend"],
@@ -83,6 +83,7 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "arrays": arrays,
         "images_error": images_error,
         "image_modes": _default_modes(m),
+        "raw_split": raw_split,
     }
 
 
@@ -102,16 +103,37 @@ def _default_modes(m: dict) -> dict[str, str]:
     return out
 
 
-def _census(where: str, m: dict, remote: RemoteStore | None) -> tuple[dict | None, dict | None, str | None]:
-    """``({image field: image_census}, {chunked field: array census}, None)`` from the store index
-    file (``index.fdi``: no shard is opened), or ``(None, None, why)`` when the store has none (made
-    by an older fastdata) or it is unreadable. A store made before dtypes were recorded counts its
+def _raw_split(indexes: list, storage: dict) -> dict | None:
+    """For a store of mode ``'raw-native'`` or ``'mixed'``: ``{"raw": {"count", "bytes"}, "encoded": {...}}``,
+    the records held as PPM pixels and as encoded images, with their stored bytes (the disk each
+    costs); None for the other modes."""
+    if storage.get("mode") not in RAW_NATIVE_MODES:
+        return None
+    spec = StorageSpec.from_json(storage)
+    out = {"raw": {"count": 0, "bytes": 0}, "encoded": {"count": 0, "bytes": 0}}
+    for index in indexes:
+        if not isinstance(index, ShardIndex) or not len(index):
+            continue
+        # by the storage rule, not the format: a mixed store's kept originals may be PPM files too
+        raw = np.fromiter((spec.keeps_raw(index.relpath(i)) for i in range(len(index))), dtype=bool,
+                          count=len(index))
+        for key, chosen in (("raw", raw), ("encoded", ~raw)):
+            out[key]["count"] += int(chosen.sum())
+            out[key]["bytes"] += int(index.nbytes[chosen].sum())
+    return out
+
+
+def _census(where: str, m: dict, remote: RemoteStore | None) \
+        -> tuple[dict | None, dict | None, str | None, dict | None]:
+    """``({image field: image_census}, {chunked field: array census}, None, raw split)`` from the store
+    index file (``index.fdi``: no shard is opened), or ``(None, None, why, None)`` when the store has none
+    (made by an older fastdata) or it is unreadable. A store made before dtypes were recorded counts its
     images as "not recorded". An array census gives the smallest and largest shape and the values'
-    bytes uncompressed (``raw_bytes``)."""
+    bytes uncompressed (``raw_bytes``); the raw split is :func:`_raw_split`'s."""
     from fastdata.writer.census import image_census
 
     if MANIFEST_KEY not in m:
-        return None, None, f"not recorded (no {STORE_INDEX_NAME}: the store was made by an older fastdata)"
+        return None, None, f"not recorded (no {STORE_INDEX_NAME}: the store was made by an older fastdata)", None
     schema = schema_of(m)
     try:
         if remote is not None:
@@ -122,7 +144,7 @@ def _census(where: str, m: dict, remote: RemoteStore | None) -> tuple[dict | Non
             data = read_regular(path, m[MANIFEST_KEY]["bytes"] + 1, "store index")
             indexes = parse_store_index(data, m, None if m["version"] == 1 else schema, path)
     except (FastdataError, OSError) as err:
-        return None, None, f"unreadable ({err})"
+        return None, None, f"unreadable ({err})", None
     arrays = {}
     for name in schema.chunked_fields():
         shapes = [index.arrays[chunk_shape_key(name)] for index in indexes if len(index)]
@@ -131,7 +153,8 @@ def _census(where: str, m: dict, remote: RemoteStore | None) -> tuple[dict | Non
         arrays[name] = {"min_shape": both.min(axis=0).tolist() if len(both) else None,
                         "max_shape": both.max(axis=0).tolist() if len(both) else None,
                         "raw_bytes": values * schema[name].dtype.itemsize}
-    return {name: image_census(indexes, name) for name in schema.image_fields()}, arrays, None
+    return ({name: image_census(indexes, name) for name in schema.image_fields()}, arrays, None,
+            _raw_split(indexes, m["storage"]))
 
 
 #: :attr:`VerifyReport.status` values
@@ -238,6 +261,11 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
             if mismatch:
                 problems.append(f"{name} record {i}: {mismatch}")
                 continue
+            if storage.mode in RAW_NATIVE_MODES and storage.keeps_raw(index.relpath(i)):
+                problem = _ppm_problem(data, int(index.formats[i]), int(index.widths[i]), int(index.heights[i]))
+                if problem:
+                    problems.append(f"{name} record {i}: {problem}")
+                    continue
             if decode:
                 fmt = FORMAT_NAMES[int(index.formats[i])]
                 try:
@@ -256,6 +284,33 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                 if wrong:
                     problems.append(f"{name} record {i}: {wrong}")
     return checked, decoded, problems
+
+
+def _ppm_problem(data, fmt: int, width: int, height: int) -> str | None:
+    """What is wrong with a record that its store's storage mode says is raw-native pixels
+    (:meth:`~fastdata.format.backends.base.StorageSpec.keeps_raw`; None: nothing): it must be a PPM by
+    the index, its header must parse, hold all its pixels and nothing after them, and say the size the
+    index records. A header read, no decode: cheap enough for every verify, and what a reader trusts
+    before viewing the pixels."""
+    from fastdata.common.imageio import ImageDecodeError, ppm_header
+
+    if fmt != FORMAT_CODES["PPM"]:
+        return (f"the storage mode says this record holds raw pixels, but the index says it is a "
+                f"{FORMAT_NAMES.get(fmt, fmt)} image: the record, index or manifest is damaged")
+
+    try:
+        header = ppm_header(data)
+    except ImageDecodeError as err:
+        return f"raw PPM record is damaged: {err}"
+    if header is None:
+        return "a raw record of this store is not a binary 8-bit PPM (P6, maxval 255)"
+    w, h, offset = header
+    if (w, h) != (width, height):
+        return f"raw PPM header says {w}x{h}, the index says {width}x{height}: the record or index is damaged"
+    if len(data) != offset + w * h * 3:
+        return (f"raw PPM record holds {len(data) - offset - w * h * 3} bytes after its {w}x{h} pixels: the record "
+                "is damaged")
+    return None
 
 
 def _check_records_v2(backend: str, path: str, storage_json: dict, expected_count: int, decode: bool,

@@ -65,6 +65,8 @@ def convert(
     codec: str | None = None,
     max_pixels: int | str | None = None,
     image_column: str | Sequence[str] | None = None,
+    storage: str | None = None,
+    raw_fraction: float | None = None,
 ) -> ConvertReport:
     """Convert an ImageFolder tree, a list file, NIfTI volumes, Parquet files or WebDataset shards into a store.
 
@@ -102,6 +104,14 @@ def convert(
             a zstd TIFF of its unchanged pixels, checked bit-exact while converting (a mismatch
             rejects the image with the reason); 16-bit PNGs then decode several times faster.
             Exclusive with ``max_side``/``quality``/``raw``.
+        storage: ``"raw"`` (``--storage raw``, storage mode ``"raw-native"``): every image's decoded
+            RGB pixels at its own size, the longer side capped at ``max_side`` (required, at least 32;
+            :func:`fastdata.writer.ingest.raw_native_rgb`), each record a binary PPM that readers use
+            without decoding; ``"mixed"`` (``--storage mixed``): the share ``raw_fraction`` of the
+            images that :meth:`~fastdata.format.backends.base.StorageSpec.keeps_raw` picks (by a hash
+            of the relative path) stored so, the others kept as their original bytes. Exclusive with
+            ``quality``/``raw``/``lossless``.
+        raw_fraction: with ``storage="mixed"``: 0 to 1.
         image_mode: the default read mode recorded for the store's images (``"RGB"``, ``"L"``,
             ``"RGBA"`` or ``"unchanged"``; a reader's ``image_mode=`` overrides it): the manifest's
             ``image_modes`` for a classification store, ``Image(mode=...)`` with ``dicom_tags``.
@@ -157,7 +167,8 @@ def convert(
     files = parquet_files(src)
     if files is not None:
         given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
-                                          ("--lossless", lossless), ("--image-mode", image_mode),
+                                          ("--lossless", lossless), ("--storage", storage),
+                                          ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
                                           ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks),
                                           ("--codec", codec), ("--max-pixels", max_pixels)) if value is not None]
         if given:
@@ -173,7 +184,8 @@ def convert(
     tars = tar_files(src)
     if tars is not None:
         given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
-                                          ("--lossless", lossless), ("--image-mode", image_mode),
+                                          ("--lossless", lossless), ("--storage", storage),
+                                          ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
                                           ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks),
                                           ("--codec", codec), ("--max-pixels", max_pixels)) if value is not None]
         if given:
@@ -183,7 +195,8 @@ def convert(
     chunked = chunked_input(src, chunks=chunks, codec=codec, max_pixels=max_pixels)
     if chunked is not None:
         given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
-                                          ("--lossless", lossless), ("--image-mode", image_mode),
+                                          ("--lossless", lossless), ("--storage", storage),
+                                          ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
                                           ("--dicom-tags", dicom_tags), ("--schema", schema)) if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} do(es) not apply to chunked arrays (NIfTI volumes, TIFF images "
@@ -193,8 +206,10 @@ def convert(
         raise ValueError(f"{src}: --chunks/--codec/--max-pixels apply to NIfTI volumes (a folder, a list naming "
                          ".nii/.nii.gz files, a dataset.json) and to folders of TIFF images")
     if is_general_list(src, schema):
-        if any(v is not None for v in (max_side, quality, raw, lossless, image_mode, dicom_tags)):
-            raise ValueError(f"{src}: --max-side/--quality/--raw/--lossless/--image-mode/--dicom-tags apply to image "
+        if any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction, image_mode,
+                                       dicom_tags)):
+            raise ValueError(f"{src}: --max-side/--quality/--raw/--lossless/--storage/--raw-fraction/--image-mode/"
+                             "--dicom-tags apply to image "
                              "folders and path,label lists; a list with more fields keeps each image's bytes as they "
                              "are (leave them out; declare Image(mode=...) in --schema for a default read mode)")
         return convert_table(src, dst, schema=schema, format=format, workers=workers, shard_size=shard_size,
@@ -204,13 +219,13 @@ def convert(
     check_local_path(src, "source")
     source: WriteSource
     if dicom_tags is not None:
-        if any(v is not None for v in (max_side, quality, raw, lossless)):
+        if any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction)):
             raise ValueError("--dicom-tags keeps each DICOM file's bytes as they are: leave out "
-                             "--max-side/--quality/--raw/--lossless")
+                             "--max-side/--quality/--raw/--lossless/--storage/--raw-fraction")
         source = DicomFolderInput(src, dicom_tags, image_mode)
     else:
         source = FolderInput(src, max_side=max_side, quality=quality, raw=raw, lossless=lossless,
-                             image_mode=image_mode)
+                             image_mode=image_mode, storage=storage, raw_fraction=raw_fraction)
     try:
         report = WriteSession(source, dst, options).run()
     except RejectedInputError as err:

@@ -24,12 +24,14 @@ from fastdata.common.imageio import (
     ImageDecodeError,
     ImageInfo,
     decode_image,
+    encode_ppm,
     encode_lossless,
     inspect_image,
     open_image,
     stored_format,
 )
-from fastdata.format.backends.base import Sample, StorageSpec
+from fastdata.errors import ImageModeError
+from fastdata.format.backends.base import RAW_NATIVE_MODES, Sample, StorageSpec
 from fastdata.format.record import MAX_RECORD_BYTES, EncodedSample, checksum
 
 DEFAULT_REENCODE_QUALITY = 90
@@ -143,6 +145,8 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
         data = _read_bytes(path)
     if storage.mode == "lossless":
         return lossless_sample(path, relpath, label, data)
+    if storage.mode in RAW_NATIVE_MODES and storage.keeps_raw(relpath):
+        return raw_native_sample(path, relpath, label, data, storage.reencode_max_side())
     if storage.mode not in ("raw", "reencode"):  # stored as given: only checked
         info = inspect(data)
         return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
@@ -165,8 +169,7 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
             rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)
         data, fmt, width, height = rgb.tobytes(), "RAW", w, h
     else:  # reencode, larger than max_side: an RGB JPEG
-        scale = storage.reencode_max_side() / max(width, height)
-        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        size = capped_size(width, height, storage.reencode_max_side())
         rgb = im.convert("RGB").resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
         buf = io.BytesIO()
         rgb.save(buf, format="JPEG", quality=storage.quality or DEFAULT_REENCODE_QUALITY)
@@ -174,6 +177,54 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     # both are 8-bit RGB: raw pixels are HxWx3 uint8, and the JPEG is saved from an RGB image
     return IngestedSample(image=data, label=label, width=width, height=height, fmt=fmt, xxh=checksum(data),
                           relpath=relpath, warning=warning, dtype="uint8", channels=3)
+
+
+def capped_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """``(width, height)`` scaled so that the longer side is ``max_side`` (each side
+    ``max(1, round(side * max_side / longer))``), or unchanged when it is already at most that:
+    the size ``--max-side`` re-encoding and ``--storage raw|mixed`` store an image at."""
+    longer = max(width, height)
+    if longer <= max_side:
+        return width, height
+    scale = max_side / longer
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def raw_native_rgb(rgb: np.ndarray, max_side: int) -> np.ndarray:
+    """The pixels ``--storage raw|mixed`` stores of an image decoded to 8-bit RGB (``rgb``,
+    HxWx3 uint8): as they are when the longer side is at most ``max_side``, else
+    ``Image.fromarray(rgb).resize(capped_size(...), LANCZOS, reducing_gap=3.0)``, the resize of
+    ``--max-side`` re-encoding."""
+    size = capped_size(rgb.shape[1], rgb.shape[0], max_side)
+    if size == (rgb.shape[1], rgb.shape[0]):
+        return rgb
+    return np.asarray(Image.fromarray(rgb).resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0))
+
+
+def raw_native_sample(path: bytes, relpath: bytes, label: int, data: bytes, max_side: int) -> IngestedSample:
+    """One image as ``--storage raw|mixed`` stores its raw share: a binary PPM
+    (:func:`fastdata.common.imageio.encode_ppm`) of its pixels in read mode ``"RGB"``
+    (:func:`fastdata.common.imageio.decode_image`: pixel-identical to ``Image.open(f).convert("RGB")``,
+    what ImageFolder's loader gives: gray, palette, CMYK, 16-bit and alpha images become 8-bit RGB),
+    capped by :func:`raw_native_rgb`. The original format is not kept, so neither is a warning
+    about its file name's extension.
+
+    Raises:
+        Rejected: the input is not a usable image, or has no 8-bit RGB form (a DICOM, a TIFF of
+            more than 4 bands: stored as they are without ``--storage``).
+    """
+    try:
+        rgb = decode_image(data, "RGB")
+    except ImageModeError:
+        raise Rejected("the image has no 8-bit RGB form (a DICOM, or a TIFF of more than 4 bands or of several "
+                       "bands over 8 bits); --storage raw|mixed stores RGB pixels: convert it without --storage "
+                       "to keep it as it is") from None
+    except ImageDecodeError as err:
+        raise Rejected(str(err)) from None
+    pixels = raw_native_rgb(rgb, max_side)
+    ppm = encode_ppm(pixels)
+    return IngestedSample(image=ppm, label=label, width=int(pixels.shape[1]), height=int(pixels.shape[0]),
+                          fmt="PPM", xxh=checksum(ppm), relpath=relpath, dtype="uint8", channels=3)
 
 
 #: formats the lossless storage mode keeps as they are: JPEG and WebP are smaller than any lossless

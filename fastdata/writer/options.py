@@ -16,7 +16,7 @@ import os
 import re
 
 from fastdata.common.units import Size, describe_size, format_size, parse_size, parse_size_spec
-from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.base import MIN_RAW_MAX_SIDE, StorageSpec
 from fastdata.format.backends.registry import backend_for_path, get_backend, suffix_hint
 from fastdata.writer.plan import ShardPlan
 from fastdata.writer.resume import RunOptions
@@ -54,13 +54,69 @@ def parse_raw_shape(value) -> tuple[int, int]:
 LOSSLESS_CODECS = ("tiff",)
 
 
+#: the ``storage=`` choices (``convert --storage``): decoded pixels for all images, or for a share of them
+STORAGE_CHOICES = ("raw", "mixed")
+
+
+def _raw_native_spec(storage: str, max_side, quality, raw, lossless, raw_fraction) -> StorageSpec:
+    """``--storage raw|mixed`` (modes ``'raw-native'``/``'mixed'`` of :class:`StorageSpec`), checked."""
+    if storage not in STORAGE_CHOICES:
+        raise ValueError(f"--storage must be one of {', '.join(STORAGE_CHOICES)}, got {storage!r}")
+    others = [flag for flag, v in (("--raw", raw), ("--lossless", lossless), ("--quality", quality))
+              if v is not None]
+    if others:
+        raise ValueError(f"--storage {storage} and {'/'.join(others)} are exclusive: --storage {storage} keeps decoded "
+                         "pixels at their own size (up to --max-side), --raw resizes every image to one shape, "
+                         "--lossless/--quality re-encode; choose one storage mode")
+    if max_side is None:
+        raise ValueError(f"--storage {storage} needs --max-side N (N >= {MIN_RAW_MAX_SIDE}): the longest side "
+                         "decoded pixels are stored at (e.g. --max-side 512), which bounds the disk they take")
+    if isinstance(max_side, bool) or int(max_side) != max_side or int(max_side) < MIN_RAW_MAX_SIDE:
+        raise ValueError(f"--max-side must be a whole number of at least {MIN_RAW_MAX_SIDE} pixels with --storage "
+                         f"{storage} (a random crop needs pixels to choose from), got {max_side!r}")
+    if storage == "raw":
+        if raw_fraction is not None:
+            raise ValueError("--raw-fraction applies to --storage mixed (--storage raw stores every image as pixels)")
+        return StorageSpec(mode="raw-native", max_side=int(max_side))
+    if raw_fraction is None:
+        raise ValueError("--storage mixed needs --raw-fraction F: the share of images stored as pixels (0 to 1, "
+                         "e.g. 0.5), the rest kept as their original bytes")
+    try:
+        fraction = float(raw_fraction)
+    except (TypeError, ValueError):
+        raise ValueError(f"--raw-fraction must be a number from 0 to 1, got {raw_fraction!r}") from None
+    if not 0.0 <= fraction <= 1.0:  # (NaN fails this too)
+        raise ValueError(f"--raw-fraction must be from 0 to 1 (the share of images stored as pixels), got "
+                         f"{raw_fraction!r}")
+    return StorageSpec(mode="mixed", max_side=int(max_side), raw_fraction=fraction)
+
+
 def storage_spec(max_side: int | None = None, quality: int | None = None, raw=None,
-                 lossless: str | None = None) -> StorageSpec:
+                 lossless: str | None = None, storage: str | None = None,
+                 raw_fraction: float | None = None) -> StorageSpec:
     """Build the :class:`StorageSpec` for the chosen storage mode.
+
+    Args:
+        max_side (int | None): ``--max-side``: the longest side kept (re-encoding, or raw pixels
+            with ``storage``).
+        quality (int | None): ``--quality``: JPEG quality of re-encoding.
+        raw: ``--raw HxW``: fixed-size pixels.
+        lossless (str | None): ``--lossless tiff``.
+        storage (str | None): ``--storage raw`` (every image's decoded pixels, at its own size capped
+            at ``max_side``: mode ``'raw-native'``) or ``--storage mixed`` (a share ``raw_fraction`` of
+            them, the rest kept as they are: mode ``'mixed'``).
+        raw_fraction (float | None): ``--raw-fraction``, 0 to 1, with ``storage="mixed"``.
+
+    Returns:
+        StorageSpec: the mode and its parameters, as the manifest records them.
 
     Raises:
         ValueError: options of two storage modes, or an invalid value (the message says which).
     """
+    if storage is not None:
+        return _raw_native_spec(storage, max_side, quality, raw, lossless, raw_fraction)
+    if raw_fraction is not None:
+        raise ValueError("--raw-fraction applies to --storage mixed only")
     if lossless is not None:
         if lossless not in LOSSLESS_CODECS:
             raise ValueError(f"--lossless must be one of {', '.join(LOSSLESS_CODECS)}, got {lossless!r}")
@@ -145,23 +201,25 @@ def resolve_workers(workers: int | None) -> tuple[int, str | None]:
 
 def resolve_options(dst: str, recorded: RunOptions | None, *, format: str | None, shard_size,
                     max_side: int | None = None, quality: int | None = None, raw=None,
-                    lossless: str | None = None, strict: bool | None) -> RunOptions:
+                    lossless: str | None = None, storage: str | None = None, raw_fraction: float | None = None,
+                    strict: bool | None) -> RunOptions:
     """The content options of this run.
 
     Each option given (not None) is used as given; each one not given takes the
     value recorded by the run being resumed (``recorded``), else its default.
-    The storage options (``max_side``, ``quality``, ``raw``, ``lossless``) count as one: giving
-    any of them replaces the recorded storage mode.
+    The storage options (``max_side``, ``quality``, ``raw``, ``lossless``, ``storage``,
+    ``raw_fraction``) count as one: giving any of them replaces the recorded storage mode.
 
     Raises:
         ValueError: an option is invalid (the message says what to give instead).
     """
     backend = choose_backend(dst, format) if format is not None or recorded is None else recorded.backend
-    storage_given = any(v is not None for v in (max_side, quality, raw, lossless))
-    storage = storage_spec(max_side, quality, raw, lossless) if storage_given or recorded is None else recorded.storage
+    storage_given = any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction))
+    spec = (storage_spec(max_side, quality, raw, lossless, storage, raw_fraction) if storage_given or recorded is None
+            else recorded.storage)
     if shard_size is not None:
         size = check_shard_size(parse_size_spec(shard_size))
     else:
         size = recorded.shard_size if recorded is not None else parse_size_spec(DEFAULT_SHARD_SIZE)
     strict = bool(strict) if strict is not None else (recorded.strict if recorded is not None else False)
-    return RunOptions(backend=backend, storage=storage, shard_size=size, strict=strict)
+    return RunOptions(backend=backend, storage=spec, shard_size=size, strict=strict)

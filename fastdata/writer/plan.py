@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from fastdata.format.backends.base import StorageSpec
+from fastdata.format.backends.base import RAW_NATIVE_MODES, StorageSpec
 
 
 class Listing(Protocol):
@@ -43,7 +43,15 @@ def estimated_sizes(scan: Listing, storage: StorageSpec) -> np.ndarray:
     if storage.mode == "raw":
         h, w = storage.raw_hw()
         return np.full(len(scan), h * w * 3, dtype=np.int64)
-    return np.maximum(scan.sizes, 0)
+    sizes = np.maximum(scan.sizes, 0)
+    if storage.mode in RAW_NATIVE_MODES:
+        # A raw image's size is not known before decoding: its upper bound, a square at the
+        # longest side allowed (plus the PPM header), so that shards end up at most the target
+        side = storage.reencode_max_side()
+        pixels = np.int64(3 * side * side + 32)
+        raw = np.fromiter((storage.keeps_raw(rel) for rel in scan.relpaths), dtype=bool, count=len(scan))
+        sizes = np.where(raw, pixels, sizes)
+    return sizes
 
 
 def plan_shards(sizes: np.ndarray, shard_size: int) -> list[ShardPlan]:

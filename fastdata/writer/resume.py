@@ -82,6 +82,10 @@ def describe_storage(storage: StorageSpec) -> str:
         return f"raw {storage.raw_shape[0]}x{storage.raw_shape[1]}"
     if storage.mode == "reencode":
         return f"re-encode above {storage.max_side} px at quality {storage.quality}"
+    if storage.mode == "raw-native":
+        return f"raw pixels up to {storage.max_side} px"
+    if storage.mode == "mixed":
+        return f"mixed: raw fraction {storage.raw_fraction:g}, pixels up to {storage.max_side} px"
     if storage.mode == "lossless":
         return "lossless (zstd TIFF)"
     return storage.mode

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import xxhash
 
 from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.chunks import ChunkTable, PendingChunks
@@ -136,13 +137,36 @@ class StorageSpec:
     * ``'raw'``: decoded RGB pixels resized to ``raw_shape``;
     * ``'lossless'`` (``convert --lossless tiff``): every image but JPEG, WebP and DICOM files
       re-encoded as a zstd TIFF of its unchanged pixels, checked bit-exact (see
-      :func:`fastdata.writer.ingest.lossless_sample`); read like ``'original'``.
+      :func:`fastdata.writer.ingest.lossless_sample`); read like ``'original'``;
+    * ``'raw-native'`` (``convert --storage raw --max-side N``): every image's decoded RGB pixels at
+      its own size, scaled down so that the longer side is at most ``max_side``, each record a binary
+      PPM (``P6``, maxval 255: :func:`fastdata.common.imageio.encode_ppm`). ``'raw'`` is the older
+      fixed-size mode above, hence the other name;
+    * ``'mixed'`` (``convert --storage mixed --raw-fraction F --max-side N``): the images that
+      :meth:`keeps_raw` picks (a fraction ``raw_fraction`` of them) as in ``'raw-native'``, the
+      others as in ``'original'``.
+
+    Both raw-native modes are read like ``'original'``: a PPM record is an image like any other,
+    whose decode is a header parse and a view of its pixels.
     """
 
     mode: str = "original"
     max_side: int | None = None
     quality: int | None = None
     raw_shape: tuple[int, int] | None = None  # (H, W) for mode 'raw'
+    raw_fraction: float | None = None  # for mode 'mixed': the share of images stored as pixels
+
+    def keeps_raw(self, relpath: bytes) -> bool:
+        """Whether the image at ``relpath`` (its path relative to the source root, as recorded) is
+        stored as pixels: always in mode ``'raw-native'``; in mode ``'mixed'`` when
+        ``xxh3_64(relpath) / 2**64 < raw_fraction``. A function of the path alone, so a
+        ``--resume``, a rerun or another machine picks the same images, and a fraction F picks
+        about F of them (exactly those the rule says); never in the other modes."""
+        if self.mode == "raw-native":
+            return True
+        if self.mode != "mixed" or not self.raw_fraction:
+            return False
+        return xxhash.xxh3_64_intdigest(relpath) / 2.0**64 < self.raw_fraction
 
     def raw_hw(self) -> tuple[int, int]:
         """``(H, W)`` of every image of a raw-mode store.
@@ -165,14 +189,23 @@ class StorageSpec:
         return self.max_side
 
     def to_json(self) -> dict:
-        return {"mode": self.mode, "max_side": self.max_side, "quality": self.quality,
-                "raw_shape": list(self.raw_shape) if self.raw_shape else None}
+        out: dict = {"mode": self.mode, "max_side": self.max_side, "quality": self.quality,
+                     "raw_shape": list(self.raw_shape) if self.raw_shape else None}
+        if self.mode == "mixed":  # only there: the manifests of the other modes keep their keys
+            out["raw_fraction"] = self.raw_fraction
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> StorageSpec:
         shape = obj.get("raw_shape")
         return cls(obj.get("mode", "original"), obj.get("max_side"), obj.get("quality"),
-                   tuple(shape) if shape else None)
+                   tuple(shape) if shape else None, obj.get("raw_fraction"))
+
+
+#: the storage modes whose records may be raw-native PPMs (``convert --storage raw|mixed``)
+RAW_NATIVE_MODES = ("raw-native", "mixed")
+#: smallest ``--max-side`` of those modes: a crop of a smaller image has too few pixels to train on
+MIN_RAW_MAX_SIDE = 32
 
 
 class ShardWriter(abc.ABC):

@@ -400,16 +400,18 @@ def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptio
 
 class FolderInput(WriteSource):
     """An ImageFolder tree or a ``path,label`` list (``src``) as a classification store (layout
-    version 1); ``max_side``/``quality``/``raw``/``lossless`` pick the storage mode and
+    version 1); ``max_side``/``quality``/``raw``/``lossless``/``storage``/``raw_fraction`` pick the storage mode and
     ``image_mode`` the default read mode recorded in the manifest (see :func:`fastdata.convert`)."""
 
     splits_across_ranks = True
 
     def __init__(self, src: str, *, max_side: int | None = None, quality: int | None = None, raw=None,
-                 lossless: str | None = None, image_mode: str | None = None):
+                 lossless: str | None = None, image_mode: str | None = None, storage: str | None = None,
+                 raw_fraction: float | None = None):
         super().__init__(os.path.abspath(src))
         self.src = src
-        self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless}
+        self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless,
+                                "storage": storage, "raw_fraction": raw_fraction}
         self.image_mode = None if image_mode is None else check_mode(image_mode, "image_mode (--image-mode)")
         self.scan: SourceScan | None = None
         self.storage = StorageSpec()

@@ -1,0 +1,357 @@
+"""convert --storage raw|mixed: decoded RGB pixels at their own size (the longer side capped at
+--max-side, Pillow LANCZOS with reducing_gap=3.0) stored as binary PPM records, for all images or
+for the share that xxh3(relpath) picks; read without decoding by every read path, with the same
+crop box and resize kernel as an encoded record of the same pixels; info's raw/encoded split;
+verify's PPM header checks on hostile records; the option errors."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from helpers import hostile as H
+from helpers.images import make_jpeg, make_tree, photo_array
+from helpers.native import v1_records
+from PIL import Image
+
+import fastdata
+from fastdata.cli.main import main
+from fastdata.common.imageio import ImageDecodeError, encode_ppm, ppm_pixels
+from fastdata.errors import CorruptRecordError
+from fastdata.format.manifest import read_manifest
+from fastdata.tools.verify import info, verify
+from fastdata.transforms import CenterCrop, RandomResizedCrop, Resize, full_decode
+
+MAX_SIDE = 64
+#: mean absolute difference (levels of 255) between a JPEG decoded at a DCT scale and a full decode, for
+#: helpers.images.photo_array's per-pixel grain: the "strong noise at a few pixels" case of
+#: fastdata.reader.transforms' docstring (1-3 levels); a full decode of the same pixels is exact
+JPEG_DCT_TOLERANCE = 3.0
+
+
+def expected_pixels(data: bytes, max_side: int) -> np.ndarray:
+    """The documented rule, spelled out here: convert("RGB"), then, when the longer side exceeds
+    max_side, resize to max(1, round(side * scale)) with LANCZOS, reducing_gap=3.0."""
+    im = Image.open(io.BytesIO(data)).convert("RGB")
+    longer = max(im.size)
+    if longer > max_side:
+        scale = max_side / longer
+        size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
+        im = im.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    return np.asarray(im)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """Images larger and smaller than MAX_SIDE, gray, RGBA and odd aspect ratios."""
+    root = tmp_path / "src"
+    make_jpeg(root / "a/big.jpg", size=(150, 100), seed=1)
+    make_jpeg(root / "a/tall.jpg", size=(37, 129), seed=2)
+    make_jpeg(root / "a/small.jpg", size=(40, 30), seed=3)
+    make_jpeg(root / "b/gray.jpg", size=(90, 70), seed=4, mode="L")
+    (root / "b").mkdir(parents=True, exist_ok=True)
+    rgba = np.dstack([photo_array((30, 70), 5), np.full((70, 30), 128, np.uint8)])
+    Image.fromarray(rgba).save(root / "b/alpha.png")
+    Image.fromarray(photo_array((64, 20), 6)[:, :, 0]).save(root / "b/exact.png")  # longer side == MAX_SIDE
+    return root
+
+
+def test_raw_records_are_the_decoded_pixels_capped_as_documented(tmp_path, tree):
+    dst = tmp_path / "raw.lmdb"
+    report = fastdata.convert(tree, dst, storage="raw", max_side=MAX_SIDE, workers=0, progress=False)
+    assert report.rejected == 0 and report.images == 6
+    storage = read_manifest(str(dst))["storage"]
+    assert storage == {"mode": "raw-native", "max_side": MAX_SIDE, "quality": None, "raw_shape": None}
+    records = v1_records(dst)
+    for rec in records:
+        src = (tree / rec["relpath"]).read_bytes()
+        want = expected_pixels(src, MAX_SIDE)
+        assert rec["fmt"] == "PPM" and rec["image"][:2] == b"P6", rec["relpath"]
+        got = np.asarray(Image.open(io.BytesIO(rec["image"])))  # Pillow reads the record as the PPM it is
+        assert got.shape == want.shape and np.array_equal(got, want), rec["relpath"]
+        assert (rec["width"], rec["height"]) == (want.shape[1], want.shape[0])
+        assert max(want.shape[:2]) <= MAX_SIDE
+    shapes = {rec["relpath"]: np.asarray(Image.open(io.BytesIO(rec["image"]))).shape for rec in records}
+    assert shapes["a/big.jpg"] == (43, 64, 3) and shapes["a/tall.jpg"] == (64, 18, 3)
+    # small enough: stored unresized, the exact decoded pixels
+    small = np.asarray(Image.open(tree / "a/small.jpg").convert("RGB"))
+    assert np.array_equal(ppm_pixels(next(r["image"] for r in records if r["relpath"] == "a/small.jpg")), small)
+    assert verify(str(dst), decode=True).ok
+    split = info(str(dst))["raw_split"]
+    assert split["raw"]["count"] == 6 and split["encoded"] == {"count": 0, "bytes": 0}
+    assert split["raw"]["bytes"] == sum(len(r["image"]) for r in records)
+
+
+def test_an_image_without_an_rgb_form_is_rejected_with_the_reason(tmp_path):
+    import tifffile
+
+    root = make_tree(tmp_path / "src", classes={"cat": 2}, size=(40, 30))
+    tifffile.imwrite(root + "/cat/bands.tif", np.zeros((20, 20, 5), np.uint8), planarconfig="contig")
+    report = fastdata.convert(root, tmp_path / "r.lmdb", storage="raw", max_side=MAX_SIDE, workers=0, progress=False)
+    assert report.images == 2 and report.rejected == 1
+    reason = read_manifest(str(tmp_path / "r.lmdb"))["rejected"][0]
+    assert "no 8-bit RGB form" in str(reason), reason
+
+
+def test_mixed_store_follows_the_hash_rule_and_keeps_the_rest_bit_exact(tmp_path):
+    root = make_tree(tmp_path / "src", classes={"cat": 20, "dog": 20}, size=(80, 60))
+    dst = tmp_path / "mixed.h5"
+    fastdata.convert(root, dst, storage="mixed", raw_fraction=0.5, max_side=MAX_SIDE, workers=0, progress=False)
+    assert read_manifest(str(dst))["storage"]["raw_fraction"] == 0.5
+    records = v1_records(dst)
+    raw = encoded = 0
+    for rec in records:
+        rel = rec["relpath"]
+        src = (tmp_path / "src" / rel).read_bytes()
+        if xxhash.xxh3_64_intdigest(rel.encode()) / 2.0**64 < 0.5:
+            raw += 1
+            assert rec["fmt"] == "PPM" and np.array_equal(ppm_pixels(rec["image"]), expected_pixels(src, MAX_SIDE))
+        else:
+            encoded += 1
+            assert rec["fmt"] == "JPEG" and rec["image"] == src, rel
+    assert raw and encoded  # both kinds, exactly as the rule says (about half: 40 images)
+    split = info(str(dst))["raw_split"]
+    assert (split["raw"]["count"], split["encoded"]["count"]) == (raw, encoded)
+    assert verify(str(dst), decode=True).ok
+    # fraction 0 and 1 are the two ends of the rule
+    for fraction, fmts in ((0.0, {"JPEG"}), (1.0, {"PPM"})):
+        out = tmp_path / f"f{fraction}.lmdb"
+        fastdata.convert(root, out, storage="mixed", raw_fraction=fraction, max_side=MAX_SIDE, workers=0,
+                         progress=False)
+        assert {r["fmt"] for r in v1_records(out)} == fmts
+
+
+def test_mixed_resume_checks_the_fraction(tmp_path):
+    root = make_tree(tmp_path / "src", classes={"cat": 3}, size=(40, 30))
+    dst = tmp_path / "m.lmdb"
+    fastdata.convert(root, dst, storage="mixed", raw_fraction=0.5, max_side=MAX_SIDE, workers=0, progress=False)
+    assert fastdata.convert(root, dst, resume=True, workers=0, progress=False).already_complete
+    with pytest.raises(fastdata.errors.ResumeMismatchError, match="raw fraction 0.5"):
+        fastdata.convert(root, dst, resume=True, storage="mixed", raw_fraction=0.25, max_side=MAX_SIDE, workers=0,
+                         progress=False)
+
+
+# -- reading PPM records: the same crop box and kernel as an encoded record of the same pixels ----------------
+
+def _png(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _jpeg(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("size", [(300, 200), (97, 233)])
+def test_transforms_on_a_ppm_equal_those_on_a_png_and_jpeg_of_the_same_pixels(size):
+    pixels = photo_array(size, 7)
+    jpeg = _jpeg(pixels)
+    decoded = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+    # a PNG is decoded whole, as a PPM's view is: the same output exactly; a JPEG may be decoded at a DCT
+    # scale (Resize, CenterCrop, large RRC crops), documented within a mean 1 level of a full decode
+    cases = [(encode_ppm(pixels), _png(pixels), 0.0), (encode_ppm(decoded), jpeg, JPEG_DCT_TOLERANCE)]
+    transforms = [RandomResizedCrop(224), RandomResizedCrop(64), Resize(50), Resize((31, 40)), CenterCrop(48, 60),
+                  CenterCrop(250)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch.from_numpy of the read-only view of the record
+        for ppm, other, tolerance in cases:
+            assert np.array_equal(full_decode(ppm), full_decode(other))
+            assert full_decode(ppm).flags.writeable
+            for t in transforms:
+                for seed in range(4):
+                    a = t(ppm, np.random.default_rng(seed))
+                    b = t(other, np.random.default_rng(seed))
+                    assert a.shape == b.shape, (t, seed)
+                    assert np.abs(a.astype(np.int16) - b).mean() <= tolerance, (t, seed)
+                    assert a.flags.writeable and a.flags.c_contiguous
+                    out = np.empty_like(a) if t.output_size else None
+                    if out is not None:
+                        t.decode_into(ppm, out, np.random.default_rng(seed))
+                        assert np.array_equal(out, a)
+                # other read modes: the pixels as stored are the RGB pixels
+                unchanged = t(ppm, np.random.default_rng(0), mode="unchanged")
+                assert np.array_equal(unchanged, t(ppm, np.random.default_rng(0)))
+
+
+def test_rrc_box_on_a_ppm_is_the_jpeg_box_and_the_crop_within_tolerance_with_dct_scaling():
+    """A large JPEG's RandomResizedCrop may decode at a DCT scale; a PPM of its decoded pixels then
+    gives the same box (drawn from the same size) and a crop within the documented tolerance."""
+    jpeg = _jpeg(photo_array((1024, 768), 8))
+    ppm = encode_ppm(np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB")))
+    t = RandomResizedCrop(64)
+    for seed in range(6):
+        assert t.get_params(768, 1024, np.random.default_rng(seed)) == t.get_params(
+            *ppm_pixels(ppm).shape[:2], np.random.default_rng(seed))
+        a = t(ppm, np.random.default_rng(seed)).astype(np.int16)
+        b = t(jpeg, np.random.default_rng(seed)).astype(np.int16)
+        assert np.abs(a - b).mean() <= JPEG_DCT_TOLERANCE, seed
+
+
+@pytest.mark.parametrize("kind", ["raw", "mixed", "jpeg"])
+def test_open_dataset_rrc_with_two_workers(tmp_path, kind):
+    root = make_tree(tmp_path / "src", classes={"cat": 6, "dog": 6}, size=(120, 90))
+    dst = tmp_path / ("s.h5" if kind == "raw" else "s.lmdb")  # both backends' record reads
+    options = {"raw": {"storage": "raw", "max_side": 100},
+               "mixed": {"storage": "mixed", "raw_fraction": 0.5, "max_side": 100}, "jpeg": {}}[kind]
+    fastdata.convert(root, dst, workers=0, progress=False, **options)
+    ds = fastdata.open_dataset(str(dst), decode=RandomResizedCrop(224), output="tensor")
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2)
+    batches = list(loader)
+    assert sum(len(b[1]) for b in batches) == 12
+    assert all(tuple(b[0].shape[1:]) == (3, 224, 224) and b[0].dtype == torch.uint8 for b in batches)
+    # full decode, PIL output: the stored pixels
+    plain = fastdata.open_dataset(str(dst), output="pil")
+    for i in range(len(plain)):
+        image, _ = plain[i]
+        rel = plain.relpath(i)
+        src = (tmp_path / "src" / rel).read_bytes()
+        raw = kind == "raw" or (kind == "mixed" and xxhash.xxh3_64_intdigest(rel.encode()) / 2.0**64 < 0.5)
+        want = expected_pixels(src, 100) if raw else np.asarray(Image.open(io.BytesIO(src)).convert("RGB"))
+        assert isinstance(image, Image.Image) and np.array_equal(np.asarray(image), want), rel
+    assert verify(str(dst)).ok
+
+
+# -- hostile PPM records --------------------------------------------------------------------------------------
+
+HOSTILE = {
+    "truncated": lambda good: good[:-7],
+    "bomb": lambda good: b"P6\n60000 60000\n255\n" + good[good.index(b"255\n") + 4:],
+    "garbage": lambda good: b"P6\nxx yy\n255\n" + good[good.index(b"255\n") + 4:],
+    "zero": lambda good: b"P6\n0 10\n255\n" + good[good.index(b"255\n") + 4:],
+}
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE))
+def test_hostile_ppm_record_is_a_corrupt_record_error_naming_it(tmp_path, attack):
+    from fastdata.format.record import decode_record, encode_record
+
+    root = make_tree(tmp_path / "src", classes={"cat": 3}, size=(40, 30))
+    store = str(tmp_path / "h.lmdb")
+    fastdata.convert(root, store, storage="raw", max_side=MAX_SIDE, workers=0, progress=False)
+    shard = f"{store}/{read_manifest(store)['shards'][0]['name']}"
+    rec = decode_record(H.stored_item("lmdb", shard, 0))
+    img = HOSTILE[attack](rec.image)
+    with pytest.raises(ImageDecodeError):
+        ppm_pixels(img)
+    data = encode_record(img, label=rec.label, width=rec.width, height=rec.height, fmt="PPM", relpath=rec.relpath)
+    H.replace_item(store, "lmdb", shard, 0, data, checksummed=img)
+    H.resign(store)
+    for decode in (None, RandomResizedCrop(224), CenterCrop(32, 40)):
+        ds = fastdata.open_dataset(store, decode=decode)
+        with pytest.raises(CorruptRecordError, match=r"record 0 \(sample 0\).*PPM"):
+            ds[0]
+        ds[1]  # the others read
+    report = verify(store)  # the header check needs no --decode
+    assert not report.ok and len(report.problems) == 1 and "record 0" in report.problems[0], report.problems
+
+
+def test_verify_finds_a_ppm_header_that_disagrees_with_the_index(tmp_path):
+    from fastdata.format.record import decode_record, encode_record
+
+    root = make_tree(tmp_path / "src", classes={"cat": 2}, size=(40, 30))
+    store = str(tmp_path / "h.lmdb")
+    fastdata.convert(root, store, storage="raw", max_side=MAX_SIDE, workers=0, progress=False)
+    shard = f"{store}/{read_manifest(store)['shards'][0]['name']}"
+    rec = decode_record(H.stored_item("lmdb", shard, 0))
+    img = rec.image.replace(b"P6\n40 30\n", b"P6\n30 40\n", 1)  # same bytes, sides swapped
+    H.replace_item(store, "lmdb", shard, 0, encode_record(img, label=rec.label, width=40, height=30, fmt="PPM",
+                                                          relpath=rec.relpath), checksummed=img)
+    H.resign(store)
+    problems = verify(store).problems
+    assert len(problems) == 1 and "record 0" in problems[0] and "30x40" in problems[0], problems
+    # bytes after the pixels: readers ignore them (as Pillow does), verify does not
+    rec = decode_record(H.stored_item("lmdb", shard, 1))
+    img = rec.image + b"\0" * 5
+    H.replace_item(store, "lmdb", shard, 1, encode_record(img, label=rec.label, width=40, height=30, fmt="PPM",
+                                                          relpath=rec.relpath), checksummed=img)
+    H.resign(store)
+    problems = verify(store).problems
+    assert len(problems) == 2 and "record 1" in problems[1] and "5 bytes after" in problems[1], problems
+    assert fastdata.open_dataset(store, decode=RandomResizedCrop(16), output="numpy")[1][0].shape == (16, 16, 3)
+
+
+def test_raw_shards_are_planned_from_the_pixels_they_will_hold(tmp_path):
+    """The planner cannot know decoded sizes: each raw image counts as a max-side square (its upper
+    bound), so shards of raw images stay near the target instead of holding the files' few KB each."""
+    root = make_tree(tmp_path / "src", classes={"cat": 6}, size=(80, 60))
+    dst = tmp_path / "p.lmdb"
+    fastdata.convert(root, dst, storage="raw", max_side=MAX_SIDE, shard_size=3 * (3 * MAX_SIDE**2 + 32), workers=0,
+                     progress=False)
+    assert [s["count"] for s in read_manifest(str(dst))["shards"]] == [3, 3]
+
+
+# -- option errors, before anything is written ----------------------------------------------------------------
+
+@pytest.mark.parametrize("options, message", [
+    ({"storage": "raw"}, "--storage raw needs --max-side"),
+    ({"storage": "raw", "max_side": 31}, "at least 32"),
+    ({"storage": "mixed", "max_side": 64}, "needs --raw-fraction"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": 1.5}, "--raw-fraction must be from 0 to 1"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": -0.1}, "--raw-fraction must be from 0 to 1"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": float("nan")}, "--raw-fraction must be from 0 to 1"),
+    ({"storage": "raw", "max_side": 64, "raw_fraction": 0.5}, "applies to --storage mixed"),
+    ({"storage": "raw", "max_side": 64, "raw": "32x32"}, "are exclusive"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": 0.5, "lossless": "tiff"}, "are exclusive"),
+    ({"storage": "raw", "max_side": 64, "quality": 80}, "are exclusive"),
+    ({"raw_fraction": 0.5}, "applies to --storage mixed only"),
+    ({"storage": "ppm", "max_side": 64}, "--storage must be one of raw, mixed"),
+])
+def test_bad_storage_options_are_refused_before_writing(tmp_path, options, message):
+    root = make_tree(tmp_path / "src", classes={"cat": 1}, size=(40, 30))
+    with pytest.raises(ValueError, match=message):
+        fastdata.convert(root, tmp_path / "x.lmdb", workers=0, progress=False, **options)
+    assert not (tmp_path / "x.lmdb").exists()
+
+
+def test_cli_storage_raw_and_its_errors(tmp_path, capsys):
+    root = make_tree(tmp_path / "src", classes={"cat": 2}, size=(40, 30))
+    dst = str(tmp_path / "c.lmdb")
+    assert main(["convert", str(root), dst, "--storage", "mixed", "--raw-fraction", "1", "--max-side", "32",
+                 "--workers", "0"]) == 0
+    capsys.readouterr()
+    assert main(["info", dst]) == 0
+    out = capsys.readouterr().out
+    assert "mixed (pixels up to 32 px, raw fraction 1)" in out and "records:  2 raw (PPM pixels" in out
+    code = main(["convert", str(root), str(tmp_path / "d.lmdb"), "--storage", "mixed", "--raw-fraction", "2",
+                 "--max-side", "32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--raw-fraction must be from 0 to 1" in err[0]
+    assert not (tmp_path / "d.lmdb").exists()
+
+
+def test_ppm_records_are_not_decoded_but_viewed(monkeypatch):
+    """The fused transforms take a PPM record's pixels as a view of its bytes: no decoder runs."""
+    import fastdata.common.imageio as imageio
+    import fastdata.reader.transforms as transforms
+
+    pixels = photo_array((120, 90), 9)
+    ppm = encode_ppm(pixels)
+    view = ppm_pixels(ppm)
+    assert np.shares_memory(view, np.frombuffer(ppm, np.uint8)) and not view.flags.writeable
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a PPM record went through a decoder")
+
+    monkeypatch.setattr(transforms, "decode_rgb_array", refuse)
+    monkeypatch.setattr(imageio, "open_image", refuse)
+    assert np.array_equal(full_decode(ppm), pixels)
+    assert RandomResizedCrop(64)(ppm, np.random.default_rng(0)).shape == (64, 64, 3)
+    assert Resize(90)(ppm).shape == (90, 120, 3) and CenterCrop(32)(ppm).shape == (32, 32, 3)
+
+
+def test_a_manifest_with_an_invalid_raw_fraction_is_refused(tmp_path):
+    root = make_tree(tmp_path / "src", classes={"cat": 2}, size=(40, 30))
+    store = str(tmp_path / "m.lmdb")
+    fastdata.convert(root, store, storage="mixed", raw_fraction=0.5, max_side=MAX_SIDE, workers=0, progress=False)
+    body = H.load_manifest(store)
+    body["storage"]["raw_fraction"] = 1.5
+    H.resign(store, body)
+    with pytest.raises(fastdata.errors.FormatError, match="not a valid storage mode"):
+        fastdata.open_dataset(store)
