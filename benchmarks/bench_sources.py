@@ -14,12 +14,15 @@ the same bytes written as
 * the ``datasets.Dataset`` itself, for ``fastdata.write(ds)`` and ``litdata.optimize``.
 
 Rows (each conversion in a fresh child process, 2 workers, the page cache warm, ``--rounds``
-interleaved rounds, medians; ratios are medians of the rounds' own ratios):
+interleaved rounds, medians; ratios are medians of the rounds' own ratios; a fastdata conversion's
+time is its own elapsed time, as ``bench_convert.py`` reports it: scan or plan, pool start, read,
+validate, write, fsync, publish; ``litdata.optimize``'s is the call's wall time):
 
 * ``ceiling``: read every JPEG and fully decode it with Pillow over 2 processes (the work the
   converter's validation does anyway; ``benchmarks/bench_convert.py``'s ceiling);
-* ``folder`` / ``parquet`` / ``webdataset``: ``fastdata.convert`` of each form, images/s and the
-  ratio to the ceiling; the store's size against the source's image bytes;
+* ``folder`` / ``parquet`` / ``webdataset``: ``fastdata.convert`` of each form into LMDB (and the
+  Parquet file into HDF5), images/s and the ratio to the ceiling; the store's size against the
+  source's image bytes (LMDB rounds each large value up to whole 4 KiB pages: ~2 KB a record);
 * ``fastdata.write(ds)`` / ``litdata.optimize``: wall time and size on disk of each, as ratios
   (litdata only where it is installed: the bench venv);
 * peak RSS of the Parquet conversion's process tree, for the ``--n`` file and a file
@@ -66,18 +69,36 @@ if __name__ == "__main__":
         report = fastdata.write(ds, dst, workers=2, progress=False)
     elif kind == "litdata":
         import datasets, litdata
-        ds = datasets.load_from_disk(src).cast_column("image", datasets.Image(decode=False))
+        from bench_sources import litdata_item  # importable: LitData's workers are spawned
+        n = len(datasets.load_from_disk(src))
         t0 = time.perf_counter()
-        def item(i, ds=ds):
-            row = ds[i]
-            return {"image": row["image"]["bytes"], "label": row["label"]}
-        litdata.optimize(fn=item, inputs=list(range(len(ds))), output_dir=dst, chunk_bytes="64MB", num_workers=2)
+        litdata.optimize(fn=litdata_item, inputs=[(src, i) for i in range(n)], output_dir=dst, chunk_bytes="64MB",
+                         num_workers=2)
         report = None
     else:
         report = fastdata.convert(src, dst, workers=2, progress=False)
-    elapsed = time.perf_counter() - t0
-    print(json.dumps({"elapsed": elapsed, "images": report.images if report is not None else None}))
+    # fastdata: the converter's own elapsed time (scan or plan, pool start, read, validate, write,
+    # fsync, publish), as benchmarks/bench_convert.py reports it; litdata: optimize's wall time
+    wall = time.perf_counter() - t0
+    elapsed = report.elapsed if report is not None else wall
+    print(json.dumps({"elapsed": elapsed, "wall": wall, "images": report.images if report is not None else None}))
 """
+
+
+_DATASETS: dict = {}
+
+
+def litdata_item(item: tuple[str, int]) -> dict:
+    """Row ``i`` of the saved dataset as LitData stores it: the image's encoded bytes and the label
+    (the dataset opened once per LitData worker, its images not decoded)."""
+    import datasets
+
+    path, i = item
+    ds = _DATASETS.get(path)
+    if ds is None:
+        ds = _DATASETS[path] = datasets.load_from_disk(path).cast_column("image", datasets.Image(decode=False))
+    row = ds[i]
+    return {"image": row["image"]["bytes"], "label": row["label"]}
 
 
 def dir_bytes(path: str) -> int:
@@ -136,7 +157,7 @@ def prepare(work: str, n: int, row_group: int, scale: int) -> dict:
 def convert_child(src: str, dst: str, kind: str, sample: bool = False) -> dict:
     """One conversion in a fresh Python; its elapsed time (and the tree's peak RSS when ``sample``)."""
     shutil.rmtree(dst, ignore_errors=True)
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((REPO, os.path.join(REPO, "benchmarks"))))
     proc = subprocess.Popen([sys.executable, "-c", _CONVERT, src, dst, kind], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     sampler = None
@@ -151,13 +172,18 @@ def convert_child(src: str, dst: str, kind: str, sample: bool = False) -> dict:
     res = json.loads(out.strip().splitlines()[-1])
     res["bytes"] = dir_bytes(dst)
     if sampler is not None:
-        res["peak_rss"] = sampler.peak
+        res["peak_rss"], res["peak_anon"] = sampler.peak, sampler.peak_anon
     shutil.rmtree(dst, ignore_errors=True)
     return res
 
 
 class RssSampler(PssSampler):
-    """Peak summed RSS of a process tree (RSS: the figure a user's top shows; PSS would be smaller)."""
+    """Peak summed RSS of a process tree (the figure a user's top shows) and, beside it, its peak
+    anonymous memory (``Anonymous:`` of ``/proc/<pid>/smaps_rollup``): RSS also counts the pages of
+    the shard being written that the LMDB writer maps, which grow with the shard (up to
+    ``--shard-size``), not with the input; anonymous memory is what the processes really hold."""
+
+    peak_anon = 0
 
     def run(self) -> None:
         import psutil
@@ -167,13 +193,16 @@ class RssSampler(PssSampler):
                 procs = [self.root] + self.root.children(recursive=True)
             except psutil.Error:
                 break
-            total = 0
+            rss = anon = 0
             for p in procs:
                 try:
-                    total += p.memory_info().rss
-                except psutil.Error:
+                    rss += p.memory_info().rss
+                    with open(f"/proc/{p.pid}/smaps_rollup") as fh:
+                        anon += next((int(line.split()[1]) << 10 for line in fh if line.startswith("Anonymous:")), 0)
+                except (psutil.Error, OSError):
                     pass
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, rss)
+            self.peak_anon = max(self.peak_anon, anon)
             self._stop_event.wait(self.interval)
 
 
@@ -197,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         have_litdata = False
     out_dir = os.path.join(args.workdir, "out.lmdb")  # litdata's output takes the same name
     kinds = {"folder": (data["folder"], "convert"), "parquet": (data["parquet"], "convert"),
+             "parquet -> hdf5": (data["parquet"], "convert"),
              "webdataset": (data["webdataset"], "convert"), "write(dataset)": (data["dataset"], "write-dataset")}
     if have_litdata:
         kinds["litdata.optimize"] = (data["dataset"], "litdata")
@@ -208,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         c = ceiling(data["files"], 2)
         rounds["ceiling"].append({"elapsed": c["elapsed"], "images": c["images"]})
         for name, (src, kind) in kinds.items():
-            rounds[name].append(convert_child(src, out_dir, kind))
+            rounds[name].append(convert_child(src, out_dir.replace(".lmdb", ".h5") if "hdf5" in name else out_dir,
+                                              kind))
             print(f"round {r}: {name:18s} {rounds[name][-1]['elapsed']:6.2f} s", flush=True)
         print(f"round {r}: {'ceiling':18s} {c['elapsed']:6.2f} s", flush=True)
     n = len(data["files"])
@@ -223,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     memory = {}
     for name in ("parquet", "parquet-big"):
         res = convert_child(data[name], out_dir, "convert", sample=True)
-        memory[name] = {"peak_rss": res["peak_rss"], "file_bytes": os.path.getsize(data[name]),
-                        "elapsed": res["elapsed"]}
+        memory[name] = {"peak_rss": res["peak_rss"], "peak_anon": res["peak_anon"],
+                        "file_bytes": os.path.getsize(data[name]), "elapsed": res["elapsed"]}
     res = {"n": n, "image_bytes": data["image_bytes"], "rows": rows, "memory": memory,
            "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                        "commit": os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()}}
@@ -242,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         w, lit = rows["write(dataset)"], rows["litdata.optimize"]
         lines.append(f"\nfastdata.write(ds) vs litdata.optimize: {lit['median_s'] / w['median_s']:.2f}x faster, "
                      f"size {w['bytes'] / lit['bytes']:.3f}x of litdata's")
-    lines.append("\nPeak RSS of the Parquet conversion's process tree: " + ", ".join(
-        f"{m['file_bytes'] / 1e6:.0f} MB file: {m['peak_rss'] / 1e6:.0f} MB" for m in memory.values()))
+    lines.append("\nPeak memory of the Parquet conversion's process tree (anonymous / RSS, which also counts the "
+                 "mapped pages of the shard being written): " + ", ".join(
+                     f"{m['file_bytes'] / 1e6:.0f} MB file: {m['peak_anon'] / 1e6:.0f} / {m['peak_rss'] / 1e6:.0f} MB"
+                     for m in memory.values()))
     lines.append(f"\nfastdata {res['machine']['commit']}, Python {res['machine']['python']}, "
                  f"{res['machine']['cores']} cores. Command: `python benchmarks/bench_sources.py "
                  + " ".join(argv if argv is not None else sys.argv[1:]) + "`")

@@ -15,6 +15,11 @@ Scenarios (``--scenario``, default all):
 2. ``cifar``      32x32 JPEGs, uint8 tensors, batch 256
 3. ``cifar-cold`` as 2, page cache of every file evicted before each epoch
 4. ``cifar-raw``  a ``--raw 32x32`` store vs the folder
+5. ``imagenet-raw`` ``--storage raw --max-side 512`` stores (LMDB, HDF5) of the ImageNet-like images,
+                  RandomResizedCrop(224) -> uint8, against the raw-pixel ceiling (the same images as
+                  PPM files held in RAM, cropped and resized by the same path), with a ``--storage
+                  mixed --raw-fraction 0.5`` store and the JPEG store beside them (not in the default
+                  ``--scenario`` list: ``--scenario imagenet-raw``)
 
 Median images/s over ``--epochs`` measured epochs after one warm-up epoch, the
 pipelines of a scenario interleaved epoch by epoch (so a slow spell of a shared
@@ -135,6 +140,27 @@ def measure_interleaved(pipelines, *, batch_size, workers, epochs):
     return {name: (statistics.median(r), r) for name, r in rates.items()}
 
 
+def write_ppm_folder(src: str, dst: str, max_side: int) -> None:
+    """The images of ``src`` as binary PPM files under ``dst`` (same class folders), RGB, scaled
+    down as ``--storage raw --max-side`` does: the raw-pixel ceiling's bytes."""
+    from PIL import Image
+
+    from fastdata.writer.sources.folder import scan_folder
+
+    scan = scan_folder(src)
+    for path in scan.paths:
+        path = os.fsdecode(path)
+        out = os.path.join(dst, os.path.relpath(path, src))
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with Image.open(path) as im:
+            rgb = im.convert("RGB")
+        longer = max(rgb.size)
+        if longer > max_side:
+            size = tuple(max(1, round(side * max_side / longer)) for side in rgb.size)
+            rgb = rgb.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+        rgb.save(os.path.splitext(out)[0] + ".ppm", format="PPM")
+
+
 def store_files(path):
     return [os.path.join(path, s["name"]) for s in read_manifest(path)["shards"]]
 
@@ -180,6 +206,34 @@ def run(args):
                 "hdf5": (fastdata.open_dataset(src + ".h5", output="tensor", decode=rrc), collate, None),
             }, 64)
 
+    if "imagenet-raw" in wanted:
+        src = os.path.join(work, "imagenet")
+        if not os.path.isdir(src):
+            make_image_folder(src, num_classes=10, per_class=args.imagenet // 10, size="imagenet", workers=2)
+        for suffix, kw in ((".lmdb", {}), ("-raw.lmdb", {"storage": "raw", "max_side": 512}),
+                           ("-raw.h5", {"storage": "raw", "max_side": 512}),
+                           ("-mixed.lmdb", {"storage": "mixed", "raw_fraction": 0.5, "max_side": 512})):
+            if not os.path.isdir(src + suffix):
+                fastdata.convert(src, src + suffix, progress=False, **kw)
+        ppm = src + "-ppm"
+        if not os.path.isdir(ppm):
+            write_ppm_folder(src, ppm, 512)
+        rrc = transforms.RandomResizedCrop(224)
+        sizes = {k: sum(os.path.getsize(f) for f in store_files(src + k)) / 1e6
+                 for k in (".lmdb", "-raw.lmdb", "-mixed.lmdb")}
+        print(f"imagenet-raw: {args.imagenet} images as --storage raw --max-side 512 stores (and mixed 0.5, and "
+              f"JPEG), RandomResizedCrop(224) -> uint8, batch 64; store MB: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in sizes.items()), flush=True)
+        results.setdefault("imagenet-raw", {})["store_mb"] = sizes
+        scenario_rows("imagenet-raw", {
+            "folder": (FolderDataset(src, "rrc224", "tensor"), folder_collate, None),
+            "ceiling": (RamDataset(ppm, rrc, (224, 224)), collate, None),
+            "lmdb": (fastdata.open_dataset(src + "-raw.lmdb", output="tensor", decode=rrc), collate, None),
+            "hdf5": (fastdata.open_dataset(src + "-raw.h5", output="tensor", decode=rrc), collate, None),
+            "lmdb-mixed": (fastdata.open_dataset(src + "-mixed.lmdb", output="tensor", decode=rrc), collate, None),
+            "lmdb-jpeg": (fastdata.open_dataset(src + ".lmdb", output="tensor", decode=rrc), collate, None),
+        }, 64)
+
     if wanted & {"cifar", "cifar-cold", "cifar-raw"}:
         src = os.path.join(work, "cifar")
         if not os.path.isdir(src):
@@ -212,9 +266,10 @@ def run(args):
     print("\nratios (median images/s, same run)")
     print(f"{'scenario':11s} {'store':6s} {'x folder':>9s} {'x ceiling':>10s}")
     for scenario, rows in results.items():
+        rows = {k: v for k, v in rows.items() if k != "store_mb"}
         base = rows["folder"]["median_img_s"]
         ceil = rows.get("ceiling", {}).get("median_img_s")
-        for name in ("lmdb", "hdf5"):
+        for name in ("lmdb", "hdf5", "lmdb-mixed", "lmdb-jpeg"):
             if name in rows:
                 r = rows[name]["median_img_s"]
                 print(f"{scenario:11s} {name:6s} {r / base:9.2f} {(r / ceil) if ceil else float('nan'):10.2f}")
