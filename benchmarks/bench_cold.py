@@ -326,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     print(f"preparing {args.images} images in {args.workdir}", flush=True)
     paths = prepare(args.workdir, args.images)
+    # litdata.optimize (when it ran above) switches the start method to spawn: every contender's
+    # workers are forked again, as each library's default on Linux
+    import multiprocessing
+
+    if "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
     import importlib.metadata as md
 
     def version(pkg: str) -> str:

@@ -78,11 +78,13 @@ def _device_read_ahead_kb(path) -> int | None:
     return None
 
 
-@pytest.fixture
-def cold_store(tmp_path):
+@pytest.fixture(scope="module")
+def cold_store(tmp_path_factory):
     """A store of multi-page ImageNet-like records on a disk whose page cache can be evicted:
-    (store, its shard files, pages per record)."""
+    (store, its shard files, pages per record); made once for the module (the tests only read it)."""
     from fastdata.synth import make_image_folder
+
+    tmp_path = tmp_path_factory.mktemp("cold")
 
     if _device_read_ahead_kb(tmp_path) == 0:
         pytest.skip(f"read-ahead is switched off on the device of {tmp_path} (read_ahead_kb = 0)")
