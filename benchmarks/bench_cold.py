@@ -361,10 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(res, indent=1))
     if args.md:
         Path(args.md).write_text(text)
-    if group is not None:  # back to the parent group, then the empty group can go
+    if group is not None:  # back to the parent group; the group goes once its last process has
         with open(os.path.join(os.path.dirname(group), "cgroup.procs"), "w") as fh:
             fh.write(str(os.getpid()))
-        os.rmdir(group)
+        try:
+            os.rmdir(group)
+        except OSError as err:  # a helper process (the resource tracker) may still be in it
+            print(f"note: {group} not removed yet ({err.strerror}); rmdir it later", file=sys.stderr)
     return 0
 
 

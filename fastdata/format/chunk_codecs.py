@@ -170,9 +170,9 @@ class ChunkCodec:
 CHUNK_CODECS: dict[str, ChunkCodec] = {
     codec.name: codec for codec in (
         # the default: a random 96^3 patch on a 64^3 grid decodes 3.9x its own bytes, so patches/s are
-        # bound by decompression; Blosc lz4 with byte shuffle decompresses CT-like uint16 at ~11 GB/s on
-        # one thread (stores 3.3x smaller than raw, about .nii.gz's size) and doubled the patch loader's
-        # rate over blosc-zstd (benchmarks/bench_codecs.py, bench_patches.py)
+        # bound by decompression; Blosc lz4 with byte shuffle decompresses CT-like uint16 at 6-11 GB/s on
+        # one thread (stores 3.3-3.5x smaller than raw; .nii.gz 4.3-4.5x) and gives the patch loader
+        # 1.6-2x the rate of blosc-zstd (benchmarks/bench_codecs.py, bench_patches.py)
         ChunkCodec("blosc-lz4", 5, (0, 9), "a Blosc frame: byte shuffle (items wider than one byte), lz4"),
         # the smaller store: level 1 (Blosc's clevel 1 is zstd level 1) is within 3% of the best ratio
         # measured (clevel 9, zstd level 22, which compresses at 3 MB/s), 5x faster to compress than

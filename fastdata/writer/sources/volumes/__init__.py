@@ -11,7 +11,7 @@ Usage::
     fastdata convert Task02_Heart/dataset.json heart.lmdb # Medical Segmentation Decathlon: its "training" list
     fastdata convert slides/ wsi.lmdb --chunks 512,512 --max-pixels 2G   # TIFFs read tile by tile
 
-    fastdata.convert("scans/", "ct.lmdb", chunks=(64, 64, 64), codec="blosc-zstd")
+    fastdata.convert("scans/", "ct.lmdb", chunks=(64, 64, 64), codec="blosc-zstd")  # smaller, slower to read
     ds = fastdata.open_dataset("ct.lmdb"); ds[0]["image"][0:64, 0:64, 0:64]   # reads only 1 chunk
 
 **NIfTI sources** (nibabel, the ``volumes`` extra: ``pip install 'fastdata[volumes]'``):
