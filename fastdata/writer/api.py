@@ -164,16 +164,15 @@ def convert(
         format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
         progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
         staging_dir=staging_dir)
+    # the options of image folders and volumes, which the sources that keep every value as read refuse
+    image_options = (("--max-side", max_side), ("--quality", quality), ("--raw", raw), ("--lossless", lossless),
+                     ("--storage", storage), ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
+                     ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks), ("--codec", codec),
+                     ("--max-pixels", max_pixels))
     files = parquet_files(src)
     if files is not None:
-        given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
-                                          ("--lossless", lossless), ("--storage", storage),
-                                          ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
-                                          ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks),
-                                          ("--codec", codec), ("--max-pixels", max_pixels)) if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} do(es) not apply to Parquet files: every column becomes a field "
-                             "and image bytes are stored as they are")
+        refuse_given(image_options, "Parquet files: every column becomes a field and image bytes are stored as "
+                     "they are")
         require("pyarrow", "converting Parquet files")
         from fastdata.writer.sources.parquet.input import ParquetInput
 
@@ -183,14 +182,8 @@ def convert(
                          "them)")
     tars = tar_files(src)
     if tars is not None:
-        given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
-                                          ("--lossless", lossless), ("--storage", storage),
-                                          ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
-                                          ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks),
-                                          ("--codec", codec), ("--max-pixels", max_pixels)) if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} do(es) not apply to WebDataset shards: every member extension "
-                             "becomes a field and image bytes are stored as they are")
+        refuse_given(image_options, "WebDataset shards: every member extension becomes a field and image bytes "
+                     "are stored as they are")
         return WriteSession(TarInput(src, tars), dst, options).run()
     chunked = chunked_input(src, chunks=chunks, codec=codec, max_pixels=max_pixels)
     if chunked is not None:
@@ -446,3 +439,11 @@ def convert_coco(
         format=format, shard_size=shard_size, strict=bool(strict), workers=workers, resume=resume,
         overwrite=overwrite, progress=progress, chunk_size=chunk_size, storage_options=storage_options,
         staging_dir=staging_dir)).run()
+
+
+def refuse_given(options: Sequence[tuple[str, Any]], what: str) -> None:
+    """Raise a ValueError naming the flags of ``options`` (``(flag, value)`` pairs) that were given
+    (not None), which do not apply to ``what`` (the input kind and why, for the message)."""
+    given = [flag for flag, value in options if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} do(es) not apply to {what}")

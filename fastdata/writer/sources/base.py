@@ -15,12 +15,17 @@ the destination :meth:`~WriteSource.check_resume` and :meth:`~WriteSource.record
 from __future__ import annotations
 
 import abc
+import json
+import os
 from typing import Any
 
+from fastdata.common.fileio import atomic_write
+from fastdata.errors import ResumeMismatchError
 from fastdata.format.fields import Schema
-from fastdata.writer.pipeline import ChunkSource, ShardResult
+from fastdata.format.names import PLAN_FILE, STAGING_DIR
+from fastdata.writer.pipeline import ChunkSource, ShardResult, io_error
 from fastdata.writer.plan import ShardPlan
-from fastdata.writer.resume import RecordedRun, RunOptions
+from fastdata.writer.resume import RecordedRun, RunOptions, option_differences
 
 
 class WriteSource(abc.ABC):
@@ -112,3 +117,29 @@ class WriteSource(abc.ABC):
     def finish_results(self, dst: str, backend: str, results: list[ShardResult]) -> None:
         """Complete the shard results before publishing (e.g. per-shard class counts from the index sidecars)."""
         return None  # (by default nothing to do)
+
+
+def refuse_changed_resume(dst: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str,
+                          changed: str) -> None:
+    """The usual :meth:`WriteSource.check_resume`: nothing when there is no record or its fingerprint
+    is ``fingerprint``; else a :class:`~fastdata.errors.ResumeMismatchError` naming the options that
+    differ, or ``changed`` (e.g. "the Parquet files data/ changed") when none does."""
+    if recorded is None or recorded.fingerprint == fingerprint:
+        return
+    what = "; ".join(option_differences(recorded.options, run) or [changed])
+    if recorded.complete:
+        raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
+                                  "use --overwrite to replace it")
+    raise ResumeMismatchError(f"cannot resume {dst}: {what}. Leave out differing options (--resume reuses the "
+                              f"recorded ones: {recorded.options.describe()}), or start over with --overwrite")
+
+
+def record_run(dst: str, source: str, run: RunOptions, fingerprint: str) -> None:
+    """The usual :meth:`WriteSource.record`: ``source``, ``fingerprint`` and ``run``'s options in
+    ``dst``'s staging plan file, written atomically."""
+    path = os.path.join(dst, STAGING_DIR, PLAN_FILE)
+    body = {"source": source, "fingerprint": fingerprint, "options": run.to_json()}
+    try:
+        atomic_write(path, json.dumps(body).encode())
+    except OSError as err:
+        raise io_error(err, path) from err

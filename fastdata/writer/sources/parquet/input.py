@@ -29,19 +29,17 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from fastdata.common.fileio import atomic_write
 from fastdata.common.imageio import ImageDecodeError, inspect_image
-from fastdata.errors import RejectedInputError, ResumeMismatchError, SourceError
+from fastdata.errors import RejectedInputError, SourceError
 from fastdata.format.fields import SchemaError
 from fastdata.format.manifest import CLASS_TABLES_KEY, target_field
-from fastdata.format.names import PLAN_FILE, STAGING_DIR
 from fastdata.format.record import EncodedSample, encode_sample
 from fastdata.writer.ingest import spill
 from fastdata.writer.options import check_shard_count
-from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, count_labels, io_error
+from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, count_labels
 from fastdata.writer.plan import ShardPlan, plan_shards
-from fastdata.writer.resume import RecordedRun, RunOptions, option_differences
-from fastdata.writer.sources.base import WriteSource
+from fastdata.writer.resume import RecordedRun, RunOptions
+from fastdata.writer.sources.base import WriteSource, record_run, refuse_changed_resume
 from fastdata.writer.sources.parquet.columns import Layout, make_layout, row_values
 from fastdata.writer.sources.parquet.files import (
     ParquetFileInfo,
@@ -356,20 +354,8 @@ class ParquetInput(ArrowInput):
 
     def check_resume(self, dst: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str) -> None:
         """Refuse a resume whose options or Parquet files differ from the interrupted run's, naming the options."""
-        if recorded is None or recorded.fingerprint == fingerprint:
-            return
-        what = "; ".join(option_differences(recorded.options, run) or [f"the Parquet files {self.src} changed"])
-        if recorded.complete:
-            raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
-                                      "use --overwrite to replace it")
-        raise ResumeMismatchError(f"cannot resume {dst}: {what}. Leave out differing options (--resume reuses the "
-                                  f"recorded ones: {recorded.options.describe()}), or start over with --overwrite")
+        refuse_changed_resume(dst, recorded, run, fingerprint, f"the Parquet files {self.src} changed")
 
     def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
         """What a later ``--resume`` reuses (the options) and compares against (the fingerprint)."""
-        path = os.path.join(dst, STAGING_DIR, PLAN_FILE)
-        body = {"source": self.recorded_source, "fingerprint": fingerprint, "options": run.to_json()}
-        try:
-            atomic_write(path, json.dumps(body).encode())
-        except OSError as err:
-            raise io_error(err, path) from err
+        record_run(dst, self.recorded_source, run, fingerprint)

@@ -18,19 +18,17 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from fastdata.common.fileio import atomic_write
 from fastdata.common.imageio import ImageDecodeError, inspect_image
-from fastdata.errors import RejectedInputError, ResumeMismatchError
+from fastdata.errors import RejectedInputError
 from fastdata.format.manifest import CLASS_TABLES_KEY, target_field
-from fastdata.format.names import PLAN_FILE, STAGING_DIR
 from fastdata.format.record import FIELD_PREFIX, EncodedSample, SampleIndex, encode_sample
 from fastdata.format.store_index import decode_shard_index
 from fastdata.writer.ingest import Rejected, read_bytes, spill
 from fastdata.writer.options import check_shard_count
-from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, io_error, shard_index_bytes
+from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, shard_index_bytes
 from fastdata.writer.plan import ShardPlan, plan_shards
-from fastdata.writer.resume import RecordedRun, RunOptions, option_differences
-from fastdata.writer.sources.base import WriteSource
+from fastdata.writer.resume import RecordedRun, RunOptions
+from fastdata.writer.sources.base import WriteSource, record_run, refuse_changed_resume
 from fastdata.writer.sources.table.reader import TableSource, is_table_list, scan_table
 
 #: the list source of this worker process (set by the pool initializer)
@@ -170,26 +168,11 @@ class TableInput(WriteSource):
 
     def check_resume(self, dst: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str) -> None:
         """Refuse a resume of a list conversion whose options or list differ, naming the options."""
-        if recorded is None or recorded.fingerprint == fingerprint:
-            return
-        diffs = option_differences(recorded.options, run)
-        if not diffs:
-            diffs = [f"the list {self.src} or its image files changed"]
-        what = "; ".join(diffs)
-        if recorded.complete:
-            raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
-                                      "use --overwrite to replace it")
-        raise ResumeMismatchError(f"cannot resume {dst}: {what}. Leave out differing options (--resume reuses the "
-                                  f"recorded ones: {recorded.options.describe()}), or start over with --overwrite")
+        refuse_changed_resume(dst, recorded, run, fingerprint, f"the list {self.src} or its image files changed")
 
     def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
         """What a later ``--resume`` reuses (the options) and compares against (the fingerprint)."""
-        path = os.path.join(dst, STAGING_DIR, PLAN_FILE)
-        body = {"source": os.path.abspath(self.src), "fingerprint": fingerprint, "options": run.to_json()}
-        try:
-            atomic_write(path, json.dumps(body).encode())
-        except OSError as err:
-            raise io_error(err, path) from err
+        record_run(dst, os.path.abspath(self.src), run, fingerprint)
 
     def classes(self) -> list[str]:
         return self._table().class_tables[self.target] if self.target is not None else []
