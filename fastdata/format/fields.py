@@ -60,6 +60,21 @@ NUMERIC_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", 
                   "float16", "float32", "float64")
 #: names used by the record layout itself
 RESERVED_NAMES = frozenset({"v", "path", "xxh"})
+
+
+def field_name_for(text: str, taken: set[str] | frozenset[str] = frozenset(), fallback: str = "value") -> str:
+    """A field name for ``text`` (a column name, a file extension): ``text`` itself when it is one
+    and is free, else its characters outside ``[A-Za-z0-9_]`` as ``_`` (at most 60; ``fallback``
+    when none is left; ``_`` in front of a leading digit), with ``_`` appended until it is neither
+    reserved nor in ``taken``."""
+    if _NAME.match(text) and text not in RESERVED_NAMES and text not in taken:
+        return text
+    out = re.sub(r"[^A-Za-z0-9_]", "_", text)[:60] or fallback
+    if not re.match(r"^[A-Za-z_]", out):
+        out = "_" + out
+    while out in RESERVED_NAMES or out in taken:
+        out += "_"
+    return out
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 #: nesting limit for json values (hostile records cannot recurse deeply)
 MAX_JSON_DEPTH = 32

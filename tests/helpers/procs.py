@@ -43,3 +43,29 @@ def sigkill_once_a_shard_is_staged(proc: subprocess.Popen, dst: str | os.PathLik
             time.sleep(0.002)  # polling for the sidecar, not waiting for an outcome
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+
+
+def killed_resumed_and_clean(command, dst: Path, clean: Path, env: dict) -> None:
+    """The CLI's kill-and-resume contract for one input: ``command(dst, *extra)`` (the argv of a
+    conversion into ``dst``) is SIGKILLed once it has finished a shard, run again with
+    ``--resume`` (which must say it resumed), and run once more, uninterrupted, into ``clean``;
+    both stores must then have several shards, the same ones (names, counts, checksums), and verify.
+    """
+    import fastdata
+    from fastdata.format.manifest import read_manifest
+
+    proc = subprocess.Popen(command(dst), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sigkill_once_a_shard_is_staged(proc, dst, "convert")
+    assert not (Path(dst) / "manifest.json").exists()
+    again = subprocess.run(command(dst, "--resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resum" in (again.stdout + again.stderr).lower(), again.stdout + again.stderr
+    done = subprocess.run(command(clean), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+    def shards(store) -> list:
+        return [(s["name"], s["count"], s["xxh"]) for s in read_manifest(str(store))["shards"]]
+
+    assert len(shards(dst)) > 1
+    assert shards(dst) == shards(clean)
+    assert fastdata.verify(str(dst)).ok

@@ -26,7 +26,6 @@ import fastdata  # noqa: E402
 from fastdata.cli.main import main  # noqa: E402
 from fastdata.errors import RejectedInputError, ResumeMismatchError, SourceError  # noqa: E402
 from fastdata.format.manifest import read_manifest  # noqa: E402
-from fastdata.format.names import STAGING_DIR  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -299,7 +298,7 @@ def test_sigkill_then_resume_of_a_parquet_conversion_equals_a_clean_run(tmp_path
     """``fastdata convert file.parquet out.lmdb`` killed once a shard is finished, then run again
     with ``--resume``: the finished shards (whole row groups) are kept and the store equals an
     uninterrupted run's."""
-    from helpers.procs import sigkill_once_a_shard_is_staged
+    from helpers.procs import killed_resumed_and_clean
 
     rows = hf_rows(120)
     src = write_hf_parquet(tmp_path / "train.parquet", rows, row_group_size=6)
@@ -310,20 +309,8 @@ def test_sigkill_then_resume_of_a_parquet_conversion_equals_a_clean_run(tmp_path
                 "--workers", "1", *extra]
 
     dst = tmp_path / "out.lmdb"
-    proc = subprocess.Popen(command(dst), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    sigkill_once_a_shard_is_staged(proc, dst, "convert")
-    assert not (dst / "manifest.json").exists() and (dst / STAGING_DIR).exists()
-    again = subprocess.run(command(dst, "--resume"), env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert "resum" in (again.stdout + again.stderr).lower(), again.stdout + again.stderr
-    clean = tmp_path / "clean.lmdb"
-    done = subprocess.run(command(clean), env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
-    assert len(read_manifest(str(dst))["shards"]) > 1
-    assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
+    killed_resumed_and_clean(command, dst, tmp_path / "clean.lmdb", env)
     assert [r["image"] for r in general_records(dst)] == [r["bytes"] for r in rows["image"]]
-    assert fastdata.verify(str(dst)).ok
 
 
 def test_a_resume_of_changed_files_is_refused(tmp_path):

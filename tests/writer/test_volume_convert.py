@@ -521,7 +521,7 @@ def test_large_tiff_worker_peak_rss_stays_near_one_slab(tmp_path):
 def test_sigkill_then_resume_of_a_nifti_folder_conversion_equals_a_clean_run(tmp_path):
     """``fastdata convert scans/ out.lmdb`` killed once a shard is finished, then run again with
     ``--resume``: the shards it kept are reused and the store equals an uninterrupted run's."""
-    from helpers.procs import sigkill_once_a_shard_is_staged
+    from helpers.procs import killed_resumed_and_clean
 
     scans = tmp_path / "scans"
     for i in range(40):
@@ -533,18 +533,7 @@ def test_sigkill_then_resume_of_a_nifti_folder_conversion_equals_a_clean_run(tmp
                 "--shard-size", "20000", "--workers", "2", *extra]
 
     dst = tmp_path / "out.lmdb"
-    proc = subprocess.Popen(command(dst), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    sigkill_once_a_shard_is_staged(proc, dst, "convert")
-    assert not (dst / "manifest.json").exists()
-    again = subprocess.run(command(dst, "--resume"), env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert "resum" in (again.stdout + again.stderr).lower(), again.stdout + again.stderr
-    clean = tmp_path / "clean.lmdb"
-    done = subprocess.run(command(clean), env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
-    assert len(read_manifest(str(dst))["shards"]) > 1
-    assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
+    killed_resumed_and_clean(command, dst, tmp_path / "clean.lmdb", env)
     ds = fastdata.open_dataset(dst)
     for i, rel in ((by_path(ds)[f"s{i:02d}.nii.gz"], i) for i in range(40)):
         assert np.array_equal(ds[i]["image"][...], raw_values(scans / f"s{rel:02d}.nii.gz"))

@@ -193,10 +193,9 @@ def test_sigkill_then_resume_of_a_tar_conversion_equals_a_clean_run(tmp_path):
     """``fastdata convert shards/ out.lmdb`` killed once a shard is finished, then run again with
     ``--resume``: the finished shards are kept and the store equals an uninterrupted run's."""
     import os
-    import subprocess
     import sys
 
-    from helpers.procs import sigkill_once_a_shard_is_staged
+    from helpers.procs import killed_resumed_and_clean
 
     write_shards(tmp_path / "shards", 120, 10)
     env = {**os.environ, "FASTDATA_MIN_SHARD_SIZE": "1"}
@@ -205,17 +204,4 @@ def test_sigkill_then_resume_of_a_tar_conversion_equals_a_clean_run(tmp_path):
         return [sys.executable, "-m", "fastdata", "convert", str(tmp_path / "shards"), str(dst),
                 "--shard-size", "4000", "--workers", "2", *extra]
 
-    dst = tmp_path / "out.lmdb"
-    proc = subprocess.Popen(command(dst), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    sigkill_once_a_shard_is_staged(proc, dst, "convert")
-    assert not (dst / "manifest.json").exists()
-    again = subprocess.run(command(dst, "--resume"), env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert "resum" in (again.stdout + again.stderr).lower(), again.stdout + again.stderr
-    clean = tmp_path / "clean.lmdb"
-    done = subprocess.run(command(clean), env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    shards = lambda m: [(s["name"], s["count"], s["xxh"]) for s in m["shards"]]  # noqa: E731
-    assert len(read_manifest(str(dst))["shards"]) > 1
-    assert shards(read_manifest(str(dst))) == shards(read_manifest(str(clean)))
-    assert fastdata.verify(str(dst)).ok
+    killed_resumed_and_clean(command, tmp_path / "out.lmdb", tmp_path / "clean.lmdb", env)

@@ -42,7 +42,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from fastdata.errors import SourceError
-from fastdata.format.fields import JSON, RESERVED_NAMES, Field, Float, Image, Int, NDArray, Ragged, Schema, String
+from fastdata.format.fields import (JSON, RESERVED_NAMES, Field, Float, Image, Int, NDArray, Ragged, Schema, String,
+                                    field_name_for)
 from fastdata.writer.ingest import Rejected, read_bytes
 
 __all__ = ["Column", "Layout", "Bad", "looks_like_image", "make_layout", "plain_table", "row_values"]
@@ -50,7 +51,6 @@ __all__ = ["Column", "Layout", "Bad", "looks_like_image", "make_layout", "plain_
 #: the first bytes of the image files a binary column is recognised by
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*", b"II+\x00",
                 b"MM\x00+", b"BM")
-_FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 def looks_like_image(data: bytes | None) -> bool:
@@ -199,18 +199,6 @@ def _list_item(feature: Any) -> Any:
     return None
 
 
-def _field_name(name: str, taken: set[str]) -> str:
-    """``name`` as a field name: kept when it is one, else its other characters as ``_``."""
-    if _FIELD_NAME.match(name) and name not in RESERVED_NAMES and name not in taken:
-        return name
-    out = re.sub(r"[^A-Za-z0-9_]", "_", name)[:60] or "column"
-    if not re.match(r"^[A-Za-z_]", out):
-        out = "_" + out
-    while out in RESERVED_NAMES or out in taken:
-        out += "_"
-    return out
-
-
 def column_for(name: str, t: pa.DataType, feature: Any, forced_image: bool, nulls: int | None,
                first_binary: Callable[[], bytes | None], where: str) -> Column:
     """The field of column ``name`` of Arrow type ``t`` (see the module docstring); ``feature`` is its
@@ -307,7 +295,7 @@ def make_layout(schema: pa.Schema, features: Mapping[str, Any] | None, image_col
                            f"a class field; its {len(col.classes)} class names are in the manifest's "
                            "metadata (class_names)")
             col = Column(col.name, col.field_name, "int", col.field)
-        field_name = _field_name(f.name, taken)
+        field_name = field_name_for(f.name, taken, "column")
         taken.add(field_name)
         if field_name != f.name:
             col = Column(col.name, field_name, col.role, col.field, col.classes, col.image_form, col.dims)

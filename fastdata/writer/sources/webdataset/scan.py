@@ -18,7 +18,7 @@ from fastdata.errors import SourceError
 from fastdata.format.fields import (
     JSON,
     NUMERIC_DTYPES,
-    RESERVED_NAMES,
+    field_name_for,
     Field,
     Image,
     Int,
@@ -146,15 +146,6 @@ class TarScan:
         return sums.astype(np.int64)
 
 
-def _field_name(ext: str, taken: set[str]) -> str:
-    out = re.sub(r"[^A-Za-z0-9_]", "_", ext)[:60] or "value"
-    if not re.match(r"^[A-Za-z_]", out):
-        out = "_" + out
-    while out in RESERVED_NAMES or out in taken:
-        out += "_"
-    return out
-
-
 def _kind_of(ext: str) -> str:
     last = ext.rsplit(".", 1)[-1]
     if last in IMAGE_EXTENSIONS:
@@ -226,7 +217,7 @@ def layout_of(scan: TarScan) -> TarLayout:
     schema_fields: list[tuple[str, Field]] = [(KEY_FIELD, String())]
     for code, ext in enumerate(scan.exts):
         kind = _kind_of(ext)
-        name = _field_name(ext, taken)
+        name = field_name_for(ext, taken)
         taken.add(name)
         field: Field
         if kind == "image":
