@@ -155,6 +155,13 @@ class PssSampler(threading.Thread):
         self.samples = 0
         self._stop_event = threading.Event()
 
+    def measure(self, proc: psutil.Process) -> int:
+        """One process's figure (PSS here; subclasses measure something else)."""
+        return proc.memory_full_info().pss
+
+    def sampled(self, procs: list, total: int) -> None:
+        """Called after each sample of the whole tree (``total`` is the sum of :meth:`measure`)."""
+
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
@@ -164,11 +171,12 @@ class PssSampler(threading.Thread):
             total = 0
             for p in procs:
                 try:
-                    total += p.memory_full_info().pss
-                except psutil.Error:  # exited between listing and sampling
+                    total += self.measure(p)
+                except (psutil.Error, OSError):  # exited between listing and sampling
                     pass
             if total > self.peak:
                 self.peak, self.peak_procs = total, len(procs)
+            self.sampled(procs, total)
             self.samples += 1
             self._stop_event.wait(self.interval)
 

@@ -185,25 +185,18 @@ class RssSampler(PssSampler):
 
     peak_anon = 0
 
-    def run(self) -> None:
-        import psutil
+    def measure(self, proc) -> int:
+        return proc.memory_info().rss
 
-        while not self._stop_event.is_set():
+    def sampled(self, procs: list, total: int) -> None:
+        anon = 0
+        for p in procs:
             try:
-                procs = [self.root] + self.root.children(recursive=True)
-            except psutil.Error:
-                break
-            rss = anon = 0
-            for p in procs:
-                try:
-                    rss += p.memory_info().rss
-                    with open(f"/proc/{p.pid}/smaps_rollup") as fh:
-                        anon += next((int(line.split()[1]) << 10 for line in fh if line.startswith("Anonymous:")), 0)
-                except (psutil.Error, OSError):
-                    pass
-            self.peak = max(self.peak, rss)
-            self.peak_anon = max(self.peak_anon, anon)
-            self._stop_event.wait(self.interval)
+                with open(f"/proc/{p.pid}/smaps_rollup") as fh:
+                    anon += next((int(line.split()[1]) << 10 for line in fh if line.startswith("Anonymous:")), 0)
+            except OSError:  # exited meanwhile
+                pass
+        self.peak_anon = max(self.peak_anon, anon)
 
 
 def main(argv: list[str] | None = None) -> int:
