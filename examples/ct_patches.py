@@ -54,12 +54,18 @@ def main(argv=None) -> int:
     parser.add_argument("--patch", type=int, default=32, help="side of the training patches (default 32)")
     parser.add_argument("--batches", type=int, default=4, help="training batches to load (default 4)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
-    parser.add_argument("--out", help="store path (default: a temporary folder)")
+    parser.add_argument("--out", help="store path (default: a temporary folder, removed at the end)")
     parser.add_argument("--json", help="write a summary here")
     args = parser.parse_args(argv)
 
-    root = tempfile.mkdtemp(prefix="fastdata-ct-")
-    store = args.out or os.path.join(root, "ct.lmdb")
+    if args.out is not None:
+        return run(args, args.out)
+    with tempfile.TemporaryDirectory(prefix="fastdata-ct-") as root:  # removed when the example ends
+        return run(args, os.path.join(root, "ct.lmdb"))
+
+
+def run(args, store: str) -> int:
+    """Write the scans into ``store``, train on patches, run the grid inference."""
     schema = {"ct": Chunked("uint16", (64, 64, 64)), "label": Chunked("uint8", (64, 64, 64)),
               "spacing": NDArray("float64", (3,)), "patient": Int()}
     t0 = time.perf_counter()
