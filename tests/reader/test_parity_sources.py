@@ -15,11 +15,10 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import warnings
 
 import numpy as np
 import pytest
+from helpers.procs import cli_in_process
 from helpers.backends import SUFFIXES
 from helpers.images import make_jpeg, photo_array
 from helpers.reference import ref_image_folder
@@ -111,17 +110,7 @@ def test_strict_still_stops_on_a_file_image_folder_cannot_load(real_photo_tree, 
 
 # ----------------------------------------------------------------------------- empty sources
 
-def _cli(capsys, *args: str) -> subprocess.CompletedProcess:
-    """``fastdata ARGS`` through the CLI in this process: its exit code, stdout and stderr."""
-    from fastdata.cli.main import main
-
-    capsys.readouterr()
-    with warnings.catch_warnings(record=True) as caught:  # on stderr, as a subprocess would print them
-        warnings.simplefilter("default")
-        code = main(list(args))
-    out = capsys.readouterr()
-    err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
-    return subprocess.CompletedProcess(["fastdata", *args], code, out.out, err)
+_cli = cli_in_process
 
 
 def test_a_tree_without_images_is_an_error_naming_folder_and_extensions(tmp_path, capsys):

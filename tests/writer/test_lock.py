@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
+from helpers.procs import cli_in_process
 from helpers.images import make_tree
 
 import fastdata
@@ -56,18 +56,7 @@ def src(tmp_path):
     return make_tree(tmp_path / "src", classes={"cat": 4, "dog": 3}, size=(24, 16))
 
 
-def _cli(capsys, *args: str) -> subprocess.CompletedProcess:
-    """``fastdata ARGS`` through the CLI in this process: its exit code, stdout and stderr (what is
-    checked; the lock holders and the killed converter are the processes these tests need)."""
-    from fastdata.cli.main import main
-
-    capsys.readouterr()
-    with warnings.catch_warnings(record=True) as caught:  # on stderr, as a subprocess would print them
-        warnings.simplefilter("default")
-        code = main(list(args))
-    out = capsys.readouterr()
-    err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
-    return subprocess.CompletedProcess(["fastdata", *args], code, out.out, err)
+_cli = cli_in_process  # the lock holders and killed converters keep their own processes
 
 
 def test_second_converter_is_refused_and_touches_nothing(src, tmp_path, holder, capsys):
