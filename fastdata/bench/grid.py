@@ -218,7 +218,7 @@ def expand_grid(
     epochs: int = 2,
     warmup_epochs: int = 1,
     max_batches: int = 50,
-    cold: bool = False,
+    cold: bool | str = False,
     step_ms: float = 0.0,
     seed: int = 0,
     store_options: dict | None = None,
@@ -228,11 +228,12 @@ def expand_grid(
     Each axis takes a comma list (``"0,1,2"``) or a sequence. ``workers="default"``
     means 0..cores, ``start_method="default"`` the platform default. A target may be a
     store's URL (``store_options``: its ``storage_options``/``cache_dir``); ``cold`` then
-    applies to local targets only.
+    applies to local targets only. ``cold`` is an axis too: a bool, or ``"off"``, ``"on"`` or
+    ``"off,on"`` (a warm and a cold row for every configuration, side by side in one run).
 
     Returns:
         list[BenchConfig]: targets outermost, then workers, batch size, prefetch factor,
-        persistent workers, pin memory, start method, output, transform.
+        persistent workers, pin memory, start method, output, transform, cold.
 
     Raises:
         ValueError: a value is out of range or unknown.
@@ -256,9 +257,10 @@ def expand_grid(
         else split_list(start_method, _choice(START_METHODS, "start-method"), "start-method"),
         split_list(output, _choice(OUTPUTS, "output"), "output"),
         split_list(transform, _choice(TRANSFORMS, "transform"), "transform"),
+        [cold] if isinstance(cold, bool) else split_list(cold, parse_bool, "cold"),
     ]
     resolved = [(_absolute(t), target_kind(t, store_options)) for t in targets]
-    if cold and any(is_remote(path) for path, _ in resolved):
+    if any(axes[-1]) and any(is_remote(path) for path, _ in resolved):
         raise ValueError("--cold evicts local files from the page cache and does not apply to a URL target; "
                          "to measure a cold remote read, empty its shard cache first (fastdata cache clear URL)")
     if not resolved:
@@ -266,13 +268,13 @@ def expand_grid(
     out: list[BenchConfig] = []
     seen = set()
     for (path, kind), combo in itertools.product(resolved, itertools.product(*axes)):
-        w, bs, pf, persist, pin, method, outp, tf = combo
+        w, bs, pf, persist, pin, method, outp, tf, cold_epochs = combo
         if w == 0:  # these only mean something with worker processes
             pf, persist, method = None, False, None
         cfg = BenchConfig(target=path, kind=kind, workers=w, batch_size=bs, prefetch_factor=pf,
                           persistent_workers=persist, pin_memory=pin, start_method=method, output=outp,
                           transform=tf, epochs=epochs, warmup_epochs=warmup_epochs, max_batches=max_batches,
-                          cold=cold, step_ms=float(step_ms), seed=seed)
+                          cold=cold_epochs, step_ms=float(step_ms), seed=seed)
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

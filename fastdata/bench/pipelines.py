@@ -31,12 +31,31 @@ class Target:
         pipeline: human description of how samples are read and decoded.
         files: callable returning every file the dataset reads (for ``--cold``).
         sample_bytes: stored bytes per sample (numpy int64, one per sample), used for MB/s.
+        storage: how the target holds its images (:func:`describe_storage`), so rows of a JPEG,
+            a raw and a mixed store of the same images say which is which.
+        disk_bytes: bytes the target takes on disk (a folder's image files; a store's shards).
     """
 
     dataset: Any
     pipeline: str
     files: Callable[[], list]
     sample_bytes: np.ndarray
+    storage: str = "files"
+    disk_bytes: int | None = None
+
+
+def describe_storage(storage: dict) -> str:
+    """A store's ``manifest["storage"]`` in a few words: ``original``, ``raw-native <=512``,
+    ``mixed 50% raw <=512``, ``raw 224x224``, ``reencode <=512 q90``, ``lossless``."""
+    mode = str(storage.get("mode"))
+    side = f" <={storage['max_side']}" if storage.get("max_side") else ""
+    if mode == "mixed":
+        return f"mixed {100 * float(storage.get('raw_fraction', 0)):.0f}% raw{side}"
+    if mode == "raw" and storage.get("raw_shape"):
+        return "raw {}x{}".format(*storage["raw_shape"])
+    if mode == "reencode":
+        return f"reencode{side}" + (f" q{storage['quality']}" if storage.get("quality") else "")
+    return mode + (side if mode == "raw-native" else "")
 
 
 def decode_transform(name: str):
@@ -76,10 +95,11 @@ def build_target(cfg: BenchConfig) -> Target:
     """
     if cfg.kind == "folder":
         ds = FolderDataset(cfg.target, transform=cfg.transform, output=cfg.output)
-        return Target(ds, f"ImageFolder-equivalent: {DESCRIPTIONS[cfg.transform]}", ds.files, ds.file_sizes)
+        return Target(ds, f"ImageFolder-equivalent: {DESCRIPTIONS[cfg.transform]}", ds.files, ds.file_sizes,
+                      disk_bytes=int(np.sum(ds.file_sizes)))
 
     from fastdata.reader.open import open_dataset
-    from fastdata.remote.store import is_remote
+    from fastdata.remote.store import is_remote, locate_store
 
     decode = decode_transform(cfg.transform)
     remote = store_options_from_env() if is_remote(cfg.target) else {}
@@ -96,7 +116,11 @@ def build_target(cfg: BenchConfig) -> Target:
     how = f"decode={decode!r}" if decode is not None else (
         "raw pixels" if store.storage.mode == "raw" else "full decode (simplejpeg/PIL)")
     root = cfg.target
-    return Target(store, f"fastdata {cfg.kind}: {how}", lambda: _store_files(root), np.asarray(nbytes, np.int64))
+    manifest = locate_store(root, storage_options=remote.get("storage_options"), cache_dir=remote.get("cache_dir"),
+                            cache_limit=remote.get("cache_limit")).manifest
+    return Target(store, f"fastdata {cfg.kind}: {how}", lambda: _store_files(root), np.asarray(nbytes, np.int64),
+                  storage=describe_storage(manifest["storage"]),
+                  disk_bytes=sum(int(s["bytes"]) for s in manifest["shards"]))
 
 
 def decoded_nbytes(images) -> int:

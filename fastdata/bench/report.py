@@ -27,6 +27,9 @@ FIELDS: dict[str, str] = {
     # configuration
     **{f.name: "configuration (see BenchConfig)" for f in dc_fields(BenchConfig)},
     "pipeline": "how samples were read, decoded and transformed",
+    "storage": "how the target holds its images: 'files' (a folder), or the store's mode (original, "
+               "raw-native <=SIDE, mixed F% raw <=SIDE, raw HxW, reencode, lossless)",
+    "disk_bytes": "bytes the target takes on disk (a folder's image files, a store's shards)",
     # outcome
     "status": "'ok' or 'failed'",
     "error": "why a failed row failed (worker error, killed by a signal, timeout), else null",
@@ -159,6 +162,10 @@ def format_table(rows: Sequence[dict]) -> str:
         figures.append(("cold_residency_after_evict", "cached", "pct"))
     if any(r.get("h2d_ms_per_batch") is not None for r in rows):
         figures.append(("h2d_ms_per_batch", "H2D ms", "f1"))
+    targets = {str(r.get("target")) for r in rows}
+    # several targets: say what each holds and its size, so speed and disk are read side by side
+    per_target = [("storage", "storage", "str"), ("disk_bytes", "disk", "bytes")] if len(targets) > 1 else []
+    axes = per_target + axes
     header = ["target"] + [a[1] for a in axes] + [f[1] for f in figures] + ["status"]
     body = []
     for r in rows:
@@ -190,9 +197,21 @@ def format_table(rows: Sequence[dict]) -> str:
         lines.append("all rows: " + ", ".join(constant))
     ratios = speedups(rows)
     if ratios:
+        disk = disk_ratios(rows)
         lines.append("best images/s vs the folder baseline: " +
-                     ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()))
+                     ", ".join(f"{name} {ratio:.2f}x" + (f" (disk {disk[name]:.2f}x)" if name in disk else "")
+                               for name, ratio in ratios.items()))
     return "\n".join(lines)
+
+
+def disk_ratios(rows: Sequence[dict]) -> dict:
+    """Disk bytes of each non-folder target divided by the folder's (the first folder measured),
+    keyed like :func:`speedups`; empty without a folder or sizes."""
+    folder = next((r.get("disk_bytes") for r in rows if r.get("kind") == "folder" and r.get("disk_bytes")), None)
+    if not folder:
+        return {}
+    return {f"{os.path.basename(str(r['target']).rstrip('/'))} ({r['kind']})": r["disk_bytes"] / folder
+            for r in rows if r.get("kind") != "folder" and r.get("disk_bytes")}
 
 
 def speedups(rows: Sequence[dict]) -> dict:

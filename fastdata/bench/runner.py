@@ -244,6 +244,8 @@ def measure(cfg) -> dict:
         "status": "ok",
         "error": None,
         "num_samples": n,
+        "storage": target.storage,
+        "disk_bytes": target.disk_bytes,
         "samples_per_epoch": per_epoch,
         "batches_per_epoch": n_batches,
         "images_per_s": statistics.median(ips),

@@ -78,10 +78,11 @@ def add_commands(subparsers) -> None:
     b.add_argument("--warmup-epochs", type=int, default=1, metavar="N", help="epochs run before measuring (default 1)")
     b.add_argument("--max-batches", type=int, default=50, metavar="N",
                    help="batches per epoch, over a fixed random subset (default 50; 0 = the whole dataset)")
-    b.add_argument("--cold", action="store_true",
+    b.add_argument("--cold", nargs="?", const="on", default="off", metavar="off,on",
                    help="evict every file the target reads from the page cache before each epoch "
-                        "(posix_fadvise DONTNEED; no root needed); local targets only: for a URL, empty its "
-                        "shard cache first (fastdata cache clear URL)")
+                        "(posix_fadvise DONTNEED; no root needed); --cold alone = on, --cold off,on measures "
+                        "a warm and a cold row of every configuration in one run; local targets only: for a "
+                        "URL, empty its shard cache first (fastdata cache clear URL)")
     b.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sample subset and shuffling")
     b.add_argument("--out", default="fastdata-bench", metavar="DIR",
                    help="folder for results.json, results.csv, table.txt and plots (default ./fastdata-bench)")

@@ -10,6 +10,7 @@ import csv
 import glob
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -405,3 +406,36 @@ def test_cli_help_and_errors(capsys, data):
     err = capsys.readouterr().err.strip()
     assert err.startswith("fastdata: error:") and len(err.splitlines()) == 1
     assert main(["bench", data["lmdb"], "--transform", "sharpen"]) == 2
+
+
+def test_cold_is_an_axis_warm_and_cold_rows_side_by_side(data):
+    both = expand_grid([data["lmdb"]], workers="0,1", cold="off,on")
+    assert [(c.workers, c.cold) for c in both] == [(0, False), (0, True), (1, False), (1, True)]
+    assert [c.cold for c in expand_grid([data["lmdb"]], workers="0", cold=True)] == [True]  # the bool form
+    assert [c.cold for c in expand_grid([data["lmdb"]], workers="0")] == [False]
+    with pytest.raises(ValueError, match="on/off"):
+        expand_grid([data["lmdb"]], workers="0", cold="tepid")
+
+
+def test_rows_say_each_targets_storage_and_disk_size(data, tmp_path, capsys):
+    """A JPEG store, a raw-pixel store of the same images and the folder: each row names its storage and
+    size, and the ratio line gives speed and disk against the folder."""
+    raw = str(tmp_path / "raw.lmdb")
+    fastdata.convert(data["folder"], raw, storage="raw", max_side=64, workers=1, progress=False)
+    out = tmp_path / "out"
+    rc = main(["bench", data["folder"], data["lmdb"], raw, "--workers", "0", "--batch-size", "4",
+               "--max-batches", "1", "--epochs", "1", "--warmup-epochs", "0", "--cold", "off,on",
+               "--out", str(out), "--no-plots", "--quiet"])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert [(r["kind"], r["cold"]) for r in rows] == [("folder", False), ("folder", True), ("lmdb", False),
+                                                       ("lmdb", True), ("lmdb", False), ("lmdb", True)]
+    folder, jpeg, raw_row = rows[0], rows[2], rows[4]
+    files = [p for p in pathlib.Path(data["folder"]).rglob("*") if p.is_file()]
+    assert folder["storage"] == "files" and folder["disk_bytes"] == sum(p.stat().st_size for p in files)
+    manifest = json.loads((pathlib.Path(raw) / "manifest.json").read_text())
+    assert raw_row["storage"] == "raw-native <=64"
+    assert raw_row["disk_bytes"] == sum(s["bytes"] for s in manifest["shards"])
+    assert jpeg["storage"] == "original" and jpeg["disk_bytes"] != raw_row["disk_bytes"]
+    assert "storage" in table and "raw-native <=64" in table and "(disk " in table
