@@ -169,7 +169,7 @@ def format_table(rows: Sequence[dict]) -> str:
     header = ["target"] + [a[1] for a in axes] + [f[1] for f in figures] + ["status"]
     body = []
     for r in rows:
-        name = f"{os.path.basename(str(r['target']).rstrip('/'))} ({r['kind']})"
+        name = _target_name(r["target"], r["kind"])
         line = [name] + [_fmt(r.get(k), kind) for k, _, kind in axes]
         if r.get("status") == "ok":
             line += [_fmt(r.get(k), kind) for k, _, kind in figures] + ["ok"]
@@ -210,7 +210,7 @@ def disk_ratios(rows: Sequence[dict]) -> dict:
     folder = next((r.get("disk_bytes") for r in rows if r.get("kind") == "folder" and r.get("disk_bytes")), None)
     if not folder:
         return {}
-    return {f"{os.path.basename(str(r['target']).rstrip('/'))} ({r['kind']})": r["disk_bytes"] / folder
+    return {_target_name(r["target"], r["kind"]): r["disk_bytes"] / folder
             for r in rows if r.get("kind") != "folder" and r.get("disk_bytes")}
 
 
@@ -225,7 +225,12 @@ def speedups(rows: Sequence[dict]) -> dict:
     folder = max((v for (t, k), v in best.items() if k == "folder"), default=None)
     if not folder:
         return {}
-    return {f"{os.path.basename(t.rstrip('/'))} ({k})": v / folder for (t, k), v in best.items() if k != "folder"}
+    return {_target_name(t, k): v / folder for (t, k), v in best.items() if k != "folder"}
+
+
+def _target_name(target, kind: str) -> str:
+    """How the table and its ratio line name a target: ``train.lmdb (lmdb)``."""
+    return f"{os.path.basename(str(target).rstrip('/'))} ({kind})"
 
 
 def write_json(path: str, rows: Sequence[dict], machine: dict, warnings: Sequence[str] = (),
