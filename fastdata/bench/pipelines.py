@@ -70,12 +70,6 @@ def decode_transform(name: str):
     raise ValueError(f"unknown transform {name!r}")
 
 
-def _store_files(root: str) -> list:
-    from fastdata.format.manifest import read_manifest
-
-    return [os.path.join(root, s["name"]) for s in read_manifest(root)["shards"]]
-
-
 def store_options_from_env() -> dict:
     """The remote-store options the harness passed for a URL target (see ``harness.STORE_OPTIONS_ENV``)."""
     import json
@@ -116,9 +110,11 @@ def build_target(cfg: BenchConfig) -> Target:
     how = f"decode={decode!r}" if decode is not None else (
         "raw pixels" if store.storage.mode == "raw" else "full decode (simplejpeg/PIL)")
     root = cfg.target
+    # the whole manifest once (the dataset keeps only a slim copy): storage, sizes and the files --cold evicts
     manifest = locate_store(root, storage_options=remote.get("storage_options"), cache_dir=remote.get("cache_dir"),
                             cache_limit=remote.get("cache_limit")).manifest
-    return Target(store, f"fastdata {cfg.kind}: {how}", lambda: _store_files(root), np.asarray(nbytes, np.int64),
+    shard_files = [os.path.join(root, s["name"]) for s in manifest["shards"]]
+    return Target(store, f"fastdata {cfg.kind}: {how}", lambda: shard_files, np.asarray(nbytes, np.int64),
                   storage=describe_storage(manifest["storage"]),
                   disk_bytes=sum(int(s["bytes"]) for s in manifest["shards"]))
 
