@@ -47,7 +47,8 @@ def _run_convert(convert, args):
         max_side=args.max_side, quality=args.quality, raw=args.raw, lossless=args.lossless,
         storage=args.storage, raw_fraction=args.raw_fraction, image_mode=args.image_mode,
         dicom_tags=args.dicom_tags, strict=args.strict, resume=args.resume,
-        overwrite=args.overwrite, progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
+        overwrite=args.overwrite, append=args.append, add_classes=args.add_classes,
+        progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
         chunks=args.chunks, codec=args.codec, max_pixels=args.max_pixels, image_column=args.image_column,
         **_list_options(args), **_upload_options(args),
     )
@@ -299,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "(--shard-size, --format, --max-side/--quality/--raw/--lossless, --strict) take the values "
                             "the interrupted run recorded, and one given that differs is refused, naming it")
     again.add_argument("--overwrite", action="store_true", help="replace an existing store at DST")
+    c.add_argument("--append", action="store_true",
+                   help="add SRC to the published store DST as new shards (its backend and storage options; the "
+                        "schema must match, class names map to the store's labels); atomic: a crash leaves DST as it "
+                        "was, --append --resume finishes it, and datasets opened before keep reading their version")
+    c.add_argument("--add-classes", action="store_true",
+                   help="with --append: class names DST lacks are appended at the end of its class table (else an "
+                        "error); the table is then no longer sorted as ImageFolder's")
     _add_coco_argument(c)
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
@@ -461,7 +469,8 @@ def _run_coco(args):
                          "with the fields the annotation file gives")
     return convert_coco(args.coco, args.src, args.dst, format=args.format, workers=args.workers,
                         shard_size=args.shard_size, strict=args.strict, resume=args.resume, overwrite=args.overwrite,
-                        progress=False if args.quiet else None, **_upload_options(args))
+                        append=args.append, add_classes=args.add_classes, progress=False if args.quiet else None,
+                        **_upload_options(args))
 
 
 def _add_optional_commands(sub) -> None:

@@ -17,7 +17,7 @@ import xxhash
 from fastdata.common.bounded import ExpansionError, json_loads_bounded
 from fastdata.common.fileio import atomic_write, read_regular
 from fastdata.errors import FormatError, IncompleteStoreError
-from fastdata.format.names import MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, check_file_name
+from fastdata.format.names import MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, check_file_name, is_store_index_name
 
 STORE_FORMAT = "fastdata-store"
 STORE_VERSION = 1
@@ -167,7 +167,7 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         name = shard["name"]
         problem = check_file_name(name)
         if problem is None and (name.startswith(".") or name in names
-                                or name in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME)):
+                                or name in (MANIFEST_NAME, REJECTED_NAME) or is_store_index_name(name)):
             problem = "not unique, hidden or a name the store itself uses"
         if problem is not None:
             raise FormatError(f"{where}: shard entry {i}: name {name!r} is not a plain, unique shard file name "
@@ -195,15 +195,17 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
 
 def _validate_store_index_entry(body: dict, where: str) -> None:
     """``store_index`` (optional: stores made before it existed have none): exactly
-    ``{"name": "index.fdi", "bytes": int, "xxh": str}``, the size at most
+    ``{"name": "index.fdi", "bytes": int, "xxh": str}`` (or ``index-NNNNN.fdi``, an appended
+    store's later version: :func:`~fastdata.format.names.store_index_name`), the size at most
     :data:`MAX_STORE_INDEX_BYTES` (what a reader reads it with as its limit)."""
     entry = body.get("store_index")
     if entry is None and "store_index" not in body:
         return
-    if not (isinstance(entry, dict) and set(entry) == {"name", "bytes", "xxh"} and entry["name"] == STORE_INDEX_NAME
-            and type(entry["bytes"]) is int and 0 <= entry["bytes"] <= MAX_STORE_INDEX_BYTES
-            and isinstance(entry["xxh"], str)):
-        raise FormatError(f"{where}: manifest field 'store_index' is not {{'name': {STORE_INDEX_NAME!r}, "
+    if not (isinstance(entry, dict) and set(entry) == {"name", "bytes", "xxh"} and isinstance(entry["name"], str)
+            and is_store_index_name(entry["name"]) and type(entry["bytes"]) is int
+            and 0 <= entry["bytes"] <= MAX_STORE_INDEX_BYTES and isinstance(entry["xxh"], str)):
+        raise FormatError(f"{where}: manifest field 'store_index' is not {{'name': {STORE_INDEX_NAME!r} "
+                          "or 'index-NNNNN.fdi', "
                           f"'bytes': 0..{MAX_STORE_INDEX_BYTES}, 'xxh': str}}")
 
 

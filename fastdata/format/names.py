@@ -23,8 +23,11 @@ from fastdata.common.fileio import ATOMIC_TMP_MARK
 MANIFEST_NAME = "manifest.json"
 #: inputs that were skipped, one per line with the reason
 REJECTED_NAME = "rejected.tsv"
-#: every shard's index arrays in one file (see docs/FORMAT.md)
+#: every shard's index arrays in one file (see docs/FORMAT.md); an appended store's later
+#: versions name theirs ``index-00001.fdi``, ... (:func:`store_index_name`), so the file of the
+#: version a reader opened is never replaced under it
 STORE_INDEX_NAME = "index.fdi"
+_STORE_INDEX_RE = re.compile(r"index(-[0-9]{5})?\.fdi")
 #: only while writing: the staging folder, and in it ...
 STAGING_DIR = ".fastdata-staging"
 #: ... the run's plan fingerprint and options (what --resume reuses and compares)
@@ -39,7 +42,8 @@ LOCK_NAME = ".fastdata.lock"
 TMP_SUFFIX = ".tmp"
 
 __all__ = ["ATOMIC_TMP_MARK", "LISTING_FILE", "LOCK_NAME", "MANIFEST_NAME", "PLAN_FILE", "REJECTED_NAME",
-           "SIDECAR_SUFFIX", "STAGING_DIR", "STORE_INDEX_NAME", "TMP_SUFFIX", "check_file_name", "shard_name"]
+           "SIDECAR_SUFFIX", "STAGING_DIR", "STORE_INDEX_NAME", "TMP_SUFFIX", "check_file_name", "is_store_index_name",
+           "shard_name", "store_index_name"]
 
 #: the longest file name a store may list (NAME_MAX of common file systems)
 MAX_FILE_NAME_BYTES = 255
@@ -76,3 +80,14 @@ def shard_name(backend: str, shard_id: int) -> str:
     from fastdata.format.backends.registry import get_backend  # local import: layout is imported by light modules
 
     return f"shard-{shard_id:05d}{get_backend(backend).shard_suffix}"
+
+
+def store_index_name(generation: int) -> str:
+    """The store index file of a store's ``generation``-th version: ``index.fdi`` as first
+    published, ``index-00001.fdi`` after its first append, and so on."""
+    return STORE_INDEX_NAME if generation == 0 else f"index-{generation:05d}.fdi"
+
+
+def is_store_index_name(name: str) -> bool:
+    """Whether ``name`` is a store index file's name (:func:`store_index_name` of some generation)."""
+    return _STORE_INDEX_RE.fullmatch(name) is not None

@@ -88,9 +88,32 @@ def build_store_index(entries: Iterable[tuple[str, bytes]]) -> bytes:
     return msgpack.packb({"format": _FORMAT, "version": _VERSION, "shards": shards}, use_bin_type=True)
 
 
-def manifest_entry(data: bytes) -> dict:
-    """The manifest's ``store_index`` value for index file bytes ``data``."""
-    return {"name": STORE_INDEX_NAME, "bytes": len(data), "xxh": xxhash.xxh3_64_hexdigest(data)}
+def manifest_entry(data: bytes, name: str = STORE_INDEX_NAME) -> dict:
+    """The manifest's ``store_index`` value for index file bytes ``data`` saved as ``name``."""
+    return {"name": name, "bytes": len(data), "xxh": xxhash.xxh3_64_hexdigest(data)}
+
+
+def index_file_name(manifest: dict) -> str:
+    """The name of the store index file ``manifest`` lists (``index.fdi`` when it lists none)."""
+    entry = manifest.get(MANIFEST_KEY)
+    return entry["name"] if isinstance(entry, dict) and isinstance(entry.get("name"), str) else STORE_INDEX_NAME
+
+
+def shard_entries(data: bytes, manifest: dict, where: str) -> list[tuple[str, bytes]]:
+    """``(shard name, encode_shard_index bytes)`` of every shard in index file bytes ``data``,
+    checked against ``manifest`` as :func:`parse_store_index` does (an append or a merge
+    carries the shards it keeps into a new index file with these, decoding no array)."""
+    parse_store_index(data, manifest, None if manifest.get("version", 1) == 1 else _schema_of(manifest, where),
+                      where)
+    body = msgpack.unpackb(data, raw=False, strict_map_key=True)  # (checked just above)
+    return [(e["name"], msgpack.packb({"count": e["count"], "arrays": e["arrays"]}, use_bin_type=True))
+            for e in body["shards"]]
+
+
+def _schema_of(manifest: dict, where: str):
+    from fastdata.format.manifest import schema_of
+
+    return schema_of(manifest, where)
 
 
 def parse_store_index(data: bytes, manifest: dict, schema, where: str) -> list[ShardIndex | SampleIndex]:
@@ -103,18 +126,18 @@ def parse_store_index(data: bytes, manifest: dict, schema, where: str) -> list[S
     if not isinstance(entry, dict):
         raise FormatError(f"{where}: the store has no index file (made by an older fastdata)")
     if len(data) != entry.get("bytes") or xxhash.xxh3_64_hexdigest(data) != entry.get("xxh"):
-        raise CorruptRecordError(f"{where}: {STORE_INDEX_NAME} does not match the manifest's size and checksum; "
-                                 "the store is damaged or was rewritten while being read")
+        raise CorruptRecordError(f"{where}: {index_file_name(manifest)} does not match the manifest's size and "
+                                 "checksum; the store is damaged or was rewritten while being read")
     try:  # bounded: at most object_budget(len(data)) objects (fastdata.common.bounded)
         body = unpackb_bounded(data, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as err:
-        raise CorruptRecordError(f"{where}: {STORE_INDEX_NAME} is not readable ({err})") from None
+        raise CorruptRecordError(f"{where}: {index_file_name(manifest)} is not readable ({err})") from None
     if not (isinstance(body, dict) and body.get("format") == _FORMAT and body.get("version") == _VERSION
             and isinstance(body.get("shards"), list)):
-        raise CorruptRecordError(f"{where}: {STORE_INDEX_NAME} has an unknown layout")
+        raise CorruptRecordError(f"{where}: {index_file_name(manifest)} has an unknown layout")
     shards = manifest["shards"]
     if [e.get("name") if isinstance(e, dict) else None for e in body["shards"]] != [s["name"] for s in shards]:
-        raise CorruptRecordError(f"{where}: {STORE_INDEX_NAME} lists other shards than the manifest")
+        raise CorruptRecordError(f"{where}: {index_file_name(manifest)} lists other shards than the manifest")
     out = []
     for shard, e in zip(shards, body["shards"], strict=True):
         index = _decode_entry(e, schema, f"{where} ({shard['name']})")

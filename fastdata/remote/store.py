@@ -43,7 +43,7 @@ from fastdata.errors import (
 )
 from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest, read_manifest
 from fastdata.format.names import MANIFEST_NAME, STORE_INDEX_NAME
-from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
+from fastdata.format.store_index import MANIFEST_KEY, index_file_name, parse_store_index
 from fastdata.remote.cache import Pin, ShardCache, store_key
 from fastdata.remote.location import RemoteLocation
 
@@ -73,6 +73,19 @@ def file_identity(path: str) -> Identity:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+#: what a shard entry of an appended store's later manifest keeps exactly as it was
+_KEPT_SHARD_KEYS = ("name", "first_index", "count", "bytes", "xxh")
+
+
+def extends(later: Mapping[str, Any], earlier: Mapping[str, Any]) -> bool:
+    """Whether manifest ``later`` is ``earlier`` with shards appended (``fastdata convert
+    --append``): the same backend, and ``earlier``'s shards first, each unchanged. A dataset
+    opened on ``earlier`` reads on in that version (its shards are never rewritten by an append)."""
+    old, new = earlier["shards"], later["shards"]
+    return (later["backend"] == earlier["backend"] and len(new) >= len(old)
+            and all(all(a.get(k) == b.get(k) for k in _KEPT_SHARD_KEYS) for a, b in zip(old, new, strict=False)))
 
 
 def changed_error(root: str, detail: str) -> StoreChangedError:
@@ -150,14 +163,16 @@ class StoreLocation:
         if found == self.manifest_identity:
             return
         try:
-            checksum = read_manifest(self.root)["checksum"]
+            current = read_manifest(self.root)
         except FastdataError as err:
             raise changed_error(self.root, f"its {MANIFEST_NAME} changed and does not read as a store: {err}") \
                 from None
-        if checksum != self.manifest["checksum"]:
-            raise changed_error(self.root, f"its {MANIFEST_NAME} has checksum {checksum}, not "
+        if current["checksum"] != self.manifest["checksum"] and not extends(current, self.manifest):
+            raise changed_error(self.root, f"its {MANIFEST_NAME} has checksum {current['checksum']}, not "
                                            f"{self.manifest['checksum']}")
-        self.manifest_identity = found  # the same version, e.g. copied back in place
+        # the same version (e.g. copied back in place), or a later one made by appending to it,
+        # which keeps every shard of this one as it was: this dataset reads on in its own version
+        self.manifest_identity = found
 
     def prefetch(self, shards: Sequence[int], keep: Collection[int] = ()) -> None:
         """Start fetching ``shards`` in the background (nothing to do for a local store)."""
@@ -224,7 +239,8 @@ class RemoteStore(StoreLocation):
                               "so it cannot be read remotely without downloading every shard: convert it again "
                               "with this version, or copy it to local disk")
         entry = self.manifest[MANIFEST_KEY]
-        local = os.path.join(self._dir, STORE_INDEX_NAME)
+        name = index_file_name(self.manifest)
+        local = os.path.join(self._dir, name)
         data = None
         if os.path.exists(local):
             try:
@@ -233,8 +249,8 @@ class RemoteStore(StoreLocation):
                 data = None  # not what was cached there: fetched again, and replaced
         if data is None or len(data) != entry["bytes"]:
             # at most the declared size (+1 byte to tell a longer object), whatever the server sends
-            data = self.location.read_bytes(STORE_INDEX_NAME, limit=entry["bytes"])
-            parsed = parse_store_index(data, self.manifest, schema, self.location.child(STORE_INDEX_NAME))
+            data = self.location.read_bytes(name, limit=entry["bytes"])
+            parsed = parse_store_index(data, self.manifest, schema, self.location.child(name))
             atomic_write(local, data)
             return parsed
         return parse_store_index(data, self.manifest, schema, local)

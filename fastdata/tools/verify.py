@@ -22,7 +22,7 @@ from fastdata.format.chunks import ChunkTable, check_shape, chunk_region, iter_g
 from fastdata.format.chunk_codecs import chunk_codec
 from fastdata.format.manifest import IMAGE_MODES_KEY, read_manifest, schema_of
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, STORE_INDEX_NAME
-from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
+from fastdata.format.store_index import MANIFEST_KEY, index_file_name, parse_store_index
 from fastdata.format.record import (
     chunk_first_key,
     chunk_shape_key,
@@ -140,7 +140,7 @@ def _census(where: str, m: dict, remote: RemoteStore | None) \
             indexes = remote.shard_indexes(None, StorageSpec.from_json(m["storage"]),
                                            None if m["version"] == 1 else schema)
         else:
-            path = os.path.join(where, STORE_INDEX_NAME)
+            path = os.path.join(where, index_file_name(m))
             data = read_regular(path, m[MANIFEST_KEY]["bytes"] + 1, "store index")
             indexes = parse_store_index(data, m, None if m["version"] == 1 else schema, path)
     except (FastdataError, OSError) as err:
@@ -607,22 +607,21 @@ def _check_local_index(store: str, m: dict, report: VerifyReport) -> None:
     manifest: a regular file (never a FIFO) of exactly the declared size, read with that size as
     the limit, with the declared checksum and the manifest's shards and counts."""
     from fastdata.common.fileio import read_regular
-    from fastdata.format.names import STORE_INDEX_NAME
-    from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
 
     entry = m.get(MANIFEST_KEY)
     if entry is None:
         return  # an older store: it has none
-    path = os.path.join(store, STORE_INDEX_NAME)
+    name = index_file_name(m)
+    path = os.path.join(store, name)
     try:
         data = read_regular(path, entry["bytes"], "store index")
         parse_store_index(data, m, _manifest_schema(m), path)
     except FileNotFoundError:
-        report.fail(f"{STORE_INDEX_NAME}: missing (the manifest lists one of {entry['bytes']} bytes)")
+        report.fail(f"{name}: missing (the manifest lists one of {entry['bytes']} bytes)")
     except OSError as err:
-        report.fail(f"{STORE_INDEX_NAME}: unreadable ({err.strerror or err})")
+        report.fail(f"{name}: unreadable ({err.strerror or err})")
     except FormatError as err:
-        report.fail(f"{STORE_INDEX_NAME}: {err}")
+        report.fail(f"{name}: {err}")
 
 
 def _check_class_counts(report: VerifyReport, m: dict, seen_classes: np.ndarray) -> None:
@@ -696,19 +695,17 @@ def _open_remote_for_verify(url: str, storage_options: Mapping[str, Any] | None,
 
 def _check_remote_index(store: RemoteStore, m: dict, report: VerifyReport) -> None:
     """The store index file (what readers use instead of opening every shard) against the manifest."""
-    from fastdata.format.names import STORE_INDEX_NAME
-    from fastdata.format.store_index import MANIFEST_KEY, parse_store_index
-
     if MANIFEST_KEY not in m:
         return  # an older store: readers cannot open it remotely, but its shards can still be verified
     schema = _manifest_schema(m)
+    name = index_file_name(m)
     try:  # the server's copy, not the cache's: that is what a fresh reader would get
-        data = store.location.read_bytes(STORE_INDEX_NAME, limit=m[MANIFEST_KEY]["bytes"])
-        parse_store_index(data, m, schema, store.location.child(STORE_INDEX_NAME))
+        data = store.location.read_bytes(name, limit=m[MANIFEST_KEY]["bytes"])
+        parse_store_index(data, m, schema, store.location.child(name))
     except FileNotFoundError:
-        report.fail(f"{STORE_INDEX_NAME}: missing on the server ({store.location.child(STORE_INDEX_NAME)})")
+        report.fail(f"{name}: missing on the server ({store.location.child(name)})")
     except FormatError as err:
-        report.fail(f"{STORE_INDEX_NAME}: {err}")
+        report.fail(f"{name}: {err}")
 
 
 def _scratch_root(scratch_dir: str | None) -> str:

@@ -55,6 +55,8 @@ def convert(
     strict: bool | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    append: bool = False,
+    add_classes: bool = False,
     progress: bool | None = None,
     lmdb_map_size: int | str | None = None,
     chunk_size: int = 32,
@@ -125,6 +127,13 @@ def convert(
             (``format``, ``shard_size``, ``max_side``/``quality``/``raw``, ``strict``) left as None take
             the values the interrupted run recorded; one given that differs refuses the resume, naming it.
         overwrite: replace an existing store at ``dst``.
+        append: add the samples to the published store at ``dst`` as new shards, publishing the new
+            manifest atomically (:mod:`fastdata.writer.append`): the backend and storage options not
+            given are the store's, the schema must be the store's, and each class name maps to the
+            store's index of it. A SIGKILL leaves the store as it was; ``append`` with ``resume``
+            finishes an interrupted append. A dataset opened before reads on in its own version.
+        add_classes: with ``append``: class names the store lacks are appended at the end of its class
+            table (otherwise they are an error); the table is then no longer sorted as ImageFolder's.
         progress: show a progress bar (default: when stderr is a terminal).
         lmdb_map_size: initial LMDB map size (it grows automatically).
         chunk_size: inputs per worker task.
@@ -162,6 +171,7 @@ def convert(
     refuse_remote_source(src)
     options = WriteOptions(
         format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
+        append=append, add_classes=add_classes,
         progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
         staging_dir=staging_dir)
     # the options of image folders and volumes, which the sources that keep every value as read refuse
@@ -251,6 +261,8 @@ def convert_table(
     strict: bool | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    append: bool = False,
+    add_classes: bool = False,
     progress: bool | None = None,
     lmdb_map_size: int | str | None = None,
     chunk_size: int = 32,
@@ -287,6 +299,7 @@ def convert_table(
         raise ValueError(f"{src} is a folder: --schema applies to a JSONL/CSV/TSV list file (path plus fields)")
     return WriteSession(TableInput(src, schema), dst, WriteOptions(
         format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
+        append=append, add_classes=add_classes,
         progress=progress, lmdb_map_size=lmdb_map_size, chunk_size=chunk_size, storage_options=storage_options,
         staging_dir=staging_dir)).run()
 
@@ -301,6 +314,8 @@ def write(
     shard_size: int | str | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    append: bool = False,
+    add_classes: bool = False,
     progress: bool | None = None,
     chunk_size: int = 32,
     strict: bool = True,
@@ -342,6 +357,13 @@ def write(
             keeping its finished shards. An iterable cannot be resumed: it is refused (rerun with
             ``overwrite``).
         overwrite: replace an existing store at ``dst``.
+        append: add the samples to the published store at ``dst`` as new shards, publishing the new
+            manifest atomically (:mod:`fastdata.writer.append`): the backend and storage options not
+            given are the store's, the schema must be the store's, and each class name maps to the
+            store's index of it. A SIGKILL leaves the store as it was; ``append`` with ``resume``
+            finishes an interrupted append. A dataset opened before reads on in its own version.
+        add_classes: with ``append``: class names the store lacks are appended at the end of its class
+            table (otherwise they are an error); the table is then no longer sorted as ImageFolder's.
         progress: show a progress bar (default: when stderr is a terminal).
         chunk_size: samples per worker task.
         strict: True (default): an unusable image value (unreadable file, not an image) stops
@@ -379,6 +401,7 @@ def write(
                   else IterInput(samples, schema, metadata))
     return WriteSession(source, dst, WriteOptions(
         format=format, shard_size=shard_size, strict=strict, workers=workers, resume=resume, overwrite=overwrite,
+        append=append, add_classes=add_classes,
         progress=progress, chunk_size=chunk_size, storage_options=storage_options, staging_dir=staging_dir)).run()
 
 
@@ -393,6 +416,8 @@ def convert_coco(
     strict: bool | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    append: bool = False,
+    add_classes: bool = False,
     progress: bool | None = None,
     chunk_size: int = 32,
     storage_options: dict | None = None,
@@ -418,6 +443,13 @@ def convert_coco(
             skip and report them.
         resume (bool): finish an interrupted conversion of the same file, keeping its finished shards.
         overwrite (bool): replace an existing store at ``dst``.
+        append: add the samples to the published store at ``dst`` as new shards, publishing the new
+            manifest atomically (:mod:`fastdata.writer.append`): the backend and storage options not
+            given are the store's, the schema must be the store's, and each class name maps to the
+            store's index of it. A SIGKILL leaves the store as it was; ``append`` with ``resume``
+            finishes an interrupted append. A dataset opened before reads on in its own version.
+        add_classes: with ``append``: class names the store lacks are appended at the end of its class
+            table (otherwise they are an error); the table is then no longer sorted as ImageFolder's.
         progress (bool | None): show a progress bar (default: when stderr is a terminal).
         chunk_size (int): images per worker task.
         storage_options (dict | None): fsspec options for a URL ``dst``.
@@ -437,8 +469,8 @@ def convert_coco(
     refuse_remote_source(image_dir, "image folder")
     return WriteSession(CocoInput(ann_file, image_dir), dst, WriteOptions(
         format=format, shard_size=shard_size, strict=bool(strict), workers=workers, resume=resume,
-        overwrite=overwrite, progress=progress, chunk_size=chunk_size, storage_options=storage_options,
-        staging_dir=staging_dir)).run()
+        overwrite=overwrite, append=append, add_classes=add_classes, progress=progress, chunk_size=chunk_size,
+        storage_options=storage_options, staging_dir=staging_dir)).run()
 
 
 def refuse_given(options: Sequence[tuple[str, Any]], what: str) -> None:

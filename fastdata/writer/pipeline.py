@@ -62,7 +62,9 @@ from fastdata.format.names import (
     STAGING_DIR,
     STORE_INDEX_NAME,
     TMP_SUFFIX,
+    is_store_index_name,
     shard_name,
+    store_index_name,
 )
 from fastdata.format.record import EncodedSample  # noqa: F401  (named in docstrings; what general sources produce)
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
@@ -233,15 +235,19 @@ def remove_temporaries(dst: str) -> None:
                 remove_file(os.path.join(staging, name))
 
 
-def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True) -> dict[int, ShardResult]:
+def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True,
+                  first_shard: int = 0) -> dict[int, ShardResult]:
     """Shards whose sidecar exists and whose file still matches it (size, and the
-    whole-file checksum unless ``verify_files`` is False: for shards this run just wrote).
-    With a :func:`shard_sink` installed, the sink decides (e.g. the remote objects)."""
+    whole-file checksum unless ``verify_files`` is False: for shards this run just wrote),
+    keyed by shard number (a plan's ``shard_id`` plus ``first_shard``: an append numbers its
+    shards after the store's). With a :func:`shard_sink` installed, the sink decides (e.g. the
+    remote objects)."""
     sink = _SINK.get()
     if sink is not None:
-        return sink.load_finished(dst, backend, plans)
+        return sink.load_finished(dst, backend, [ShardPlan(p.shard_id + first_shard, p.start, p.stop)
+                                                 for p in plans])
     done: dict[int, ShardResult] = {}
-    for plan in plans:
+    for plan in (ShardPlan(p.shard_id + first_shard, p.start, p.stop) for p in plans):
         name = shard_name(backend, plan.shard_id)
         side = staging_path(dst, name + ".json")
         path = os.path.join(dst, name)
@@ -262,9 +268,11 @@ def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: 
 
 class _ShardInProgress:
     def __init__(self, dst: str, backend: str, plan: ShardPlan, storage: StorageSpec, num_classes: int,
-                 writer_options: dict, schema: Schema | None = None):
+                 writer_options: dict, schema: Schema | None = None, first_shard: int = 0):
         self.plan = plan
-        self.name = shard_name(backend, plan.shard_id)
+        #: the shard's number in the store (an append's shards come after the store's own)
+        self.shard_id = plan.shard_id + first_shard
+        self.name = shard_name(backend, self.shard_id)
         self.final_path = os.path.join(dst, self.name)
         self.tmp_path = self.final_path + TMP_SUFFIX
         # created here (O_EXCL | O_NOFOLLOW) so the backend's writer opens a file we made,
@@ -306,7 +314,7 @@ class _ShardInProgress:
             fsync_dir(dst)
             atomic_write(index_sidecar, encode_shard_index(index))
             result = ShardResult(
-                shard_id=self.plan.shard_id, name=self.name, count=self.count,
+                shard_id=self.shard_id, name=self.name, count=self.count,
                 bytes=os.path.getsize(self.final_path), xxh=file_checksum(self.final_path),
                 image_bytes=self.image_bytes, input_bytes=self.input_bytes,
                 class_counts=self.class_counts, rejected=self.rejected, warnings=self.warnings,
@@ -501,6 +509,7 @@ def run_shards(
     on_progress: Callable[[int, int, int], None] | None = None,
     schema: Schema | None = None,
     num_classes: int = 0,
+    first_shard: int = 0,
 ) -> PipelineStats:
     """Write the shards ``plans`` (None: those ``source`` makes as it goes) that ``source`` feeds into ``dst``.
 
@@ -510,22 +519,23 @@ def run_shards(
     ``on_progress(images, rejected, input_bytes)`` is called after each chunk. Raises
     :class:`ConversionError` on a dead worker or an I/O error, :class:`RejectedInputError`
     in strict mode, and any error a worker raises (e.g. a
-    :class:`~fastdata.format.fields.SchemaError`) as it is.
+    :class:`~fastdata.format.fields.SchemaError`) as it is. Plan ``k`` is written as shard
+    ``first_shard + k`` (an append numbers its shards after the store's).
     """
     if plans is not None and not plans:
         return PipelineStats()  # nothing left to write (a resume of finished shards): no pool to start
     if workers == 0:
         with source.in_this_process():
             return _run_shards(dst, backend, source, plans, storage, 0, strict, writer_options, on_progress, schema,
-                               num_classes)
+                               num_classes, first_shard)
     return _run_shards(dst, backend, source, plans, storage, workers, strict, writer_options, on_progress, schema,
-                       num_classes)
+                       num_classes, first_shard)
 
 
 def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPlan] | None, storage: StorageSpec,
                 workers: int, strict: bool, writer_options: dict,
                 on_progress: Callable[[int, int, int], None] | None, schema: Schema | None,
-                num_classes: int) -> PipelineStats:
+                num_classes: int, first_shard: int = 0) -> PipelineStats:
     stats = PipelineStats()
     window = max(2, workers * 4)
     spill_dir = staging_path(dst)
@@ -561,9 +571,9 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
             plan, a = chunk.plan, chunk.start
             shard = open_shards.get(plan.shard_id)
             if shard is None:
-                writing = os.path.join(dst, shard_name(backend, plan.shard_id)) + TMP_SUFFIX
+                writing = os.path.join(dst, shard_name(backend, plan.shard_id + first_shard)) + TMP_SUFFIX
                 shard = open_shards[plan.shard_id] = _ShardInProgress(
-                    dst, backend, plan, storage, num_classes, writer_options, schema)
+                    dst, backend, plan, storage, num_classes, writer_options, schema, first_shard)
             writing = shard.tmp_path
             samples = []
             for offset, item in enumerate(results):
@@ -677,21 +687,52 @@ def _stop_pool(executor: cf.ProcessPoolExecutor) -> None:
         manager.join(timeout=10)
 
 
+@dataclass
+class PublishedBase:
+    """The published store an append (or a merge) adds shards to: its manifest, and its shards'
+    entries of the store index file (``(name, encode_shard_index bytes)``), carried into the new
+    version's index file as they are."""
+
+    manifest: dict
+    index_entries: list[tuple[str, bytes]]
+
+    @property
+    def generation(self) -> int:
+        """The version number of the store index file it lists (0: ``index.fdi``)."""
+        name = (self.manifest.get(STORE_INDEX_KEY) or {}).get("name", STORE_INDEX_NAME)
+        return 0 if name == STORE_INDEX_NAME else int(name[len("index-"):-len(".fdi")])
+
+
 def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[str, str]], storage: StorageSpec,
-            results: list[ShardResult], options: dict, schema: Schema | None = None, extra: dict | None = None) -> dict:
-    """Write ``rejected.tsv`` and then ``manifest.json`` (last); remove staging.
+            results: list[ShardResult], options: dict, schema: Schema | None = None, extra: dict | None = None,
+            base: PublishedBase | None = None) -> dict:
+    """Write ``rejected.tsv``, the store index file and then ``manifest.json`` (last); remove staging.
 
     ``schema`` None publishes a classification store (layout version 1) of ``classes``; a
     schema publishes a general store (version 2; ``classes``: its single-label field's table,
     or empty). ``remarks`` are ``(path, warning)`` pairs about the input as a whole (empty class
     folders, folders named like splits, ...), listed before the per-input warnings of the shards.
-    ``extra`` adds top-level manifest keys (e.g. ``class_tables``)."""
+    ``extra`` adds top-level manifest keys (e.g. ``class_tables``).
+
+    ``base`` (an append): the published store whose shards, class counts, rejected inputs and
+    warnings come first; ``classes`` then extends its table (the same names first). The new
+    version's index file gets the next generation's name (``index-00001.fdi``, ...) so the
+    file the current manifest lists is never replaced: a crash before the new manifest is in
+    place leaves the store as it was, and a reader of the old version reads on. Index files of
+    versions before the previous one are then deleted."""
     results = sorted(results, key=lambda r: r.shard_id)
     shards, first = [], 0
     classes = list(classes)
     class_counts = [0] * len(classes)
     rejected: list[dict[str, str]] = []
     warnings = [{"path": p, "warning": why} for p, why in remarks]
+    if base is not None:
+        old = base.manifest
+        shards = [dict(entry) for entry in old["shards"]]
+        first = int(old["num_samples"])
+        class_counts[:len(old["class_counts"])] = old["class_counts"]
+        rejected = list(old["rejected"])
+        warnings = list(old["warnings"]) + warnings
     for r in results:
         shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
                        "xxh": r.xxh, "image_bytes": r.image_bytes})
@@ -717,14 +758,21 @@ def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[s
     if schema is not None:
         body["schema"] = schema.to_json()
     body.update(extra or {})
+    generation = base.generation + 1 if base is not None else 0
+    index_name = store_index_name(generation)
     try:
-        index_file = build_store_index((r.name, shard_index_bytes(dst, backend, r.name, schema)) for r in results)
-        atomic_write(os.path.join(dst, STORE_INDEX_NAME), index_file)
-        body[STORE_INDEX_KEY] = store_index_entry(index_file)
+        kept = base.index_entries if base is not None else []
+        index_file = build_store_index(itertools.chain(
+            kept, ((r.name, shard_index_bytes(dst, backend, r.name, schema)) for r in results)))
+        atomic_write(os.path.join(dst, index_name), index_file)
+        body[STORE_INDEX_KEY] = store_index_entry(index_file, index_name)
         atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
         manifest = write_manifest(dst, body)
     except OSError as err:
         raise io_error(err, os.path.join(dst, MANIFEST_NAME)) from err
+    for older in range(generation - 1):  # (the previous version's stays: a reader may be opening it)
+        with contextlib.suppress(OSError, FastdataError):
+            remove_file(os.path.join(dst, store_index_name(older)))
     sink = _SINK.get()
     if sink is not None:
         sink.publish(dst)
@@ -770,8 +818,8 @@ def store_entries(dst: str) -> list[str]:
     """Names in ``dst`` that a conversion may create (and ``--overwrite`` may delete)."""
     names = []
     for name in os.listdir(dst):
-        if (name in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, STAGING_DIR) or name.startswith("shard-")
-                or ATOMIC_TMP_MARK in name):
+        if (name in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR) or name.startswith("shard-")
+                or is_store_index_name(name) or ATOMIC_TMP_MARK in name):
             names.append(name)
     return names
 

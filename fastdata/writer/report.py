@@ -33,6 +33,9 @@ class ConvertReport:
     unit: str = "images"
     #: lines about what was stored: formats, dtypes and channels, the default read mode recorded
     notes: list = field(default_factory=list)
+    #: after an append (``append=True``): ``(samples, shards)`` the store holds now; the other
+    #: counts are the append's own
+    store_total: tuple[int, int] | None = None
 
     @property
     def images_per_s(self) -> float:
@@ -42,9 +45,12 @@ class ConvertReport:
         """A few human-readable lines."""
         if self.already_complete:
             return f"{self.dst}: already a complete store ({self.images} {self.unit}); nothing to do"
+        verb, new = ("appended", "new ") if self.store_total is not None else ("wrote", "")
         lines = [
-            f"wrote {self.images} {self.unit} to {self.dst} ({self.backend}, {self.shards} shard(s)"
-            + (f", {self.resumed_shards} kept from the interrupted run" if self.resumed_shards else "") + ")",
+            f"{verb} {self.images} {self.unit} to {self.dst} ({self.backend}, {self.shards} {new}shard(s)"
+            + (f", {self.resumed_shards} kept from the interrupted run" if self.resumed_shards else "") + ")"
+            + (f"; the store now holds {self.store_total[0]} {self.unit} in {self.store_total[1]} shard(s)"
+               if self.store_total is not None else ""),
             f"rejected {self.rejected} input(s)" + (f" (listed in {os.path.join(self.dst, 'rejected.tsv')})"
                                                     if self.rejected else ""),
             f"input {format_size(self.input_bytes)}, output {format_size(self.output_bytes)}, "

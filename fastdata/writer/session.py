@@ -38,8 +38,9 @@ from fastdata.common.paths import check_local_path
 from fastdata.common.units import parse_size
 from fastdata.errors import ConversionError, FastdataError, ResumeMismatchError, StoreExistsError
 from fastdata.format.manifest import read_manifest
-from fastdata.format.names import MANIFEST_NAME
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
 from fastdata.remote.store import is_remote
+from fastdata.writer import append
 from fastdata.writer.distributed import RankGroup, current_group, error_text, shards_for_rank
 from fastdata.writer.lock import StoreLock, raise_if_locked
 from fastdata.writer.options import resolve_options, resolve_workers
@@ -48,6 +49,7 @@ from fastdata.writer.pipeline import (
     clear_store,
     load_finished,
     prepare_staging,
+    PublishedBase,
     prestart_pool,
     publish,
     remove_staging,
@@ -77,6 +79,8 @@ class WriteOptions:
     chunk_size: int = 32
     storage_options: dict | None = None
     staging_dir: str | os.PathLike | None = None
+    append: bool = False
+    add_classes: bool = False
 
 
 def check_destination(dst: str, resume: bool, overwrite: bool) -> None:
@@ -103,8 +107,8 @@ def check_destination(dst: str, resume: bool, overwrite: bool) -> None:
     if resume or overwrite or not ours:
         return
     if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-        raise StoreExistsError(f"{dst} already holds a fastdata store; pass --overwrite to replace it "
-                               "or choose another destination")
+        raise StoreExistsError(f"{dst} already holds a fastdata store; pass --overwrite to replace it, --append "
+                               "to add to it, or choose another destination")
     raise StoreExistsError(f"{dst} holds an unfinished conversion; pass --resume to finish it "
                            "or --overwrite to start again")
 
@@ -125,6 +129,10 @@ class WriteSession:
         self.group = RankGroup()
         #: this rank's shard results (those kept from an interrupted run first)
         self._results: list = []
+        #: the published store an append adds to (None: not an append)
+        self.base: PublishedBase | None = None
+        #: the input's own fingerprint (an append's fingerprint also names the store version)
+        self.input_fingerprint = ""
 
     def run(self) -> ConvertReport:
         """Write the store; see the module docstring for the steps.
@@ -140,6 +148,10 @@ class WriteSession:
         o, source = self.options, self.source
         if o.resume and o.overwrite:
             raise ValueError("resume and overwrite (--resume, --overwrite) are exclusive")
+        if o.append and o.overwrite:
+            raise ValueError("append and overwrite (--append, --overwrite) are exclusive")
+        if o.add_classes and not o.append:
+            raise ValueError("add_classes (--add-classes) applies to an append (--append) only")
         if o.resume and source.resume_refusal:
             raise ValueError(source.resume_refusal)
         group = current_group()
@@ -148,6 +160,9 @@ class WriteSession:
         if group is not None and source.splits_across_ranks:
             self.group = group
         if is_remote(self.dst):
+            if o.append:
+                raise ValueError(f"{self.dst}: --append to a URL is not supported yet: append to a local copy "
+                                 "and upload it, or merge stores with fastdata merge")
             rank = self.group.rank if self.group.world_size > 1 else None
             return write_to_url(self.dst, o.storage_options, o.staging_dir, resume=o.resume, overwrite=o.overwrite,
                                 rank=rank, run=lambda local: self._write(local, overwrite=False))
@@ -162,9 +177,15 @@ class WriteSession:
         if group.world_size == 1:  # (ranks: rank 0 checks it while preparing, so that all ranks stop together)
             raise_if_locked(dst)  # a live writer is named before any other complaint about DST
         dst = os.path.abspath(dst)
-        recorded = read_recorded_run(dst) if o.resume and source.reuses_recorded_options else None
+        self.base = append.open_base(dst) if o.append else None
+        if self.base is not None:
+            recorded = append.recorded_run(self.base)  # an append takes the store's options not given again
+        else:
+            recorded = read_recorded_run(dst) if o.resume and source.reuses_recorded_options else None
         run = resolve_options(dst, recorded.options if recorded else None, format=o.format, shard_size=o.shard_size,
                               strict=o.strict, **source.storage_request)
+        if self.base is not None:
+            append.check_options(dst, self.base, run)
         workers, workers_warning = resolve_workers(o.workers)
         writer_options = {"initial_map_size": parse_size(o.lmdb_map_size)} if o.lmdb_map_size else {}
         started = time.perf_counter()
@@ -174,7 +195,11 @@ class WriteSession:
         report = ConvertReport(dst=dst, backend=run.backend, unit=source.unit, options=source.options_text(run) + (
             " (recorded by the interrupted run)" if recorded and not recorded.complete else ""))
         report.warnings.extend(source.warnings + ([workers_warning] if workers_warning else []))
-        fingerprint = source.fingerprint(run)
+        if self.base is not None:
+            append.check_source(dst, self.base, source, o.add_classes)
+        fingerprint = self.input_fingerprint = source.fingerprint(run)
+        if self.base is not None:
+            fingerprint = append.fingerprint(fingerprint, self.base)
         fingerprints = group.all_gather(fingerprint)
         differing = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
         if differing:
@@ -194,16 +219,23 @@ class WriteSession:
                                     "--resume)")
             manifest = group.on_rank0(lambda: self._publish(dst, run, plans, fingerprint),
                                       failed=lambda err: f"rank 0 could not publish the store: {error_text(err)}")
-        report.images = manifest["num_samples"]
         report.notes = source.report_notes()
-        report.rejected = len(manifest["rejected"])
-        report.rejected_items = [(r["path"], r["reason"]) for r in manifest["rejected"]]
+        shards, rejected = manifest["shards"], manifest["rejected"]
+        if self.base is not None:  # the report counts what this append added
+            kept = len(self.base.manifest["shards"])
+            report.store_total = (manifest["num_samples"], len(shards))
+            shards, rejected = shards[kept:], rejected[len(self.base.manifest["rejected"]):]
+            report.images = sum(s["count"] for s in shards)
+        else:
+            report.images = manifest["num_samples"]
+        report.rejected = len(rejected)
+        report.rejected_items = [(r["path"], r["reason"]) for r in rejected]
         # inputs kept with a remark (the source's own remarks are already in the report)
         report.warnings.extend(w for w in (f"{x['path']}: {x['warning']}" for x in manifest.get("warnings", []))
                                if w not in report.warnings)
         report.input_bytes = sum(nbytes for nbytes, _ in counts)
-        report.output_bytes = sum(s["bytes"] for s in manifest["shards"])
-        report.shards = len(manifest["shards"])
+        report.output_bytes = sum(s["bytes"] for s in shards)
+        report.shards = len(shards)
         report.resumed_shards = sum(kept for _, kept in counts)
         report.elapsed = time.perf_counter() - started
         return report
@@ -219,11 +251,13 @@ class WriteSession:
         """
         source, resume = self.source, self.options.resume
         raise_if_locked(dst)  # (a group of one checked it first thing; ranks check it here)
-        check_destination(dst, resume, overwrite)
+        check_destination(dst, resume or self.base is not None, overwrite)
         os.makedirs(dst, exist_ok=True)
         lock = held.enter_context(StoreLock(dst))
         if lock.stale_pid:
             report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
+        if self.base is not None:
+            return self._prepare_append(lock, dst, run, fingerprint)
         if overwrite:
             clear_store(dst)
         if resume:
@@ -233,6 +267,23 @@ class WriteSession:
         lock.record_token(prepare_staging(dst, fingerprint, resume, source.staging_source))
         if recorded is None or recorded.fingerprint != fingerprint:
             source.record(dst, run, fingerprint)  # what a later --resume reuses and compares against
+        remove_temporaries(dst)
+        return None
+
+    def _prepare_append(self, lock: StoreLock, dst: str, run: RunOptions, fingerprint: str) -> int | None:
+        """:meth:`_prepare` of an append, once the store is locked: the store's sample count when a
+        resume finds this append published already; else staging is ready (an unfinished earlier
+        append is finished by a resume, discarded by a new append) and None is returned."""
+        assert self.base is not None
+        self.base = append.open_base(dst)  # (again, under the lock: the version this append extends)
+        if self.options.resume:
+            if append.already_appended(self.base, self.input_fingerprint) and not os.path.lexists(
+                    os.path.join(dst, STAGING_DIR)):
+                return int(self.base.manifest["num_samples"])
+        else:
+            append.discard_unpublished(dst, self.base)
+        lock.record_token(prepare_staging(dst, fingerprint, self.options.resume, self.source.staging_source))
+        self.source.record(dst, run, fingerprint)
         remove_temporaries(dst)
         return None
 
@@ -253,30 +304,44 @@ class WriteSession:
         written. Returns ``(input bytes, shards kept)`` for the report."""
         source, group, o = self.source, self.group, self.options
         mine = shards_for_rank(plans, group.rank, group.world_size) if plans is not None else None
-        finished = load_finished(dst, run.backend, mine) if o.resume and mine is not None else {}
-        todo = [p for p in mine if p.shard_id not in finished] if mine is not None else None
+        first = self.first_shard
+        finished = load_finished(dst, run.backend, mine, first_shard=first) if o.resume and mine is not None else {}
+        todo = [p for p in mine if p.shard_id + first not in finished] if mine is not None else None
         label = source.progress_label if group.world_size == 1 else f"rank {group.rank}"
         with ProgressBar(sum(p.stop - p.start for p in todo) if todo is not None else 0, o.progress,
                          desc=label) as bar:
             stats = run_shards(dst=dst, backend=run.backend, source=source.chunks(run, o.chunk_size), plans=todo,
                                storage=run.storage, workers=workers, strict=run.strict, writer_options=writer_options,
                                on_progress=bar.update_counts, schema=source.schema,
-                               num_classes=len(source.classes()) if source.schema is None else 0)
+                               num_classes=len(source.classes()) if source.schema is None else 0, first_shard=first)
         self._results = list(finished.values()) + stats.results
         return stats.input_bytes + sum(r.input_bytes for r in finished.values()), len(finished)
 
     def _publish(self, dst: str, run: RunOptions, plans: list[ShardPlan] | None, fingerprint: str) -> dict:
         """Rank 0, once every rank is done: check every planned shard is finished, publish; the manifest."""
         source = self.source
+        first = self.first_shard
         results = (self._results if self.group.world_size == 1  # (the other ranks' shards: from their sidecars)
-                   else list(load_finished(dst, run.backend, plans or [], verify_files=False).values()))
-        missing = sorted({p.shard_id for p in plans or []} - {r.shard_id for r in results})
+                   else list(load_finished(dst, run.backend, plans or [], verify_files=False,
+                                           first_shard=first).values()))
+        missing = sorted({p.shard_id + first for p in plans or []} - {r.shard_id for r in results})
         if missing:
             raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with {source.resume_flag}")
         source.finish_results(dst, run.backend, results)
+        if self.base is not None:
+            options, extra = append.manifest_parts(self.base, source, self.input_fingerprint,
+                                                   sum(r.count for r in results), len(results))
+            return publish(dst=dst, backend=run.backend, classes=source.classes() or self.base.manifest["classes"],
+                           remarks=source.remarks(), storage=run.storage, results=results, options=options,
+                           schema=source.schema, extra=extra, base=self.base)
         options = {"source": source.recorded_source, "shard_size": run.shard_size.bytes,
                    "shard_size_unit": run.shard_size.unit, "strict": run.strict, "fingerprint": fingerprint,
                    **source.manifest_options()}
         return publish(dst=dst, backend=run.backend, classes=source.classes(), remarks=source.remarks(),
                        storage=run.storage, results=results, options=options, schema=source.schema,
                        extra=source.manifest_extra())
+
+    @property
+    def first_shard(self) -> int:
+        """The number of this run's first shard: 0, or one past the store's for an append."""
+        return append.next_shard(self.base) if self.base is not None else 0

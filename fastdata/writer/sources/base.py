@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from fastdata.common.fileio import atomic_write
-from fastdata.errors import ResumeMismatchError
+from fastdata.errors import ResumeMismatchError, SourceError
 from fastdata.format.fields import Schema
 from fastdata.format.names import PLAN_FILE, STAGING_DIR
 from fastdata.writer.pipeline import ChunkSource, ShardResult, io_error
@@ -96,6 +96,19 @@ class WriteSource(abc.ABC):
     def classes(self) -> list[str]:
         """The manifest's ``classes`` (a classification store's, or a general store's single-label field's)."""
         return []
+
+    def adopt_classes(self, store_classes: list[str], add_classes: bool) -> None:
+        """Use ``store_classes`` (the table of the classification store being appended to) as this
+        input's class table, so that each sample's label is the store's index of its class name.
+
+        The default (an input whose labels cannot be renumbered) accepts only the same table.
+
+        Raises:
+            SourceError: a class the store lacks (without ``add_classes``), or tables that differ.
+        """
+        if self.classes() != store_classes:
+            raise SourceError(f"the store's classes ({len(store_classes)}) differ from this input's "
+                              f"({len(self.classes())}); appending needs the same class table")
 
     def remarks(self) -> list[tuple[str, str]]:
         """``(path, warning)`` pairs about the whole input, for the manifest's ``warnings``."""

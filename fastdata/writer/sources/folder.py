@@ -453,6 +453,25 @@ class FolderInput(WriteSource):
     def classes(self) -> list[str]:
         return list(self._scan().classes)
 
+    def adopt_classes(self, store_classes: list[str], add_classes: bool) -> None:
+        """Renumber the scan's labels to the store's class table (names matched exactly). The
+        classes the store lacks are an error, or with ``add_classes`` are appended at the end of
+        the table in sorted order (the store's table is then no longer ImageFolder's sorted order)."""
+        found = self._scan()
+        known = {name: i for i, name in enumerate(store_classes)}
+        new = [name for name in found.classes if name not in known]
+        if new and not add_classes:
+            shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+            raise SourceError(f"{self.src}: class(es) {shown} are not among the store's {len(store_classes)} "
+                              "classes; pass --add-classes (add_classes=True) to append them at the end of its "
+                              "class table (its order is then no longer ImageFolder's sorted order), or fix the "
+                              "folder names")
+        table = list(store_classes) + new
+        position = {name: i for i, name in enumerate(table)}
+        mapping = np.array([position[name] for name in found.classes], dtype=np.int64)
+        found.labels = mapping[found.labels] if len(found.labels) else found.labels
+        found.classes = table
+
     def remarks(self) -> list[tuple[str, str]]:
         return list(self._scan().walk_problems)
 

@@ -1,0 +1,194 @@
+"""Appending to a published store: what :class:`~fastdata.writer.session.WriteSession` does
+differently with ``append=True`` (``fastdata convert SRC STORE --append``).
+
+An append is an ordinary write session whose shards are numbered after the store's and whose
+publish starts from the store's manifest (:class:`~fastdata.writer.pipeline.PublishedBase`):
+
+* **Compatible or refused, before anything is written.** The backend and storage mode are the
+  store's (options not given again are taken from it, as ``--resume`` does; different ones are
+  an error naming each), a general store's schema must be the same (the differences are
+  listed), and the class names of the new samples map onto the store's class indices: a name
+  the store lacks is an error unless ``add_classes`` appends it at the end of the table (the
+  table is then no longer sorted as ImageFolder's). A general store's class tables must be equal.
+* **Crash-safe.** New shards and their sidecars go where a conversion puts them (shard files
+  the old manifest does not list, and ``.fastdata-staging``), the new version's store index
+  file gets a new name (``index-00001.fdi``, ...), and the new ``manifest.json`` replaces the old
+  one atomically, last. A SIGKILL at any moment leaves the old manifest, which lists only the
+  old, untouched shards: the store reads and verifies as before, and ``--append --resume``
+  finishes the append (a new ``--append`` without ``--resume`` discards the unfinished one).
+* **Readers keep their version.** Nothing the old manifest lists is rewritten, so a dataset
+  opened before the append reads on in the version it opened (its location accepts a newer
+  manifest that only adds shards: :func:`fastdata.remote.store.extends`), and one opened after
+  sees every sample.
+
+The manifest's ``options.appends`` lists each append (source, samples, shards, fingerprint);
+the store's own ``options`` stay those of its first conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import xxhash
+
+from fastdata.errors import FastdataError, IncompleteStoreError
+from fastdata.format.manifest import CLASS_TABLES_KEY, read_manifest
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
+from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
+from fastdata.format.store_index import index_file_name, shard_entries
+from fastdata.writer.owned import check_dir, remove_file
+from fastdata.writer.pipeline import PublishedBase, io_error, remove_staging
+from fastdata.writer.resume import RecordedRun, RunOptions, describe_storage
+from fastdata.writer.sources.base import WriteSource
+
+#: top-level manifest keys an append rebuilds (every other one is carried from the store as it is)
+_REBUILT_KEYS = ("format", "version", "backend", "storage", "classes", "num_samples", "class_counts", "shards",
+                 "rejected", "warnings", "options", "schema", STORE_INDEX_KEY, "checksum")
+_SHARD_NUMBER = re.compile(r"shard-([0-9]+)\.")
+
+
+class AppendError(FastdataError, ValueError):
+    """An append refused before anything was written: the store is missing, unfinished, or
+    its backend, storage mode, schema or classes do not match the new samples."""
+
+
+def open_base(dst: str) -> PublishedBase:
+    """The published store at ``dst`` an append adds to (its manifest and store index entries).
+
+    Raises:
+        AppendError: no store there, or an unfinished first conversion (finish it with ``--resume``).
+    """
+    if not os.path.exists(os.path.join(dst, MANIFEST_NAME)):
+        if os.path.isdir(dst) and check_dir(os.path.join(dst, STAGING_DIR)):
+            raise AppendError(f"{dst} holds an unfinished conversion, not a published store: finish it with "
+                              "--resume (without --append) before appending to it")
+        raise AppendError(f"{dst}: no fastdata store to append to (no {MANIFEST_NAME}); convert into it "
+                          "without --append first")
+    try:
+        manifest = read_manifest(dst)
+    except IncompleteStoreError as err:
+        raise AppendError(f"{dst}: {err}") from None
+    if STORE_INDEX_KEY not in manifest:
+        raise AppendError(f"{dst} was made by an older fastdata (it has no store index file): convert it again "
+                          "with this version before appending to it")
+    path = os.path.join(dst, index_file_name(manifest))
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(manifest[STORE_INDEX_KEY]["bytes"] + 1)
+    except OSError as err:
+        raise io_error(err, path) from err
+    return PublishedBase(manifest=manifest, index_entries=shard_entries(data, manifest, path))
+
+
+def recorded_run(base: PublishedBase) -> RecordedRun:
+    """The store's own options, as a resume's record: the options an append does not give again."""
+    m = base.manifest
+    opts = m["options"]
+    options = RunOptions.from_json({"backend": m["backend"], "storage": m["storage"],
+                                    "shard_size": opts["shard_size"], "strict": opts.get("strict", False),
+                                    "shard_size_unit": opts.get("shard_size_unit")})
+    return RecordedRun(options=options, source=opts.get("source"), fingerprint=opts.get("fingerprint"),
+                       complete=True)
+
+
+def check_options(dst: str, base: PublishedBase, run: RunOptions) -> None:
+    """Refuse an append whose backend or storage mode differ from the store's (each named)."""
+    stored = recorded_run(base).options
+    diffs = []
+    if run.backend != stored.backend:
+        diffs.append(f"backend: the store is {stored.backend}, the append asks for {run.backend}")
+    if run.storage.to_json() != stored.storage.to_json():
+        diffs.append(f"storage: the store keeps {describe_storage(stored.storage)}, the append asks for "
+                     f"{describe_storage(run.storage)}")
+    if diffs:
+        raise AppendError(f"cannot append to {dst}: " + "; ".join(diffs) + " (leave the storage options out: an "
+                          "append takes the store's)")
+
+
+def check_source(dst: str, base: PublishedBase, source: WriteSource, add_classes: bool) -> None:
+    """After ``source.plan``: refuse a different kind of store or schema, and map the new samples'
+    class names onto the store's class indices (:meth:`WriteSource.adopt_classes`)."""
+    m = base.manifest
+    general = m["version"] != 1
+    if general != (source.schema is not None):
+        kinds = ("a general store (fields " + ", ".join(f["name"] for f in m.get("schema", [])) + ")"
+                 if general else "a classification store (image + label)")
+        new = "general samples" if source.schema is not None else "an image folder or list (image + label)"
+        raise AppendError(f"cannot append {new} to {dst}: it is {kinds}")
+    if general:
+        assert source.schema is not None
+        differences = schema_differences(m["schema"], source.schema.to_json())
+        if differences:
+            raise AppendError(f"cannot append to {dst}: the schema differs: " + "; ".join(differences))
+        ours = (source.manifest_extra() or {}).get(CLASS_TABLES_KEY, {})
+        theirs = m.get(CLASS_TABLES_KEY, {})
+        if ours != theirs:
+            fields = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+            raise AppendError(f"cannot append to {dst}: the class table of field(s) {', '.join(fields)} differs "
+                              f"from the store's (store: {_short(theirs)}; new: {_short(ours)}); a general store's "
+                              "classes are appended only with the same table")
+        return
+    source.adopt_classes(list(m["classes"]), add_classes)
+
+
+def _short(tables: dict) -> str:
+    text = json.dumps(tables, ensure_ascii=False)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def schema_differences(stored: list, new: list) -> list[str]:
+    """What differs between two schemas (``Schema.to_json`` lists), field by field."""
+    a = {f["name"]: f for f in stored}
+    b = {f["name"]: f for f in new}
+    out = [f"field {n!r} is missing from the new samples" for n in a if n not in b]
+    out += [f"field {n!r} is not in the store" for n in b if n not in a]
+    out += [f"field {n!r}: the store has {json.dumps(a[n], sort_keys=True)}, the new samples "
+            f"{json.dumps(b[n], sort_keys=True)}" for n in a if n in b and a[n] != b[n]]
+    if not out and [f["name"] for f in stored] != [f["name"] for f in new]:
+        out.append("the fields are in another order")
+    return out
+
+
+def fingerprint(source_fingerprint: str, base: PublishedBase) -> str:
+    """An append's fingerprint: its input's, tied to the store version it appends to (a resume
+    of the append into a store that changed since is refused)."""
+    return xxhash.xxh3_128_hexdigest(f"append:{source_fingerprint}:{base.manifest['checksum']}".encode())
+
+
+def already_appended(base: PublishedBase, source_fingerprint: str) -> bool:
+    """Whether the store's latest append is this input's (a resume finding the append published)."""
+    appends = base.manifest["options"].get("appends") or []
+    return bool(appends) and isinstance(appends[-1], dict) and appends[-1].get("input_fingerprint") == \
+        source_fingerprint
+
+
+def next_shard(base: PublishedBase) -> int:
+    """The number of the first new shard: one past the store's highest."""
+    numbers = [int(m.group(1)) for s in base.manifest["shards"] if (m := _SHARD_NUMBER.match(s["name"]))]
+    return max(numbers, default=-1) + 1
+
+
+def discard_unpublished(dst: str, base: PublishedBase) -> None:
+    """Remove what an interrupted append left (its staging folder and the shard files the
+    manifest does not list), before a new append (not a resume) starts."""
+    listed = {s["name"] for s in base.manifest["shards"]}
+    remove_staging(dst)
+    for name in os.listdir(dst):
+        if _SHARD_NUMBER.match(name) and name not in listed:
+            remove_file(os.path.join(dst, name))
+
+
+def manifest_parts(base: PublishedBase, source: WriteSource, input_fingerprint: str, added: int,
+                   shards: int) -> tuple[dict, dict]:
+    """``(options, extra)`` of the appended store's manifest: the store's options with this append
+    added to ``appends``, and the store's other top-level keys as they were."""
+    m = base.manifest
+    entry = {"source": source.recorded_source, "samples": added, "shards": shards,
+             "input_fingerprint": input_fingerprint}
+    options = {k: v for k, v in m["options"].items() if k != "fastdata_version"}
+    options["appends"] = list(options.get("appends") or []) + [entry]
+    extra = {k: v for k, v in m.items() if k not in _REBUILT_KEYS}
+    return options, extra
+
