@@ -6,6 +6,7 @@ Public API::
     fastdata.convert(src, dst, **options) -> ConvertReport
     fastdata.write(samples, dst, schema=None, **options) -> ConvertReport
     fastdata.convert_coco(annotations_json, image_dir, dst, **options) -> ConvertReport
+    fastdata.merge([store_a, store_b, ...], dst) -> MergeReport
     fastdata.verify(store, decode=False) -> VerifyReport
     fastdata.info(store) -> dict
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
@@ -38,6 +39,7 @@ _LAZY = {
     "convert": "fastdata.writer.api",
     "convert_table": "fastdata.writer.api",
     "write": "fastdata.writer.api",
+    "merge": "fastdata.writer.merge",
     "convert_coco": "fastdata.writer.api",
     "ConvertReport": "fastdata.writer.report",
     "info": "fastdata.tools.verify",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.tools.diagnose import diagnose  # noqa: F401
     from fastdata.tools.verify import info, verify  # noqa: F401
     from fastdata.writer.api import convert, convert_coco, convert_table, write  # noqa: F401
+    from fastdata.writer.merge import merge  # noqa: F401
     from fastdata.writer.report import ConvertReport  # noqa: F401
 
 

@@ -66,6 +66,15 @@ def _upload_options(args) -> dict:
     return out
 
 
+def _cmd_merge(args) -> int:
+    from fastdata.writer.merge import merge
+
+    report = merge(args.stores, args.output, overwrite=args.overwrite, link=not args.copy)
+    if not args.quiet:
+        print(printable(report.summary(), keep_newlines=True))
+    return EXIT_OK
+
+
 def _cmd_info(args) -> int:
     from fastdata.common.units import format_size
     from fastdata.tools.verify import info
@@ -322,6 +331,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "recognised as images; repeatable, or NAME,NAME")
     _add_list_arguments(c)
     c.set_defaults(func=_cmd_convert)
+
+    mg = sub.add_parser("merge", help="make one store from several, without re-encoding (hard links)",
+                        description="Make one store OUTPUT from the stores STORE... (same backend, storage mode and "
+                                    "schema), their samples concatenated in the order given. No record is read or "
+                                    "re-encoded: shard files are hard-linked where the filesystem allows (no extra "
+                                    "disk), copied otherwise. Class tables are unified by name: the sorted union "
+                                    "when every table is sorted, else in order of first appearance; shards whose "
+                                    "labels change get a label map the readers apply (nothing is rewritten). "
+                                    "Stores that differ are refused with the differences named.")
+    mg.add_argument("stores", nargs="+", metavar="STORE", help="two or more published local stores")
+    mg.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="the merged store's directory (new)")
+    mg.add_argument("--overwrite", action="store_true", help="replace a store at OUTPUT")
+    mg.add_argument("--copy", action="store_true", help="copy the shard files instead of hard-linking them")
+    mg.add_argument("--quiet", action="store_true", help="no summary")
+    mg.set_defaults(func=_cmd_merge)
 
     i = sub.add_parser("info", help="describe a store",
                        description="Describe a store: backend, counts, classes, shards. STORE is a directory or "

@@ -23,6 +23,14 @@ STORE_FORMAT = "fastdata-store"
 STORE_VERSION = 1
 #: layout version of general stores (a ``schema`` other than the classification one)
 STORE_VERSION_2 = 2
+#: a classification store (version 1 records and shards) whose shards may carry a ``label_map``
+#: (``fastdata merge`` of stores with different class tables): a reader that ignored the map
+#: would misread labels, so such a store has its own version
+STORE_VERSION_REMAPPED = 3
+#: the versions of classification stores (image + label)
+CLASSIFICATION_VERSIONS = (STORE_VERSION, STORE_VERSION_REMAPPED)
+#: the most entries a shard's ``label_map`` may have (one per class of the store it came from)
+MAX_LABEL_MAP = 1 << 20
 #: the largest manifest read (local or remote); its JSON decodes under
 #: :func:`fastdata.common.bounded.json_loads_bounded`'s budget (see docs/SECURITY.md)
 MAX_MANIFEST_BYTES = 256 << 20
@@ -115,10 +123,11 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
     """Check the manifest schema, version, internal consistency and (optionally) checksum."""
     if body.get("format") != STORE_FORMAT:
         raise FormatError(f"{where}: not a fastdata manifest (format={body.get('format')!r})")
-    if body.get("version") not in (STORE_VERSION, STORE_VERSION_2) or type(body.get("version")) is not int:
+    if body.get("version") not in (*CLASSIFICATION_VERSIONS, STORE_VERSION_2) or type(body.get("version")) is not int:
         raise FormatError(
             f"{where}: store layout version {body.get('version')!r} is not supported by this fastdata "
-            f"(expects {STORE_VERSION} or {STORE_VERSION_2}); convert the data again or install a matching fastdata"
+            f"(expects {STORE_VERSION}, {STORE_VERSION_2} or {STORE_VERSION_REMAPPED}); convert the data again or "
+            "install a matching fastdata"
         )
     for key, typ in _REQUIRED.items():
         if type(body.get(key)) is not typ:
@@ -181,6 +190,8 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
             raise FormatError(f"{where}: shard {name}: {shard['count']} raw images of {raw_shape[0]}x{raw_shape[1]} "
                               f"are {shard['count'] * raw_bytes:,} bytes, more than the shard's {shard['bytes']:,}")
         expected_first += shard["count"]
+        if "label_map" in shard:
+            _validate_label_map(shard["label_map"], len(body["classes"]), body["version"], f"{where}: shard {name}")
     _validate_store_index_entry(body, where)
     general = body["version"] == STORE_VERSION_2
     if expected_first != body["num_samples"] or (
@@ -191,6 +202,26 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         _validate_class_tables(body, schema, where)
     elif "schema" in body:
         raise FormatError(f"{where}: a version-1 manifest has no schema (it is always image + label)")
+
+
+def _validate_label_map(label_map: object, num_classes: int, version: int, where: str) -> None:
+    """A shard's ``label_map`` (version 3 only): a list of at most :data:`MAX_LABEL_MAP` ints, each a
+    class index of the store; stored label ``k`` of the shard means class ``label_map[k]``."""
+    if version != STORE_VERSION_REMAPPED:
+        raise FormatError(f"{where}: a label_map belongs to a store of version {STORE_VERSION_REMAPPED} only")
+    if not (isinstance(label_map, list) and len(label_map) <= MAX_LABEL_MAP
+            and all(type(x) is int and 0 <= x < num_classes for x in label_map)):
+        raise FormatError(f"{where}: label_map is not a list of class indices (0..{num_classes - 1})")
+
+
+def is_classification(manifest: dict) -> bool:
+    """Whether ``manifest`` is a classification store's (image + label: version 1, or 3 with label maps)."""
+    return manifest["version"] in CLASSIFICATION_VERSIONS
+
+
+def label_map_of(shard: dict) -> list[int] | None:
+    """A shard entry's ``label_map`` (None: its stored labels are the store's class indices)."""
+    return shard.get("label_map")
 
 
 def _validate_store_index_entry(body: dict, where: str) -> None:

@@ -103,17 +103,13 @@ def shard_entries(data: bytes, manifest: dict, where: str) -> list[tuple[str, by
     """``(shard name, encode_shard_index bytes)`` of every shard in index file bytes ``data``,
     checked against ``manifest`` as :func:`parse_store_index` does (an append or a merge
     carries the shards it keeps into a new index file with these, decoding no array)."""
-    parse_store_index(data, manifest, None if manifest.get("version", 1) == 1 else _schema_of(manifest, where),
-                      where)
+    from fastdata.format.manifest import is_classification, schema_of
+
+    parse_store_index(data, manifest, None if is_classification(manifest) else schema_of(manifest, where), where)
     body = msgpack.unpackb(data, raw=False, strict_map_key=True)  # (checked just above)
     return [(e["name"], msgpack.packb({"count": e["count"], "arrays": e["arrays"]}, use_bin_type=True))
             for e in body["shards"]]
 
-
-def _schema_of(manifest: dict, where: str):
-    from fastdata.format.manifest import schema_of
-
-    return schema_of(manifest, where)
 
 
 def parse_store_index(data: bytes, manifest: dict, schema, where: str) -> list[ShardIndex | SampleIndex]:

@@ -43,6 +43,7 @@ from torch.utils.data import Dataset
 from fastdata.common.imageio import decoded_bytes_limit, pixel_limit
 from fastdata.common.imagemodes import IMAGE_MODES, MODE_CHANNELS, check_mode
 from fastdata.errors import CorruptRecordError, FastdataError, FormatError, StoreChangedError
+from fastdata.format.manifest import is_classification, label_map_of
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_CODES, IMAGE_DTYPE_NAMES, NOT_RECORDED
@@ -324,7 +325,7 @@ class StoreDataset(Dataset):
 
     # -- metadata ---------------------------------------------------------------------------
     def _load_index(self, manifest: dict) -> None:
-        if manifest["version"] != 1:
+        if not is_classification(manifest):
             raise FormatError(f"{self.root} is a general store (layout version {manifest['version']}, fields "
                               f"{', '.join(f['name'] for f in manifest.get('schema', []))}): open it with "
                               "fastdata.open_dataset(), which returns a SampleDataset")
@@ -339,6 +340,13 @@ class StoreDataset(Dataset):
                                          shard=shard["name"])
             for key in parts:
                 parts[key].append(getattr(index, key))
+            label_map = label_map_of(shard)
+            if label_map is not None:  # a merged store's shard: its stored labels index its own store's classes
+                if len(index) and int(index.labels.max()) >= len(label_map):
+                    raise CorruptRecordError(f"{self.root}/{shard['name']}: a label is outside the shard's label_map "
+                                             f"of {len(label_map)} classes; run 'fastdata verify'", store=self.root,
+                                             shard=shard["name"])
+                parts["labels"][-1] = np.asarray(label_map, dtype=np.int64)[index.labels]
             paths.append(index.relpaths)
             path_offsets.append(index.relpath_offsets[1:] + base)
             base += len(index.relpaths)

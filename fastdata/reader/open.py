@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from fastdata.format.manifest import is_classification
 from fastdata.reader.coco import CocoStoreDataset, is_coco_manifest
 from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset, StoreDataset
 from fastdata.reader.samples import SampleDataset
@@ -28,7 +29,7 @@ def open_dataset(path: str | os.PathLike | StoreLocation, **kwargs) -> StoreData
         path, storage_options=kwargs.pop("storage_options", None), cache_dir=kwargs.pop("cache_dir", None),
         cache_limit=kwargs.pop("cache_limit", None))
     manifest = store.manifest
-    if manifest["version"] != 1:
+    if not is_classification(manifest):
         if is_coco_manifest(manifest):
             return CocoStoreDataset(store, **kwargs)
 

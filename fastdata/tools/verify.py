@@ -20,7 +20,7 @@ from fastdata.format.backends.base import RAW_NATIVE_MODES, ShardReader, Storage
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.chunks import ChunkTable, check_shape, chunk_region, iter_grid
 from fastdata.format.chunk_codecs import chunk_codec
-from fastdata.format.manifest import IMAGE_MODES_KEY, read_manifest, schema_of
+from fastdata.format.manifest import IMAGE_MODES_KEY, is_classification, label_map_of, read_manifest, schema_of
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, STORE_INDEX_NAME
 from fastdata.format.store_index import MANIFEST_KEY, index_file_name, parse_store_index
 from fastdata.format.record import (
@@ -94,7 +94,7 @@ def _default_modes(m: dict) -> dict[str, str]:
     from fastdata.format.fields import Image
 
     schema = schema_of(m)
-    recorded = m.get(IMAGE_MODES_KEY) if m["version"] == 1 else None
+    recorded = m.get(IMAGE_MODES_KEY) if is_classification(m) else None
     out = {}
     for name, f in schema:
         if isinstance(f, Image):
@@ -138,11 +138,11 @@ def _census(where: str, m: dict, remote: RemoteStore | None) \
     try:
         if remote is not None:
             indexes = remote.shard_indexes(None, StorageSpec.from_json(m["storage"]),
-                                           None if m["version"] == 1 else schema)
+                                           None if is_classification(m) else schema)
         else:
             path = os.path.join(where, index_file_name(m))
             data = read_regular(path, m[MANIFEST_KEY]["bytes"] + 1, "store index")
-            indexes = parse_store_index(data, m, None if m["version"] == 1 else schema, path)
+            indexes = parse_store_index(data, m, None if is_classification(m) else schema, path)
     except (FastdataError, OSError) as err:
         return None, None, f"unreadable ({err})", None
     arrays = {}
@@ -585,11 +585,17 @@ def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: in
     report.decoded += decoded
     for p in problems:
         report.fail(p)
-    if file_ok and not problems and m["version"] == 1:
+    if file_ok and not problems and is_classification(m):
         with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
             index = reader.read_index()
             assert isinstance(index, ShardIndex)
             labels = index.labels
+            label_map = label_map_of(shard)
+            if label_map is not None:  # (a merged store's shard: its labels are its own store's classes)
+                if len(labels) and int(labels.max()) >= len(label_map):
+                    report.fail(f"{name}: a label is outside its label_map of {len(label_map)} classes")
+                    return
+                labels = np.asarray(label_map, dtype=np.int64)[labels]
             seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
 
 
@@ -625,7 +631,7 @@ def _check_local_index(store: str, m: dict, report: VerifyReport) -> None:
 
 
 def _check_class_counts(report: VerifyReport, m: dict, seen_classes: np.ndarray) -> None:
-    if report.ok and m["version"] == 1 and seen_classes.tolist() != m["class_counts"]:
+    if report.ok and is_classification(m) and seen_classes.tolist() != m["class_counts"]:
         report.fail(f"per-class counts {seen_classes.tolist()} differ from the manifest's {m['class_counts']}")
 
 

@@ -34,7 +34,7 @@ import re
 import xxhash
 
 from fastdata.errors import FastdataError, IncompleteStoreError
-from fastdata.format.manifest import CLASS_TABLES_KEY, read_manifest
+from fastdata.format.manifest import CLASS_TABLES_KEY, is_classification, read_manifest
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import index_file_name, shard_entries
@@ -111,7 +111,7 @@ def check_source(dst: str, base: PublishedBase, source: WriteSource, add_classes
     """After ``source.plan``: refuse a different kind of store or schema, and map the new samples'
     class names onto the store's class indices (:meth:`WriteSource.adopt_classes`)."""
     m = base.manifest
-    general = m["version"] != 1
+    general = not is_classification(m)
     if general != (source.schema is not None):
         kinds = ("a general store (fields " + ", ".join(f["name"] for f in m.get("schema", [])) + ")"
                  if general else "a classification store (image + label)")

@@ -744,7 +744,9 @@ def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[s
         f"{_tsv_field(item['path'])}\t{_tsv_field(item['reason'])}\n" for item in rejected)
     body = {
         "format": STORE_FORMAT,
-        "version": STORE_VERSION if schema is None else STORE_VERSION_2,
+        # (an append keeps its store's version: e.g. 3, a merged store whose shards carry label maps)
+        "version": base.manifest["version"] if base is not None else STORE_VERSION if schema is None else
+        STORE_VERSION_2,
         "backend": backend,
         "storage": storage.to_json(),
         "classes": classes,

@@ -1,8 +1,12 @@
-"""Reading a published store back through fastdata's own shard readers."""
+"""Reading a published store back through fastdata's own shard readers; small ImageFolder trees."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 
 def store_records(dst) -> tuple[dict, list[dict]]:
@@ -64,4 +68,24 @@ def general_records(dst, *, index: bool = False) -> list[dict]:
                         if key.startswith(FIELD_PREFIX):
                             rec[key[len(FIELD_PREFIX):]] = arr[i].tolist() if arr.ndim > 1 else arr[i].item()
                 out.append(rec)
+    return out
+
+
+def make_folder(root: Path, classes: dict[str, int], seed: int, size=(20, 24)) -> Path:
+    """An ImageFolder tree of distinct noise JPEGs: ``classes`` maps a class name to its count."""
+    rng = np.random.default_rng(seed)
+    for name, count in classes.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            pixels = rng.integers(0, 255, (*size, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"s{seed}_{i:03d}.jpg", quality=95)
+    return root
+
+
+def files_of(folder: Path) -> list[tuple[str, bytes]]:
+    """(class name, file bytes) of every image, in ImageFolder's order."""
+    out = []
+    for name in sorted(os.listdir(folder)):
+        for f in sorted(os.listdir(folder / name)):
+            out.append((name, (folder / name / f).read_bytes()))
     return out

@@ -18,34 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.procs import cli_in_process, sigkill_once_a_shard_is_staged
-from helpers.stores import store_records
-from PIL import Image
+from helpers.stores import files_of, make_folder, store_records
 
 import fastdata
 from fastdata.errors import FastdataError, StoreChangedError, StoreLockedError
 from fastdata.format.manifest import read_manifest
 from fastdata.format.names import STAGING_DIR
 from fastdata.writer.lock import StoreLock
-
-
-def make_folder(root: Path, classes: dict[str, int], seed: int, size=(20, 24)) -> Path:
-    """An ImageFolder tree of distinct noise JPEGs: ``classes`` maps a class name to its count."""
-    rng = np.random.default_rng(seed)
-    for name, count in classes.items():
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            pixels = rng.integers(0, 255, (*size, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(root / name / f"s{seed}_{i:03d}.jpg", quality=95)
-    return root
-
-
-def files_of(folder: Path) -> list[tuple[str, bytes]]:
-    """(class name, file bytes) of every image, in ImageFolder's order."""
-    out = []
-    for name in sorted(os.listdir(folder)):
-        for f in sorted(os.listdir(folder / name)):
-            out.append((name, (folder / name / f).read_bytes()))
-    return out
 
 
 def snapshot(store: Path) -> dict[str, bytes]:

@@ -72,17 +72,26 @@ class _EnvCache:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.envs: dict[str, list] = {}
+        self.envs: dict[tuple[int, int], list] = {}
 
     def acquire(self, path: str, readahead: bool):
         if self.pid != os.getpid():
             inherited, self.envs, self.pid = self.envs, {}, os.getpid()
             for env, _dbs, _refs in inherited.values():
                 env.close()
-        key = os.path.realpath(path)
-        entry = self.envs.get(key)
+        # keyed by the file (device, inode), not its path: py-lmdb refuses a second environment of
+        # one file even under another name, e.g. a shard hard-linked into a merged store
+        try:
+            st = os.stat(path)
+            key: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            key = None  # (checked_open names the problem)
+        entry = self.envs.get(key) if key is not None else None
         if entry is None:
             identity = checked_open(path)  # before LMDB maps anything: nothing it reads can fault
+            key = (identity[0], identity[1])
+            entry = self.envs.get(key)
+        if entry is None:
             env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
                             max_spare_txns=0, max_dbs=3)
             try:
@@ -99,7 +108,7 @@ class _EnvCache:
         entry[2] += 1
         return key, entry[0], entry[1]
 
-    def release(self, key: str) -> None:
+    def release(self, key: tuple[int, int]) -> None:
         if self.pid != os.getpid():
             return
         entry = self.envs.get(key)

@@ -1,0 +1,292 @@
+"""``fastdata merge A B ... -o C`` / :func:`merge`: one store from several, without reading a record.
+
+A shard is self-contained (its records are keyed by their index within the shard, and its index
+travels in the store index file), so a merged store is the inputs' shard files under new names
+plus a new manifest and store index file:
+
+* **No record is decoded, re-encoded or even read.** Each shard file is hard-linked into the
+  output (no extra disk; the files are never modified in place by fastdata: appends add shards,
+  ``--overwrite`` unlinks them), or copied where a link is impossible (another filesystem, or
+  ``link=False``). The shards' index entries are carried from each input's store index file.
+* **Order.** ``C[i]`` is the concatenation of the inputs in the order given: input 1's samples,
+  then input 2's, and so on.
+* **Classes.** A classification store's class tables are unified by name. When every input has
+  the same table it is kept (and nothing is remapped). Otherwise the merged table is the sorted
+  union when every input's table is sorted (ImageFolder's order, so ``ds.classes`` stays what
+  ImageFolder would give for the combined folders), else the names in order of first appearance;
+  each shard of an input whose table differs gets a ``label_map`` in the manifest (its stored
+  label ``k`` means class ``label_map[k]``), applied by the readers when they load the index:
+  a few bytes per class in the manifest and one gather per shard when a dataset opens; nothing is
+  rewritten. Such a store has layout version 3 (docs/FORMAT.md), which older readers refuse instead
+  of misreading its labels. General stores (``fastdata.write``) must have the same class tables.
+* **Refused with the differences named**: stores of different backends, storage modes, kinds
+  (classification or general) or schemas; a store that is being written (locked) or unfinished.
+* **Crash-safe**: the manifest is written last; a merge killed before leaves an unfinished store,
+  which the next ``merge`` into it clears and redoes (merging is cheap and idempotent).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fastdata.common.fileio import atomic_write, fsync_dir, fsync_file
+from fastdata.common.paths import check_local_path
+from fastdata.errors import FastdataError, StoreExistsError
+from fastdata.format.manifest import (
+    CLASS_TABLES_KEY,
+    STORE_FORMAT,
+    STORE_VERSION,
+    STORE_VERSION_REMAPPED,
+    is_classification,
+    write_manifest,
+)
+from fastdata.format.names import MANIFEST_NAME, PLAN_FILE, REJECTED_NAME, STAGING_DIR, shard_name
+from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
+from fastdata.format.store_index import build_store_index, manifest_entry
+from fastdata.remote.store import is_remote
+from fastdata.writer.append import open_base, schema_differences
+from fastdata.writer.lock import StoreLock, raise_if_locked
+from fastdata.writer.pipeline import PublishedBase, check_store_entries, clear_store, io_error, store_entries
+from fastdata.writer.resume import describe_storage
+
+#: what a merged store's ``options.source`` says
+MERGE_SOURCE = "fastdata.merge"
+
+
+class MergeError(FastdataError, ValueError):
+    """Stores that cannot be merged (their differences named), or a destination that cannot take them."""
+
+
+@dataclass
+class MergeReport:
+    """What :func:`merge` made."""
+
+    dst: str
+    inputs: list[str]
+    samples: int = 0
+    shards: int = 0
+    linked: int = 0  # shard files hard-linked
+    copied: int = 0  # shard files copied (another filesystem, or link=False)
+    bytes: int = 0  # the shards' bytes (what a copy costs; hard links cost none)
+    classes: int = 0
+    remapped_shards: int = 0  # shards whose labels the readers remap (label_map)
+    elapsed: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        how = [f"{self.linked} hard-linked"] * bool(self.linked) + [f"{self.copied} copied"] * bool(self.copied)
+        lines = [f"merged {len(self.inputs)} stores into {self.dst}: {self.samples} samples, {self.shards} shard(s) "
+                 f"({', '.join(how) or 'none'}; {self.bytes:,} bytes of shards), {self.elapsed:.2f} s"]
+        if self.remapped_shards:
+            lines.append(f"classes unified by name: {self.classes} classes; {self.remapped_shards} shard(s) carry a "
+                         "label map (their labels are remapped when a dataset opens; nothing was rewritten)")
+        return "\n".join(lines + self.notes)
+
+
+def merge(inputs: Sequence[str | os.PathLike], dst: str | os.PathLike, *, overwrite: bool = False,
+          link: bool = True) -> MergeReport:
+    """Make one store at ``dst`` from the stores ``inputs`` (same backend, storage and schema), their
+    samples concatenated in the order given, without decoding, re-encoding or reading a record.
+
+    Args:
+        inputs: two or more published local stores.
+        dst: the new store's directory (must not exist, or be empty; or ``overwrite``).
+        overwrite: replace a store at ``dst``.
+        link: hard-link the shard files where the filesystem allows (no extra disk), copying the
+            others; ``False`` copies every file.
+
+    Returns:
+        MergeReport: counts, and how the shards were placed.
+
+    Raises:
+        MergeError: the inputs differ (backend, storage, kind, schema, a general store's class
+            tables: each difference named), fewer than two inputs, ``dst`` among them, or a URL.
+        StoreExistsError, StoreLockedError, FastdataError: the destination or an input.
+    """
+    started = time.perf_counter()
+    paths = [os.path.abspath(os.fspath(p)) for p in inputs]
+    dst = os.fspath(dst)
+    if any(is_remote(p) for p in [*paths, dst]):
+        raise MergeError("fastdata merge works on local stores; merge copies of them and upload the result")
+    if len(paths) < 2:
+        raise MergeError(f"merge takes two or more stores, got {len(paths)}")
+    check_local_path(dst, "destination", must_exist=False)
+    dst = os.path.abspath(dst)
+    if dst in paths:
+        raise MergeError(f"{dst} is one of the inputs: merge into a new store")
+    for path in paths:
+        raise_if_locked(path)
+    bases = [open_base(p) for p in paths]
+    _check_same_kind(paths, bases)
+    classes, label_maps = _unified_classes(bases)
+
+    _prepare_destination(dst, overwrite)
+    with StoreLock(dst):
+        _mark_unfinished(dst)
+        report = MergeReport(dst=dst, inputs=paths, classes=len(classes))
+        shards, entries, k = [], [], 0
+        class_counts = [0] * len(classes)
+        rejected, warnings = [], []
+        for path, base, label_map in zip(paths, bases, label_maps, strict=True):
+            m = base.manifest
+            for shard, (_, index_bytes) in zip(m["shards"], base.index_entries, strict=True):
+                name = shard_name(m["backend"], k)
+                k += 1
+                report.linked += _place(os.path.join(path, shard["name"]), os.path.join(dst, name), shard["bytes"],
+                                        link)
+                entry = {key: shard[key] for key in ("count", "bytes", "xxh", "image_bytes")}
+                entry.update(name=name, first_index=report.samples)
+                if label_map is not None:
+                    entry["label_map"] = label_map
+                    report.remapped_shards += 1
+                shards.append(entry)
+                entries.append((name, index_bytes))
+                report.samples += shard["count"]
+                report.bytes += shard["bytes"]
+            for i, count in enumerate(m["class_counts"]):
+                class_counts[label_map[i] if label_map is not None else i] += count
+            rejected += m["rejected"]
+            warnings += m.get("warnings", [])
+        report.shards = len(shards)
+        report.copied = report.shards - report.linked
+        fsync_dir(dst)
+        first = bases[0].manifest
+        body = {k: v for k, v in first.items() if k not in ("checksum", STORE_INDEX_KEY)}
+        body.update(
+            format=STORE_FORMAT, classes=classes, class_counts=class_counts, num_samples=report.samples, shards=shards,
+            rejected=rejected, warnings=warnings,
+            version=(STORE_VERSION_REMAPPED if report.remapped_shards else
+                     STORE_VERSION if is_classification(first) else first["version"]),
+            options={"source": MERGE_SOURCE, "shard_size": first["options"]["shard_size"],
+                     "shard_size_unit": first["options"].get("shard_size_unit"),
+                     "strict": all(b.manifest["options"].get("strict", False) for b in bases),
+                     "merged": [{"store": p, "checksum": b.manifest["checksum"], "samples": b.manifest["num_samples"],
+                                 "shards": len(b.manifest["shards"])} for p, b in zip(paths, bases, strict=True)]})
+        if not all(b.manifest.get("image_modes") == first.get("image_modes") for b in bases):
+            body.pop("image_modes", None)
+            report.notes.append("the inputs record different default read modes: none is recorded for the merge")
+        try:
+            index_file = build_store_index(entries)
+            atomic_write(os.path.join(dst, "index.fdi"), index_file)
+            body[STORE_INDEX_KEY] = manifest_entry(index_file)
+            tsv = "path\treason\n" + "".join(f"{_tsv(r['path'])}\t{_tsv(r['reason'])}\n" for r in rejected)
+            atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
+            write_manifest(dst, body)
+        except OSError as err:
+            raise io_error(err, os.path.join(dst, MANIFEST_NAME)) from err
+        shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
+    report.elapsed = time.perf_counter() - started
+    return report
+
+
+def _tsv(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def _check_same_kind(paths: list[str], bases: list[PublishedBase]) -> None:
+    first, where = bases[0].manifest, paths[0]
+    problems = []
+    for path, base in zip(paths[1:], bases[1:], strict=True):
+        m = base.manifest
+        if m["backend"] != first["backend"]:
+            problems.append(f"{path} is {m['backend']}, {where} is {first['backend']}")
+        if m["storage"] != first["storage"]:
+            from fastdata.format.backends.base import StorageSpec
+
+            problems.append(f"{path} keeps {describe_storage(StorageSpec.from_json(m['storage']))}, {where} keeps "
+                            f"{describe_storage(StorageSpec.from_json(first['storage']))}")
+        if is_classification(m) != is_classification(first):
+            problems.append(f"{path} and {where} are not both classification stores (image + label) or both general "
+                            "stores")
+        elif not is_classification(m):
+            problems += [f"{path}: {d}" for d in schema_differences(first["schema"], m["schema"])]
+            if m.get(CLASS_TABLES_KEY, {}) != first.get(CLASS_TABLES_KEY, {}):
+                problems.append(f"{path}: its class tables differ from {where}'s (a general store's classes are "
+                                "merged only with the same tables)")
+    if problems:
+        raise MergeError("cannot merge: " + "; ".join(problems))
+
+
+def _unified_classes(bases: list[PublishedBase]) -> tuple[list[str], list[list[int] | None]]:
+    """The merged class table and, per input, its label map (None: its labels are kept as they are)."""
+    tables = [list(b.manifest["classes"]) for b in bases]
+    if all(t == tables[0] for t in tables) or not is_classification(bases[0].manifest):
+        return tables[0], [None] * len(bases)
+    if all(t == sorted(t) for t in tables):
+        union = sorted({c for t in tables for c in t})
+    else:
+        union = list(dict.fromkeys(c for t in tables for c in t))
+    position = {c: i for i, c in enumerate(union)}
+    maps = []
+    for table in tables:
+        mapped = [position[c] for c in table]
+        maps.append(None if mapped == list(range(len(table))) else mapped)
+    return union, maps
+
+
+def _prepare_destination(dst: str, overwrite: bool) -> None:
+    """Refuse a destination holding anything but an unfinished merge (or a store, with ``overwrite``)."""
+    if not os.path.exists(dst):
+        os.makedirs(dst)
+        return
+    if not os.path.isdir(dst):
+        raise StoreExistsError(f"{dst} exists and is not a directory; choose another destination")
+    check_store_entries(dst)
+    ours = set(store_entries(dst))
+    foreign = [n for n in os.listdir(dst) if n not in ours and not n.startswith(".fastdata")]
+    if foreign:
+        raise StoreExistsError(f"{dst} holds files that are not part of a fastdata store (e.g. {foreign[0]!r}); "
+                               "choose an empty or new destination")
+    if os.path.exists(os.path.join(dst, MANIFEST_NAME)) and not overwrite:
+        raise StoreExistsError(f"{dst} already holds a fastdata store; pass --overwrite to replace it or choose "
+                               "another destination")
+    if ours and not overwrite and not _unfinished_merge(dst):
+        raise StoreExistsError(f"{dst} holds an unfinished conversion; finish it with convert --resume, or pass "
+                               "--overwrite")
+    clear_store(dst)
+
+
+def _unfinished_merge(dst: str) -> bool:
+    try:
+        with open(os.path.join(dst, STAGING_DIR, PLAN_FILE), "rb") as fh:
+            return json.load(fh).get("source") == MERGE_SOURCE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _mark_unfinished(dst: str) -> None:
+    """Say, until the manifest is written, that ``dst`` is a merge in progress (the next merge
+    into it clears it; ``verify`` calls it unfinished)."""
+    from fastdata.writer.owned import ensure_dir
+
+    ensure_dir(os.path.join(dst, STAGING_DIR))
+    atomic_write(os.path.join(dst, STAGING_DIR, PLAN_FILE), json.dumps({"source": MERGE_SOURCE}).encode())
+
+
+def _place(src: str, dst: str, size: int, link: bool) -> bool:
+    """Hard-link (``link``) or copy shard file ``src`` to ``dst``; True when linked. A file that is
+    not ``size`` bytes (the input's manifest) is refused: the input is damaged or being changed."""
+    st = os.lstat(src)
+    if st.st_size != size or not os.path.isfile(src) or os.path.islink(src):
+        raise MergeError(f"{src}: not the regular file of {size:,} bytes its manifest lists; run fastdata verify "
+                         "on that store")
+    if link:
+        try:
+            os.link(src, dst, follow_symlinks=False)
+            return True
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+                raise io_error(err, dst) from err
+    try:
+        shutil.copyfile(src, dst, follow_symlinks=False)
+        fsync_file(dst)
+    except OSError as err:
+        raise io_error(err, dst) from err
+    return False
