@@ -63,8 +63,8 @@ from fastdata.format.names import (
     REJECTED_NAME,
     SIDECAR_SUFFIX,
     STAGING_DIR,
-    STORE_INDEX_NAME,
     TMP_SUFFIX,
+    is_store_index_name,
     shard_name,
 )
 from fastdata.remote.cache import default_cache_dir
@@ -203,8 +203,8 @@ def _staging_key(name: str) -> str:
 def _is_store_object(name: str) -> bool:
     """Whether object ``name`` (relative to the store URL) is one a conversion writes."""
     top = name.split("/", 1)[0]
-    return (top in (MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, STAGING_DIR, LOCK_NAME) or top.startswith("shard-")
-            or ATOMIC_TMP_MARK in top)
+    return (top in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR, LOCK_NAME) or top.startswith("shard-")
+            or is_store_index_name(top) or ATOMIC_TMP_MARK in top)
 
 
 def _is_run_record(name: str) -> bool:
@@ -275,7 +275,8 @@ class RemoteLock:
             pass
 
 
-def check_destination(location: RemoteLocation, *, resume: bool, overwrite: bool, clear: bool) -> dict[str, int]:
+def check_destination(location: RemoteLocation, *, resume: bool, overwrite: bool, clear: bool,
+                      append: bool = False) -> dict[str, int]:
     """Refuse a URL that holds a store (unless ``resume`` or ``overwrite``) or foreign objects;
     with ``overwrite`` and ``clear`` (rank 0 only under torchrun) delete the old store: the
     manifest first, so a run killed while clearing leaves an unfinished conversion, never a
@@ -287,6 +288,11 @@ def check_destination(location: RemoteLocation, *, resume: bool, overwrite: bool
         raise StoreExistsError(f"{what} holds objects that are not part of a fastdata store (e.g. {foreign[0]!r}); "
                                "refusing to write there: choose an empty or new prefix")
     published = MANIFEST_NAME in objects
+    if append:
+        if not published:
+            raise StoreExistsError(f"{what}: no published fastdata store to append to" + (
+                " (it holds an unfinished conversion: finish it with --resume first)" if objects else ""))
+        return objects
     if not (resume or overwrite) and set(objects) - {LOCK_NAME}:
         if published:
             raise StoreExistsError(f"{what} already holds a fastdata store; pass --overwrite (overwrite=True) to "
@@ -312,7 +318,8 @@ def remove_local(local: str, token: str | None = None) -> None:
     remove_dir(local, token=token, legacy=_is_store_object, legacy_dirs={STAGING_DIR: staging_made})
 
 
-def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int], *, resume: bool) -> str:
+def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int], *, resume: bool,
+                  append: bool = False) -> str:
     """Empty the local staging directory ``local`` (refusing while a live run holds its lock,
     and refusing one the converter did not make), then, for a resume, download what the local
     pipeline reads first: the manifest of a store already published, else the run's record
@@ -322,6 +329,9 @@ def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int],
         remove_local(local)
     os.makedirs(os.path.dirname(local), exist_ok=True)
     token = make_dir(local)
+    if append:
+        _prepare_append(location, local, objects, resume)
+        return token
     if not resume:
         return token
     make_dir(os.path.join(local, STAGING_DIR))
@@ -333,6 +343,32 @@ def prepare_local(location: RemoteLocation, local: str, objects: dict[str, int],
         if top == STAGING_DIR and name and "/" not in name and _is_run_record(name):
             atomic_write(os.path.join(local, STAGING_DIR, name), location.read_bytes(key))
     return token
+
+
+def _prepare_append(location: RemoteLocation, local: str, objects: dict[str, int], resume: bool) -> None:
+    """An append into a URL runs the local append against a copy of the store's metadata: the
+    manifest and its store index file (the shards stay on the server). A resume also fetches the
+    interrupted append's record; a new append first deletes what an interrupted one left (its
+    remote staging objects and the shard objects the manifest does not list)."""
+    from fastdata.format.manifest import parse_manifest
+    from fastdata.format.store_index import index_file_name
+
+    raw = location.read_bytes(MANIFEST_NAME)
+    manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
+    index = index_file_name(manifest)
+    atomic_write(os.path.join(local, index), location.read_bytes(index, limit=manifest["store_index"]["bytes"]))
+    atomic_write(os.path.join(local, MANIFEST_NAME), raw)
+    if resume:
+        records = [k for k in objects if k.startswith(STAGING_DIR + "/") and "/" not in k[len(STAGING_DIR) + 1:]
+                   and _is_run_record(k[len(STAGING_DIR) + 1:])]
+        if records:
+            make_dir(os.path.join(local, STAGING_DIR))
+        for key in records:
+            atomic_write(os.path.join(local, key), location.read_bytes(key))
+        return
+    listed = {s["name"] for s in manifest["shards"]}
+    location.remove(sorted(k for k in objects if k.split("/", 1)[0] == STAGING_DIR
+                           or (k.startswith("shard-") and k not in listed)))
 
 
 class RemoteDestination:
@@ -428,7 +464,11 @@ class RemoteDestination:
         then delete the remote staging objects."""
         if not self.publisher:
             return
-        for name in (REJECTED_NAME, STORE_INDEX_NAME, MANIFEST_NAME):
+        from fastdata.format.store_index import index_file_name
+
+        with open(os.path.join(dst, MANIFEST_NAME), "rb") as fh:  # (the local one, just written)
+            index = index_file_name(json.load(fh))  # index.fdi, or an appended version's index-NNNNN.fdi
+        for name in (REJECTED_NAME, index, MANIFEST_NAME):
             upload_checked(self.location, os.path.join(dst, name), name)
         self.remove_staging()
 
@@ -469,7 +509,8 @@ class RemoteDestination:
 
 
 def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_dir: str | os.PathLike | None, *,
-                 resume: bool, overwrite: bool, run: Callable[[str], Any], rank: int | None = None) -> Any:
+                 resume: bool, overwrite: bool, run: Callable[[str], Any], rank: int | None = None,
+                 append: bool = False) -> Any:
     """Run a conversion into ``url``: ``run(local_dir)`` is the local conversion (called with
     ``overwrite`` off: the remote store is cleared here), with a :class:`RemoteDestination`
     installed as its shard sink. Returns ``run``'s report with ``dst`` set to the URL.
@@ -487,8 +528,8 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
     local = local_staging_dir(location.url, staging_dir, rank)
     lock = RemoteLock(location)
     lock.check()  # a live writer is named before any other complaint (every rank sees the same)
-    objects = check_destination(location, resume=resume, overwrite=overwrite, clear=not rank)
-    token = prepare_local(location, local, objects, resume=resume)
+    objects = check_destination(location, resume=resume, overwrite=overwrite, clear=not rank, append=append)
+    token = prepare_local(location, local, objects, resume=resume, append=append)
     sink = RemoteDestination(location, publisher=not rank, lock=lock)
     try:
         if not rank:

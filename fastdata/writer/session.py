@@ -160,12 +160,11 @@ class WriteSession:
         if group is not None and source.splits_across_ranks:
             self.group = group
         if is_remote(self.dst):
-            if o.append:
-                raise ValueError(f"{self.dst}: --append to a URL is not supported yet: append to a local copy "
-                                 "and upload it, or merge stores with fastdata merge")
+            if o.append and self.group.world_size > 1:
+                raise ValueError(f"{self.dst}: an append into a URL runs in one process, not under torchrun")
             rank = self.group.rank if self.group.world_size > 1 else None
             return write_to_url(self.dst, o.storage_options, o.staging_dir, resume=o.resume, overwrite=o.overwrite,
-                                rank=rank, run=lambda local: self._write(local, overwrite=False))
+                                rank=rank, run=lambda local: self._write(local, overwrite=False), append=o.append)
         if o.storage_options or o.staging_dir is not None:
             raise ValueError(f"{self.dst}: storage_options and staging_dir apply to a URL destination only "
                              "(s3://, gs://, az://), not to a local path")
