@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from fastdata.reader.seeding import EpochIndex, epoch_of
 
-if TYPE_CHECKING:
-    from fastdata.reader.dataset import StoreDataset
+#: a fastdata store dataset (:class:`fastdata.reader.dataset.StoreDataset`); not imported here, since
+#: that module imports this one (for ``StoreDataset.subset``) and the layering forbids cycles
+BaseDataset = Any
 
 __all__ = ["StoreSubset", "random_split", "split_sizes", "stratified_counts"]
 
@@ -97,7 +98,7 @@ class StoreSubset(Dataset):
     readable sample of the *store* (which may lie outside the subset), counted in :attr:`skipped`.
     """
 
-    def __init__(self, dataset: StoreDataset | StoreSubset, indices: Sequence[int] | np.ndarray):
+    def __init__(self, dataset: BaseDataset | StoreSubset, indices: Sequence[int] | np.ndarray):
         """Make the view.
 
         Args:
@@ -112,13 +113,13 @@ class StoreSubset(Dataset):
             ValueError: indices that are not one-dimensional ints or a bool mask of the right length.
         """
         idx = _base_indices(indices, len(dataset))
-        base: StoreDataset
+        base: BaseDataset
         if isinstance(dataset, StoreSubset):
             idx, base = dataset.indices[idx], dataset.dataset
         else:
             base = dataset
         #: the base dataset (as ``torch.utils.data.Subset.dataset``)
-        self.dataset: StoreDataset = base
+        self.dataset: BaseDataset = base
         self._indices = read_only(idx)
         # non-decreasing: storage order, so shard_starts exist (duplicates allowed)
         self._sorted = bool(np.all(idx[1:] >= idx[:-1]))
@@ -439,7 +440,7 @@ def stratified_counts(class_counts: np.ndarray, sizes: np.ndarray) -> np.ndarray
 
 
 def random_split(
-    dataset: StoreDataset | StoreSubset,
+    dataset: BaseDataset | StoreSubset,
     lengths: Sequence[float] | Sequence[int],
     *,
     seed: int = 0,
