@@ -12,6 +12,7 @@ Public API::
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
     fastdata.seed_worker, fastdata.loader, fastdata.collate
     fastdata.DistributedShardSampler
+    fastdata.random_split, fastdata.StoreSubset (ds.subset(indices), ds.column(name))
     fastdata.PatchDataset, fastdata.Stitcher, fastdata.stitch
     fastdata.diagnose
     fastdata.errors, fastdata.fields, fastdata.transforms, fastdata.targets, fastdata.synth
@@ -55,6 +56,8 @@ _LAZY = {
     "seed_worker": "fastdata.reader.seeding",
     "loader": "fastdata.reader.loader",
     "DistributedShardSampler": "fastdata.reader.sampler",
+    "StoreSubset": "fastdata.reader.subset",
+    "random_split": "fastdata.reader.subset",
     "diagnose": "fastdata.tools.diagnose",
     "PatchDataset": "fastdata.reader.patches",
     "Stitcher": "fastdata.reader.patches",
@@ -75,6 +78,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.reader.patches import PatchDataset, Stitcher, stitch  # noqa: F401
     from fastdata.reader.sampler import DistributedShardSampler  # noqa: F401
     from fastdata.reader.seeding import seed_worker  # noqa: F401
+    from fastdata.reader.subset import StoreSubset, random_split  # noqa: F401
     from fastdata.tools.diagnose import diagnose  # noqa: F401
     from fastdata.tools.verify import info, verify  # noqa: F401
     from fastdata.writer.api import convert, convert_coco, convert_table, write  # noqa: F401

@@ -52,9 +52,12 @@ from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.seeding import epoch_of, sample_rng
 from fastdata.reader.shards import ShardHandles
+from fastdata.reader.subset import StoreSubset, code_names, read_only
 from fastdata.remote.store import StoreLocation, locate_store
 
 OUTPUTS = ("pil", "numpy", "tensor")
+#: what :meth:`StoreDataset.column` reads from a classification store's index
+CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "format", "nbytes")
 
 
 class ImagesReducedWarning(UserWarning):
@@ -360,6 +363,8 @@ class StoreDataset(Dataset):
         self._formats = cat(parts["formats"], np.uint8)
         self._nbytes = cat(parts["nbytes"], np.int64)
         widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
+        # kept for column("width") / column("height"): subsets and splits by size without a read
+        self._widths, self._heights = widths, heights
         #: per image field: (dtype codes, channel counts) from the index (0: not recorded, an older store)
         self._pixel_meta = {"image": (cat(parts["dtypes"], np.uint8), cat(parts["channels"], np.uint16))}
         self._check_raw_sizes(self._nbytes)
@@ -519,6 +524,70 @@ class StoreDataset(Dataset):
         """(shard number, index within that shard) of a global sample index."""
         shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
         return shard, index - int(self.shard_starts[shard])
+
+    # -- index columns and subsets ----------------------------------------------------------
+    def columns(self) -> tuple[str, ...]:
+        """The names :meth:`column` accepts for this store.
+
+        Returns:
+            tuple[str, ...]: for a classification store ``label``, ``width``, ``height``,
+            ``channels``, ``dtype``, ``format`` and ``nbytes``.
+        """
+        return CLASSIFICATION_COLUMNS
+
+    def column(self, name: str) -> np.ndarray:
+        """One value per sample of a field the index holds, without reading a record.
+
+        Classification stores: ``"label"`` (int64, equal to :attr:`targets`), ``"width"`` and
+        ``"height"`` (int32, of the image as stored), ``"channels"`` (uint16, the stored channel
+        count), ``"dtype"`` (the numpy dtype name of the stored pixels, e.g. ``"uint8"``, as a
+        str array), ``"format"`` (the stored format's name, ``"JPEG"``, ``"PNG"``, ``"RAW"``...)
+        and ``"nbytes"`` (int64, the stored record's size). ``channels`` 0 and ``dtype`` ``""``
+        mean "not recorded" (a store written before fastdata recorded them). Names, not the
+        index's 1-byte codes: ``ds.column("dtype") == "uint16"`` needs no code table, and the
+        array is built only when asked for. General stores: see :meth:`SampleDataset.column`.
+
+        Args:
+            name (str): a column name (:meth:`columns` lists them).
+
+        Returns:
+            np.ndarray: ``len(self)`` values (rows of a fixed-shape field), read-only.
+
+        Raises:
+            KeyError: no such column; the message lists the available ones.
+        """
+        array = self._column(name) if isinstance(name, str) else None
+        if array is None:
+            raise KeyError(f"{self.root} has no column {name!r}; its columns are: {', '.join(self.columns())}")
+        return read_only(array)
+
+    def _column(self, name: str) -> np.ndarray | None:
+        """The array of column ``name`` (may share memory with the index), None when unknown."""
+        codes, channels = self._pixel_meta["image"]
+        arrays = {"label": lambda: self.targets, "width": lambda: self._widths, "height": lambda: self._heights,
+                  "channels": lambda: channels, "nbytes": lambda: self._nbytes,
+                  "dtype": lambda: code_names(codes, IMAGE_DTYPE_NAMES),
+                  "format": lambda: code_names(self._formats, FORMAT_NAMES)}
+        get = arrays.get(name)
+        return None if get is None else get()
+
+    def subset(self, indices: Sequence[int] | np.ndarray) -> StoreSubset:
+        """A view of this dataset over ``indices`` (see :class:`fastdata.reader.subset.StoreSubset`).
+
+        Args:
+            indices: sample indices (ints, negative ones counting from the end; repeats allowed)
+                or a bool mask of ``len(self)`` values. Sorted indices keep reads in storage
+                order and give the view ``shard_starts`` (for ``DistributedShardSampler``'s
+                ``shard_window``).
+
+        Returns:
+            StoreSubset: ``view[i]`` is ``self[indices[i]]``, crops included (same seed and epoch).
+
+        Raises:
+            IndexError: an index out of range.
+            ValueError: indices that are not integers or a bool mask of the right length.
+        """
+        return StoreSubset(self, indices)
 
     # -- handles ----------------------------------------------------------------------------
     @property

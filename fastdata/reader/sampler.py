@@ -448,8 +448,9 @@ def _shard_mode(dataset: Sized, n: int, shard_window: int | None,
     if starts is None:
         raise ValueError(
             f"shard_window needs the shard boundaries, and {type(dataset).__name__} has no "
-            "shard_starts: pass a fastdata store dataset, or shard_sizes=[records of each "
-            "shard, in storage order]"
+            "shard_starts: pass a fastdata store dataset, a subset of one with sorted indices "
+            "(ds.subset(np.sort(indices)); an unsorted subset has no shard boundaries), or "
+            "shard_sizes=[records of each shard, in storage order]"
         )
     return int(shard_window), shard_sizes_from_starts(starts, n)
 

@@ -33,6 +33,8 @@ from fastdata.format.manifest import schema_of
 from fastdata.format.record import (
     FIELD_PREFIX,
     FORMAT_NAMES,
+    IMAGE_DTYPE_NAMES,
+    IMAGE_META,
     SampleIndex,
     chunk_first_key,
     chunk_shape_key,
@@ -44,6 +46,7 @@ from fastdata.reader.chunked import ChunkedArray
 from fastdata.reader.dataset import StoreDataset
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.seeding import epoch_of, sample_rng
+from fastdata.reader.subset import code_names
 from fastdata.remote.store import StoreLocation
 
 
@@ -128,6 +131,61 @@ class SampleDataset(StoreDataset):
 
     def _image_field_names(self) -> tuple[str, ...]:
         return self.schema.image_fields()
+
+    # -- index columns ----------------------------------------------------------------------
+    def _column_keys(self) -> dict[str, str]:
+        """Column name -> its key in :attr:`index_arrays`: every index-resident field by name,
+        ``<image>.format|width|height|dtype|channels`` per image field, ``<chunked>.shape`` per
+        chunked field; with one image field also its metadata without the prefix, and
+        ``label`` for the class field, unless a field already has that name."""
+        keys = {name: FIELD_PREFIX + name for name in self.schema.index_fields()}
+        images = self.schema.image_fields()
+        for name in images:
+            keys.update({f"{name}.{meta}": f"{FIELD_PREFIX}{name}.{meta}" for meta in IMAGE_META})
+        for name in self.schema.chunked_fields():
+            keys[f"{name}.shape"] = chunk_shape_key(name)
+        if len(images) == 1:
+            for meta in IMAGE_META:
+                keys.setdefault(meta, f"{FIELD_PREFIX}{images[0]}.{meta}")
+        if self.target_field is not None:
+            keys.setdefault("label", FIELD_PREFIX + self.target_field)
+        return {name: key for name, key in keys.items() if key in self.index_arrays}
+
+    def columns(self) -> tuple[str, ...]:
+        """The names :meth:`column` accepts for this store (see there)."""
+        return tuple(self._column_keys())
+
+    def column(self, name: str) -> np.ndarray:
+        """One value per sample of an index-resident field, without reading a record.
+
+        Names: every field the index holds (ints, floats, small fixed-shape arrays: ``(n, *shape)``
+        rows), the class field included; per image field ``<image>.width``, ``.height``,
+        ``.channels`` (0: not recorded), ``.dtype`` (the numpy dtype name of the stored pixels,
+        ``""``: not recorded) and ``.format`` (``"JPEG"``, ``"PNG"``...); per chunked field
+        ``<field>.shape`` (``(n, ndim)``). With a single image field also ``width``, ``height``,
+        ``channels``, ``dtype``, ``format``; with a class field also ``label`` (unless a field
+        has that name).
+
+        Args:
+            name (str): a column name (:meth:`columns` lists them).
+
+        Returns:
+            np.ndarray: ``len(self)`` values, read-only.
+
+        Raises:
+            KeyError: no such column; the message lists the available ones.
+        """
+        return super().column(name)
+
+    def _column(self, name: str) -> np.ndarray | None:
+        key = self._column_keys().get(name)
+        if key is None:
+            return None
+        array = self.index_arrays[key]
+        field, _, meta = key[len(FIELD_PREFIX):].partition(".")
+        if field in self.schema.image_fields() and meta in ("dtype", "format"):  # codes -> names
+            return code_names(array, IMAGE_DTYPE_NAMES if meta == "dtype" else FORMAT_NAMES)
+        return array
 
     def _default_mode(self, name: str, manifest: dict) -> str:
         """The schema's mode for the field (``Image(mode=...)``), else "RGB" for ``image`` and
