@@ -306,6 +306,17 @@ class RemoteLocation:
         path = self._path(name)
         self.call(f"uploading {local_path} to {self.child(name)}", lambda: fs.put_file(local_path, path))
 
+    def copy_from(self, source: RemoteLocation, name: str, new_name: str) -> None:
+        """Object ``new_name`` := ``source``'s object ``name``, copied by the server (S3 ``CopyObject``,
+        multipart for large objects: no byte passes through this machine). Both locations must be on
+        the same filesystem (scheme and storage options)."""
+        self._writable()
+        if (source.scheme, dict(source.storage_options)) != (self.scheme, dict(self.storage_options)):
+            raise ValueError(f"{source.url} and {self.url} are not on one server: a server-side copy needs both")
+        fs = self.filesystem()
+        src, dst = source._path(name), self._path(new_name)
+        self.call(f"copying {source.child(name)} to {self.child(new_name)}", lambda: fs.copy(src, dst))
+
     def write_bytes(self, name: str, data: bytes) -> None:
         """Object ``name`` := ``data`` (one PUT)."""
         self._writable()

@@ -31,9 +31,11 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastdata.common.fileio import atomic_write, fsync_dir, fsync_file
 from fastdata.common.paths import check_local_path
@@ -46,7 +48,7 @@ from fastdata.format.manifest import (
     is_classification,
     write_manifest,
 )
-from fastdata.format.names import MANIFEST_NAME, PLAN_FILE, REJECTED_NAME, STAGING_DIR, shard_name
+from fastdata.format.names import MANIFEST_NAME, PLAN_FILE, REJECTED_NAME, STAGING_DIR, STORE_INDEX_NAME, shard_name
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import build_store_index, manifest_entry
 from fastdata.remote.store import is_remote
@@ -76,12 +78,14 @@ class MergeReport:
     bytes: int = 0  # the shards' bytes (what a copy costs; hard links cost none)
     classes: int = 0
     remapped_shards: int = 0  # shards whose labels the readers remap (label_map)
+    server_side: int = 0  # of the copies: made by the server (stores at URLs)
     elapsed: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """A few human-readable lines."""
-        how = [f"{self.linked} hard-linked"] * bool(self.linked) + [f"{self.copied} copied"] * bool(self.copied)
+        how = [f"{self.linked} hard-linked"] * bool(self.linked) + [
+            f"{self.copied} copied" + (" by the server" if self.server_side else "")] * bool(self.copied)
         lines = [f"merged {len(self.inputs)} stores into {self.dst}: {self.samples} samples, {self.shards} shard(s) "
                  f"({', '.join(how) or 'none'}; {self.bytes:,} bytes of shards), {self.elapsed:.2f} s"]
         if self.remapped_shards:
@@ -91,32 +95,48 @@ class MergeReport:
 
 
 def merge(inputs: Sequence[str | os.PathLike], dst: str | os.PathLike, *, overwrite: bool = False,
-          link: bool = True) -> MergeReport:
+          link: bool = True, storage_options: Mapping[str, Any] | None = None) -> MergeReport:
     """Make one store at ``dst`` from the stores ``inputs`` (same backend, storage and schema), their
     samples concatenated in the order given, without decoding, re-encoding or reading a record.
 
     Args:
-        inputs: two or more published local stores.
-        dst: the new store's directory (must not exist, or be empty; or ``overwrite``).
+        inputs: two or more published stores: local directories, or URLs of one S3-compatible
+            server (``s3://``...) when ``dst`` is a URL there too.
+        dst: the new store's directory or URL (must not hold a store, unless ``overwrite``).
         overwrite: replace a store at ``dst``.
-        link: hard-link the shard files where the filesystem allows (no extra disk), copying the
-            others; ``False`` copies every file.
+        link: local stores: hard-link the shard files where the filesystem allows (no extra disk),
+            copying the others; ``False`` copies every file. URLs: every shard is copied by the
+            server (``CopyObject``), none passes through this machine.
+        storage_options: fsspec options of the URLs (endpoint, credentials...).
 
     Returns:
         MergeReport: counts, and how the shards were placed.
 
     Raises:
         MergeError: the inputs differ (backend, storage, kind, schema, a general store's class
-            tables: each difference named), fewer than two inputs, ``dst`` among them, or a URL.
+            tables: each difference named), fewer than two inputs, ``dst`` among them, a mix of
+            local paths and URLs.
         StoreExistsError, StoreLockedError, FastdataError: the destination or an input.
     """
     started = time.perf_counter()
-    paths = [os.path.abspath(os.fspath(p)) for p in inputs]
+    given = [os.fspath(p) for p in inputs]
     dst = os.fspath(dst)
-    if any(is_remote(p) for p in [*paths, dst]):
-        raise MergeError("fastdata merge works on local stores; merge copies of them and upload the result")
-    if len(paths) < 2:
-        raise MergeError(f"merge takes two or more stores, got {len(paths)}")
+    if len(given) < 2:
+        raise MergeError(f"merge takes two or more stores, got {len(given)}")
+    remote = [is_remote(p) for p in [*given, dst]]
+    if any(remote):
+        if not all(remote):
+            raise MergeError("merge local stores into a local store, or stores at URLs into a URL on the same "
+                             "server; copy the others first")
+        report = _merge_remote(given, dst, overwrite, dict(storage_options or {}))
+    else:
+        report = _merge_local(given, dst, overwrite, link)
+    report.elapsed = time.perf_counter() - started
+    return report
+
+
+def _merge_local(given: list[str], dst: str, overwrite: bool, link: bool) -> MergeReport:
+    paths = [os.path.abspath(p) for p in given]
     check_local_path(dst, "destination", must_exist=False)
     dst = os.path.abspath(dst)
     if dst in paths:
@@ -125,65 +145,130 @@ def merge(inputs: Sequence[str | os.PathLike], dst: str | os.PathLike, *, overwr
         raise_if_locked(path)
     bases = [open_base(p) for p in paths]
     _check_same_kind(paths, bases)
-    classes, label_maps = _unified_classes(bases)
-
     _prepare_destination(dst, overwrite)
     with StoreLock(dst):
         _mark_unfinished(dst)
-        report = MergeReport(dst=dst, inputs=paths, classes=len(classes))
-        shards, entries, k = [], [], 0
-        class_counts = [0] * len(classes)
-        rejected, warnings = [], []
-        for path, base, label_map in zip(paths, bases, label_maps, strict=True):
-            m = base.manifest
-            for shard, (_, index_bytes) in zip(m["shards"], base.index_entries, strict=True):
-                name = shard_name(m["backend"], k)
-                k += 1
-                report.linked += _place(os.path.join(path, shard["name"]), os.path.join(dst, name), shard["bytes"],
-                                        link)
-                entry = {key: shard[key] for key in ("count", "bytes", "xxh", "image_bytes")}
-                entry.update(name=name, first_index=report.samples)
-                if label_map is not None:
-                    entry["label_map"] = label_map
-                    report.remapped_shards += 1
-                shards.append(entry)
-                entries.append((name, index_bytes))
-                report.samples += shard["count"]
-                report.bytes += shard["bytes"]
-            for i, count in enumerate(m["class_counts"]):
-                class_counts[label_map[i] if label_map is not None else i] += count
-            rejected += m["rejected"]
-            warnings += m.get("warnings", [])
-        report.shards = len(shards)
-        report.copied = report.shards - report.linked
+        report = MergeReport(dst=dst, inputs=paths)
+
+        def place(i: int, shard: dict, name: str) -> bool:
+            return _place(os.path.join(paths[i], shard["name"]), os.path.join(dst, name), shard["bytes"], link)
+
+        body, entries = _assemble(paths, bases, report, place)
         fsync_dir(dst)
-        first = bases[0].manifest
-        body = {k: v for k, v in first.items() if k not in ("checksum", STORE_INDEX_KEY)}
-        body.update(
-            format=STORE_FORMAT, classes=classes, class_counts=class_counts, num_samples=report.samples, shards=shards,
-            rejected=rejected, warnings=warnings,
-            version=(STORE_VERSION_REMAPPED if report.remapped_shards else
-                     STORE_VERSION if is_classification(first) else first["version"]),
-            options={"source": MERGE_SOURCE, "shard_size": first["options"]["shard_size"],
-                     "shard_size_unit": first["options"].get("shard_size_unit"),
-                     "strict": all(b.manifest["options"].get("strict", False) for b in bases),
-                     "merged": [{"store": p, "checksum": b.manifest["checksum"], "samples": b.manifest["num_samples"],
-                                 "shards": len(b.manifest["shards"])} for p, b in zip(paths, bases, strict=True)]})
-        if not all(b.manifest.get("image_modes") == first.get("image_modes") for b in bases):
-            body.pop("image_modes", None)
-            report.notes.append("the inputs record different default read modes: none is recorded for the merge")
         try:
-            index_file = build_store_index(entries)
-            atomic_write(os.path.join(dst, "index.fdi"), index_file)
-            body[STORE_INDEX_KEY] = manifest_entry(index_file)
-            tsv = "path\treason\n" + "".join(f"{_tsv(r['path'])}\t{_tsv(r['reason'])}\n" for r in rejected)
-            atomic_write(os.path.join(dst, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
-            write_manifest(dst, body)
+            _write_metadata(dst, body, entries)
         except OSError as err:
             raise io_error(err, os.path.join(dst, MANIFEST_NAME)) from err
         shutil.rmtree(os.path.join(dst, STAGING_DIR), ignore_errors=True)
-    report.elapsed = time.perf_counter() - started
     return report
+
+
+def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: dict) -> MergeReport:
+    """The merge of stores at URLs of one server: shards copied server-side, then the index file,
+    the rejected list and the manifest (last) uploaded and checked."""
+    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from fastdata.format.store_index import index_file_name, shard_entries
+    from fastdata.remote.location import RemoteLocation
+    from fastdata.writer.remote_sink import RemoteLock, check_destination, check_url_path, upload_checked
+
+    locations = [RemoteLocation(p, storage_options) for p in given]
+    target = RemoteLocation(dst, storage_options)
+    check_url_path(target.url)
+    target._writable()
+    if target.url in [loc.url for loc in locations]:
+        raise MergeError(f"{target.url} is one of the inputs: merge into a new store")
+    bases = []
+    for loc in locations:
+        RemoteLock(loc).check()
+        raw = loc.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+        m = parse_manifest(raw, where=loc.child(MANIFEST_NAME))
+        if STORE_INDEX_KEY not in m:
+            raise MergeError(f"{loc.url} was made by an older fastdata (no store index file): convert it again")
+        name = index_file_name(m)
+        data = loc.read_bytes(name, limit=m[STORE_INDEX_KEY]["bytes"])
+        bases.append(PublishedBase(manifest=m, index_entries=shard_entries(data, m, loc.child(name))))
+    urls = [loc.url for loc in locations]
+    _check_same_kind(urls, bases)
+    lock = RemoteLock(target)
+    lock.check()
+    check_destination(target, resume=False, overwrite=overwrite, clear=True)
+    report = MergeReport(dst=target.url, inputs=urls)
+    lock.write()
+    try:
+        def place(i: int, shard: dict, name: str) -> bool:
+            target.copy_from(locations[i], shard["name"], name)
+            if target.size(name) != shard["bytes"]:
+                raise MergeError(f"{target.child(name)}: the server-side copy of {locations[i].child(shard['name'])} "
+                                 f"is not {shard['bytes']:,} bytes")
+            return False
+
+        body, entries = _assemble(urls, bases, report, place)
+        with tempfile.TemporaryDirectory(prefix="fastdata-merge-") as local:
+            _write_metadata(local, body, entries)
+            for name in (REJECTED_NAME, STORE_INDEX_NAME, MANIFEST_NAME):
+                upload_checked(target, os.path.join(local, name), name)
+    finally:
+        lock.release()
+    report.server_side = report.copied
+    return report
+
+
+def _assemble(inputs: list[str], bases: list[PublishedBase], report: MergeReport,
+              place: Callable[[int, dict, str], bool]) -> tuple[dict, list[tuple[str, bytes]]]:
+    """The merged manifest body (without its index entry) and store index entries; ``place(i, shard,
+    new name)`` puts input ``i``'s shard in the output (True: hard-linked). Fills ``report``."""
+    classes, label_maps = _unified_classes(bases)
+    report.classes = len(classes)
+    shards, entries, k = [], [], 0
+    class_counts = [0] * len(classes)
+    rejected, warnings = [], []
+    for i, (base, label_map) in enumerate(zip(bases, label_maps, strict=True)):
+        m = base.manifest
+        for shard, (_, index_bytes) in zip(m["shards"], base.index_entries, strict=True):
+            name = shard_name(m["backend"], k)
+            k += 1
+            report.linked += place(i, shard, name)
+            entry = {key: shard[key] for key in ("count", "bytes", "xxh", "image_bytes")}
+            entry.update(name=name, first_index=report.samples)
+            if label_map is not None:
+                entry["label_map"] = label_map
+                report.remapped_shards += 1
+            shards.append(entry)
+            entries.append((name, index_bytes))
+            report.samples += shard["count"]
+            report.bytes += shard["bytes"]
+        for c, count in enumerate(m["class_counts"]):
+            class_counts[label_map[c] if label_map is not None else c] += count
+        rejected += m["rejected"]
+        warnings += m.get("warnings", [])
+    report.shards = len(shards)
+    report.copied = report.shards - report.linked
+    first = bases[0].manifest
+    body = {key: v for key, v in first.items() if key not in ("checksum", STORE_INDEX_KEY)}
+    body.update(
+        format=STORE_FORMAT, classes=classes, class_counts=class_counts, num_samples=report.samples, shards=shards,
+        rejected=rejected, warnings=warnings,
+        version=(STORE_VERSION_REMAPPED if report.remapped_shards else
+                 STORE_VERSION if is_classification(first) else first["version"]),
+        options={"source": MERGE_SOURCE, "shard_size": first["options"]["shard_size"],
+                 "shard_size_unit": first["options"].get("shard_size_unit"),
+                 "strict": all(b.manifest["options"].get("strict", False) for b in bases),
+                 "merged": [{"store": p, "checksum": b.manifest["checksum"], "samples": b.manifest["num_samples"],
+                             "shards": len(b.manifest["shards"])} for p, b in zip(inputs, bases, strict=True)]})
+    if not all(b.manifest.get("image_modes") == first.get("image_modes") for b in bases):
+        body.pop("image_modes", None)
+        report.notes.append("the inputs record different default read modes: none is recorded for the merge")
+    return body, entries
+
+
+def _write_metadata(folder: str, body: dict, entries: list[tuple[str, bytes]]) -> None:
+    """The store index file, ``rejected.tsv`` and then the manifest (last) into ``folder``."""
+    index_file = build_store_index(entries)
+    atomic_write(os.path.join(folder, STORE_INDEX_NAME), index_file)
+    body[STORE_INDEX_KEY] = manifest_entry(index_file)
+    tsv = "path\treason\n" + "".join(f"{_tsv(r['path'])}\t{_tsv(r['reason'])}\n" for r in body["rejected"])
+    atomic_write(os.path.join(folder, REJECTED_NAME), tsv.encode("utf-8", "surrogateescape"))
+    write_manifest(folder, body)
 
 
 def _tsv(text: str) -> str:

@@ -177,6 +177,7 @@ class WriteSession:
             raise_if_locked(dst)  # a live writer is named before any other complaint about DST
         dst = os.path.abspath(dst)
         self.base = append.open_base(dst) if o.append else None
+        recorded: RecordedRun | None
         if self.base is not None:
             recorded = append.recorded_run(self.base)  # an append takes the store's options not given again
         else:

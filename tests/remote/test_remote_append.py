@@ -84,3 +84,22 @@ def test_sigkill_during_an_s3_append_then_resume(s3, jpeg_tree, tmp_path, monkey
     assert [(s["name"], s["xxh"]) for s in remote_manifest(url)["shards"]] == \
         [(s["name"], s["xxh"]) for s in json.loads((tmp_path / "clean.lmdb" / "manifest.json").read_text())["shards"]]
     assert fastdata.verify(url).ok
+
+
+def test_merge_of_s3_stores_copies_server_side_and_reads_like_the_local_merge(s3, jpeg_tree, tmp_path, monkeypatch):
+    _, bucket = s3
+    monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
+    a = jpeg_tree(tmp_path / "a", classes={"a": 4, "b": 3}, size=(40, 30), seed=1)
+    b = jpeg_tree(tmp_path / "b", classes={"b": 2, "c": 3}, size=(40, 30), seed=2)
+    for name, src in (("A", a), ("B", b)):
+        fastdata.convert(src, f"{bucket}/{name}.lmdb", shard_size="8kB", workers=1, progress=False)
+        fastdata.convert(src, str(tmp_path / f"{name}.lmdb"), shard_size="8kB", workers=1, progress=False)
+    url = f"{bucket}/C.lmdb"
+    report = fastdata.merge([f"{bucket}/A.lmdb", f"{bucket}/B.lmdb"], url)
+    local = fastdata.merge([tmp_path / "A.lmdb", tmp_path / "B.lmdb"], tmp_path / "C.lmdb")
+    assert report.shards == local.shards > 2 and report.server_side == report.copied == report.shards
+    assert "copied by the server" in report.summary()
+    same_samples(url, str(tmp_path / "C.lmdb"))
+    assert fastdata.open_dataset(url).classes == ["a", "b", "c"] and fastdata.verify(url).ok
+    with pytest.raises(fastdata.errors.FastdataError, match="merge local stores into a local store"):
+        fastdata.merge([f"{bucket}/A.lmdb", tmp_path / "B.lmdb"], tmp_path / "D.lmdb")

@@ -91,6 +91,7 @@ class _EnvCache:
             identity = checked_open(path)  # before LMDB maps anything: nothing it reads can fault
             key = (identity[0], identity[1])
             entry = self.envs.get(key)
+        assert key is not None
         if entry is None:
             env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
                             max_spare_txns=0, max_dbs=3)
