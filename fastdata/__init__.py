@@ -11,6 +11,7 @@ Public API::
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
     fastdata.seed_worker, fastdata.loader, fastdata.collate
     fastdata.DistributedShardSampler
+    fastdata.mix(sources, weights=None, **options) -> MixedDataset
     fastdata.PatchDataset, fastdata.Stitcher, fastdata.stitch
     fastdata.diagnose
     fastdata.errors, fastdata.fields, fastdata.transforms, fastdata.targets, fastdata.synth
@@ -53,6 +54,8 @@ _LAZY = {
     "seed_worker": "fastdata.reader.seeding",
     "loader": "fastdata.reader.loader",
     "DistributedShardSampler": "fastdata.reader.sampler",
+    "mix": "fastdata.reader.mix",
+    "MixedDataset": "fastdata.reader.mix",
     "diagnose": "fastdata.tools.diagnose",
     "PatchDataset": "fastdata.reader.patches",
     "Stitcher": "fastdata.reader.patches",
@@ -69,6 +72,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.reader.coco import CocoStoreDataset  # noqa: F401
     from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset  # noqa: F401
     from fastdata.reader.loader import loader  # noqa: F401
+    from fastdata.reader.mix import MixedDataset, mix  # noqa: F401
     from fastdata.reader.open import open_dataset  # noqa: F401
     from fastdata.reader.patches import PatchDataset, Stitcher, stitch  # noqa: F401
     from fastdata.reader.sampler import DistributedShardSampler  # noqa: F401
