@@ -16,8 +16,10 @@ this module's name.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -233,6 +235,26 @@ def _receive_skips(batch, token: str, skips: int):
     return batch
 
 
+_local = threading.local()
+
+
+@contextmanager
+def private_batches() -> Iterator[None]:
+    """Within it, :func:`build_batch` allocates in this process's private memory even in a
+    DataLoader worker: for a batch that is only a part of another (a mix's per-source parts,
+    :mod:`fastdata.reader.mix`), copied into that one before anything travels. A fresh
+    shared-memory segment per part would cost its creation and first-touch faults, where private
+    memory is reused by the allocator from batch to batch: ``benchmarks/bench_mix.py`` (1000
+    photos, RandomResizedCrop(224), 2 workers, batch 64, 2 cores) measured a mix of two stores at
+    0.91x the direct read with shared parts, 0.96x with private ones."""
+    previous = getattr(_local, "private", False)
+    _local.private = True
+    try:
+        yield
+    finally:
+        _local.private = previous
+
+
 def build_batch(targets: np.ndarray, shape: tuple[int, ...], fill: Callable[[np.ndarray], np.ndarray | None], *,
                 channels_first: bool, target_transform: Callable | None = None, dtype: np.dtype | None = None,
                 squeeze: bool = False) -> Batch:
@@ -255,7 +277,7 @@ def build_batch(targets: np.ndarray, shape: tuple[int, ...], fill: Callable[[np.
     torch_dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
     n = len(targets)
     labels = None
-    in_worker = torch.utils.data.get_worker_info() is not None
+    in_worker = torch.utils.data.get_worker_info() is not None and not getattr(_local, "private", False)
     nbytes = n * h * w * c * dtype.itemsize
     inline = in_worker and nbytes <= INLINE_BATCH_BYTES
     if in_worker and not inline:

@@ -283,11 +283,11 @@ def test_attributes_classes_skipped_close_and_repr(stores):
 
 
 # --------------------------------------------------------------------------- resume
-def run(stores, workers: int, epochs=(0, 1), stop=None, state=None):
-    """Epochs of a mix through fastdata.loader + mix.sampler (persistent workers); ``stop=(epoch,
-    k)`` stops after k batches and returns the state a checkpoint would hold."""
-    m = ab(stores, weights={"a": 0.5, "b": 0.5}, epoch_size=24, seed=7)
-    sampler = m.sampler(rank=0)
+def run(stores, workers: int, epochs=(0, 1), stop=None, state=None, replicas: int = 1, rank: int = 0):
+    """Epochs of a mix through fastdata.loader + mix.sampler (persistent workers) on one rank;
+    ``stop=(epoch, k)`` stops after k batches and returns the state a checkpoint would hold."""
+    m = ab(stores, weights={"a": 0.5, "b": 0.5}, epoch_size=24, seed=7, num_replicas=replicas)
+    sampler = m.sampler(rank=rank)
     if state is not None:
         sampler.load_state_dict(state)
     dl = fastdata.loader(m, batch_size=4, sampler=sampler, num_workers=workers)
@@ -299,7 +299,7 @@ def run(stores, workers: int, epochs=(0, 1), stop=None, state=None):
             out[epoch] += [(im.contiguous().numpy().tobytes(), int(lab), int(s))
                            for im, lab, s in zip(images, labels, ids, strict=True)]
             if stop == (epoch, len(out[epoch]) // 4):
-                return out, sampler.state_dict(consumed=len(out[epoch]))
+                return out, sampler.state_dict(consumed=len(out[epoch]) * replicas)
     return out, None
 
 
@@ -312,6 +312,15 @@ def test_resume_mid_epoch_gives_the_uninterrupted_remainder(stores, workers):
     assert head[1] == full[1][:8] and state["epoch"] == 1 and state["consumed"] == 8
     tail, _ = run(stores, workers, epochs=(1,), state=state)
     assert tail[1] == full[1][8:]
+
+
+def test_resume_mid_epoch_on_one_of_two_ranks(stores):
+    full, _ = run(stores, 0, replicas=2, rank=1)
+    assert len(full[1]) == 12 and Counter(s for _, _, s in full[1]) == Counter({0: 6, 1: 6})
+    head, state = run(stores, 0, stop=(1, 1), replicas=2, rank=1)
+    assert head[1] == full[1][:4] and state["consumed"] == 8
+    tail, _ = run(stores, 0, epochs=(1,), state=state, replicas=2, rank=1)
+    assert tail[1] == full[1][4:]
 
 
 # --------------------------------------------------------------------------- bad input
@@ -373,3 +382,34 @@ def test_a_source_key_clash_is_an_error(stores):
 
     with pytest.raises(ValueError, match="a sample of source 'd' already has a 'source' key"):
         fastdata.mix({"d": Dicts(3)})[0]
+
+
+def test_parts_are_built_in_private_memory_and_the_batch_where_it_travels(stores, monkeypatch):
+    """In a worker (simulated here), a shared-memory segment per part would cost its creation and
+    faults for nothing: the parts are copied into the batch, which alone is built to travel."""
+    import fastdata.reader.dataset as dataset_module
+
+    shared = []
+    real = dataset_module.build_batch
+
+    def recording(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        shared.append(batch.images.is_shared())
+        return batch
+
+    monkeypatch.setattr(dataset_module, "build_batch", recording)
+    monkeypatch.setattr(batching, "INLINE_BATCH_BYTES", 0)
+    m = ab(stores, weights={"a": 0.5, "b": 0.5}, epoch_size=20)
+    m[0]  # shards opened before "becoming a worker"
+    info = type("Info", (), {"num_workers": 1, "id": 0})()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
+    src = m.order(0)[0]
+    batch = m.__getitems__(list(range(10)))
+    assert len(set(src[:10].tolist())) == 2 and shared == [False, False]  # two parts, both private
+    assert batch.images.is_shared()  # the batch itself: shared memory, as the source would build it
+    one = int(np.flatnonzero(src == src[0])[1])
+    shared.clear()
+    assert m.__getitems__([0, one]).images.is_shared() and shared == [True]  # one part: the batch itself
+    with batching.private_batches():
+        assert not m.sources["a"].__getitems__([0, 1]).images.is_shared()
+    assert m.sources["a"].__getitems__([0, 1]).images.is_shared()
