@@ -569,6 +569,8 @@ class MixedDataset(Dataset):
         :class:`~fastdata.reader.batching.Batch` when every part is one (module docstring)."""
         epoch = epoch_of(indices, self._epoch)
         pos = self._positions(indices)
+        if not len(pos):
+            return Samples()
         src, idx, passes = self.order(epoch)
         ids, sample_idx, sample_pass = src[pos], idx[pos], passes[pos]
         groups, inverse = np.unique(np.stack([ids.astype(np.int64), sample_pass]), axis=1, return_inverse=True)

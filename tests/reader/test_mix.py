@@ -413,3 +413,30 @@ def test_parts_are_built_in_private_memory_and_the_batch_where_it_travels(stores
     with batching.private_batches():
         assert not m.sources["a"].__getitems__([0, 1]).images.is_shared()
     assert m.sources["a"].__getitems__([0, 1]).images.is_shared()
+
+
+def test_skips_of_the_parts_reach_the_mix(monkeypatch):
+    """Damaged samples a source replaced (its part's ``skips``) are counted on the mix: in this
+    process by the sources themselves, from a worker with the batch, under the mix's name."""
+    from fastdata.reader.batching import Samples
+
+    class Skipping(Plain):
+        skipped = 2
+
+        def __getitems__(self, indices):
+            out = Samples(self[i] for i in indices)
+            out.skips = 1  # one damaged sample replaced in this part
+            return out
+
+    m = fastdata.mix({"a": Skipping(20), "b": Skipping(7)}, weights=W, epoch_size=20)
+    src = m.order()[0]
+    j = [int(np.flatnonzero(src == 0)[0]), int(np.flatnonzero(src == 1)[0])]
+    batch = m.__getitems__(j)
+    assert batch.skips == 2 and batch.token == m._token
+    assert m.skipped == 4  # the sources' own counts (this process)
+    info = type("Info", (), {"num_workers": 1, "id": 0})()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: info)
+    sent = pickle.dumps(fastdata.collate(batch))  # what a worker puts on its queue
+    monkeypatch.undo()
+    pickle.loads(sent)  # received by the main process
+    assert m.skipped == 6
