@@ -117,7 +117,10 @@ seeds they were opened with.
 Resuming: the mix's epoch is the one the sampler sets (``DistributedShardSampler.set_epoch`` and
 ``load_state_dict`` call ``mix.set_epoch``) and that :func:`fastdata.loader` sends with each
 batch, so ``sampler.state_dict(consumed)`` resumes exactly mid-epoch, with or without workers.
-The state applies to a mix of the same sources, sizes, seed and ``num_replicas``.
+The state applies to a mix of the same sources, sizes, seed and ``num_replicas``: the sampler of
+:meth:`MixedDataset.sampler` records the mix's :meth:`~MixedDataset.fingerprint` and refuses a
+state of another mix (so set the seed, ``fastdata.mix(seed=)`` or ``fastdata.loader(seed=)``,
+before ``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -137,9 +140,10 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch, private_batches
+from fastdata.reader.sampler import DistributedShardSampler
 from fastdata.reader.seeding import EpochIndex, epoch_of
 
-__all__ = ["MixedDataset", "mix"]
+__all__ = ["MixSampler", "MixedDataset", "mix"]
 
 _U64 = (1 << 64) - 1
 # Domain tags keep the mix's streams apart from every other use of the same seed.
@@ -505,21 +509,28 @@ class MixedDataset(Dataset):
                 ``num_replicas`` or ``drop_last``, which the mix fixes).
 
         Returns:
-            DistributedShardSampler: ``num_replicas`` = the mix's, ``shuffle=False``: rank ``r``
-            reads its pattern (module docstring); ``state_dict``/``load_state_dict`` resume.
+            MixSampler: a :class:`fastdata.DistributedShardSampler` with ``num_replicas`` = the
+            mix's and ``shuffle=False``: rank ``r`` reads its pattern (module docstring). Its
+            ``state_dict`` also records a fingerprint of the mix (``"mix"``: sources, lengths,
+            counts, seed, ranks), and ``load_state_dict`` refuses a state of another mix, whose
+            positions would mean other samples.
 
         Raises:
             ValueError: ``shuffle``, ``num_replicas`` or ``drop_last`` in ``kwargs`` that differ
                 from what the mix needs.
         """
-        from fastdata.reader.sampler import DistributedShardSampler
-
         fixed: dict[str, Any] = {"shuffle": False, "num_replicas": self.num_replicas, "drop_last": False}
         for key, value in fixed.items():
             if key in kwargs and kwargs.pop(key) != value:
                 raise ValueError(f"a mix's sampler needs {key}={value!r}: the mix orders and splits its "
                                  f"epoch itself for num_replicas={self.num_replicas} ranks")
-        return DistributedShardSampler(self, rank=rank, **fixed, **kwargs)
+        return MixSampler(self, rank=rank, **fixed, **kwargs)
+
+    def fingerprint(self) -> str:
+        """A short digest of what fixes the mix's order: the sources' names and lengths, the
+        per-epoch counts, the seed and ``num_replicas`` (a resume point applies to an equal one)."""
+        described = repr((self.source_names, self._lengths, self._counts.tolist(), self._seed, self.num_replicas))
+        return hashlib.sha256(described.encode()).hexdigest()[:16]
 
     # -- reading ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -682,6 +693,33 @@ class MixedDataset(Dataset):
             lines.append(f"Source {name!r}: {n} samples, weight {self.weights[name]:.4g}, {count} per epoch "
                          f"({passes}){extra}")
         return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in lines])
+
+
+class MixSampler(DistributedShardSampler):
+    """The :class:`fastdata.DistributedShardSampler` :meth:`MixedDataset.sampler` builds: its state
+    also names the mix (``"mix"``: :meth:`MixedDataset.fingerprint`), and a state of another mix
+    does not load."""
+
+    dataset: MixedDataset
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """:meth:`DistributedShardSampler.state_dict`, plus ``"mix"``: the mix's fingerprint."""
+        state = super().state_dict(consumed)
+        state["mix"] = self.dataset.fingerprint()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """:meth:`DistributedShardSampler.load_state_dict`, refusing a state saved over another mix.
+
+        Raises:
+            ValueError: as the base class; also a ``"mix"`` fingerprint that is not this mix's.
+        """
+        if isinstance(state, Mapping) and "mix" in state and state["mix"] != self.dataset.fingerprint():
+            raise ValueError(
+                f"this sampler state was saved over another mix (fingerprint {state['mix']!r}, this one "
+                f"{self.dataset.fingerprint()!r}): the sources, their lengths, the counts, the seed or "
+                "num_replicas differ, so its positions would mean other samples")
+        super().load_state_dict(state)
 
 
 def mix(

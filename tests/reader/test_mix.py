@@ -440,3 +440,18 @@ def test_skips_of_the_parts_reach_the_mix(monkeypatch):
     monkeypatch.undo()
     pickle.loads(sent)  # received by the main process
     assert m.skipped == 6
+
+
+def test_a_sampler_state_of_another_mix_does_not_load():
+    m = plain_mix(weights=W, epoch_size=20, seed=1)
+    sampler = m.sampler(rank=0)
+    sampler.set_epoch(2)
+    state = sampler.state_dict(consumed=8)
+    assert state["mix"] == m.fingerprint()
+    same = plain_mix(weights=W, epoch_size=20, seed=1).sampler(rank=0)
+    same.load_state_dict(state)
+    assert list(same) == list(range(8, 20))
+    for other in (plain_mix(weights=W, epoch_size=20, seed=2),  # same length, another order
+                  plain_mix(weights={"a": 0.5, "b": 0.5}, epoch_size=20, seed=1)):
+        with pytest.raises(ValueError, match="saved over another mix"):
+            other.sampler(rank=0).load_state_dict(state)
