@@ -13,6 +13,7 @@ Public API::
     fastdata.seed_worker, fastdata.loader, fastdata.collate
     fastdata.DistributedShardSampler
     fastdata.random_split, fastdata.StoreSubset (ds.subset(indices), ds.column(name))
+    fastdata.mix(sources, weights=None, **options) -> MixedDataset
     fastdata.PatchDataset, fastdata.Stitcher, fastdata.stitch
     fastdata.diagnose
     fastdata.errors, fastdata.fields, fastdata.transforms, fastdata.targets, fastdata.synth
@@ -58,6 +59,8 @@ _LAZY = {
     "DistributedShardSampler": "fastdata.reader.sampler",
     "StoreSubset": "fastdata.reader.subset",
     "random_split": "fastdata.reader.subset",
+    "mix": "fastdata.reader.mix",
+    "MixedDataset": "fastdata.reader.mix",
     "diagnose": "fastdata.tools.diagnose",
     "PatchDataset": "fastdata.reader.patches",
     "Stitcher": "fastdata.reader.patches",
@@ -74,6 +77,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.reader.coco import CocoStoreDataset  # noqa: F401
     from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset  # noqa: F401
     from fastdata.reader.loader import loader  # noqa: F401
+    from fastdata.reader.mix import MixedDataset, mix  # noqa: F401
     from fastdata.reader.open import open_dataset  # noqa: F401
     from fastdata.reader.patches import PatchDataset, Stitcher, stitch  # noqa: F401
     from fastdata.reader.sampler import DistributedShardSampler  # noqa: F401
