@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
+import numpy as np
 
 import fastdata
 from fastdata import transforms
@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
         merged = opened(both)
         train, val = fastdata.random_split(merged, [0.9, 0.1], seed=0, stratify="label")
-        counts = [torch.bincount(torch.as_tensor(s.targets), minlength=len(merged.classes)).tolist()
-                  for s in (train, val)]
+        counts = [np.bincount(s.targets, minlength=len(merged.classes)).tolist() for s in (train, val)]
         print(f"split: train {len(train)}, val {len(val)}; per class {counts[0]} / {counts[1]}")
         summary["split"] = [len(train), len(val)]
 

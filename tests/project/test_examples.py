@@ -68,3 +68,17 @@ def test_ct_patches_example_trains_on_patches_and_stitches_grid_inference(tmp_pa
     assert result["labelled_fraction"] > 1.5 * result["scans_labelled_fraction"]
     assert result["stitched_equal"] and result["tiles"] > 3
     assert "leaked semaphore" not in proc.stderr
+
+
+def test_grow_and_mix_example_appends_merges_splits_and_resumes_a_mix(tmp_path):
+    summary = tmp_path / "summary.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "grow_and_mix.py"), "--per-class", "4", "--workers", "2",
+           "--json", str(summary)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    assert result["appended"] == [8, 28]  # week 1 (2 classes x 4), then weeks 2 and 3 (+8, +12)
+    assert sum(result["split"]) == 28 + 8 and result["split"][1] == 4
+    assert result["mix"]["real"] == 45 and result["mix"]["synthetic"] == 19 and result["mix"]["resumed_batches"] == 5
+    assert "the other 5 batches equal the uninterrupted epoch's" in proc.stdout
