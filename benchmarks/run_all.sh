@@ -21,3 +21,6 @@ python benchmarks/bench_memory.py --variants fastdata-u16 --native-n 1000 --epoc
 fastdata bench "$DATA/speed/imagenet" "$DATA/speed/imagenet.lmdb" "$DATA/speed/imagenet.h5" \
     --workers 0,1,2 --transform rrc224 --epochs 3 --out "$OUT/harness" | tee "$OUT/harness.txt"
 cp "$OUT/harness/throughput_vs_workers.png" docs/img/throughput_vs_workers.png
+python benchmarks/bench_grow.py --json "$OUT/grow.json" | tee "$OUT/grow.txt"
+python benchmarks/bench_subset.py --json "$OUT/subset.json" | tee "$OUT/subset.txt"
+python benchmarks/bench_mix.py --epochs 5 | tee "$OUT/mix.txt"
