@@ -96,6 +96,16 @@ def _cmd_info(args) -> int:
     print(f"storage:  {mode}")
     print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
     print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
+    options = data.get("options") or {}
+    merged, appends = options.get("merged") or [], options.get("appends") or []
+    if merged:
+        print(f"made by:  fastdata merge of {len(merged)} stores: "
+              + ", ".join(f"{printable(str(m.get('store')))} ({m.get('samples')})" for m in merged))
+    if appends:
+        print(f"appends:  {len(appends)}, adding " + ", ".join(str(a.get("samples")) for a in appends) + " samples")
+    remapped = sum(1 for sh in data["shards"] if sh.get("label_map") is not None)
+    if remapped:
+        print(f"labels:   {remapped} shard(s) carry a label map (merged from stores with other class tables)")
     split = data.get("raw_split")
     if split:
         print(f"records:  {split['raw']['count']} raw (PPM pixels, {format_size(split['raw']['bytes'])}), "

@@ -73,7 +73,8 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "num_classes": len(m["classes"]),
         "classes": [{"name": c, "index": i, "count": n}
                     for i, (c, n) in enumerate(zip(m["classes"], m["class_counts"], strict=True))],
-        "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"]} for s in m["shards"]],
+        "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"],
+                    **({"label_map": s["label_map"]} if "label_map" in s else {})} for s in m["shards"]],
         "total_bytes": sum(s["bytes"] for s in m["shards"]),
         "rejected": len(m["rejected"]),
         "rejected_items": m["rejected"],

@@ -54,12 +54,13 @@ def test_append_to_s3_reads_like_the_local_append_and_old_readers_read_on(s3, jp
     np.testing.assert_array_equal(copy[7][0], fastdata.open_dataset(local, output="numpy")[7][0])
 
 
-def test_sigkill_during_an_s3_append_then_resume(s3, jpeg_tree, tmp_path, monkeypatch):
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+def test_sigkill_during_an_s3_append_then_resume(s3, jpeg_tree, tmp_path, monkeypatch, suffix):
     _, bucket = s3
     monkeypatch.setenv("FASTDATA_MIN_SHARD_SIZE", "1")
     w1 = jpeg_tree(tmp_path / "w1", classes={"a": 2, "b": 1}, size=(40, 30), seed=1)
     big = jpeg_tree(tmp_path / "big", classes={"a": 20, "b": 20}, size=(64, 48), seed=3)
-    url, clean = f"{bucket}/killed.lmdb", str(tmp_path / "clean.lmdb")
+    url, clean = f"{bucket}/killed{suffix}", str(tmp_path / f"clean{suffix}")
     for dst in (url, clean):
         fastdata.convert(w1, dst, shard_size="8kB", workers=1, progress=False)
     published = remote_manifest(url)
@@ -82,7 +83,7 @@ def test_sigkill_during_an_s3_append_then_resume(s3, jpeg_tree, tmp_path, monkey
     fastdata.convert(big, clean, workers=1, progress=False, append=True)
     same_samples(url, clean)
     assert [(s["name"], s["xxh"]) for s in remote_manifest(url)["shards"]] == \
-        [(s["name"], s["xxh"]) for s in json.loads((tmp_path / "clean.lmdb" / "manifest.json").read_text())["shards"]]
+        [(s["name"], s["xxh"]) for s in json.loads((tmp_path / f"clean{suffix}" / "manifest.json").read_text())["shards"]]
     assert fastdata.verify(url).ok
 
 

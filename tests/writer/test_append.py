@@ -209,3 +209,5 @@ def test_a_new_append_discards_an_interrupted_one(weeks, big_week, tmp_path, cap
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in store.glob("shard-*")) == ["shard-00000.lmdb", "shard-00001.lmdb"]
     assert len(fastdata.open_dataset(store)) == 16 and fastdata.verify(str(store)).ok
+    info = cli_in_process(capsys, "info", str(store))
+    assert "appends:  1, adding 5 samples" in info.stdout, info.stdout

@@ -144,5 +144,7 @@ def test_an_unfinished_merge_is_redone_and_the_cli_reports(stores, tmp_path, cap
     result = cli_in_process(capsys, "merge", str(paths["A"]), str(paths["B"]), "-o", str(dst))
     assert result.returncode == 0 and "merged 2 stores" in result.stdout, result.stderr
     assert fastdata.verify(str(dst)).ok and not (dst / STAGING_DIR).exists()
+    info = cli_in_process(capsys, "info", str(dst))
+    assert "made by:  fastdata merge of 2 stores" in info.stdout and "1 shard(s) carry a label map" in info.stdout
     again = cli_in_process(capsys, "merge", str(paths["A"]), str(paths["B"]), "-o", str(dst))
     assert again.returncode != 0 and again.stderr.count("\n") == 1 and "already holds" in again.stderr
