@@ -39,7 +39,7 @@ from typing import Any
 
 from fastdata.common.fileio import atomic_write, fsync_dir, fsync_file
 from fastdata.common.paths import check_local_path
-from fastdata.errors import FastdataError, StoreExistsError
+from fastdata.errors import FastdataError
 from fastdata.format.manifest import (
     CLASS_TABLES_KEY,
     STORE_FORMAT,
@@ -54,7 +54,8 @@ from fastdata.format.store_index import build_store_index, manifest_entry
 from fastdata.remote.store import is_remote
 from fastdata.writer.append import open_base, schema_differences
 from fastdata.writer.lock import StoreLock, raise_if_locked
-from fastdata.writer.pipeline import PublishedBase, check_store_entries, clear_store, io_error, store_entries
+from fastdata.writer.pipeline import PublishedBase, clear_store, io_error
+from fastdata.writer.session import check_destination
 from fastdata.writer.resume import describe_storage
 
 #: what a merged store's ``options.source`` says
@@ -317,24 +318,12 @@ def _unified_classes(bases: list[PublishedBase]) -> tuple[list[str], list[list[i
 
 
 def _prepare_destination(dst: str, overwrite: bool) -> None:
-    """Refuse a destination holding anything but an unfinished merge (or a store, with ``overwrite``)."""
+    """Refuse a destination as a conversion does (a file, foreign files, a store without ``overwrite``,
+    an unfinished conversion), except an unfinished merge, which is cleared and redone."""
     if not os.path.exists(dst):
         os.makedirs(dst)
         return
-    if not os.path.isdir(dst):
-        raise StoreExistsError(f"{dst} exists and is not a directory; choose another destination")
-    check_store_entries(dst)
-    ours = set(store_entries(dst))
-    foreign = [n for n in os.listdir(dst) if n not in ours and not n.startswith(".fastdata")]
-    if foreign:
-        raise StoreExistsError(f"{dst} holds files that are not part of a fastdata store (e.g. {foreign[0]!r}); "
-                               "choose an empty or new destination")
-    if os.path.exists(os.path.join(dst, MANIFEST_NAME)) and not overwrite:
-        raise StoreExistsError(f"{dst} already holds a fastdata store; pass --overwrite to replace it or choose "
-                               "another destination")
-    if ours and not overwrite and not _unfinished_merge(dst):
-        raise StoreExistsError(f"{dst} holds an unfinished conversion; finish it with convert --resume, or pass "
-                               "--overwrite")
+    check_destination(dst, resume=_unfinished_merge(dst), overwrite=overwrite)
     clear_store(dst)
 
 
