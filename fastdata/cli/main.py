@@ -69,7 +69,10 @@ def _upload_options(args) -> dict:
 def _cmd_merge(args) -> int:
     from fastdata.writer.merge import merge
 
-    report = merge(args.stores, args.output, overwrite=args.overwrite, link=not args.copy)
+    from fastdata.remote.location import parse_storage_options
+
+    options = parse_storage_options(args.storage_option) if args.storage_option else None
+    report = merge(args.stores, args.output, overwrite=args.overwrite, link=not args.copy, storage_options=options)
     if not args.quiet:
         print(printable(report.summary(), keep_newlines=True))
     return EXIT_OK
@@ -346,14 +349,20 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Make one store OUTPUT from the stores STORE... (same backend, storage mode and "
                                     "schema), their samples concatenated in the order given. No record is read or "
                                     "re-encoded: shard files are hard-linked where the filesystem allows (no extra "
-                                    "disk), copied otherwise. Class tables are unified by name: the sorted union "
+                                    "disk), copied otherwise; stores at URLs are copied by the server. Class tables "
+                                    "are unified by name: the sorted union "
                                     "when every table is sorted, else in order of first appearance; shards whose "
                                     "labels change get a label map the readers apply (nothing is rewritten). "
                                     "Stores that differ are refused with the differences named.")
-    mg.add_argument("stores", nargs="+", metavar="STORE", help="two or more published local stores")
-    mg.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="the merged store's directory (new)")
+    mg.add_argument("stores", nargs="+", metavar="STORE",
+                    help="two or more published stores: local directories, or URLs of one S3-compatible server")
+    mg.add_argument("-o", "--output", required=True, metavar="OUTPUT",
+                    help="the merged store's directory, or a URL on the inputs' server (new)")
     mg.add_argument("--overwrite", action="store_true", help="replace a store at OUTPUT")
     mg.add_argument("--copy", action="store_true", help="copy the shard files instead of hard-linking them")
+    mg.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                    help="fsspec option for stores at URLs (repeatable), e.g. endpoint_url=http://host:9000; "
+                         "URL stores merge into a URL on the same server, their shards copied by the server")
     mg.add_argument("--quiet", action="store_true", help="no summary")
     mg.set_defaults(func=_cmd_merge)
 
