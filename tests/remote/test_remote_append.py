@@ -82,8 +82,9 @@ def test_sigkill_during_an_s3_append_then_resume(s3, jpeg_tree, tmp_path, monkey
     assert report.resumed_shards > 0 and report.images == 40
     fastdata.convert(big, clean, workers=1, progress=False, append=True)
     same_samples(url, clean)
+    clean_manifest = json.loads((tmp_path / f"clean{suffix}" / "manifest.json").read_text())
     assert [(s["name"], s["xxh"]) for s in remote_manifest(url)["shards"]] == \
-        [(s["name"], s["xxh"]) for s in json.loads((tmp_path / f"clean{suffix}" / "manifest.json").read_text())["shards"]]
+        [(s["name"], s["xxh"]) for s in clean_manifest["shards"]]
     assert fastdata.verify(url).ok
 
 
