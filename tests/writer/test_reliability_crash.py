@@ -342,8 +342,8 @@ def _open_fds() -> collections.Counter:
     return found
 
 
-# Rerun once: SIGKILLs race the DataLoader's own worker start-up and shutdown on a loaded 2-core machine
-# (a forked worker can hang there; the run takes 3-6 s, so 60 s bounds what a hang costs before the rerun).
+# The run takes 3-6 s: a 60 s timeout bounds what a hang of a forked worker costs before the rerun.
+# Rerun once: SIGKILLs race the DataLoader's own worker start-up and shutdown on a loaded 2-core machine.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("suffix", first_in_ci(SUFFIXES))
