@@ -418,24 +418,39 @@ def test_cold_is_an_axis_warm_and_cold_rows_side_by_side(data):
 
 
 def test_rows_say_each_targets_storage_and_disk_size(data, tmp_path, capsys):
-    """A JPEG store, a raw-pixel store of the same images and the folder: each row names its storage and
-    size, and the ratio line gives speed and disk against the folder."""
+    """A raw-pixel store of a folder's images and the folder: each row names its storage and size, and
+    the ratio line gives speed and disk against the folder (every storage mode's words:
+    test_describe_storage_names_every_storage_mode)."""
     raw = str(tmp_path / "raw.lmdb")
     fastdata.convert(data["folder"], raw, storage="raw", max_side=64, workers=1, progress=False)
     out = tmp_path / "out"
-    rc = main(["bench", data["folder"], data["lmdb"], raw, "--workers", "0", "--batch-size", "4",
+    rc = main(["bench", data["folder"], raw, "--workers", "0", "--batch-size", "4",
                "--max-batches", "1", "--epochs", "1", "--warmup-epochs", "0", "--cold", "off,on",
                "--out", str(out), "--no-plots", "--quiet"])
     table = capsys.readouterr().out
     assert rc == 0, table
     rows = json.loads((out / "results.json").read_text())["results"]
     assert [(r["kind"], r["cold"]) for r in rows] == [("folder", False), ("folder", True), ("lmdb", False),
-                                                       ("lmdb", True), ("lmdb", False), ("lmdb", True)]
-    folder, jpeg, raw_row = rows[0], rows[2], rows[4]
+                                                       ("lmdb", True)]
+    folder, raw_row = rows[0], rows[2]
     files = [p for p in pathlib.Path(data["folder"]).rglob("*") if p.is_file()]
     assert folder["storage"] == "files" and folder["disk_bytes"] == sum(p.stat().st_size for p in files)
     manifest = json.loads((pathlib.Path(raw) / "manifest.json").read_text())
     assert raw_row["storage"] == "raw-native <=64"
     assert raw_row["disk_bytes"] == sum(s["bytes"] for s in manifest["shards"])
-    assert jpeg["storage"] == "original" and jpeg["disk_bytes"] != raw_row["disk_bytes"]
+    assert raw_row["disk_bytes"] != folder["disk_bytes"]
     assert "storage" in table and "raw-native <=64" in table and "(disk " in table
+
+
+@pytest.mark.parametrize("storage, words", [
+    ({"mode": "original"}, "original"),
+    ({"mode": "lossless"}, "lossless"),
+    ({"mode": "raw-native", "max_side": 512}, "raw-native <=512"),
+    ({"mode": "mixed", "max_side": 256, "raw_fraction": 0.5}, "mixed 50% raw <=256"),
+    ({"mode": "raw", "raw_shape": [32, 48]}, "raw 32x48"),
+    ({"mode": "reencode", "max_side": 512, "quality": 90}, "reencode <=512 q90"),
+])
+def test_describe_storage_names_every_storage_mode(storage, words):
+    from fastdata.bench.pipelines import describe_storage
+
+    assert describe_storage(storage) == words

@@ -72,7 +72,7 @@ def test_ct_patches_example_trains_on_patches_and_stitches_grid_inference(tmp_pa
 
 def test_grow_and_mix_example_appends_merges_splits_and_resumes_a_mix(tmp_path):
     summary = tmp_path / "summary.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "grow_and_mix.py"), "--per-class", "4", "--workers", "2",
+    cmd = [sys.executable, str(ROOT / "examples" / "grow_and_mix.py"), "--per-class", "4", "--workers", "0",
            "--json", str(summary)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
