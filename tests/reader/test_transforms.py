@@ -172,7 +172,7 @@ def test_control_cmyk_needs_the_pillow_fallback(images):
 
 
 @pytest.mark.parametrize("transform", [T.full_decode, T.RandomResizedCrop(32), T.CenterCrop(32, 40), T.Resize(32)],
-                         ids=repr)
+                         ids=lambda t: getattr(t, "__name__", None) or repr(t))
 def test_undecodable_input_raises_the_image_policys_error(transform, images):
     # ImageDecodeError is an OSError, as Pillow's UnidentifiedImageError is
     with pytest.raises(ImageDecodeError, match="not a recognised image"):
