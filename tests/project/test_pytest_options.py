@@ -42,7 +42,8 @@ def _run_with_project_options(tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLAKE_DIR": str(tmp_path)}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-c", str(PYPROJECT), "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
-         str(tmp_path / "test_flakes.py")],
+         # one process: the reruns and the summary are the same under xdist, its two workers only cost start-up
+         "-n", "0", str(tmp_path / "test_flakes.py")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
