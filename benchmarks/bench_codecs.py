@@ -11,7 +11,8 @@ Picks the default codec of the chunked array field kind by measurement. The data
 
 For every candidate (numcodecs Blosc with zstd/lz4 and no shuffle / byte shuffle /
 bitshuffle at a few levels, with Blosc's automatic block size and with 256 KiB blocks,
-numcodecs Zstd and LZ4, the ``blosc2`` package, plain ``zstandard``) it measures, on one
+Blosc's own blosclz with byte shuffle and 256 KiB blocks, numcodecs Zstd and LZ4, the ``blosc2``
+package, plain ``zstandard``) it measures, on one
 thread (Blosc's thread pools set to 1):
 
 * ratio: raw bytes / stored bytes over all chunks (each codec's own framing included);
@@ -182,7 +183,8 @@ def candidates() -> list[Candidate]:
     # items): larger blocks at a low level separate block size from zstd level (clevel 1 is zstd
     # level 1, 3 is 5, 5 is 9, 9 is 22)
     for cname, shuffle, clevel in (("zstd", "shuffle", 1), ("zstd", "shuffle", 3), ("zstd", "bitshuffle", 1),
-                                   ("lz4", "shuffle", 5), ("lz4", "bitshuffle", 5)):
+                                   ("lz4", "shuffle", 5), ("lz4", "bitshuffle", 5), ("blosclz", "shuffle", 1),
+                                   ("blosclz", "shuffle", 5)):
         params = f"cname={cname!r}, clevel={clevel}, shuffle={shuffle.upper()}, blocksize={_BIG_BLOCK}"
         out.append(Candidate(f"numcodecs.Blosc {cname} {shuffle}", params, "numcodecs",
                              _numcodecs_blosc(cname, clevel, shuffle, _BIG_BLOCK)))
