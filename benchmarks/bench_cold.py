@@ -38,6 +38,7 @@ Needs the bench venv (webdataset, litdata) beside fastdata::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -227,6 +228,20 @@ def epoch(loader, files: list[str] | None, store) -> dict:
     return row
 
 
+def shutdown_workers(loader) -> None:
+    """End a loader's persistent workers now, not when the garbage collector gets to it.
+
+    A worker kept alive past its phase keeps its store files mapped, and mapped pages survive
+    every later eviction: LitData's warm-phase workers (a reference cycle held their loader)
+    kept its chunk files 100% cached through the whole cold phase."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if hasattr(loader, "_iterator"):
+        loader._iterator = None
+    gc.collect()
+
+
 def run_setup(setup: str, paths: dict, args) -> dict:
     cold = setup == "evict"
     names = [c for c in args.contenders.split(",") if c]
@@ -244,6 +259,8 @@ def run_setup(setup: str, paths: dict, args) -> dict:
                 cached = f", cached {row['cached']:.0%}" if "cached" in row else ""
                 print(f"    {state} epoch {e} {name:14s} {row['img_s']:8.0f} img/s, first batch "
                       f"{row['first_batch_s']:.2f} s{cached}{' (warm-up)' if e == 0 else ''}", flush=True)
+        for loader, _store in loaders.values():
+            shutdown_workers(loader)
         loaders.clear()
         out[state] = {name: {"median_img_s": statistics.median(r["img_s"] for r in rs),
                              "median_first_batch_s": statistics.median(r["first_batch_s"] for r in rs),
