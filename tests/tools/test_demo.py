@@ -6,10 +6,15 @@ import json
 import os
 import re
 
+import pytest
+
 from fastdata.bench.report import FIELDS
 from fastdata.cli.main import main
 
 
+# nightly (FASTDATA_NIGHTLY=1): the demo with its loading comparison; in CI the demo runs without it
+# (test_demo_keep_without_bench) and the comparison's harness runs in tests/bench/test_bench.py
+@pytest.mark.slow
 def test_demo_tiny_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--size", "tiny", "--out", str(out)]) == 0

@@ -207,6 +207,9 @@ def test_fastdata_imports_neither_datasets_nor_pyarrow_until_given_such_an_input
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
 
 
+# nightly (FASTDATA_NIGHTLY=1): the write session's resume after SIGKILL runs in CI through the folder,
+# Python-sample, COCO, Parquet and distributed conversions; this source's own plan units resume the same way
+@pytest.mark.slow
 def test_sigkill_then_resume_of_a_dataset_write_equals_a_clean_run(tmp_path, monkeypatch):
     """``fastdata.write(ds, dst)`` of a Dataset (saved with ``save_to_disk``, memory-mapped) killed once a
     shard is finished, then run again with ``resume=True``: the finished shards are kept and the store

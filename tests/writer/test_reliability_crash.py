@@ -270,10 +270,10 @@ def crash_loop(tmp_path, suffix: str, *, per_class: int, kills: int, seed: str) 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("suffix", first_in_ci(SUFFIXES))
 def test_crash_loop_sigkill_and_ctrl_c_then_resume(tmp_path, suffix):
-    # 7 kills (the 5th a Ctrl-C) per backend here; the nightly variant below makes 100
-    stats = crash_loop(tmp_path, suffix, per_class=30, kills=7, seed=f"crash{suffix}")
+    # 5 kills (the 5th a Ctrl-C) per backend here; the nightly variant below makes 100
+    stats = crash_loop(tmp_path, suffix, per_class=30, kills=5, seed=f"crash{suffix}")
     print(stats)
-    assert stats["kills"] >= 7 and stats["sigint"] >= 1
+    assert stats["kills"] >= 5 and stats["sigint"] >= 1
     assert stats["kept_checked"] > 0, "no resume ever had finished shards to keep: the check above was vacuous"
 
 

@@ -518,6 +518,9 @@ def test_large_tiff_worker_peak_rss_stays_near_one_slab(tmp_path):
     assert growth < 80 << 20, growth  # the decoded image is 192 MB
 
 
+# nightly (FASTDATA_NIGHTLY=1): the write session's resume after SIGKILL runs in CI through the folder,
+# Python-sample, COCO, Parquet and distributed conversions; this source's own plan units resume the same way
+@pytest.mark.slow
 def test_sigkill_then_resume_of_a_nifti_folder_conversion_equals_a_clean_run(tmp_path):
     """``fastdata convert scans/ out.lmdb`` killed once a shard is finished, then run again with
     ``--resume``: the shards it kept are reused and the store equals an uninterrupted run's."""
