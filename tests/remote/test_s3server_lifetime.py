@@ -92,6 +92,9 @@ def _start_servers(death_signal: bool, specs: list[tuple[str, str]], then: str =
     return child, [int(pid) for pid in line]
 
 
+# Nightly (4 s: two full SeaweedFS stacks), with its control below: a property of the test
+# helper, not of fastdata; the normal-exit test stays in CI.
+@pytest.mark.slow
 def test_servers_die_with_a_sigkilled_starter_whatever_thread_started_them(tmp_path):
     # one serving S3 (master, volume, filer and gateway all up), one forked for a thread
     # that has exited since (the death signal follows the forking thread)
@@ -129,6 +132,7 @@ def test_a_normal_exit_kills_the_servers_left_running(tmp_path):
         _kill_all(roots)
 
 
+@pytest.mark.slow
 def test_control_a_server_without_the_death_signal_survives_its_starter(tmp_path):
     roots = [str(tmp_path / "no-death-signal")]
     try:

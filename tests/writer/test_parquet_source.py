@@ -294,6 +294,9 @@ def test_image_column_names_a_column_of_paths_or_bytes(tmp_path):
         fastdata.convert(tmp_path / "list.parquet", tmp_path / "o2.lmdb", image_column="picture")
 
 
+# Nightly, as the tar and datasets variants: the resume is the write session's, run in CI through
+# folders, COCO, ranks, appends and memmapped volumes.
+@pytest.mark.slow
 def test_sigkill_then_resume_of_a_parquet_conversion_equals_a_clean_run(tmp_path):
     """``fastdata convert file.parquet out.lmdb`` killed once a shard is finished, then run again
     with ``--resume``: the finished shards (whole row groups) are kept and the store equals an
