@@ -45,7 +45,7 @@ def _run_convert(convert, args):
     return convert(
         args.src, args.dst, format=args.format, workers=args.workers, shard_size=args.shard_size,
         max_side=args.max_side, quality=args.quality, raw=args.raw, lossless=args.lossless,
-        storage=args.storage, raw_fraction=args.raw_fraction, image_mode=args.image_mode,
+        storage=args.storage, raw_fraction=args.raw_fraction, raw_budget=args.raw_budget, image_mode=args.image_mode,
         dicom_tags=args.dicom_tags, strict=args.strict, resume=args.resume,
         overwrite=args.overwrite, append=args.append, add_classes=args.add_classes,
         progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
@@ -79,7 +79,7 @@ def _cmd_merge(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from fastdata.common.units import format_size
+    from fastdata.common.units import exact_size, format_size
     from fastdata.tools.verify import info
 
     data = info(args.store, **remote_options(args, limit=False))
@@ -91,9 +91,15 @@ def _cmd_info(args) -> int:
                               if storage["mode"] == "reencode" else
                               f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})"
                               if storage["mode"] == "raw" else
+                              f" (pixels up to {storage['max_side']} px, raw budget "
+                              f"{exact_size(storage['raw_budget'])})"
+                              if storage["mode"] == "mixed" and storage.get("raw_budget") is not None else
                               f" (pixels up to {storage['max_side']} px, raw fraction {storage['raw_fraction']:g})"
                               if storage["mode"] == "mixed" else
-                              f" (pixels up to {storage['max_side']} px)" if storage["mode"] == "raw-native" else "")
+                              f" (pixels up to {storage['max_side']} px"
+                              + (f", raw budget {exact_size(storage['raw_budget'])}"
+                                 if storage.get("raw_budget") is not None else "") + ")"
+                              if storage["mode"] == "raw-native" else "")
     print(f"store:    {printable(data['path'])}")
     print(f"backend:  {data['backend']} (layout version {data['version']})")
     print(f"storage:  {mode}")
@@ -296,9 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'raw': store every image's decoded RGB pixels at its own size, the longer side capped at "
                         "--max-side N (required, >= 32; Pillow LANCZOS), as a PPM record readers crop and resize "
                         "without decoding (several times the disk of JPEGs); 'mixed': --raw-fraction F of the images "
-                        "so (chosen by a hash of the relative path), the rest kept as they are")
+                        "so (chosen by a hash of the relative path), or as many as --raw-budget SIZE holds, the "
+                        "rest kept as they are")
     c.add_argument("--raw-fraction", type=float, default=None, metavar="F",
                    help="with --storage mixed: the share of images stored as pixels, 0 to 1")
+    c.add_argument("--raw-budget", metavar="SIZE", default=None,
+                   help="with --storage mixed (instead of --raw-fraction): the most bytes the images may take "
+                        "(e.g. 200GB); keeps as pixels the images whose decode costs the most per extra byte "
+                        "(high-quality JPEGs first), as many as fit, the rest as they are; with --storage raw: "
+                        "refuse a source whose pixels do not fit. Reads every image's header before writing; a "
+                        "source that cannot fit is refused before anything is written")
     from fastdata.format.chunk_codecs import CHUNK_CODECS
 
     c.add_argument("--chunks", metavar="N,N[,N...]", default=None,
@@ -502,6 +515,7 @@ def _run_coco(args):
     unused = [flag for flag, value in (("--max-side", args.max_side), ("--quality", args.quality),
                                        ("--raw", args.raw), ("--lossless", args.lossless),
                                        ("--storage", args.storage), ("--raw-fraction", args.raw_fraction),
+                                       ("--raw-budget", args.raw_budget),
                                        ("--image-mode", args.image_mode), ("--dicom-tags", args.dicom_tags),
                                        ("--lmdb-map-size", args.lmdb_map_size),
                                        ("--chunks", args.chunks), ("--codec", args.codec),

@@ -196,6 +196,11 @@ _PPM_HEADER_MAX = 256
 _PPM_WHITESPACE = b" \t\n\r\x0b\x0c"  # (an int of it: one byte of a header)
 
 
+def encode_ppm_header(width: int, height: int) -> bytes:
+    """The header :func:`encode_ppm` writes before the pixels of a ``width`` x ``height`` image."""
+    return b"P6\n%d %d\n255\n" % (width, height)
+
+
 def encode_ppm(rgb: np.ndarray) -> bytes:
     """``rgb`` (HxWx3 uint8) as a binary PPM: ``P6``, width, height, maxval 255, then the pixels.
 
@@ -210,7 +215,7 @@ def encode_ppm(rgb: np.ndarray) -> bytes:
     """
     if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.size == 0:
         raise ValueError(f"a PPM holds non-empty HxWx3 uint8 pixels, got {rgb.dtype} of shape {rgb.shape}")
-    return b"P6\n%d %d\n255\n" % (rgb.shape[1], rgb.shape[0]) + np.ascontiguousarray(rgb).tobytes()
+    return encode_ppm_header(rgb.shape[1], rgb.shape[0]) + np.ascontiguousarray(rgb).tobytes()
 
 
 def ppm_header(data: Buffer) -> tuple[int, int, int] | None:

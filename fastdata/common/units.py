@@ -70,6 +70,14 @@ def exact_unit(n: int) -> str:
     return ""
 
 
+def exact_size(n: int) -> str:
+    """``"200 GB"``, ``"1.5 TiB"``: ``n`` in the largest unit that divides it exactly (as a user
+    would have written it), else :func:`format_size`'s rounding."""
+    if not exact_unit(n):
+        return format_size(n)
+    return describe_size(n).split(" (", 1)[0]
+
+
 def describe_size(n: int, unit: str | None = None) -> str:
     """``2 GB (2,000,000,000 bytes)`` in ``unit`` (default: the largest exact unit).
 

@@ -297,12 +297,18 @@ def _validate_storage(storage: dict, where: str) -> None:
     shape = storage.get("raw_shape")
     if mode == "mixed":
         keys = keys | {"raw_fraction"}
+    budget = storage.get("raw_budget")
+    if mode in ("raw-native", "mixed") and "raw_budget" in storage:
+        keys = keys | {"raw_budget"}
     fraction = storage.get("raw_fraction")
+    # a mixed store has a raw fraction or a raw budget (then its fraction is null), not both
+    mixed_ok = ((isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction <= 1
+                 and budget is None) or (fraction is None and positive_int(budget)))
     ok = set(storage) == keys and (
         (mode in ("raw-native", "mixed") and type(storage["max_side"]) is int and storage["max_side"] >= 32
          and storage["quality"] is None and shape is None
-         and (mode == "raw-native" or (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-                                        and 0 <= fraction <= 1)))
+         and (budget is None or positive_int(budget))
+         and (mode == "raw-native" or mixed_ok))
         or (mode in ("original", "lossless") and storage["max_side"] is None and storage["quality"] is None
          and shape is None)
         or (mode == "reencode" and positive_int(storage["max_side"]) and type(storage["quality"]) is int

@@ -69,6 +69,7 @@ def convert(
     image_column: str | Sequence[str] | None = None,
     storage: str | None = None,
     raw_fraction: float | None = None,
+    raw_budget: int | str | None = None,
 ) -> ConvertReport:
     """Convert an ImageFolder tree, a list file, NIfTI volumes, Parquet files or WebDataset shards into a store.
 
@@ -114,6 +115,12 @@ def convert(
             of the relative path) stored so, the others kept as their original bytes. Exclusive with
             ``quality``/``raw``/``lossless``.
         raw_fraction: with ``storage="mixed"``: 0 to 1.
+        raw_budget: with ``storage`` (``--raw-budget``; bytes or a size such as ``"200GB"``): the most
+            bytes the images may take. ``"mixed"`` keeps as pixels the images that save the most decode
+            time per extra byte (high-quality JPEGs first), as many as fit, instead of a fraction;
+            ``"raw"`` refuses a source whose pixels do not fit. The plan reads every image's header
+            first (:mod:`fastdata.writer.raw_budget`); a source that cannot fit is refused before
+            anything is written.
         image_mode: the default read mode recorded for the store's images (``"RGB"``, ``"L"``,
             ``"RGBA"`` or ``"unchanged"``; a reader's ``image_mode=`` overrides it): the manifest's
             ``image_modes`` for a classification store, ``Image(mode=...)`` with ``dicom_tags``.
@@ -176,9 +183,9 @@ def convert(
         staging_dir=staging_dir)
     # the options of image folders and volumes, which the sources that keep every value as read refuse
     image_options = (("--max-side", max_side), ("--quality", quality), ("--raw", raw), ("--lossless", lossless),
-                     ("--storage", storage), ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
-                     ("--dicom-tags", dicom_tags), ("--schema", schema), ("--chunks", chunks), ("--codec", codec),
-                     ("--max-pixels", max_pixels))
+                     ("--storage", storage), ("--raw-fraction", raw_fraction), ("--raw-budget", raw_budget),
+                     ("--image-mode", image_mode), ("--dicom-tags", dicom_tags), ("--schema", schema),
+                     ("--chunks", chunks), ("--codec", codec), ("--max-pixels", max_pixels))
     files = parquet_files(src)
     if files is not None:
         refuse_given(image_options, "Parquet files: every column becomes a field and image bytes are stored as "
@@ -199,7 +206,8 @@ def convert(
     if chunked is not None:
         given = [flag for flag, value in (("--max-side", max_side), ("--quality", quality), ("--raw", raw),
                                           ("--lossless", lossless), ("--storage", storage),
-                                          ("--raw-fraction", raw_fraction), ("--image-mode", image_mode),
+                                          ("--raw-fraction", raw_fraction), ("--raw-budget", raw_budget),
+                                          ("--image-mode", image_mode),
                                           ("--dicom-tags", dicom_tags), ("--schema", schema)) if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} do(es) not apply to chunked arrays (NIfTI volumes, TIFF images "
@@ -209,9 +217,10 @@ def convert(
         raise ValueError(f"{src}: --chunks/--codec/--max-pixels apply to NIfTI volumes (a folder, a list naming "
                          ".nii/.nii.gz files, a dataset.json) and to folders of TIFF images")
     if is_general_list(src, schema):
-        if any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction, image_mode,
-                                       dicom_tags)):
-            raise ValueError(f"{src}: --max-side/--quality/--raw/--lossless/--storage/--raw-fraction/--image-mode/"
+        if any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction, raw_budget,
+                                       image_mode, dicom_tags)):
+            raise ValueError(f"{src}: --max-side/--quality/--raw/--lossless/--storage/--raw-fraction/--raw-budget/"
+                             "--image-mode/"
                              "--dicom-tags apply to image "
                              "folders and path,label lists; a list with more fields keeps each image's bytes as they "
                              "are (leave them out; declare Image(mode=...) in --schema for a default read mode)")
@@ -222,13 +231,14 @@ def convert(
     check_local_path(src, "source")
     source: WriteSource
     if dicom_tags is not None:
-        if any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction)):
+        if any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction, raw_budget)):
             raise ValueError("--dicom-tags keeps each DICOM file's bytes as they are: leave out "
-                             "--max-side/--quality/--raw/--lossless/--storage/--raw-fraction")
+                             "--max-side/--quality/--raw/--lossless/--storage/--raw-fraction/--raw-budget")
         source = DicomFolderInput(src, dicom_tags, image_mode)
     else:
         source = FolderInput(src, max_side=max_side, quality=quality, raw=raw, lossless=lossless,
-                             image_mode=image_mode, storage=storage, raw_fraction=raw_fraction)
+                             image_mode=image_mode, storage=storage, raw_fraction=raw_fraction,
+                             raw_budget=raw_budget)
     try:
         report = WriteSession(source, dst, options).run()
     except RejectedInputError as err:

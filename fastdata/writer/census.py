@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from fastdata.common.units import format_size
+from fastdata.common.units import exact_size, format_size
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.record import FIELD_PREFIX, FORMAT_NAMES, IMAGE_DTYPE_NAMES, NOT_RECORDED, SampleIndex, ShardIndex
 
@@ -62,6 +62,10 @@ def census_notes(census: dict[str, dict[str, int]], image_modes: dict[str, str],
         notes.append(f"stored formats: {listing(census['formats'])}")
     if census["kinds"]:
         notes.append(f"images (dtype x channels): {listing(census['kinds'])}")
+    if storage.raw_budget is not None:
+        stored = census["bytes"]["stored"]
+        notes.append(f"image bytes stored: {format_size(stored)}, {stored / storage.raw_budget:.0%} of the raw budget "
+                     f"{exact_size(storage.raw_budget)}")
     if storage.mode == "lossless":
         kept = {k: v for k, v in census["formats"].items() if k != "TIFF"}
         notes.append("lossless: every image but JPEG/WebP/DICOM (and palette/CMYK images) re-encoded as a zstd "

@@ -138,14 +138,17 @@ def extension_mismatch(path: bytes, fmt: str) -> str:
             f"kept and stored as {fmt}, as ImageFolder loads it")
 
 
-def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: bytes | None = None) -> Sample:
+def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: bytes | None = None,
+           keep_raw: bool | None = None) -> Sample:
     """Turn one input file (``data``: its bytes, read here when None) into a
-    storable sample or raise :class:`Rejected`."""
+    storable sample or raise :class:`Rejected`. ``keep_raw`` is the plan's choice of whether a
+    raw-native or mixed store keeps it as pixels (a raw budget's); None leaves it to
+    :meth:`~fastdata.format.backends.base.StorageSpec.keeps_raw`."""
     if data is None:
         data = _read_bytes(path)
     if storage.mode == "lossless":
         return lossless_sample(path, relpath, label, data)
-    if storage.mode in RAW_NATIVE_MODES and storage.keeps_raw(relpath):
+    if storage.mode in RAW_NATIVE_MODES and (storage.keeps_raw(relpath) if keep_raw is None else keep_raw):
         return raw_native_sample(path, relpath, label, data, storage.reencode_max_side())
     if storage.mode not in ("raw", "reencode"):  # stored as given: only checked
         info = inspect(data)
@@ -302,11 +305,11 @@ def lossless_sample(path: bytes, relpath: bytes, label: int, data: bytes) -> Ing
 
 
 def ingest_chunk(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec,
-                 spill_dir: str | None = None):
-    """Worker entry point: ingest a chunk. Returns a list with a Sample or a
-    rejection reason (str) per input, plus the input bytes read; with
-    ``spill_dir``, the list comes back spilled (see :func:`spill`)."""
-    results, read_bytes = _ingest_all(paths, relpaths, labels, storage)
+                 keep_raw: list[bool] | None = None, spill_dir: str | None = None):
+    """Worker entry point: ingest a chunk (``keep_raw``: the plan's raw choice per input, see
+    :func:`ingest`). Returns a list with a Sample or a rejection reason (str) per input, plus the
+    input bytes read; with ``spill_dir``, the list comes back spilled (see :func:`spill`)."""
+    results, read_bytes = _ingest_all(paths, relpaths, labels, storage, keep_raw)
     if spill_dir is not None:
         return spill(results, spill_dir), read_bytes
     return results, read_bytes
@@ -359,14 +362,16 @@ def unspill(spilled: tuple) -> list:
     return out
 
 
-def _ingest_all(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec):
+def _ingest_all(paths: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec,
+                keep_raw: list[bool] | None = None):
     out: list = []
     read_bytes = 0
-    for path, rel, label in zip(paths, relpaths, labels, strict=False):
+    choices = keep_raw if keep_raw is not None else [None] * len(paths)
+    for path, rel, label, raw in zip(paths, relpaths, labels, choices, strict=False):
         try:
             data = _read_bytes(path)
             read_bytes += len(data)
-            sample = ingest(path, rel, label, storage, data)
+            sample = ingest(path, rel, label, storage, data, raw)
         except Rejected as reason:
             out.append(str(reason))
             continue

@@ -58,7 +58,25 @@ LOSSLESS_CODECS = ("tiff",)
 STORAGE_CHOICES = ("raw", "mixed")
 
 
-def _raw_native_spec(storage: str, max_side, quality, raw, lossless, raw_fraction) -> StorageSpec:
+def parse_raw_budget(value) -> int:
+    """``--raw-budget``: ``"200GB"``, ``"1.5TiB"`` or a byte count, as bytes (positive).
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    budget = 0
+    if not isinstance(value, bool):
+        try:
+            budget = parse_size(value)
+        except (TypeError, ValueError):
+            pass
+    if budget <= 0:
+        raise ValueError(f"--raw-budget must be a positive size such as 200GB or 1.5TiB (the most bytes the images "
+                         f"may take), got {value!r}")
+    return budget
+
+
+def _raw_native_spec(storage: str, max_side, quality, raw, lossless, raw_fraction, raw_budget) -> StorageSpec:
     """``--storage raw|mixed`` (modes ``'raw-native'``/``'mixed'`` of :class:`StorageSpec`), checked."""
     if storage not in STORAGE_CHOICES:
         raise ValueError(f"--storage must be one of {', '.join(STORAGE_CHOICES)}, got {storage!r}")
@@ -74,13 +92,20 @@ def _raw_native_spec(storage: str, max_side, quality, raw, lossless, raw_fractio
     if isinstance(max_side, bool) or int(max_side) != max_side or int(max_side) < MIN_RAW_MAX_SIDE:
         raise ValueError(f"--max-side must be a whole number of at least {MIN_RAW_MAX_SIDE} pixels with --storage "
                          f"{storage} (a random crop needs pixels to choose from), got {max_side!r}")
+    budget = None if raw_budget is None else parse_raw_budget(raw_budget)
     if storage == "raw":
         if raw_fraction is not None:
             raise ValueError("--raw-fraction applies to --storage mixed (--storage raw stores every image as pixels)")
-        return StorageSpec(mode="raw-native", max_side=int(max_side))
+        return StorageSpec(mode="raw-native", max_side=int(max_side), raw_budget=budget)
+    if raw_fraction is not None and budget is not None:
+        raise ValueError("--raw-fraction and --raw-budget are exclusive: a fraction picks the share of images "
+                         "stored as pixels, a budget picks as many as fit in it; give one")
+    if budget is not None:
+        return StorageSpec(mode="mixed", max_side=int(max_side), raw_budget=budget)
     if raw_fraction is None:
-        raise ValueError("--storage mixed needs --raw-fraction F: the share of images stored as pixels (0 to 1, "
-                         "e.g. 0.5), the rest kept as their original bytes")
+        raise ValueError("--storage mixed needs --raw-fraction F (the share of images stored as pixels, 0 to 1, "
+                         "e.g. 0.5) or --raw-budget SIZE (as many as fit in it, e.g. 200GB); the rest are kept "
+                         "as their original bytes")
     try:
         fraction = float(raw_fraction)
     except (TypeError, ValueError):
@@ -93,7 +118,7 @@ def _raw_native_spec(storage: str, max_side, quality, raw, lossless, raw_fractio
 
 def storage_spec(max_side: int | None = None, quality: int | None = None, raw=None,
                  lossless: str | None = None, storage: str | None = None,
-                 raw_fraction: float | None = None) -> StorageSpec:
+                 raw_fraction: float | None = None, raw_budget: int | str | None = None) -> StorageSpec:
     """Build the :class:`StorageSpec` for the chosen storage mode.
 
     Args:
@@ -106,6 +131,10 @@ def storage_spec(max_side: int | None = None, quality: int | None = None, raw=No
             at ``max_side``: mode ``'raw-native'``) or ``--storage mixed`` (a share ``raw_fraction`` of
             them, the rest kept as they are: mode ``'mixed'``).
         raw_fraction (float | None): ``--raw-fraction``, 0 to 1, with ``storage="mixed"``.
+        raw_budget (int | str | None): ``--raw-budget`` (bytes, or a size such as ``"200GB"``) with
+            ``storage``: the most bytes the images may take; ``"mixed"`` then keeps as pixels the
+            images that save the most decode time per byte, as many as fit
+            (:mod:`fastdata.writer.raw_budget`), ``"raw"`` refuses a source that does not fit.
 
     Returns:
         StorageSpec: the mode and its parameters, as the manifest records them.
@@ -114,9 +143,11 @@ def storage_spec(max_side: int | None = None, quality: int | None = None, raw=No
         ValueError: options of two storage modes, or an invalid value (the message says which).
     """
     if storage is not None:
-        return _raw_native_spec(storage, max_side, quality, raw, lossless, raw_fraction)
+        return _raw_native_spec(storage, max_side, quality, raw, lossless, raw_fraction, raw_budget)
     if raw_fraction is not None:
         raise ValueError("--raw-fraction applies to --storage mixed only")
+    if raw_budget is not None:
+        raise ValueError("--raw-budget applies to --storage raw|mixed (the bytes decoded pixels may take)")
     if lossless is not None:
         if lossless not in LOSSLESS_CODECS:
             raise ValueError(f"--lossless must be one of {', '.join(LOSSLESS_CODECS)}, got {lossless!r}")
@@ -202,21 +233,21 @@ def resolve_workers(workers: int | None) -> tuple[int, str | None]:
 def resolve_options(dst: str, recorded: RunOptions | None, *, format: str | None, shard_size,
                     max_side: int | None = None, quality: int | None = None, raw=None,
                     lossless: str | None = None, storage: str | None = None, raw_fraction: float | None = None,
-                    strict: bool | None) -> RunOptions:
+                    raw_budget: int | str | None = None, strict: bool | None) -> RunOptions:
     """The content options of this run.
 
     Each option given (not None) is used as given; each one not given takes the
     value recorded by the run being resumed (``recorded``), else its default.
     The storage options (``max_side``, ``quality``, ``raw``, ``lossless``, ``storage``,
-    ``raw_fraction``) count as one: giving any of them replaces the recorded storage mode.
+    ``raw_fraction``, ``raw_budget``) count as one: giving any of them replaces the recorded storage mode.
 
     Raises:
         ValueError: an option is invalid (the message says what to give instead).
     """
     backend = choose_backend(dst, format) if format is not None or recorded is None else recorded.backend
-    storage_given = any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction))
-    spec = (storage_spec(max_side, quality, raw, lossless, storage, raw_fraction) if storage_given or recorded is None
-            else recorded.storage)
+    storage_given = any(v is not None for v in (max_side, quality, raw, lossless, storage, raw_fraction, raw_budget))
+    spec = (storage_spec(max_side, quality, raw, lossless, storage, raw_fraction, raw_budget)
+            if storage_given or recorded is None else recorded.storage)
     if shard_size is not None:
         size = check_shard_size(parse_size_spec(shard_size))
     else:

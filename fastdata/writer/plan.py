@@ -25,6 +25,9 @@ class Listing(Protocol):
     relpaths: list[bytes]
     labels: np.ndarray
     sizes: np.ndarray
+    #: with a raw budget: whether each input is stored as pixels, and the bytes it will take
+    raw: np.ndarray | None
+    stored_sizes: np.ndarray | None
 
     def __len__(self) -> int: ...
 
@@ -40,6 +43,8 @@ class ShardPlan:
 
 def estimated_sizes(scan: Listing, storage: StorageSpec) -> np.ndarray:
     """Bytes each input is expected to take in the store (for rotation)."""
+    if scan.stored_sizes is not None:  # a raw budget's plan read every header: the sizes are known
+        return scan.stored_sizes
     if storage.mode == "raw":
         h, w = storage.raw_hw()
         return np.full(len(scan), h * w * 3, dtype=np.int64)
@@ -79,4 +84,6 @@ def plan_fingerprint(scan: Listing, backend: str, storage: StorageSpec, shard_si
         h.update(rel)
     h.update(scan.labels.astype("<i8").tobytes())
     h.update(scan.sizes.astype("<i8").tobytes())
+    if scan.raw is not None:  # (a raw budget's choice follows from the files; hashed all the same)
+        h.update(scan.raw.astype(np.uint8).tobytes())
     return h.hexdigest()

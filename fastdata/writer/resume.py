@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastdata.common.fileio import atomic_write
-from fastdata.common.units import Size, exact_unit
+from fastdata.common.units import Size, exact_size, exact_unit
 from fastdata.errors import FastdataError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.manifest import read_manifest
@@ -83,7 +83,11 @@ def describe_storage(storage: StorageSpec) -> str:
     if storage.mode == "reencode":
         return f"re-encode above {storage.max_side} px at quality {storage.quality}"
     if storage.mode == "raw-native":
-        return f"raw pixels up to {storage.max_side} px"
+        budget = f", raw budget {exact_size(storage.raw_budget)}" if storage.raw_budget is not None else ""
+        return f"raw pixels up to {storage.max_side} px{budget}"
+    if storage.mode == "mixed" and storage.raw_budget is not None:
+        return (f"mixed: images kept as pixels as far as the raw budget {exact_size(storage.raw_budget)} holds, "
+                f"pixels up to {storage.max_side} px")
     if storage.mode == "mixed":
         return f"mixed: raw fraction {storage.raw_fraction:g}, pixels up to {storage.max_side} px"
     if storage.mode == "lossless":

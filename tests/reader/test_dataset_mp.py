@@ -346,7 +346,10 @@ def test_fd_count_stable_across_epochs(stores, backend):
     main_fds, worker_fds = _fd_series(ds, persistent=True, early_break=True)  # repeated iter(), abandoned
     _assert_flat(main_fds, "main")
     for w in range(2):
-        _assert_flat([epoch[w][1] for epoch in worker_fds], f"worker {w}")
+        # from the second epoch: shards open lazily, and under load the first abandoned epoch can be
+        # counted before a worker reached the batch its prefetch opens the next shard for (seen once in
+        # CI: [36, 38, 38, 38, 38]); a leak still grows over the four epochs after it
+        _assert_flat([epoch[w][1] for epoch in worker_fds][1:], f"worker {w}")
     main_fds, _ = _fd_series(ds, persistent=False)  # fresh workers every epoch
     _assert_flat(main_fds, "main")
     ds.close()

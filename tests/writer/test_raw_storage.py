@@ -135,6 +135,105 @@ def test_mixed_resume_checks_the_fraction(tmp_path):
                          progress=False)
 
 
+# -- --raw-budget: as many images as pixels as the budget holds, the costliest decodes first ----------------
+
+def _budget_tree(root):
+    """Images of several sizes and JPEG qualities: a high quality decodes slower per pixel (more
+    bytes to entropy-decode) and its pixels cost fewer bytes more than its file."""
+    for i, (size, quality) in enumerate([((150, 100), 95), ((150, 100), 40), ((90, 120), 95), ((90, 120), 40),
+                                         ((60, 50), 90), ((60, 50), 30), ((200, 40), 97), ((200, 40), 50)]):
+        make_jpeg(root / ("a" if i % 2 else "b") / f"{i}.jpg", size=size, seed=i, quality=quality)
+    return root
+
+
+def _priorities(root, rels):
+    """The documented priority of each image, from Pillow's view of the files (not fastdata's plan)."""
+    from fastdata.writer.raw_budget import decode_priority, raw_record_bytes
+
+    sizes = [Image.open(root / rel).size for rel in rels]
+    w = np.array([a for a, _ in sizes]); h = np.array([b for _, b in sizes])
+    files = np.array([(root / rel).stat().st_size for rel in rels])
+    return decode_priority(w, h, files, raw_record_bytes(w, h, MAX_SIDE)), raw_record_bytes(w, h, MAX_SIDE), files
+
+
+def test_raw_budget_keeps_the_costliest_decodes_as_pixels_within_the_budget(tmp_path):
+    from fastdata.writer.raw_budget import RECORD_ALLOWANCE
+
+    root = _budget_tree(tmp_path / "src")
+    rels = sorted(str(p.relative_to(root)) for p in root.rglob("*.jpg"))
+    priority, raw_bytes, files = _priorities(root, rels)
+    allowance = RECORD_ALLOWANCE * len(rels)
+    extra = np.maximum(raw_bytes - files, 0)
+    # a budget that holds about half of the extra bytes (in priority order): some raw, some not
+    budget = int(files.sum() + allowance + np.sort(extra)[: len(rels) // 2].sum())
+    dst = tmp_path / "b.lmdb"
+    report = fastdata.convert(root, dst, storage="mixed", raw_budget=budget, max_side=MAX_SIDE, workers=0,
+                              progress=False)
+    assert read_manifest(str(dst))["storage"]["raw_budget"] == budget
+    records = {rec["relpath"]: rec for rec in v1_records(dst)}
+    raw = np.array([records[rel]["fmt"] == "PPM" for rel in rels])
+    assert 0 < raw.sum() < len(rels)
+    stored = sum(len(rec["image"]) for rec in records.values())
+    assert stored + allowance <= budget  # within the budget, counted as documented
+    # the images kept raw are the highest priorities (a prefix of the order), each raw record the
+    # capped pixels and each other record the file itself
+    assert priority[raw].min() >= priority[~raw].max()
+    for rel, rec in records.items():
+        src = (root / rel).read_bytes()
+        if rec["fmt"] == "PPM":
+            assert np.array_equal(ppm_pixels(rec["image"]), expected_pixels(src, MAX_SIDE))
+        else:
+            assert rec["image"] == src, rel
+    assert any("raw budget" in note and f"{int(raw.sum())} of {len(rels)}" in note for note in report.notes)
+    split = info(str(dst))["raw_split"]
+    assert (split["raw"]["count"], split["encoded"]["count"]) == (int(raw.sum()), int((~raw).sum()))
+    assert verify(str(dst), decode=True).ok
+    # control: the rule is monotone in the budget: room for every image's pixels keeps all raw
+    roomy = tmp_path / "all.lmdb"
+    fastdata.convert(root, roomy, storage="mixed", raw_budget=int(files.sum() + extra.sum() + allowance),
+                     max_side=MAX_SIDE, workers=0, progress=False)
+    assert {rec["fmt"] for rec in v1_records(roomy)} == {"PPM"}
+
+
+def test_raw_budget_that_cannot_hold_the_images_is_refused_before_writing(tmp_path):
+    root = _budget_tree(tmp_path / "src")
+    rels = sorted(str(p.relative_to(root)) for p in root.rglob("*.jpg"))
+    _, raw_bytes, files = _priorities(root, rels)
+    with pytest.raises(ValueError, match=r"take .* as they are, over --raw-budget 1 kB"):
+        fastdata.convert(root, tmp_path / "m.lmdb", storage="mixed", raw_budget="1kB", max_side=MAX_SIDE,
+                         workers=0, progress=False)
+    assert not (tmp_path / "m.lmdb").exists()
+    # --storage raw: all pixels or nothing; a budget just under what they take is refused, at it accepted
+    need = int(raw_bytes.sum()) + 4096 * len(rels)
+    with pytest.raises(ValueError, match=r"--storage raw --max-side 64 stores these 8 images .* over --raw-budget"):
+        fastdata.convert(root, tmp_path / "r.lmdb", storage="raw", raw_budget=need - 1, max_side=MAX_SIDE, workers=0,
+                         progress=False)
+    assert not (tmp_path / "r.lmdb").exists()
+    fastdata.convert(root, tmp_path / "r.lmdb", storage="raw", raw_budget=need, max_side=MAX_SIDE, workers=0,
+                     progress=False)
+    assert {rec["fmt"] for rec in v1_records(tmp_path / "r.lmdb")} == {"PPM"}
+
+
+def test_raw_budget_resume_and_cli(tmp_path, capsys):
+    root = _budget_tree(tmp_path / "src")
+    dst = str(tmp_path / "c.lmdb")
+    assert main(["convert", str(root), dst, "--storage", "mixed", "--raw-budget", "100kB", "--max-side", "64",
+                 "--workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "raw budget 100 kB:" in out and "of the raw budget 100 kB" in out
+    assert main(["info", dst]) == 0
+    assert "mixed (pixels up to 64 px, raw budget 100 kB)" in capsys.readouterr().out
+    assert fastdata.convert(root, dst, resume=True, workers=0, progress=False).already_complete
+    with pytest.raises(fastdata.errors.ResumeMismatchError, match="raw budget 100 kB"):
+        fastdata.convert(root, dst, resume=True, storage="mixed", raw_budget="200kB", max_side=MAX_SIDE, workers=0,
+                         progress=False)
+    code = main(["convert", str(root), str(tmp_path / "d.lmdb"), "--storage", "mixed", "--raw-budget", "lots",
+                 "--max-side", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--raw-budget must be a positive size such as 200GB" in err[0]
+    assert not (tmp_path / "d.lmdb").exists()
+
+
 # -- reading PPM records: the same crop box and kernel as an encoded record of the same pixels ----------------
 
 def _png(pixels: np.ndarray) -> bytes:
@@ -301,6 +400,11 @@ def test_raw_shards_are_planned_from_the_pixels_they_will_hold(tmp_path):
     ({"storage": "mixed", "max_side": 64, "raw_fraction": 0.5, "lossless": "tiff"}, "are exclusive"),
     ({"storage": "raw", "max_side": 64, "quality": 80}, "are exclusive"),
     ({"raw_fraction": 0.5}, "applies to --storage mixed only"),
+    ({"raw_budget": "1GB"}, "--raw-budget applies to --storage raw|mixed"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": 0.5, "raw_budget": "1GB"}, "are exclusive"),
+    ({"storage": "mixed", "max_side": 64, "raw_budget": 0}, "--raw-budget must be a positive size"),
+    ({"storage": "mixed", "max_side": 64, "raw_budget": "-5GB"}, "--raw-budget must be a positive size"),
+    ({"storage": "mixed", "max_side": 64, "raw_budget": True}, "--raw-budget must be a positive size"),
     ({"storage": "ppm", "max_side": 64}, "--storage must be one of raw, mixed"),
 ])
 def test_bad_storage_options_are_refused_before_writing(tmp_path, options, message):
@@ -344,6 +448,20 @@ def test_ppm_records_are_not_decoded_but_viewed(monkeypatch):
     assert np.array_equal(full_decode(ppm), pixels)
     assert RandomResizedCrop(64)(ppm, np.random.default_rng(0)).shape == (64, 64, 3)
     assert Resize(90)(ppm).shape == (90, 120, 3) and CenterCrop(32)(ppm).shape == (32, 32, 3)
+
+
+@pytest.mark.parametrize("storage", [{"raw_budget": 0}, {"raw_budget": "1GB"}, {"raw_budget": 1.5e9},
+                                     {"raw_budget": 10**9, "raw_fraction": 0.5}, {"raw_budget": True}])
+def test_a_manifest_with_an_invalid_raw_budget_is_refused(tmp_path, storage):
+    root = make_tree(tmp_path / "src", classes={"cat": 2}, size=(40, 30))
+    store = str(tmp_path / "m.lmdb")
+    fastdata.convert(root, store, storage="mixed", raw_budget=10**9, max_side=MAX_SIDE, workers=0, progress=False)
+    fastdata.open_dataset(store)  # control: the store as written opens
+    body = H.load_manifest(store)
+    body["storage"].update(storage)
+    H.resign(store, body)
+    with pytest.raises(fastdata.errors.FormatError, match="not a valid storage mode"):
+        fastdata.open_dataset(store)
 
 
 def test_a_manifest_with_an_invalid_raw_fraction_is_refused(tmp_path):

@@ -144,7 +144,12 @@ class StorageSpec:
       fixed-size mode above, hence the other name;
     * ``'mixed'`` (``convert --storage mixed --raw-fraction F --max-side N``): the images that
       :meth:`keeps_raw` picks (a fraction ``raw_fraction`` of them) as in ``'raw-native'``, the
-      others as in ``'original'``.
+      others as in ``'original'``. With ``--raw-budget SIZE`` instead of a fraction (``raw_budget``
+      bytes), the conversion's plan picks them: the images whose decode saves the most time per
+      extra byte, as many as the budget holds (:mod:`fastdata.writer.raw_budget`).
+
+    ``raw_budget`` (``--raw-budget``, modes ``'raw-native'`` and ``'mixed'``) is the most bytes the
+    images may take in the store, recorded so that ``info`` and a ``--resume`` say it.
 
     Both raw-native modes are read like ``'original'``: a PPM record is an image like any other,
     whose decode is a header parse and a view of its pixels.
@@ -155,18 +160,34 @@ class StorageSpec:
     quality: int | None = None
     raw_shape: tuple[int, int] | None = None  # (H, W) for mode 'raw'
     raw_fraction: float | None = None  # for mode 'mixed': the share of images stored as pixels
+    raw_budget: int | None = None  # for modes 'raw-native' and 'mixed': the bytes the images may take
 
     def keeps_raw(self, relpath: bytes) -> bool:
         """Whether the image at ``relpath`` (its path relative to the source root, as recorded) is
         stored as pixels: always in mode ``'raw-native'``; in mode ``'mixed'`` when
         ``xxh3_64(relpath) / 2**64 < raw_fraction``. A function of the path alone, so a
         ``--resume``, a rerun or another machine picks the same images, and a fraction F picks
-        about F of them (exactly those the rule says); never in the other modes."""
+        about F of them (exactly those the rule says); never in the other modes.
+
+        Raises:
+            ValueError: mode ``'mixed'`` with a ``raw_budget``: there the plan picks the images
+                (:func:`fastdata.writer.raw_budget.choose_raw`), not the path.
+        """
         if self.mode == "raw-native":
             return True
+        if self.mode == "mixed" and self.raw_budget is not None:
+            raise ValueError("a mixed store with a raw budget picks its raw images by their sizes, in the "
+                             "conversion's plan: the path alone does not tell")
         if self.mode != "mixed" or not self.raw_fraction:
             return False
         return xxhash.xxh3_64_intdigest(relpath) / 2.0**64 < self.raw_fraction
+
+    @property
+    def picks_raw_by_path(self) -> bool:
+        """Whether :meth:`keeps_raw` tells which records are pixels: in mode ``'raw-native'`` and in
+        mode ``'mixed'`` with a fraction. A mixed store with a raw budget records no rule (its plan
+        chose from the images' sizes): there a record is pixels when it is a PPM."""
+        return self.mode == "raw-native" or (self.mode == "mixed" and self.raw_budget is None)
 
     def raw_hw(self) -> tuple[int, int]:
         """``(H, W)`` of every image of a raw-mode store.
@@ -193,13 +214,15 @@ class StorageSpec:
                      "raw_shape": list(self.raw_shape) if self.raw_shape else None}
         if self.mode == "mixed":  # only there: the manifests of the other modes keep their keys
             out["raw_fraction"] = self.raw_fraction
+        if self.raw_budget is not None:  # (only given: stores without one keep their keys)
+            out["raw_budget"] = self.raw_budget
         return out
 
     @classmethod
     def from_json(cls, obj: dict) -> StorageSpec:
         shape = obj.get("raw_shape")
         return cls(obj.get("mode", "original"), obj.get("max_side"), obj.get("quality"),
-                   tuple(shape) if shape else None, obj.get("raw_fraction"))
+                   tuple(shape) if shape else None, obj.get("raw_fraction"), obj.get("raw_budget"))
 
 
 #: the storage modes whose records may be raw-native PPMs (``convert --storage raw|mixed``)

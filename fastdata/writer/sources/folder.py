@@ -46,6 +46,7 @@ from fastdata.writer.census import census_notes, image_census
 from fastdata.writer.options import check_shard_count
 from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, shard_index_bytes
 from fastdata.writer.plan import ShardPlan, estimated_sizes, plan_fingerprint, plan_shards
+from fastdata.writer.raw_budget import plan_raw
 from fastdata.writer.resume import RecordedRun, RunOptions, option_differences, record_run, source_differences
 from fastdata.writer.sources.base import WriteSource
 
@@ -78,6 +79,10 @@ class SourceScan:
     #: (path, problem) pairs the caller reports as warnings: unreadable directories,
     #: symlink loops, empty class folders, class folders named like splits
     walk_problems: list[tuple[str, str]] = field(default_factory=list)
+    #: with ``--raw-budget``, set by the plan (:func:`fastdata.writer.raw_budget.plan_raw`): whether
+    #: each input is stored as pixels, and the bytes it will take in the store
+    raw: np.ndarray | None = None
+    stored_sizes: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -345,11 +350,12 @@ class FolderSource(ChunkSource):
         scan = self.scan
         for plan in plans or []:
             if plan.start == plan.stop:  # (an empty plan cannot come from a scan, but be safe)
-                yield Chunk(plan, plan.start, plan.stop, True, ([], [], [], self.storage))
+                yield Chunk(plan, plan.start, plan.stop, True, ([], [], [], self.storage, None))
             for a in range(plan.start, plan.stop, self.chunk_size):
                 b = min(a + self.chunk_size, plan.stop)
+                raw = scan.raw[a:b].tolist() if scan.raw is not None else None
                 yield Chunk(plan, a, b, b == plan.stop,
-                            (scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(), self.storage))
+                            (scan.paths[a:b], scan.relpaths[a:b], scan.labels[a:b].tolist(), self.storage, raw))
 
     def describe(self, start: int, stop: int) -> str:
         return f"{os.fsdecode(self.scan.paths[start])} .. {os.fsdecode(self.scan.paths[stop - 1])}"
@@ -400,24 +406,27 @@ def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptio
 
 class FolderInput(WriteSource):
     """An ImageFolder tree or a ``path,label`` list (``src``) as a classification store (layout
-    version 1); ``max_side``/``quality``/``raw``/``lossless``/``storage``/``raw_fraction`` pick the storage mode and
+    version 1); ``max_side``/``quality``/``raw``/``lossless``/``storage``/``raw_fraction``/``raw_budget`` pick the
+    storage mode and
     ``image_mode`` the default read mode recorded in the manifest (see :func:`fastdata.convert`)."""
 
     splits_across_ranks = True
 
     def __init__(self, src: str, *, max_side: int | None = None, quality: int | None = None, raw=None,
                  lossless: str | None = None, image_mode: str | None = None, storage: str | None = None,
-                 raw_fraction: float | None = None):
+                 raw_fraction: float | None = None, raw_budget: int | str | None = None):
         super().__init__(os.path.abspath(src))
         self.src = src
         self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless,
-                                "storage": storage, "raw_fraction": raw_fraction}
+                                "storage": storage, "raw_fraction": raw_fraction, "raw_budget": raw_budget}
         self.image_mode = None if image_mode is None else check_mode(image_mode, "image_mode (--image-mode)")
         self.scan: SourceScan | None = None
         self.storage = StorageSpec()
         #: the manifest's IMAGE_MODES_KEY entry, set by :meth:`finish_results`
         self.image_modes: dict[str, str] = {}
         self.notes: list[str] = []
+        #: the plan's own summary lines (a raw budget's choice)
+        self.plan_notes: list[str] = []
 
     def _scan(self) -> SourceScan:
         assert self.scan is not None, "FolderInput.plan scans the source first"
@@ -433,6 +442,9 @@ class FolderInput(WriteSource):
                                  f"{', '.join(found.hidden_classes)} (remove them if they are not classes)")
         self.warnings.extend(f"{path}: {problem}" for path, problem in found.walk_problems)
         check_destination_outside(found, dst)
+        if run.storage.raw_budget is not None:
+            found.raw, found.stored_sizes, note = plan_raw(run.storage, found.paths, found.sizes, self.src)
+            self.plan_notes = [note]
         sizes = estimated_sizes(found, run.storage)
         plans = plan_shards(sizes, run.shard_size.bytes)
         check_shard_count(plans, int(sizes.sum()), run.shard_size)
@@ -494,4 +506,4 @@ class FolderInput(WriteSource):
         return {IMAGE_MODES_KEY: dict(self.image_modes)} if self.image_modes else None
 
     def report_notes(self) -> list[str]:
-        return list(self.notes)
+        return self.plan_notes + self.notes
