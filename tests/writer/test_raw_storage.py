@@ -151,9 +151,10 @@ def _priorities(root, rels):
     from fastdata.writer.raw_budget import decode_priority, raw_record_bytes
 
     sizes = [Image.open(root / rel).size for rel in rels]
-    w = np.array([a for a, _ in sizes]); h = np.array([b for _, b in sizes])
+    w, h = np.array([a for a, _ in sizes]), np.array([b for _, b in sizes])
     files = np.array([(root / rel).stat().st_size for rel in rels])
-    return decode_priority(w, h, files, raw_record_bytes(w, h, MAX_SIDE)), raw_record_bytes(w, h, MAX_SIDE), files
+    raw = raw_record_bytes(w, h, MAX_SIDE)
+    return decode_priority(w, h, files, raw), raw, files
 
 
 def test_raw_budget_keeps_the_costliest_decodes_as_pixels_within_the_budget(tmp_path):
