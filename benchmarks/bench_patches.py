@@ -6,8 +6,9 @@ Data (generated once per scenario, kept with ``--workdir``): ``N`` CT-like uint1
 and their uint8 organ labels (:func:`fastdata.tools.synth_volumes.ct_pair`, seeds 0..N-1), saved as
 ``.npy`` and as ``.nii.gz`` (``nibabel.save``, its default gzip level), and written with
 ``fastdata.write(..., workers=2)`` into an LMDB and an HDF5 store with
-``{"ct": Chunked("uint16", (64,) * 3), "label": Chunked("uint8", (64,) * 3)}``: the default codec
-(blosc-lz4 level 5, byte shuffle, 256 KiB Blosc blocks) and the 64^3 chunks of the issue; a third store
+``{"ct": Chunked("uint16", (c,) * 3), "label": Chunked("uint8", (c,) * 3)}``: the default codec
+(blosc-lz4 level 5, byte shuffle, 256 KiB Blosc blocks) and ``--chunks c`` (default 48, what ``fastdata
+convert`` uses for NIfTI volumes; 64 was the issue's example); a third store
 (LMDB) with ``codec="blosc-zstd"`` (level 1), the smaller store, shows what that choice costs. Scenarios are
 ``SIDExCOUNT`` (default ``256x8,512x4``: 8 volumes of 256^3 and 4 of 512^3).
 
@@ -95,9 +96,11 @@ from fastdata.fields import Chunked  # noqa: E402
 from fastdata.format.chunk_codecs import BLOSC_BLOCK_BYTES, CHUNK_CODECS, DEFAULT_CODEC  # noqa: E402
 from fastdata.reader.seeding import seed_worker  # noqa: E402
 from fastdata.tools.synth_volumes import ct_pair  # noqa: E402
+from fastdata.writer.sources.volumes.nifti import VOLUME_CHUNK  # noqa: E402
 
 MB = 1 << 20
-CHUNKS = (64, 64, 64)
+#: the stores' chunk shape: fastdata's default for NIfTI volumes unless --chunks says otherwise
+CHUNKS = (VOLUME_CHUNK,) * 3
 CONTENDERS = ("fastdata-lmdb", "fastdata-hdf5", "fastdata-lmdb-zstd", "npy", "nibabel", "torchio")
 #: the stores of a scenario: kind -> (backend, codec); the first is the one measured in process
 STORES = {"lmdb": ("lmdb", DEFAULT_CODEC), "hdf5": ("hdf5", DEFAULT_CODEC), "lmdb-zstd": ("lmdb", "blosc-zstd")}
@@ -138,7 +141,7 @@ class Volumes:
 
     def store(self, kind: str) -> str:
         backend, codec = STORES[kind]
-        tag = "" if codec == DEFAULT_CODEC else f"-{codec}"
+        tag = ("" if codec == DEFAULT_CODEC else f"-{codec}") + ("" if CHUNKS == (64, 64, 64) else f"-c{CHUNKS[0]}")
         return os.path.join(self.root, f"x{self.count}{tag}.{'lmdb' if backend == 'lmdb' else 'h5'}")
 
     def _stamp(self, kind: str) -> Path:
@@ -166,12 +169,12 @@ class Volumes:
             self._stamp("nii").touch()
             spent["nii.gz"] = time.perf_counter() - t0
         for kind, (_backend, codec) in STORES.items():
-            if kind in kinds and not self._stamp(f"{kind}-{codec}").exists():
+            if kind in kinds and not self._stamp(f"{kind}-{codec}-c{CHUNKS[0]}").exists():
                 t0 = time.perf_counter()
                 samples = [{f: np.load(self.npy(i, f), mmap_mode="r") for f in ("ct", "label")}
                            for i in range(self.count)]
                 fastdata.write(samples, self.store(kind), schema(codec), workers=2, overwrite=True, progress=False)
-                self._stamp(f"{kind}-{codec}").touch()
+                self._stamp(f"{kind}-{codec}-c{CHUNKS[0]}").touch()
                 spent[kind] = time.perf_counter() - t0
         return spent
 
@@ -658,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="256x8,512x4",
                    help="comma-separated SIDExCOUNT: COUNT volumes of SIDE^3 (default 256x8,512x4)")
     p.add_argument("--patch", type=int, default=96, help="patch side (default 96)")
+    p.add_argument("--chunks", type=int, default=VOLUME_CHUNK,
+                   help=f"chunk side of the stores (default {VOLUME_CHUNK}, fastdata's for NIfTI volumes)")
     p.add_argument("--patches-per-volume", type=int, default=8, help="patches per volume per epoch, every contender "
                    "(default 8)")
     p.add_argument("--batch-size", type=int, default=4)
@@ -684,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         print(json.dumps(memory_child(args.memory_child, args)))
         return 0
+    global CHUNKS
+    CHUNKS = (args.chunks,) * 3
     if args.quick:
         args.scenarios, args.patches_per_volume, args.epochs = "128x3,160x2", 4, 1
         args.decoded_patches, args.regions, args.region_repeats = 40, 16, 2

@@ -315,10 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     from fastdata.format.chunk_codecs import CHUNK_CODECS
 
     c.add_argument("--chunks", metavar="N,N[,N...]", default=None,
-                   help="chunk shape of chunked arrays: for NIfTI volumes (default 64,64,64; 256,256 for 2-D ones; "
-                        "axes after those given are chunked by 1, e.g. a 4-D volume's time axis), and, for a folder "
-                        "of TIFF images, rows,columns (default 512,512, every band in each chunk): each image is "
-                        "then stored as a chunked HxW[xC] array read tile by tile")
+                   help="chunk shape of chunked arrays: for NIfTI volumes (default 48,48,48, sized for 96^3 patches; "
+                        "256,256 for 2-D ones; axes after those given are chunked by 1, e.g. a 4-D volume's time "
+                        "axis), and, for a folder of TIFF images, rows,columns (default 512,512, every band in each "
+                        "chunk): each image is then stored as a chunked HxW[xC] array read tile by tile")
     c.add_argument("--codec", choices=list(CHUNK_CODECS), default=None,
                    help="codec of the chunks of chunked arrays: blosc-lz4 (default, fastest to read), blosc-zstd "
                         "(smaller stores, about half the read speed), zstd, lz4, raw (uncompressed)")

@@ -151,8 +151,8 @@ def convert(
         staging_dir: local directory shards of a URL ``dst`` are written in before upload
             (default: under the cache directory).
         chunks: the chunk shape of chunked arrays (``"64,64,64"`` or ``(64, 64, 64)``): for NIfTI
-            volumes (default 64 per spatial axis, 1 on the others) and, given for an image folder,
-            its TIFF images become ``Chunked`` (H, W[, C]) arrays read tile by tile (default 512x512).
+            volumes (default 48 per spatial axis, sized for 96^3 patches, 1 on the others) and, given for
+            an image folder, its TIFF images become ``Chunked`` (H, W[, C]) arrays read tile by tile (default 512x512).
         codec: the chunks' codec (:data:`fastdata.format.chunk_codecs.CHUNK_CODECS`; default ``"blosc-lz4"``;
             ``"blosc-zstd"`` for smaller stores).
         max_pixels: the pixel limit (H x W) of one image of a TIFF folder stored as chunked arrays

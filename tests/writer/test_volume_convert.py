@@ -100,7 +100,7 @@ def test_a_flat_folder_has_no_label_and_4d_volumes_chunk_their_fourth_axis_by_on
     write_nifti(root / "odd3d.nii", volume(9, (8, 8, 8), "float32"))  # fewer axes than most: rejected
     report = fastdata.convert(root, tmp_path / "f.lmdb", workers=0, progress=False)
     schema = schema_of(read_manifest(str(tmp_path / "f.lmdb")))
-    assert "label" not in schema.names and schema["image"].chunks == (64, 64, 64, 1)
+    assert "label" not in schema.names and schema["image"].chunks == (48, 48, 48, 1)
     assert schema["spacing"].shape == (3,)
     assert [p for p, _ in report.rejected_items] == ["odd3d.nii"]
     assert "3-D volume" in report.rejected_items[0][1] and "4-D" in report.rejected_items[0][1]
@@ -237,7 +237,7 @@ def test_decathlon_dataset_json_pairs_4d_images_with_3d_labels(tmp_path):
     fastdata.convert(root / "dataset.json", tmp_path / "b.lmdb", workers=0, progress=False)
     manifest = read_manifest(str(tmp_path / "b.lmdb"))
     schema = schema_of(manifest)
-    assert schema["image"].chunks == (64, 64, 64, 1) and schema["label"].chunks == (64, 64, 64)
+    assert schema["image"].chunks == (48, 48, 48, 1) and schema["label"].chunks == (48, 48, 48)
     assert manifest["metadata"]["decathlon"]["labels"] == {"0": "background", "1": "edema"}
     assert "training" not in manifest["metadata"]["decathlon"]
     ds = fastdata.open_dataset(tmp_path / "b.lmdb")

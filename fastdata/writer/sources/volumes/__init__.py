@@ -53,7 +53,8 @@ Each sample holds
 * ``scl_slope``, ``scl_inter``; the list's other columns;
 * the record's ``path``: the volume's path relative to the source folder (as in the list).
 
-Chunks: ``--chunks 64,64,64`` (the default for 3-D volumes; 256,256 for 2-D ones); axes beyond
+Chunks: ``--chunks 48,48,48`` (the default for 3-D volumes, chosen for 96^3 patches:
+:data:`~fastdata.writer.sources.volumes.nifti.VOLUME_CHUNK`; 256,256 for 2-D ones); axes beyond
 the ones given are chunked by 1 (a 4-D volume's 4th axis: one time point per chunk). A label
 volume is chunked like its image on the spatial axes, so a patch of both reads the same chunks.
 All volumes of a store have the number of axes most of them have (the others are rejected).

@@ -30,8 +30,11 @@ from fastdata.writer.sources.volumes.scan import FileScan, ScannedSamples
 __all__ = ["GZIP_PIECE_BYTES", "NiftiRegions", "PLANE_CHUNK", "VOLUME_CHUNK", "VolumeLayout", "VolumeSamples",
            "WholeVolume", "nifti_header", "read_gzip_values", "require_nibabel", "volume_layout", "volume_schema"]
 
-#: chunk side of the spatial axes of a 3-D (or more) volume, and of a 2-D one
-VOLUME_CHUNK, PLANE_CHUNK = 64, 256
+#: chunk side of the spatial axes of a 3-D (or more) volume, and of a 2-D one. 48: a 96^3 patch (the
+#: common training patch) at a random place touches about 26 chunks holding 3.3x its voxels, against
+#: 15 chunks and 4.4x with 64^3 chunks; measured on 512^3 uint16 CT-like volumes in one process
+#: (blosc-lz4), 658 against 532 patches/s (1.24x), for a store 1.3% larger
+VOLUME_CHUNK, PLANE_CHUNK = 48, 256
 
 
 def require_nibabel() -> ModuleType:
