@@ -82,6 +82,12 @@ def open_base(dst: str) -> PublishedBase:
     return PublishedBase(manifest=manifest, index_entries=shard_entries(data, manifest, path))
 
 
+def stored_bytes(base: PublishedBase) -> int:
+    """The bytes of the store's shard files (as its manifest records them): what a raw budget
+    already holds before an append."""
+    return sum(int(s.get("bytes", 0)) for s in base.manifest.get("shards", []))
+
+
 def recorded_run(base: PublishedBase) -> RecordedRun:
     """The store's own options, as a resume's record: the options an append does not give again."""
     m = base.manifest

@@ -17,7 +17,9 @@ raw first: slow to decode, and its pixels cost few bytes more than its file.
 
 **What the budget counts.** Each image's stored bytes (the PPM of its capped pixels, exactly, or
 its file) plus :data:`RECORD_ALLOWANCE` per image for the store's own overhead (LMDB stores each
-value in whole 4 KiB pages; the index), so a store planned within the budget is within it on disk.
+value in whole 4 KiB pages; the index) and :data:`WRITE_ALLOWANCE` once (a shard's fixed pages, the
+store index, the manifest), so a store planned within the budget is within it on disk; an append
+counts the store's shards as already spent.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from fastdata.writer.ingest import capped_size
 DECODE_PIXELS_PER_BYTE = 32
 #: bytes counted per image for the store's own overhead: LMDB's page rounding and the index
 RECORD_ALLOWANCE = 4096
+#: bytes counted once per write: a new shard's fixed pages (LMDB's meta pages and index databases),
+#: the store index and the manifest (measured: a 4-record LMDB shard is about 40 KiB over its images)
+WRITE_ALLOWANCE = 256 << 10
 #: threads reading image headers (their time is mostly waiting on the disk)
 HEADER_THREADS = 8
 _HEADER_BATCH = 256
@@ -84,8 +89,9 @@ def decode_priority(widths: np.ndarray, heights: np.ndarray, file_sizes: np.ndar
 
 
 def choose_raw(storage: StorageSpec, file_sizes: np.ndarray, widths: np.ndarray, heights: np.ndarray,
-               source: str) -> np.ndarray:
-    """Which images a store with ``storage.raw_budget`` keeps as pixels (a bool per input).
+               source: str, used: int = 0) -> np.ndarray:
+    """Which images a store with ``storage.raw_budget`` keeps as pixels (a bool per input), with
+    ``used`` bytes of the budget already taken (an append: the store's shards).
 
     Mode ``'raw-native'``: all, when they fit the budget. Mode ``'mixed'``: in order of
     :func:`decode_priority` (ties in input order), as many as fit the budget on top of the others'
@@ -100,34 +106,38 @@ def choose_raw(storage: StorageSpec, file_sizes: np.ndarray, widths: np.ndarray,
     files = np.maximum(file_sizes, 0).astype(np.int64)
     readable = (widths > 0) & (heights > 0)
     raw = raw_record_bytes(widths, heights, storage.max_side)
-    allowance = RECORD_ALLOWANCE * len(files)
+    allowance = RECORD_ALLOWANCE * len(files) + WRITE_ALLOWANCE + used
+    # an append cannot raise the store's budget: the way out is a new store of both sources
+    held = f" beside the store's {format_size(used)}" if used else ""
+    way_out = ("convert the store's sources and these together into a new store with a larger --raw-budget" if used
+               else "raise the budget")
     if storage.mode == "raw-native":
         total = int(np.where(readable, raw, files).sum()) + allowance
         if total > budget:
             raise ValueError(f"{source}: --storage raw --max-side {storage.max_side} stores these {len(files):,} "
-                             f"images as about {format_size(total)} of pixels, over --raw-budget "
-                             f"{exact_size(budget)}: raise the budget, lower --max-side, or use --storage mixed "
-                             f"--raw-budget {exact_size(budget)} to keep as many as fit as pixels and the rest as "
-                             "their original bytes")
+                             f"images as about {format_size(total - used)} of pixels{held}, over --raw-budget "
+                             f"{exact_size(budget)}: {way_out}, lower --max-side, or use --storage mixed "
+                             "--raw-budget to keep as many as fit as pixels and the rest as their original bytes")
         return np.ones(len(files), dtype=bool)
     base = int(files.sum()) + allowance
     if base > budget:
-        raise ValueError(f"{source}: its {len(files):,} images take {format_size(base)} as they are, over "
-                         f"--raw-budget {exact_size(budget)} before any is stored as pixels: raise the budget "
-                         "(a mixed store is at least as large as one of the original files)")
+        raise ValueError(f"{source}: its {len(files):,} images take {format_size(base - used)} as they are{held}, "
+                         f"over --raw-budget {exact_size(budget)} before any is stored as pixels: {way_out} (a "
+                         "mixed store is at least as large as one of the original files)")
     priority = np.where(readable, decode_priority(widths, heights, files, raw), -np.inf)
     order = np.lexsort((np.arange(len(files)), -priority))  # highest priority first, then input order
     order = order[readable[order]]
-    used = base + np.cumsum(np.maximum(raw - files, 0)[order])
+    spent = base + np.cumsum(np.maximum(raw - files, 0)[order])
     chosen = np.zeros(len(files), dtype=bool)
-    chosen[order[used <= budget]] = True  # (used only grows: the images taken are a prefix of the order)
+    chosen[order[spent <= budget]] = True  # (spent only grows: the images taken are a prefix of the order)
     return chosen
 
 
 def plan_raw(storage: StorageSpec, paths: list[bytes], file_sizes: np.ndarray,
-             source: str) -> tuple[np.ndarray, np.ndarray, str]:
+             source: str, used: int = 0) -> tuple[np.ndarray, np.ndarray, str]:
     """The plan of a store with a raw budget: ``(raw, stored, note)``, whether each input is kept
-    as pixels, the bytes it will take in the store (exact, for shard rotation) and a summary line.
+    as pixels, the bytes it will take in the store (exact, for shard rotation) and a summary line;
+    ``used``: bytes of the budget already taken (see :func:`choose_raw`).
 
     Raises:
         ValueError: as :func:`choose_raw`.
@@ -135,12 +145,13 @@ def plan_raw(storage: StorageSpec, paths: list[bytes], file_sizes: np.ndarray,
     assert storage.max_side is not None
     t0 = time.perf_counter()
     widths, heights = header_sizes(paths)
-    raw = choose_raw(storage, file_sizes, widths, heights, source)
+    raw = choose_raw(storage, file_sizes, widths, heights, source, used)
     raw_bytes = raw_record_bytes(widths, heights, storage.max_side)
     stored = np.where(raw & (raw_bytes > 0), raw_bytes, np.maximum(file_sizes, 0)).astype(np.int64)
     assert storage.raw_budget is not None
     note = (f"raw budget {exact_size(storage.raw_budget)}: {int(raw.sum()):,} of {len(raw):,} image(s) planned as "
-            f"pixels (up to {storage.max_side} px), the images about {format_size(int(stored.sum()))} "
+            f"pixels (up to {storage.max_side} px), the images about {format_size(int(stored.sum()))}"
+            + (f" beside the store's {format_size(used)}" if used else "") + " "
             f"(headers of {len(paths):,} file(s) read in {time.perf_counter() - t0:.1f} s)")
     return raw, stored, note
 

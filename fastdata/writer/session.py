@@ -186,6 +186,7 @@ class WriteSession:
                               strict=o.strict, **source.storage_request)
         if self.base is not None:
             append.check_options(dst, self.base, run)
+            source.raw_budget_used = append.stored_bytes(self.base)
         workers, workers_warning = resolve_workers(o.workers)
         writer_options = {"initial_map_size": parse_size(o.lmdb_map_size)} if o.lmdb_map_size else {}
         started = time.perf_counter()

@@ -158,12 +158,12 @@ def _priorities(root, rels):
 
 
 def test_raw_budget_keeps_the_costliest_decodes_as_pixels_within_the_budget(tmp_path):
-    from fastdata.writer.raw_budget import RECORD_ALLOWANCE
+    from fastdata.writer.raw_budget import RECORD_ALLOWANCE, WRITE_ALLOWANCE
 
     root = _budget_tree(tmp_path / "src")
     rels = sorted(str(p.relative_to(root)) for p in root.rglob("*.jpg"))
     priority, raw_bytes, files = _priorities(root, rels)
-    allowance = RECORD_ALLOWANCE * len(rels)
+    allowance = RECORD_ALLOWANCE * len(rels) + WRITE_ALLOWANCE
     extra = np.maximum(raw_bytes - files, 0)
     # a budget that holds about half of the extra bytes (in priority order): some raw, some not
     budget = int(files.sum() + allowance + np.sort(extra)[: len(rels) // 2].sum())
@@ -176,6 +176,7 @@ def test_raw_budget_keeps_the_costliest_decodes_as_pixels_within_the_budget(tmp_
     assert 0 < raw.sum() < len(rels)
     stored = sum(len(rec["image"]) for rec in records.values())
     assert stored + allowance <= budget  # within the budget, counted as documented
+    assert sum(s["bytes"] for s in read_manifest(str(dst))["shards"]) <= budget  # and on disk
     # the images kept raw are the highest priorities (a prefix of the order), each raw record the
     # capped pixels and each other record the file itself
     assert priority[raw].min() >= priority[~raw].max()
@@ -205,7 +206,7 @@ def test_raw_budget_that_cannot_hold_the_images_is_refused_before_writing(tmp_pa
                          workers=0, progress=False)
     assert not (tmp_path / "m.lmdb").exists()
     # --storage raw: all pixels or nothing; a budget just under what they take is refused, at it accepted
-    need = int(raw_bytes.sum()) + 4096 * len(rels)
+    need = int(raw_bytes.sum()) + 4096 * len(rels) + (256 << 10)  # the documented allowances
     with pytest.raises(ValueError, match=r"--storage raw --max-side 64 stores these 8 images .* over --raw-budget"):
         fastdata.convert(root, tmp_path / "r.lmdb", storage="raw", raw_budget=need - 1, max_side=MAX_SIDE, workers=0,
                          progress=False)
@@ -215,18 +216,51 @@ def test_raw_budget_that_cannot_hold_the_images_is_refused_before_writing(tmp_pa
     assert {rec["fmt"] for rec in v1_records(tmp_path / "r.lmdb")} == {"PPM"}
 
 
+def test_an_append_plans_against_what_the_budget_still_holds(tmp_path):
+    """The store's shards count against its budget: the appended images get only the rest of it."""
+    from fastdata.format.backends.base import StorageSpec
+    from fastdata.writer.raw_budget import RECORD_ALLOWANCE, WRITE_ALLOWANCE, choose_raw, header_sizes
+
+    side = 100  # the 120x90 JPEGs' pixels at 100x75 take about twice their files
+    first = make_tree(tmp_path / "s1", classes={"cat": 4}, size=(120, 90))
+    second = make_tree(tmp_path / "s2", classes={"cat": 4}, size=(120, 90), seed=5)
+    paths = sorted((tmp_path / "s2").rglob("*.jpg"))
+    files = np.array([p.stat().st_size for p in paths])
+    # the first store's shard bytes, as a scratch conversion with the same options writes them
+    fastdata.convert(first, tmp_path / "scratch.lmdb", storage="mixed", raw_budget=10**9, max_side=side,
+                     workers=0, progress=False)
+    held = sum(s["bytes"] for s in read_manifest(str(tmp_path / "scratch.lmdb"))["shards"])
+    dst = tmp_path / "m.lmdb"
+    # room for the first store and for the second's files, but not for any of the second's pixels
+    budget = held + int(files.sum()) + 4 * RECORD_ALLOWANCE + WRITE_ALLOWANCE + 4096
+    fastdata.convert(first, dst, storage="mixed", raw_budget=budget, max_side=side, workers=0, progress=False)
+    assert {rec["fmt"] for rec in v1_records(dst)} == {"PPM"}
+    # control: planned alone, the second's images would all fit the budget as pixels
+    spec = StorageSpec(mode="mixed", max_side=side, raw_budget=budget)
+    w, h = header_sizes([bytes(p) for p in paths])
+    assert choose_raw(spec, files, w, h, "s2").all()
+    fastdata.convert(second, dst, append=True, workers=0, progress=False)
+    records = v1_records(dst)
+    assert len(records) == 8 and {rec["fmt"] for rec in records[4:]} == {"JPEG"}  # the budget was spent
+    assert sum(s["bytes"] for s in read_manifest(str(dst))["shards"]) <= budget
+    third = make_tree(tmp_path / "s3", classes={"cat": 40}, size=(120, 90), seed=9)
+    with pytest.raises(ValueError, match="beside the store's .* into a new store with a larger --raw-budget"):
+        fastdata.convert(third, dst, append=True, workers=0, progress=False)
+    assert len(v1_records(dst)) == 8
+
+
 def test_raw_budget_resume_and_cli(tmp_path, capsys):
     root = _budget_tree(tmp_path / "src")
     dst = str(tmp_path / "c.lmdb")
-    assert main(["convert", str(root), dst, "--storage", "mixed", "--raw-budget", "100kB", "--max-side", "64",
+    assert main(["convert", str(root), dst, "--storage", "mixed", "--raw-budget", "400kB", "--max-side", "64",
                  "--workers", "0"]) == 0
     out = capsys.readouterr().out
-    assert "raw budget 100 kB:" in out and "of the raw budget 100 kB" in out
+    assert "raw budget 400 kB:" in out and "of the raw budget 400 kB" in out
     assert main(["info", dst]) == 0
-    assert "mixed (pixels up to 64 px, raw budget 100 kB)" in capsys.readouterr().out
+    assert "mixed (pixels up to 64 px, raw budget 400 kB)" in capsys.readouterr().out
     assert fastdata.convert(root, dst, resume=True, workers=0, progress=False).already_complete
-    with pytest.raises(fastdata.errors.ResumeMismatchError, match="raw budget 100 kB"):
-        fastdata.convert(root, dst, resume=True, storage="mixed", raw_budget="200kB", max_side=MAX_SIDE, workers=0,
+    with pytest.raises(fastdata.errors.ResumeMismatchError, match="raw budget 400 kB"):
+        fastdata.convert(root, dst, resume=True, storage="mixed", raw_budget="500kB", max_side=MAX_SIDE, workers=0,
                          progress=False)
     code = main(["convert", str(root), str(tmp_path / "d.lmdb"), "--storage", "mixed", "--raw-budget", "lots",
                  "--max-side", "64"])

@@ -52,6 +52,9 @@ class WriteSource(abc.ABC):
     #: keyword arguments for :func:`fastdata.writer.options.resolve_options` that pick the storage
     #: mode (``max_side``, ``quality``, ``raw``): only for inputs whose images may be re-encoded
     storage_request: dict[str, Any] = {}
+    #: bytes a raw budget (``--raw-budget``) already holds before this write: the store's shards when
+    #: appending to it (set by the session before :meth:`plan`)
+    raw_budget_used: int = 0
     #: recorded in ``plan.json`` next to the fingerprint by :func:`~fastdata.writer.pipeline.prepare_staging`
     staging_source: str | None = None
     #: the general store's schema (set by :meth:`plan`); None for a classification (version-1) store

@@ -443,7 +443,8 @@ class FolderInput(WriteSource):
         self.warnings.extend(f"{path}: {problem}" for path, problem in found.walk_problems)
         check_destination_outside(found, dst)
         if run.storage.raw_budget is not None:
-            found.raw, found.stored_sizes, note = plan_raw(run.storage, found.paths, found.sizes, self.src)
+            found.raw, found.stored_sizes, note = plan_raw(run.storage, found.paths, found.sizes, self.src,
+                                                           used=self.raw_budget_used)
             self.plan_notes = [note]
         sizes = estimated_sizes(found, run.storage)
         plans = plan_shards(sizes, run.shard_size.bytes)
