@@ -415,8 +415,8 @@ def region_reads(vols: Volumes, args) -> dict:
     from zarr.codecs import BloscCodec
 
     cname, level = zarr_codec()
-    paths = [os.path.join(vols.root, f"{i:03d}_ct-{cname}.zarr") for i in range(vols.count)]
-    stamp = Path(vols.root) / f".zarr-{cname}-{vols.count}.done"
+    paths = [os.path.join(vols.root, f"{i:03d}_ct-{cname}-c{CHUNKS[0]}.zarr") for i in range(vols.count)]
+    stamp = Path(vols.root) / f".zarr-{cname}-{vols.count}-c{CHUNKS[0]}.done"
     if not stamp.exists():
         for i, path in enumerate(paths):
             shutil.rmtree(path, ignore_errors=True)
@@ -608,7 +608,7 @@ def in_process_tables(res: dict, command: str) -> list[str]:
                   f"| fastdata ChunkedArray | {rr['fastdata']['median_mb_s']:.0f} | "
                   f"{rr['fastdata']['median_cpu_s_per_gb']:.2f} | "
                   f"{fmt_ratio(rr['x_zarr'], 0.8)} |",
-                  f"| zarr {rr['zarr_version']} (BloscCodec {rr['codec']} shuffle 256 KiB blocks, 64^3) | "
+                  f"| zarr {rr['zarr_version']} (BloscCodec {rr['codec']} shuffle 256 KiB blocks, {CHUNKS[0]}^3) | "
                   f"{rr['zarr']['median_mb_s']:.0f} | "
                   f"{rr['zarr']['median_cpu_s_per_gb']:.2f} | 1.00 |",
                   f"zarr store: {rr['zarr_bytes'] / MB:.1f} MB"]
