@@ -116,10 +116,8 @@ def _raw_split(indexes: list, storage: dict) -> dict | None:
         if not isinstance(index, ShardIndex) or not len(index):
             continue
         # by the storage rule, not the format: a mixed store's kept originals may be PPM files too
-        # (a raw budget's store has no rule: its PPM records count as pixels)
-        raw = (np.fromiter((spec.keeps_raw(index.relpath(i)) for i in range(len(index))), dtype=bool,
-                           count=len(index)) if spec.picks_raw_by_path
-               else np.asarray(index.formats) == FORMAT_CODES["PPM"])
+        raw = np.fromiter((spec.holds_pixels(index.relpath(i), int(index.formats[i])) for i in range(len(index))),
+                          dtype=bool, count=len(index))
         for key, chosen in (("raw", raw), ("encoded", ~raw)):
             out[key]["count"] += int(chosen.sum())
             out[key]["bytes"] += int(index.nbytes[chosen].sum())
@@ -264,8 +262,7 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
             if mismatch:
                 problems.append(f"{name} record {i}: {mismatch}")
                 continue
-            if storage.mode in RAW_NATIVE_MODES and (storage.keeps_raw(index.relpath(i)) if storage.picks_raw_by_path
-                                                     else int(index.formats[i]) == FORMAT_CODES["PPM"]):
+            if storage.mode in RAW_NATIVE_MODES and storage.holds_pixels(index.relpath(i), int(index.formats[i])):
                 problem = _ppm_problem(data, int(index.formats[i]), int(index.widths[i]), int(index.heights[i]))
                 if problem:
                     problems.append(f"{name} record {i}: {problem}")

@@ -89,9 +89,10 @@ def decode_priority(widths: np.ndarray, heights: np.ndarray, file_sizes: np.ndar
 
 
 def choose_raw(storage: StorageSpec, file_sizes: np.ndarray, widths: np.ndarray, heights: np.ndarray,
-               source: str, used: int = 0) -> np.ndarray:
+               source: str, used: int = 0, raw_bytes: np.ndarray | None = None) -> np.ndarray:
     """Which images a store with ``storage.raw_budget`` keeps as pixels (a bool per input), with
-    ``used`` bytes of the budget already taken (an append: the store's shards).
+    ``used`` bytes of the budget already taken (an append: the store's shards); ``raw_bytes``:
+    :func:`raw_record_bytes` of the images when the caller has them.
 
     Mode ``'raw-native'``: all, when they fit the budget. Mode ``'mixed'``: in order of
     :func:`decode_priority` (ties in input order), as many as fit the budget on top of the others'
@@ -105,7 +106,7 @@ def choose_raw(storage: StorageSpec, file_sizes: np.ndarray, widths: np.ndarray,
     assert budget is not None and storage.max_side is not None, "choose_raw needs a raw budget and --max-side"
     files = np.maximum(file_sizes, 0).astype(np.int64)
     readable = (widths > 0) & (heights > 0)
-    raw = raw_record_bytes(widths, heights, storage.max_side)
+    raw = raw_record_bytes(widths, heights, storage.max_side) if raw_bytes is None else raw_bytes
     allowance = RECORD_ALLOWANCE * len(files) + WRITE_ALLOWANCE + used
     # an append cannot raise the store's budget: the way out is a new store of both sources
     held = f" beside the store's {format_size(used)}" if used else ""
@@ -145,8 +146,8 @@ def plan_raw(storage: StorageSpec, paths: list[bytes], file_sizes: np.ndarray,
     assert storage.max_side is not None
     t0 = time.perf_counter()
     widths, heights = header_sizes(paths)
-    raw = choose_raw(storage, file_sizes, widths, heights, source, used)
     raw_bytes = raw_record_bytes(widths, heights, storage.max_side)
+    raw = choose_raw(storage, file_sizes, widths, heights, source, used, raw_bytes)
     stored = np.where(raw & (raw_bytes > 0), raw_bytes, np.maximum(file_sizes, 0)).astype(np.int64)
     assert storage.raw_budget is not None
     note = (f"raw budget {exact_size(storage.raw_budget)}: {int(raw.sum()):,} of {len(raw):,} image(s) planned as "

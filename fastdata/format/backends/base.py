@@ -23,7 +23,7 @@ import xxhash
 from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.chunks import ChunkTable, PendingChunks
 from fastdata.format.fields import Schema
-from fastdata.format.record import SampleIndex, ShardIndex, checksum, chunk_first_key
+from fastdata.format.record import FORMAT_CODES, SampleIndex, ShardIndex, checksum, chunk_first_key
 
 
 _madvise: object = None  # libc's madvise, False where it is unavailable (set on first use)
@@ -182,12 +182,14 @@ class StorageSpec:
             return False
         return xxhash.xxh3_64_intdigest(relpath) / 2.0**64 < self.raw_fraction
 
-    @property
-    def picks_raw_by_path(self) -> bool:
-        """Whether :meth:`keeps_raw` tells which records are pixels: in mode ``'raw-native'`` and in
-        mode ``'mixed'`` with a fraction. A mixed store with a raw budget records no rule (its plan
-        chose from the images' sizes): there a record is pixels when it is a PPM."""
-        return self.mode == "raw-native" or (self.mode == "mixed" and self.raw_budget is None)
+    def holds_pixels(self, relpath: bytes, fmt_code: int) -> bool:
+        """Whether the record of the image at ``relpath``, indexed as format ``fmt_code``, is meant
+        to hold raw-native pixels: :meth:`keeps_raw` where the store has a rule (mode ``'raw-native'``,
+        mode ``'mixed'`` with a fraction); in a mixed store with a raw budget, which records no rule
+        (its plan chose from the images' sizes), when the record is a PPM."""
+        if self.mode == "mixed" and self.raw_budget is not None:
+            return fmt_code == FORMAT_CODES["PPM"]
+        return self.keeps_raw(relpath)
 
     def raw_hw(self) -> tuple[int, int]:
         """``(H, W)`` of every image of a raw-mode store.
