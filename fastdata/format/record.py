@@ -162,6 +162,42 @@ def record_image(buf: bytes | memoryview, *, where: str = "") -> bytes:
     return _unpack_record(buf, where, True)["img"]
 
 
+def _bin_header(n: int) -> bytes:
+    """The header msgpack writes before ``n`` bytes of ``bin`` (the smallest form: bin8/16/32)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+#: an empty ``bin`` value: what the image is replaced by to check the rest of a record with msgpack
+_EMPTY_BIN = _bin_header(0)
+
+
+def record_image_view(buf: memoryview, nbytes: int, *, where: str = "") -> bytes | memoryview:
+    """:func:`record_image` without copying the image out of ``buf``: the same checks (the record
+    decoded by msgpack, its fields, version and checksum), the image returned as a view of
+    ``buf``'s last ``nbytes`` bytes, valid as long as ``buf`` is. The writer puts the image last
+    (``img`` is the last field), so the record is its head, the image's ``bin`` header, then the
+    image: the head is checked with an empty image in its place. A record of another layout
+    (``nbytes`` not what it holds, a header of another width) takes :func:`record_image`'s path,
+    with its verdict and a copy.
+
+    Raises:
+        CorruptRecordError: as :func:`record_image`.
+    """
+    header = _bin_header(nbytes)
+    cut = len(buf) - nbytes - len(header)
+    if nbytes <= 0 or cut <= 0 or buf[cut:cut + len(header)] != header:
+        return record_image(buf, where=where)
+    obj = _unpack_record(bytes(buf[:cut]) + _EMPTY_BIN, where, False)
+    image = buf[cut + len(header):]
+    if checksum(image) != obj["xxh"]:
+        raise CorruptRecordError(f"{where}: image checksum mismatch (the record is damaged)")
+    return image
+
+
 #: the per-shard index arrays and their on-disk dtypes (explicit little-endian);
 #: both backends store exactly these (see their spec modules and docs/FORMAT.md)
 INDEX_DTYPES = {

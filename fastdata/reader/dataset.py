@@ -812,22 +812,35 @@ class StoreDataset(Dataset):
     def _read_batch(self, idx: np.ndarray) -> list:
         """Stored bytes for ``idx`` (CorruptRecordError objects in place of bad ones)."""
         out: list = [None] * len(idx)
+        self._read_each(idx, out.__setitem__, views=False)
+        return out
+
+    def _read_each(self, idx: np.ndarray, consume: Callable[[int, Any], None], views: bool) -> None:
+        """``consume(j, data)`` for the ``j``-th of ``idx``: its stored bytes, or the
+        CorruptRecordError naming it when it is damaged. With ``views``, ``data`` may be a view
+        into the shard, valid only during the call (see ``ShardReader.read_images``): ``consume``
+        must use it there and read nothing from the store itself."""
         shards = np.searchsorted(self.shard_starts, idx, side="right") - 1
         for shard in np.unique(shards).tolist():
             pos = np.flatnonzero(shards == shard)
             local = idx[pos] - self.shard_starts[shard]
+            reader = self._shards.get(shard)
             try:
-                datas = self._shards.get(shard).get_many(local)
+                if views:
+                    reader.read_images(local, lambda k, data, pos=pos: consume(int(pos[k]), data))
+                else:
+                    for p, data in zip(pos.tolist(), reader.get_many(local), strict=False):
+                        consume(p, data)
+                continue
             except CorruptRecordError:
-                datas = []
-                for p, loc in zip(pos.tolist(), local.tolist(), strict=False):
-                    try:
-                        datas.append(self._shards.get(shard).get(loc))
-                    except CorruptRecordError as err:
-                        datas.append(self._named(err, shard, loc, int(idx[p])))
-            for p, data in zip(pos.tolist(), datas, strict=False):
-                out[p] = data
-        return out
+                pass
+            # a damaged record in the group: each one again, on its own (the others consumed twice)
+            for p, loc in zip(pos.tolist(), local.tolist(), strict=False):
+                try:
+                    data = reader.get(loc)
+                except CorruptRecordError as err:
+                    data = self._named(err, shard, loc, int(idx[p]))
+                consume(p, data)
 
     def _fixed_shape(self) -> tuple[int, int] | None:
         if self.transform is not None or self.output == "pil":
@@ -856,17 +869,25 @@ class StoreDataset(Dataset):
         """
         if self.storage.mode == "raw" and self.image_modes["image"] in ("RGB", "unchanged"):
             return self._fill_raw(idx, arr)
-        sources = None
-        for j, data in enumerate(self._read_batch(idx)):
-            i = int(idx[j])
+        damaged: dict[int, CorruptRecordError] = {}
+
+        def decode_into_slot(j: int, data) -> None:
+            # inside the shard's read (``data`` may be a view of it): decode only, the policy after
+            if isinstance(data, CorruptRecordError):
+                damaged[j] = data
+                return
             try:
-                if isinstance(data, CorruptRecordError):
-                    raise data
-                self._decode(data, i, epoch, arr[j])
+                self._decode(data, int(idx[j]), epoch, arr[j])
+                damaged.pop(j, None)  # (read again after a damaged neighbour: fine now)
             except CorruptRecordError as err:
-                k, _ = self._skip_to_next(i, err, functools.partial(self._load_into, arr[j], epoch))
-                sources = idx.copy() if sources is None else sources
-                sources[j] = k
+                damaged[j] = err
+
+        self._read_each(idx, decode_into_slot, views=True)
+        sources = None
+        for j, err in sorted(damaged.items()):
+            k, _ = self._skip_to_next(int(idx[j]), err, functools.partial(self._load_into, arr[j], epoch))
+            sources = idx.copy() if sources is None else sources
+            sources[j] = k
         return None if sources is None else self.targets[sources]
 
     def _fill_raw(self, idx: np.ndarray, arr: np.ndarray) -> np.ndarray | None:

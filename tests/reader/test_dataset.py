@@ -467,11 +467,12 @@ def test_user_transform_errors_are_not_corrupt_records(sharded, on_error):
 def _serve_garbage_for(ds, victim: int) -> None:
     """Make sample ``victim``'s stored bytes undecodable but checksum-clean, as a
     damaged-then-rechecksummed record would be."""
-    raw_bytes, read_batch = ds._raw_bytes, ds._read_batch
+    raw_bytes, read_each = ds._raw_bytes, ds._read_each
     garbage = b"\xff\xd8\xff\xe0 not a jpeg at all" * 4
     ds._raw_bytes = lambda i: garbage if i == victim else raw_bytes(i)
-    ds._read_batch = lambda idx: [garbage if int(i) == victim else d
-                                  for i, d in zip(idx, read_batch(idx), strict=True)]
+    # every batch read (bytes or views) goes through _read_each
+    ds._read_each = lambda idx, consume, views: read_each(
+        idx, lambda j, d: consume(j, garbage if int(idx[j]) == victim else d), views)
 
 
 class MyCrop(fastdata.transforms.RandomResizedCrop):

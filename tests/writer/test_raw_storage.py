@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -350,6 +351,93 @@ def test_open_dataset_rrc_with_two_workers(tmp_path, kind):
         want = expected_pixels(src, 100) if raw else np.asarray(Image.open(io.BytesIO(src)).convert("RGB"))
         assert isinstance(image, Image.Image) and np.array_equal(np.asarray(image), want), rel
     assert verify(str(dst)).ok
+
+
+# -- a batch of PPM records is read from the map, not copied -------------------------------------------------
+
+def test_a_batch_of_ppm_records_decodes_from_views_and_equals_per_sample_reads(tmp_path, monkeypatch):
+    import fastdata.format.backends.lmdb.reader as lmdb_reader
+
+    root = make_tree(tmp_path / "src", classes={"cat": 6, "dog": 6}, size=(120, 90))
+    dst = str(tmp_path / "m.lmdb")
+    fastdata.convert(root, dst, storage="mixed", raw_fraction=0.5, max_side=100, workers=0, progress=False)
+    ds = fastdata.open_dataset(dst, decode=CenterCrop(64), output="numpy")
+    idx = list(range(len(ds)))
+    per_sample = [ds[i][0] for i in idx]  # each record copied out by msgpack, as ds[i] reads it
+    ds.close()
+    fmts = [rec["fmt"] for rec in v1_records(dst)]
+    assert "PPM" in fmts and "JPEG" in fmts
+    real = lmdb_reader.record_image
+
+    def copy_only_jpegs(buf, *, where=""):
+        data = real(buf, where=where)
+        assert not data.startswith(b"P6"), f"{where}: a PPM record was copied out of the map"
+        return data
+
+    monkeypatch.setattr(lmdb_reader, "record_image", copy_only_jpegs)
+    ds = fastdata.open_dataset(dst, decode=CenterCrop(64), output="numpy")
+    batch = ds.__getitems__(idx)
+    assert np.array_equal(np.asarray(batch.images if hasattr(batch, "images") else [b[0] for b in batch]),
+                          np.stack(per_sample))
+    with pytest.raises(AssertionError, match="a PPM record was copied"):  # control: ds[i] copies
+        ds[fmts.index("PPM")]
+
+
+@pytest.mark.parametrize("n", [10, 300, 70_000])  # the image after a bin8, bin16 and bin32 header
+def test_record_image_view_checks_as_record_image_does_without_a_copy(n):
+    from fastdata.format.record import encode_record, record_image, record_image_view
+
+    image = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    rec = encode_record(image, label=1, width=1, height=1, fmt="PPM", relpath=b"a/x.ppm")
+    view = record_image_view(memoryview(rec), n)
+    assert isinstance(view, memoryview) and view == image == record_image(rec)
+    # nbytes the record does not hold: the copying path's verdict (here: the image, copied)
+    assert type(record_image_view(memoryview(rec), n - 1)) is bytes
+    damaged = bytearray(rec)
+    damaged[-1] ^= 1
+    for read in (lambda b: record_image(b), lambda b: record_image_view(memoryview(b), n)):
+        with pytest.raises(CorruptRecordError, match="image checksum mismatch"):
+            read(bytes(damaged))
+    wrong_version = rec.replace(b"\xa1v\x01", b"\xa1v\x07", 1)
+    for read in (lambda b: record_image(b), lambda b: record_image_view(memoryview(b), n)):
+        with pytest.raises(CorruptRecordError, match="record version 7"):
+            read(wrong_version)
+
+
+def _damage_pixels(store: str, local: int) -> None:
+    """Flip one pixel byte of record ``local`` of the store's first shard, keeping its checksum field."""
+    import lmdb
+    import msgpack
+
+    from fastdata.format.backends.lmdb import spec
+
+    shard = str(sorted(Path(store).glob("*.lmdb"))[0])
+    env = lmdb.open(shard, subdir=False, max_dbs=8, lock=False)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(spec.RECORDS_DB, txn=txn, create=False)
+            rec = msgpack.unpackb(txn.get(spec.encode_key(local), db=db), raw=False)
+            img = bytearray(rec["img"])
+            img[-1] ^= 0xFF
+            rec["img"] = bytes(img)
+            txn.put(spec.encode_key(local), msgpack.packb(rec, use_bin_type=True), db=db)
+    finally:
+        env.close()
+
+
+def test_a_damaged_ppm_record_in_a_batch_is_named_or_skipped(tmp_path):
+    root = make_tree(tmp_path / "src", classes={"cat": 4}, size=(120, 90))
+    dst = str(tmp_path / "r.lmdb")
+    fastdata.convert(root, dst, storage="raw", max_side=100, workers=0, progress=False)
+    _damage_pixels(dst, 2)
+    ds = fastdata.open_dataset(dst, decode=RandomResizedCrop(64), output="numpy")
+    with pytest.raises(CorruptRecordError, match=r"record 2 \(sample 2\) is damaged: .*checksum mismatch") as info:
+        ds.__getitems__([0, 1, 2, 3])
+    assert info.value.index == 2
+    skipping = fastdata.open_dataset(dst, decode=RandomResizedCrop(64), output="numpy", on_error="skip")
+    with pytest.warns(RuntimeWarning, match="skipping damaged sample 2"):
+        batch = skipping.__getitems__([0, 1, 2, 3])
+    assert skipping.skipped == 1 and len(batch) == 4
 
 
 # -- hostile PPM records --------------------------------------------------------------------------------------

@@ -329,6 +329,15 @@ class ShardReader(abc.ABC):
         """Stored bytes for several samples, in the order given."""
         return [self.get(i) for i in local_indices]
 
+    def read_images(self, local_indices: Sequence[int], consume) -> None:
+        """Call ``consume(k, data)`` with the stored image bytes of the ``k``-th of ``local_indices``,
+        checked as :meth:`get` checks them. ``data`` may be a view into the shard valid only during
+        the call (a raw-native PPM record in an LMDB transaction's buffer): ``consume`` decodes it
+        there, without a copy, and must not read from the store itself. Here: :meth:`get_many`'s
+        bytes."""
+        for k, data in enumerate(self.get_many(local_indices)):
+            consume(k, data)
+
     def chunk_bytes(self, first: int, table: ChunkTable, chunk: int) -> bytes | memoryview | np.ndarray | None:
         """The stored bytes of chunk number ``chunk`` of a value whose chunks start at ``first``
         (its ``.first`` index entry), unchecked (see :meth:`get_chunks`)."""

@@ -15,6 +15,7 @@ from fastdata.format.backends.base import MappedPages, ShardReader, StorageSpec
 from fastdata.format.backends.lmdb import spec
 from fastdata.format.backends.lmdb.structure import check_structure
 from fastdata.format.record import (
+    FORMAT_CODES,
     Record,
     SampleIndex,
     ShardIndex,
@@ -22,8 +23,9 @@ from fastdata.format.record import (
     decode_record,
     index_layout,
     read_index_arrays,
-    v1_index_arrays,
     record_image,
+    record_image_view,
+    v1_index_arrays,
 )
 
 
@@ -188,6 +190,8 @@ class LMDBShardReader(ShardReader):
         super().__init__(path, storage, **options)
         self._pid = os.getpid()
         self._checksums: np.ndarray | None = None  # raw mode: loaded at the first batch
+        #: (is a PPM, stored bytes) per record: loaded at the first :meth:`read_images`
+        self._pixel_index: tuple[np.ndarray, np.ndarray] | None = None
         #: the index's record / chunk spans (None: not read yet; False: the shard has none)
         self._spans: dict[bytes, np.ndarray | bool] = {}
         self._advice_fd: int | None = None  # for posix_fadvise, opened at the first prefetch
@@ -361,6 +365,39 @@ class LMDBShardReader(ShardReader):
         except lmdb.Error as err:
             raise self._damaged(err, i) from None
         return out
+
+    def read_images(self, local_indices: Sequence[int], consume) -> None:
+        """As :meth:`get_many`, one read transaction, batch prefetched; a raw-native PPM record of a
+        classification shard reaches ``consume`` as a view of its pixels in the map
+        (:func:`~fastdata.format.record.record_image_view`: the same checks, no copy of the ~3 bytes
+        a pixel), every other record as :meth:`get` gives it (see :meth:`ShardReader.read_images`)."""
+        if self.schema is not None:
+            super().read_images(local_indices, consume)
+            return
+        if self._pixel_index is None:  # (read before the records transaction: never nested in it)
+            index = self.read_index()
+            assert isinstance(index, ShardIndex)
+            self._pixel_index = (index.formats == FORMAT_CODES["PPM"], index.nbytes)
+        ppm, nbytes = self._pixel_index
+        if len(local_indices) > 1:
+            self._prefetch(spec.RECORD_SPANS_KEY, local_indices)
+        order = np.argsort(np.asarray(local_indices), kind="stable")
+        i = -1
+        try:
+            with self._open_env().begin(db=self.records, buffers=True) as txn:
+                for k in order.tolist():
+                    i = int(local_indices[k])
+                    buf = txn.get(spec.encode_key(i))
+                    if buf is not None and 0 <= i < len(ppm) and ppm[i]:
+                        try:
+                            data = record_image_view(buf, int(nbytes[i]), where=f"{self.path} record {i}")
+                        except CorruptRecordError as err:
+                            raise CorruptRecordError(str(err), shard=self.path, index=i) from None
+                    else:
+                        data = self._decode(buf, i)
+                    consume(k, data)
+        except lmdb.Error as err:
+            raise self._damaged(err, i) from None
 
     def get_chunks(self, first: int, table, chunks: Sequence[int], where: str) -> list:
         """Chunks ``first + j`` of the ``chunks`` database in one read transaction, each checked
