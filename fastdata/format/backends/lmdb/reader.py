@@ -351,34 +351,26 @@ class LMDBShardReader(ShardReader):
         in every page of a value inside ``get``, one synchronous read at a time when the store is
         cold; so where the shard knows its records' spans, the whole batch is asked for first
         (:func:`advise_spans`), and the reads find it in the page cache or on its way."""
-        self._load_checksums()
-        if len(local_indices) > 1:
-            self._prefetch(spec.RECORD_SPANS_KEY, local_indices)
-        order = np.argsort(np.asarray(local_indices), kind="stable")
         out: list = [None] * len(local_indices)
-        i = -1
-        try:
-            with self._open_env().begin(db=self.records, buffers=True) as txn:
-                for j in order:
-                    i = int(local_indices[j])
-                    out[j] = self._decode(txn.get(spec.encode_key(i)), i)
-        except lmdb.Error as err:
-            raise self._damaged(err, i) from None
+        self._read_records(local_indices, out.__setitem__, views=False)
         return out
 
     def read_images(self, local_indices: Sequence[int], consume) -> None:
-        """As :meth:`get_many`, one read transaction, batch prefetched; a raw-native PPM record of a
-        classification shard reaches ``consume`` as a view of its pixels in the map
-        (:func:`~fastdata.format.record.record_image_view`: the same checks, no copy of the ~3 bytes
-        a pixel), every other record as :meth:`get` gives it (see :meth:`ShardReader.read_images`)."""
-        if self.schema is not None:
-            super().read_images(local_indices, consume)
-            return
-        if self._pixel_index is None:  # (read before the records transaction: never nested in it)
+        """As :meth:`get_many`, but a raw-native PPM record of a classification shard reaches
+        ``consume`` as a view of its pixels in the map (:func:`~fastdata.format.record.record_image_view`:
+        the same checks, no copy of the ~3 bytes a pixel), every other record as :meth:`get` gives
+        it (see :meth:`ShardReader.read_images`)."""
+        self._read_records(local_indices, consume, views=self.schema is None)
+
+    def _read_records(self, local_indices: Sequence[int], consume, views: bool) -> None:
+        """``consume(k, data)`` for the ``k``-th of ``local_indices``, in one read transaction,
+        keys in sorted order, the batch prefetched; ``views``: PPM records as views of the map."""
+        self._load_checksums()
+        if views and self._pixel_index is None:  # (read before the records transaction: never nested in it)
             index = self.read_index()
             assert isinstance(index, ShardIndex)
             self._pixel_index = (index.formats == FORMAT_CODES["PPM"], index.nbytes)
-        ppm, nbytes = self._pixel_index
+        ppm, nbytes = self._pixel_index if views and self._pixel_index is not None else (None, None)
         if len(local_indices) > 1:
             self._prefetch(spec.RECORD_SPANS_KEY, local_indices)
         order = np.argsort(np.asarray(local_indices), kind="stable")
@@ -388,7 +380,7 @@ class LMDBShardReader(ShardReader):
                 for k in order.tolist():
                     i = int(local_indices[k])
                     buf = txn.get(spec.encode_key(i))
-                    if buf is not None and 0 <= i < len(ppm) and ppm[i]:
+                    if ppm is not None and nbytes is not None and buf is not None and 0 <= i < len(ppm) and ppm[i]:
                         try:
                             data = record_image_view(buf, int(nbytes[i]), where=f"{self.path} record {i}")
                         except CorruptRecordError as err:
