@@ -66,22 +66,32 @@ def _index_arrays(get) -> dict:
 
 def read_lmdb_shard(path: Path) -> list[dict]:
     """Section 5."""
-    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, max_dbs=2)
+    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, max_dbs=3)
     try:
         records_db = env.open_db(b"records", create=False)
         index_db = env.open_db(b"index", create=False)
+        tails_db = env.open_db(b"tails", create=False)
+        psize = env.stat()["psize"]
         with env.begin() as txn:
             header = msgpack.unpackb(txn.get(b"header", db=index_db), raw=False)
-            assert header == {"layout": "fastdata-lmdb-shard", "version": 1, "count": header["count"]}
+            assert header == {"layout": "fastdata-lmdb-shard", "version": 3, "count": header["count"]}
             n = header["count"]
             arrays = _index_arrays(lambda name: txn.get(name.encode(), db=index_db))
             assert len(arrays["labels"]) == n
             # keys are 8-byte big-endian local indices 0..n-1, without gaps, in order
             keys = [k for k, _ in txn.cursor(db=records_db)]
             assert keys == [struct.pack(">Q", j) for j in range(n)]
+            # tail keys: a local index and a part number, parts 0.. without gaps, only behind a
+            # head that fills its pages exactly; every part inline (no overflow page of its own)
+            tail_keys = [struct.unpack(">QB", k) for k, _ in txn.cursor(db=tails_db)]
+            assert txn.stat(tails_db)["overflow_pages"] == 0
             out = []
             for j in range(n):
                 raw = txn.get(struct.pack(">Q", j), db=records_db)
+                parts = [p for i, p in tail_keys if i == j]
+                assert parts == list(range(len(parts)))
+                assert not parts or len(raw) == 0 or (len(raw) + 16) % psize == 0
+                raw += b"".join(txn.get(struct.pack(">QB", j, p), db=tails_db) for p in parts)
                 rec = msgpack.unpackb(raw, raw=False)
                 assert list(rec) == RECORD_KEYS and rec["v"] == 1
                 assert isinstance(rec["img"], bytes) and isinstance(rec["path"], bytes)

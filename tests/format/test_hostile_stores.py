@@ -388,10 +388,11 @@ def test_cli_on_lmdb_root_page_past_the_end(harness, fresh, mode, cmd):
 
 @pytest.mark.parametrize("op", ["open", "verify"])
 @pytest.mark.parametrize("mode", MODES)
-def test_lmdb_overflow_value_size_past_the_end_of_the_file(harness, fresh, mode, op):
-    store = fresh("v1", "lmdb")
+def test_lmdb_overflow_value_size_past_the_end_of_the_file(harness, tmp_path, mode, op):
+    # 96x72 JPEGs (~5 KB): records of more than a page, so their heads are overflow values
+    store = H.build_store(tmp_path / "victim.lmdb", tree=H.build_tree(tmp_path / "src", size=(96, 72)))
     shard = shard_of(store)
-    node, size, pgno = H.lmdb_bigdata_node(shard, struct.pack(">Q", 0))
+    node, size, pgno = H.lmdb_bigdata_node(shard, None)
     end = os.path.getsize(shard)
     H.lmdb_set_node_size(shard, node, size if mode == "control" else end - pgno * 4096 + (1 << 20))
     H.resign(store)

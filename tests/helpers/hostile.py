@@ -82,7 +82,9 @@ def build_store(dst: str | os.PathLike, *, tree: str | os.PathLike, raw: str | N
 
 
 def build_tree(root: str | os.PathLike, classes: dict[str, int] | None = None, size=(64, 48), seed: int = 0) -> str:
-    """A small ImageFolder tree; 64x48 JPEGs are ~3 KB, more than an LMDB page (overflow values)."""
+    """A small ImageFolder tree; 64x48 JPEGs are ~3 KB, less than an LMDB page: fastdata's LMDB
+    layout 3 keeps such a record as an empty head and an inline tail (pass a larger ``size``
+    for overflow values)."""
     return make_tree(root, classes or {"cat": 3, "dog": 3}, size=size, seed=seed)
 
 
@@ -290,9 +292,9 @@ def lmdb_pages(path: str, psize: int = 4096):
         pgno += struct.unpack_from("<I", page, 12)[0] if flags & P_OVERFLOW else 1
 
 
-def lmdb_bigdata_node(path: str, key: bytes, psize: int = 4096) -> tuple[int, int, int]:
+def lmdb_bigdata_node(path: str, key: bytes | None, psize: int = 4096) -> tuple[int, int, int]:
     """``(file offset of the node, its data size, overflow pgno)`` of the leaf node holding ``key``
-    as an overflow (F_BIGDATA) value."""
+    (None: the first found) as an overflow (F_BIGDATA) value."""
     for pgno, flags, page in lmdb_pages(path, psize):
         if not flags & P_LEAF:
             continue
@@ -300,7 +302,7 @@ def lmdb_bigdata_node(path: str, key: bytes, psize: int = 4096) -> tuple[int, in
         for k in range((lower - PAGE_HEADER) // 2):
             ptr = struct.unpack_from("<H", page, PAGE_HEADER + 2 * k)[0]
             lo, hi, nflags, ksize = struct.unpack_from("<HHHH", page, ptr)
-            if nflags & F_BIGDATA and page[ptr + 8:ptr + 8 + ksize] == key:
+            if nflags & F_BIGDATA and (key is None or page[ptr + 8:ptr + 8 + ksize] == key):
                 over = struct.unpack_from("<Q", page, ptr + 8 + ksize)[0]
                 return pgno * psize + ptr, lo | hi << 16, over
     raise LookupError(f"{path}: no overflow value for key {key!r}")
@@ -316,7 +318,7 @@ def lmdb_put(path: str, puts: dict[tuple[bytes, bytes], bytes], map_size: int = 
     """Write ``{(db name, key): value}`` into the LMDB shard ``path`` (with lmdb itself)."""
     import lmdb
 
-    env = lmdb.open(path, subdir=False, lock=False, max_dbs=2, map_size=map_size)
+    env = lmdb.open(path, subdir=False, lock=False, max_dbs=4, map_size=map_size)
     try:
         dbs = {name: env.open_db(name, create=False) for name in {db for db, _ in puts}}
         with env.begin(write=True) as txn:
@@ -329,7 +331,7 @@ def lmdb_put(path: str, puts: dict[tuple[bytes, bytes], bytes], map_size: int = 
 def lmdb_get(path: str, db: bytes, key: bytes) -> bytes:
     import lmdb
 
-    env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_dbs=2)
+    env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_dbs=4)
     try:
         with env.begin(db=env.open_db(db, create=False)) as txn:
             value = txn.get(key)
@@ -381,10 +383,57 @@ def _payload_name(shard: str) -> str:
         return "records" if "records" in f else "images"
 
 
+def lmdb_record(shard: str, i: int) -> bytes:
+    """Record ``i`` of an LMDB shard: its ``records`` value, followed (layout version 3) by its tail
+    parts where its head fills its pages exactly (``fastdata/format/backends/lmdb/spec.py``)."""
+    import lmdb
+
+    from fastdata.format.backends.lmdb import spec
+
+    env = lmdb.open(shard, subdir=False, readonly=True, lock=False, max_dbs=4)
+    try:
+        with env.begin() as txn:
+            head = txn.get(spec.encode_key(i), db=env.open_db(spec.RECORDS_DB, txn=txn, create=False))
+            assert head is not None, (shard, i)
+            try:
+                tails = env.open_db(spec.TAILS_DB, txn=txn, create=False)
+            except lmdb.NotFoundError:
+                return bytes(head)
+            parts = [bytes(head)]
+            if spec.fills_pages(len(head), env.stat()["psize"]):
+                while (part := txn.get(spec.tail_key(i, len(parts) - 1), db=tails)) is not None:
+                    parts.append(bytes(part))
+            return b"".join(parts)
+    finally:
+        env.close()
+
+
+def lmdb_replace_record(shard: str, i: int, data: bytes) -> None:
+    """Put ``data`` whole as record ``i`` of the LMDB shard (its ``records`` value), its tail parts
+    (if any) deleted. The index is left alone."""
+    import lmdb
+
+    from fastdata.format.backends.lmdb import spec
+
+    env = lmdb.open(shard, subdir=False, lock=False, max_dbs=4, map_size=max(256 << 20, 4 * os.path.getsize(shard)))
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(spec.encode_key(i), data, db=env.open_db(spec.RECORDS_DB, txn=txn, create=False))
+            try:
+                tails = env.open_db(spec.TAILS_DB, txn=txn, create=False)
+            except lmdb.NotFoundError:
+                return
+            for part in range(spec.MAX_TAIL_PARTS):
+                txn.delete(spec.tail_key(i, part), db=tails)
+    finally:
+        env.close()
+
+
 def stored_item(backend: str, shard: str, i: int) -> bytes:
-    """Record ``i``'s stored bytes: the LMDB value, or its slice of the HDF5 ``images``/``records``."""
+    """Record ``i``'s stored bytes: the LMDB record (value and tail), or its slice of the HDF5
+    ``images``/``records``."""
     if backend == "lmdb":
-        return lmdb_get(shard, b"records", struct.pack(">Q", i))
+        return lmdb_record(shard, i)
     if backend == "hdf5":
         offsets = h5_read(shard, "offsets")
         return h5_read(shard, _payload_name(shard))[offsets[i]:offsets[i + 1]].tobytes()
@@ -400,7 +449,7 @@ def replace_item(store: str, backend: str, shard: str, i: int, data: bytes, chec
 
     covered = data if checksummed is None else checksummed
     if backend == "lmdb":
-        lmdb_put(shard, {(b"records", struct.pack(">Q", i)): data})
+        lmdb_replace_record(shard, i, data)
     elif backend == "hdf5":
         name = _payload_name(shard)
         payload, offsets = h5_read(shard, name), h5_read(shard, "offsets").astype(np.int64)

@@ -406,23 +406,16 @@ def test_record_image_view_checks_as_record_image_does_without_a_copy(n):
 
 def _damage_pixels(store: str, local: int) -> None:
     """Flip one pixel byte of record ``local`` of the store's first shard, keeping its checksum field."""
-    import lmdb
     import msgpack
 
-    from fastdata.format.backends.lmdb import spec
+    from helpers.hostile import lmdb_replace_record, stored_item
 
     shard = str(sorted(Path(store).glob("*.lmdb"))[0])
-    env = lmdb.open(shard, subdir=False, max_dbs=8, lock=False)
-    try:
-        with env.begin(write=True) as txn:
-            db = env.open_db(spec.RECORDS_DB, txn=txn, create=False)
-            rec = msgpack.unpackb(txn.get(spec.encode_key(local), db=db), raw=False)
-            img = bytearray(rec["img"])
-            img[-1] ^= 0xFF
-            rec["img"] = bytes(img)
-            txn.put(spec.encode_key(local), msgpack.packb(rec, use_bin_type=True), db=db)
-    finally:
-        env.close()
+    rec = msgpack.unpackb(stored_item("lmdb", shard, local), raw=False)
+    img = bytearray(rec["img"])
+    img[-1] ^= 0xFF
+    rec["img"] = bytes(img)
+    lmdb_replace_record(shard, local, msgpack.packb(rec, use_bin_type=True))
 
 
 def test_a_damaged_ppm_record_in_a_batch_is_named_or_skipped(tmp_path):

@@ -96,14 +96,14 @@ class _EnvCache:
         assert key is not None
         if entry is None:
             env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=readahead,
-                            max_spare_txns=0, max_dbs=3)
+                            max_spare_txns=0, max_dbs=4)
             try:
                 # the same file (device and inode): its times may move (the shard cache touches a
                 # shard it pins, for LRU), but another file at this path was not checked
                 if _identity(os.stat(path))[:2] != identity[:2]:
                     raise UnsafeStoreError(f"{path}: the shard file was replaced while it was opened")
                 dbs = (env.open_db(spec.RECORDS_DB, create=False), env.open_db(spec.INDEX_DB, create=False),
-                       _chunks_db(env))
+                       _optional_db(env, spec.CHUNKS_DB), _optional_db(env, spec.TAILS_DB), int(env.stat()["psize"]))
             except BaseException:
                 env.close()
                 raise
@@ -126,10 +126,10 @@ class _EnvCache:
 _ENVS = _EnvCache()
 
 
-def _chunks_db(env):
-    """The shard's ``chunks`` database, or None in a shard without chunked fields."""
+def _optional_db(env, name: bytes):
+    """The shard's database ``name`` (``chunks``, ``tails``), or None in a shard without it."""
     try:
-        return env.open_db(spec.CHUNKS_DB, create=False)
+        return env.open_db(name, create=False)
     except lmdb.NotFoundError:
         return None
 
@@ -199,7 +199,8 @@ class LMDBShardReader(ShardReader):
         #: advice calls made (for tests and diagnosis)
         self.prefetches = 0
         try:
-            self._key, self.env, (self.records, self.index_db, self.chunks_db) = _ENVS.acquire(path, readahead)
+            self._key, self.env, (self.records, self.index_db, self.chunks_db, self.tails_db, self.psize) = \
+                _ENVS.acquire(path, readahead)
         except (lmdb.Error, OSError) as err:
             self.env = None
             raise FormatError(f"{path}: cannot open LMDB shard ({err}); the file is missing or damaged; "
@@ -257,9 +258,10 @@ class LMDBShardReader(ShardReader):
             header = None
         if not isinstance(header, dict) or header.get("layout") != spec.LAYOUT:
             raise CorruptRecordError(f"{self.path}: missing or damaged shard header", shard=self.path)
-        if header.get("version") != expected:
-            raise FormatError(f"{self.path}: LMDB shard layout version {header.get('version')!r} "
-                              f"is not supported (expects {expected})")
+        version = header.get("version")
+        if type(version) is not int or version not in (expected, spec.VERSION_TAILS):
+            raise FormatError(f"{self.path}: LMDB shard layout version {version!r} "
+                              f"is not supported (expects {expected} or {spec.VERSION_TAILS})")
         count = header.get("count")
         if type(count) is not int or count < 0:
             raise CorruptRecordError(f"{self.path}: damaged shard header (count)", shard=self.path)
@@ -291,9 +293,26 @@ class LMDBShardReader(ShardReader):
         self._load_checksums()
         try:
             with self._open_env().begin(db=self.records, buffers=True) as txn:
-                return self._decode(txn.get(spec.encode_key(local_index)), local_index)
+                return self._decode(self._value(txn, local_index), local_index)
         except lmdb.Error as err:  # a damaged page (LMDB keeps no page checksums)
             raise self._damaged(err, local_index) from None
+
+    def _value(self, txn, local_index: int):
+        """Record ``local_index``'s bytes (inside ``txn``, a read transaction of ``records``), or None
+        where the shard has no such record: its value as a buffer into the map, joined with its
+        tail parts where it has them (a copy; layout version 3, see ``spec.py``)."""
+        if not 0 <= local_index < 1 << 64:
+            return None
+        head = txn.get(spec.encode_key(local_index))
+        if head is None or self.tails_db is None or not spec.fills_pages(len(head), self.psize):
+            return head
+        parts = []
+        for part in range(spec.MAX_TAIL_PARTS):
+            data = txn.get(spec.tail_key(local_index, part), db=self.tails_db)
+            if data is None:
+                break
+            parts.append(data)
+        return b"".join((head, *parts)) if parts else head
 
     def _damaged(self, err: Exception, local_index: int) -> CorruptRecordError:
         return CorruptRecordError(f"{self.path} record {local_index}: unreadable, the shard's internal "
@@ -304,7 +323,7 @@ class LMDBShardReader(ShardReader):
         where = f"{self.path} record {local_index}"
         try:
             with self._open_env().begin(db=self.records, buffers=True) as txn:
-                buf = txn.get(spec.encode_key(local_index))
+                buf = self._value(txn, local_index)
                 if buf is None:
                     raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
                 return decode_record(buf, where=where)
@@ -328,21 +347,24 @@ class LMDBShardReader(ShardReader):
             spans = self._spans[key] = np.frombuffer(data, dtype="<u8").reshape(-1, 2) if ok else False
         return spans if spans is not False else None  # type: ignore[return-value]
 
-    def _prefetch(self, key: bytes, ids) -> None:
-        """Ask the kernel for the values ``ids`` (records or chunks) before they are read."""
-        spans = self._spans_of(key)
-        if spans is None:
+    def _prefetch(self, keys: tuple[bytes, ...], ids) -> None:
+        """Ask the kernel for the values ``ids`` (records or chunks) before they are read, as the
+        index's span tables ``keys`` place them (a record's head and its tail: one advice pass)."""
+        tables = [spans for key in keys if (spans := self._spans_of(key)) is not None]
+        if not tables:
             return
         ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[(ids >= 0) & (ids < len(spans))]
+        wanted = [spans[ids[(ids >= 0) & (ids < len(spans))]] for spans in tables]
         if self._advice_fd is None or self._advice_pid != os.getpid():
             try:
                 self._advice_fd, self._advice_pid = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), os.getpid()
             except OSError:
-                self._spans[key] = False
+                for key in keys:
+                    self._spans[key] = False
                 return
         try:
-            self.prefetches += advise_spans(self._advice_fd, spans[ids], os.fstat(self._advice_fd).st_size)
+            self.prefetches += advise_spans(self._advice_fd, np.concatenate(wanted),
+                                            os.fstat(self._advice_fd).st_size)
         except OSError:  # advice only
             pass
 
@@ -372,14 +394,15 @@ class LMDBShardReader(ShardReader):
             self._pixel_index = (index.formats == FORMAT_CODES["PPM"], index.nbytes)
         ppm, nbytes = self._pixel_index if views and self._pixel_index is not None else (None, None)
         if len(local_indices) > 1:
-            self._prefetch(spec.RECORD_SPANS_KEY, local_indices)
+            self._prefetch((spec.RECORD_SPANS_KEY, spec.TAIL_SPANS_KEY) if self.tails_db is not None
+                           else (spec.RECORD_SPANS_KEY,), local_indices)
         order = np.argsort(np.asarray(local_indices), kind="stable")
         i = -1
         try:
             with self._open_env().begin(db=self.records, buffers=True) as txn:
                 for k in order.tolist():
                     i = int(local_indices[k])
-                    buf = txn.get(spec.encode_key(i))
+                    buf = self._value(txn, i)
                     if ppm is not None and nbytes is not None and buf is not None and 0 <= i < len(ppm) and ppm[i]:
                         try:
                             data = record_image_view(buf, int(nbytes[i]), where=f"{self.path} record {i}")
@@ -408,7 +431,7 @@ class LMDBShardReader(ShardReader):
         if pages is None:
             pages = self.mapped_pages = MappedPages()  # the environment's map (one per path and process)
         if len(chunks) > 1:
-            self._prefetch(spec.CHUNK_SPANS_KEY, [first + j for j in chunks])
+            self._prefetch((spec.CHUNK_SPANS_KEY,), [first + j for j in chunks])
         try:
             with self._open_env().begin(db=self.chunks_db, buffers=True) as txn:
                 for k, j in enumerate(chunks):
@@ -445,7 +468,7 @@ class LMDBShardReader(ShardReader):
         try:
             with self._open_env().begin(db=self.records, buffers=True) as txn:
                 for i, want in zip(sorted_idx, expected, strict=False):
-                    view = txn.get(spec.encode_key(i))
+                    view = self._value(txn, i)
                     if view is None or len(view) <= nbytes:
                         raise CorruptRecordError(f"{self.path} record {i}: missing or too short for a raw image",
                                                  shard=self.path, index=i)

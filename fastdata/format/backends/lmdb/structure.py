@@ -15,7 +15,7 @@ ordinary result, an I/O error an ``OSError``: nothing here can fault) and refuse
   used, as LMDB does; ``(last_pg + 1) * psize <= file size``; the free and main
   databases' roots are "none" or within ``2 .. last_pg``.
 * every B-tree page of the main database and of every named database it lists
-  (fastdata's layout has ``records`` and ``index``), level by level from the root: the
+  (fastdata's layout has ``records``, ``index``, ``tails`` and ``chunks``), level by level from the root: the
   page number within ``2 .. last_pg``, never reached twice, at most 32 levels (LMDB's
   cursor stack); the header's page number the page's own, flags a branch or a leaf,
   ``16 <= lower <= upper <= psize``; every node pointer within the node area and every

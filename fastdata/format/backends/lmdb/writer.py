@@ -30,6 +30,42 @@ def _mappings_of(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def _address_in(mappings: list[tuple[int, int, int]], view) -> int | None:
+    """The file offset of the buffer ``view`` into the map, or None outside every mapping."""
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    where = next(((a, off) for a, b, off in mappings if a <= address and address + len(view) <= b), None)
+    return None if where is None else address - where[0] + where[1]
+
+
+def tail_spans(env, db, path: str, parts: list[int], psize: int) -> np.ndarray | None:
+    """``[n, 2]`` uint64: the file offset and length covering the tail parts of each record
+    (``parts[i]`` of them; ``(0, 0)`` for none), learned as :func:`value_spans` learns; a record
+    whose parts lie far apart (leaf pages not adjacent in the file) gets its first part's span."""
+    out = np.zeros((len(parts), 2), dtype="<u8")
+    if not any(parts):
+        return out
+    try:
+        mappings = _mappings_of(path)
+    except OSError:
+        return None
+    try:
+        with env.begin(db=db, buffers=True) as txn:
+            for i, count in enumerate(parts):
+                pieces = []
+                for part in range(count):
+                    view = txn.get(spec.tail_key(i, part))
+                    at = _address_in(mappings, view) if view is not None else None
+                    if at is None:
+                        return None
+                    pieces.append((at, at + len(view)))
+                if pieces:
+                    lo, hi = min(a for a, _ in pieces), max(b for _, b in pieces)
+                    out[i] = (lo, hi - lo) if hi - lo <= 2 * psize else (pieces[0][0], pieces[0][1] - pieces[0][0])
+    except lmdb.Error:
+        return None
+    return out
+
+
 def value_spans(env, db, path: str, count: int) -> np.ndarray | None:
     """``[count, 2]`` uint64: the file offset and length of the values under keys ``0..count-1``
     of ``db``, as they lie in the finished file ``path`` (read back through LMDB's map, whose
@@ -53,19 +89,20 @@ def value_spans(env, db, path: str, count: int) -> np.ndarray | None:
                     return None
                 if not len(view):
                     continue  # nothing to read ahead: (0, 0)
-                address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-                where = next(((a, off) for a, b, off in mappings if a <= address and address + len(view) <= b), None)
-                if where is None:
+                at = _address_in(mappings, view)
+                if at is None:
                     return None
-                out[i] = (address - where[0] + where[1], len(view))
+                out[i] = (at, len(view))
     except lmdb.Error:
         return None
     return out
 
 
 class LMDBShardWriter(ShardWriter):
-    """Appends records with ``append=True`` in one write transaction per batch;
-    grows the map on ``MapFullError`` and retries the batch."""
+    """Appends records with ``append=True`` in one write transaction per batch (layout version 3:
+    a record that would waste most of its last overflow page is cut into a page-exact head and
+    inline tail parts, :func:`~spec.split_point`); grows the map on ``MapFullError`` and retries
+    the batch."""
 
     io_errors = (lmdb.Error,)
 
@@ -74,10 +111,16 @@ class LMDBShardWriter(ShardWriter):
         self.map_size = int(initial_map_size or spec.DEFAULT_INITIAL_MAP_SIZE)
         # lock=False: the store-level lock already guarantees a single writer.
         # sync=False: we sync once at close (env.sync + fsync) instead of per commit.
-        self.env = lmdb.open(path, subdir=False, map_size=self.map_size, max_dbs=3, lock=False,
+        self.env = lmdb.open(path, subdir=False, map_size=self.map_size, max_dbs=4, lock=False,
                              sync=False, metasync=False, readahead=False, meminit=True)
         self.records = self.env.open_db(spec.RECORDS_DB)
         self.index_db = self.env.open_db(spec.INDEX_DB)
+        self.tails_db = self.env.open_db(spec.TAILS_DB)
+        self.psize = int(self.env.stat()["psize"])
+        #: tail parts of each record written (0: kept whole)
+        self.tail_parts: list[int] = []
+        #: bytes left in the ``tails`` database's last leaf page, as :func:`~spec.cut_tail` counts
+        self.tail_free = self.psize - spec.PAGE_HEADER
         self.chunks_db = self.env.open_db(spec.CHUNKS_DB) if self.schema and self.schema.chunked_fields() else None
         self.next_chunk = 0
         self.index: IndexBuilder | SampleIndexBuilder = (
@@ -130,19 +173,34 @@ class LMDBShardWriter(ShardWriter):
         start = len(self.index)
         if self.schema is not None:  # version 2: the records are already packed
             values = [s.record for s in samples]
+            whole = [False] * len(values)
         else:
             values = [
                 encode_record(s.image, label=s.label, width=s.width, height=s.height, fmt=s.fmt,
                               relpath=s.relpath, xxh=s.xxh)
                 for s in samples
             ]
+            # raw pixels stay whole: readers hand them to the decoder as views of the map
+            whole = [s.fmt == "PPM" for s in samples]
+        cuts = [len(v) if keep else spec.split_point(len(v), self.psize) for v, keep in zip(values, whole, strict=True)]
+        tails = []
+        for value, cut in zip(values, cuts, strict=True):
+            sizes, self.tail_free = spec.cut_tail(len(value) - cut, self.tail_free, self.psize)
+            at = np.cumsum([cut, *sizes]).tolist()
+            tails.append([value[a:b] for a, b in zip(at, at[1:], strict=False)])
 
         def fill(txn):
-            for offset, value in enumerate(values):
-                if not txn.put(spec.encode_key(start + offset), value, db=self.records, append=True):
-                    raise RuntimeError(f"{self.path}: duplicate key {start + offset}")
+            for offset, (value, cut, parts) in enumerate(zip(values, cuts, tails, strict=True)):
+                local = start + offset
+                head = value if cut == len(value) else memoryview(value)[:cut]
+                if not txn.put(spec.encode_key(local), head, db=self.records, append=True):
+                    raise RuntimeError(f"{self.path}: duplicate key {local}")
+                for part, data in enumerate(parts):
+                    if not txn.put(spec.tail_key(local, part), data, db=self.tails_db, append=True):
+                        raise RuntimeError(f"{self.path}: duplicate tail key {local}/{part}")
 
         self._commit(fill)
+        self.tail_parts.extend(len(p) for p in tails)
         self.writeback.wrote(sum(len(v) for v in values))
         if isinstance(self.index, SampleIndexBuilder):
             for s in samples:
@@ -154,8 +212,7 @@ class LMDBShardWriter(ShardWriter):
 
     def close(self) -> ShardIndex | SampleIndex:
         index = self.index.build()
-        version = spec.VERSION if self.schema is None else spec.VERSION_2
-        header = msgpack.packb({"layout": spec.LAYOUT, "version": version, "count": len(index)})
+        header = msgpack.packb({"layout": spec.LAYOUT, "version": spec.VERSION_TAILS, "count": len(index)})
         if isinstance(index, SampleIndex):
             arrays = {key: np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")) for key, arr in
                       index.arrays.items()}
@@ -163,7 +220,8 @@ class LMDBShardWriter(ShardWriter):
             arrays = {name: np.ascontiguousarray(getattr(index, name), dtype=dtype)
                       for name, dtype in spec.INDEX_ARRAYS.items()}
 
-        spans = {spec.RECORD_SPANS_KEY: value_spans(self.env, self.records, self.path, len(index))}
+        spans = {spec.RECORD_SPANS_KEY: value_spans(self.env, self.records, self.path, len(index)),
+                 spec.TAIL_SPANS_KEY: tail_spans(self.env, self.tails_db, self.path, self.tail_parts, self.psize)}
         if self.chunks_db is not None:
             spans[spec.CHUNK_SPANS_KEY] = value_spans(self.env, self.chunks_db, self.path, self.next_chunk)
 
