@@ -22,7 +22,8 @@ validate, write, fsync, publish; ``litdata.optimize``'s is the call's wall time)
   converter's validation does anyway; ``benchmarks/bench_convert.py``'s ceiling);
 * ``folder`` / ``parquet`` / ``webdataset``: ``fastdata.convert`` of each form into LMDB (and the
   Parquet file into HDF5), images/s and the ratio to the ceiling; the store's size against the
-  source's image bytes (LMDB rounds each large value up to whole 4 KiB pages: ~2 KB a record);
+  source's image bytes (the index, checksums and paths included; LMDB layout 3 keeps each
+  record's last partial page as inline tail parts, where it used to leave ~2 KB of it empty);
 * ``fastdata.write(ds)`` / ``litdata.optimize``: wall time and size on disk of each, as ratios
   (litdata only where it is installed: the bench venv);
 * peak RSS of the Parquet conversion's process tree, for the ``--n`` file and a file

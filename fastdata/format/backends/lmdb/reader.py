@@ -304,7 +304,10 @@ class LMDBShardReader(ShardReader):
         if not 0 <= local_index < 1 << 64:
             return None
         head = txn.get(spec.encode_key(local_index))
-        if head is None or self.tails_db is None or not spec.fills_pages(len(head), self.psize):
+        if head is None or self.tails_db is None:
+            return head
+        n = len(head)
+        if n and (n + spec.PAGE_HEADER) % self.psize:  # spec.fills_pages, inline: this runs per record
             return head
         parts = []
         for part in range(spec.MAX_TAIL_PARTS):
@@ -344,7 +347,10 @@ class LMDBShardReader(ShardReader):
             except lmdb.Error:
                 data = b""
             ok = bool(data) and len(data) % 16 == 0
-            spans = self._spans[key] = np.frombuffer(data, dtype="<u8").reshape(-1, 2) if ok else False
+            table = np.frombuffer(data, dtype="<u8").reshape(-1, 2) if ok else None
+            if table is not None and not table[:, 1].any():
+                table = None  # nothing to advise (e.g. tail spans of a shard whose records have no tails)
+            spans = self._spans[key] = table if table is not None else False
         return spans if spans is not False else None  # type: ignore[return-value]
 
     def _prefetch(self, keys: tuple[bytes, ...], ids) -> None:
@@ -355,6 +361,7 @@ class LMDBShardReader(ShardReader):
             return
         ids = np.asarray(ids, dtype=np.int64)
         wanted = [spans[ids[(ids >= 0) & (ids < len(spans))]] for spans in tables]
+        wanted = [w[w[:, 1] > 0] for w in wanted] if len(wanted) > 1 else wanted  # (records without a tail)
         if self._advice_fd is None or self._advice_pid != os.getpid():
             try:
                 self._advice_fd, self._advice_pid = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), os.getpid()
