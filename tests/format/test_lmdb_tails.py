@@ -8,6 +8,7 @@ record (versions 1 and 2, written before tails) still read; a damaged or missing
 from __future__ import annotations
 
 import os
+import sys
 
 import lmdb
 import msgpack
@@ -17,6 +18,7 @@ import pytest
 import fastdata
 from fastdata.errors import CorruptRecordError
 from fastdata.fields import Int, Ragged
+from fastdata.format.backends.lmdb import reader as lmdb_reader
 from fastdata.format.backends.lmdb import spec
 from fastdata.format.manifest import read_manifest
 from fastdata.tools.verify import verify
@@ -238,3 +240,55 @@ def test_tails_are_looked_up_only_behind_a_head_that_fills_its_pages(tmp_path):
     lmdb_put(shard, {(spec.TAILS_DB, spec.tail_key(whole, 0)): b"\x01" * 50})
     with fastdata.open_dataset(store) as ds:
         assert ds[whole]["blob"].tobytes() == expected
+
+
+def _tail_part_places(shard: str) -> dict[int, list[tuple[int, int]]]:
+    """Each record's tail parts as (file offset, length) where LMDB reads them: the address of each
+    part's buffer in this process's map of the file (``/proc/self/maps``), checked against the
+    file's bytes (freed pages may hold stale copies of a part, so the bytes alone cannot place it)."""
+    env = lmdb.open(shard, subdir=False, readonly=True, lock=False, max_dbs=4)
+    places: dict[int, list[tuple[int, int]]] = {}
+    try:
+        real = os.path.realpath(shard)
+        with env.begin(buffers=True) as txn, open(shard, "rb") as fh:
+            maps = [m for m in (line.split() for line in open("/proc/self/maps")) if len(m) == 6 and m[5] == real]
+            tails = env.open_db(spec.TAILS_DB, txn=txn, create=False)
+            for key, value in txn.cursor(db=tails):
+                address = np.frombuffer(value, np.uint8).ctypes.data
+                start, offset = next((int(m[0].split("-")[0], 16), int(m[2], 16)) for m in maps
+                                     if int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16))
+                at = address - start + offset
+                fh.seek(at)
+                assert fh.read(len(value)) == bytes(value)
+                places.setdefault(int.from_bytes(key[:8], "big"), []).append((at, len(value)))
+    finally:
+        env.close()
+    return places
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="spans are learned from /proc")
+def test_a_cold_batch_is_advised_every_tail_part_even_far_from_the_first(tmp_path, monkeypatch):
+    """Written in many small commits, a record's tail parts are often on two leaf pages far apart
+    in the file (LMDB takes a new leaf page from its free list, where an earlier commit left one;
+    the control below finds such records). ``tail_spans`` holds one span a part, so the advice a
+    batch asks for covers every part of every record in it: a part left out would be a
+    synchronous page fault per record on a cold read (what one span a record covering only the
+    first part cost: 0.65 major faults a record, 40x slower, in a memory-limited run)."""
+    store = tmp_path / "s.lmdb"
+    fastdata.write(_blobs(np.random.default_rng(5).integers(5000, 7000, 240), seed=5), store, SCHEMA,
+                   workers=0, progress=False, chunk_size=3)
+    (shard,) = _shards(store)
+    places = _tail_part_places(shard)
+    far = [j for j, p in places.items() if len(p) > 1 and max(a for a, _ in p) - min(a for a, _ in p) > 2 * 4096]
+    assert len(far) >= 10, far  # the control: parts far apart are common
+    advised: list[np.ndarray] = []
+    real_advise = lmdb_reader.advise_spans
+    monkeypatch.setattr(lmdb_reader, "advise_spans",
+                        lambda fd, spans, size: advised.append(spans.copy()) or real_advise(fd, spans, size))
+    batch = np.random.default_rng(6).permutation(240)[:64].tolist()
+    with fastdata.open_dataset(store) as ds:
+        ds.__getitems__(batch)
+    (spans,) = advised
+    covered = {(int(a), int(n)) for a, n in spans.tolist() if n}
+    wanted = [place for j in batch for place in places.get(j, [])]
+    assert len(wanted) > 64 and not [w for w in wanted if w not in covered]

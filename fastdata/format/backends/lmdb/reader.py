@@ -333,9 +333,10 @@ class LMDBShardReader(ShardReader):
         except lmdb.Error as err:
             raise self._damaged(err, local_index) from None
 
-    def _spans_of(self, key: bytes) -> np.ndarray | None:
-        """The index's ``key`` spans (``[n, 2]`` uint64), or None: absent, damaged, or prefetching
-        off. Only advice: a value not covered (or covered wrongly) is read all the same."""
+    def _spans_of(self, key: bytes, *, drop_empty: bool = False) -> np.ndarray | None:
+        """The index's ``key`` spans (``[rows, 2]`` uint64), or None: absent, damaged, prefetching
+        off, or (``drop_empty``) all empty. Only advice: a value not covered (or covered wrongly) is
+        read all the same."""
         if not PREFETCH:
             return None
         spans = self._spans.get(key)
@@ -348,20 +349,27 @@ class LMDBShardReader(ShardReader):
                 data = b""
             ok = bool(data) and len(data) % 16 == 0
             table = np.frombuffer(data, dtype="<u8").reshape(-1, 2) if ok else None
-            if table is not None and not table[:, 1].any():
+            if drop_empty and table is not None and not table[:, 1].any():
                 table = None  # nothing to advise (e.g. tail spans of a shard whose records have no tails)
             spans = self._spans[key] = table if table is not None else False
         return spans if spans is not False else None  # type: ignore[return-value]
 
     def _prefetch(self, keys: tuple[bytes, ...], ids) -> None:
         """Ask the kernel for the values ``ids`` (records or chunks) before they are read, as the
-        index's span tables ``keys`` place them (a record's head and its tail: one advice pass)."""
-        tables = [spans for key in keys if (spans := self._spans_of(key)) is not None]
-        if not tables:
+        index's span tables ``keys`` place them, in one advice pass: ``keys[0]`` one span a value
+        (records' heads, chunks), any further table (``tail_spans``) ``k`` spans a record, its
+        ``k * n`` rows read as ``[n, k]`` by the first table's ``n`` (ignored where they do not divide)."""
+        first = self._spans_of(keys[0])
+        if first is None:
             return
+        tables = [first]
+        for key in keys[1:]:
+            more = self._spans_of(key, drop_empty=True)
+            if more is not None and len(more) % len(first) == 0:
+                tables.append(more.reshape(len(first), -1, 2))
         ids = np.asarray(ids, dtype=np.int64)
-        wanted = [spans[ids[(ids >= 0) & (ids < len(spans))]] for spans in tables]
-        wanted = [w[w[:, 1] > 0] for w in wanted] if len(wanted) > 1 else wanted  # (records without a tail)
+        ids = ids[(ids >= 0) & (ids < len(first))]
+        wanted = [table[ids].reshape(-1, 2) for table in tables]  # (0, 0) rows: nothing to advise
         if self._advice_fd is None or self._advice_pid != os.getpid():
             try:
                 self._advice_fd, self._advice_pid = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), os.getpid()

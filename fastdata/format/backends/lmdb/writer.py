@@ -37,11 +37,14 @@ def _address_in(mappings: list[tuple[int, int, int]], view) -> int | None:
     return None if where is None else address - where[0] + where[1]
 
 
-def tail_spans(env, db, path: str, parts: list[int], psize: int) -> np.ndarray | None:
-    """``[n, 2]`` uint64: the file offset and length covering the tail parts of each record
-    (``parts[i]`` of them; ``(0, 0)`` for none), learned as :func:`value_spans` learns; a record
-    whose parts lie far apart (leaf pages not adjacent in the file) gets its first part's span."""
-    out = np.zeros((len(parts), 2), dtype="<u8")
+def tail_spans(env, db, path: str, parts: list[int]) -> np.ndarray | None:
+    """``[n, k, 2]`` uint64 (``k``: the most parts any record has, at least 1): the file offset and
+    length of each tail part of each record (``parts[i]`` of them; ``(0, 0)`` past the last),
+    learned as :func:`value_spans` learns. One span per part, not per record: a record's parts are
+    often on two leaf pages far apart in the file (LMDB takes a new page from its free list, where
+    an earlier commit left one), and a span covering only the first would leave the second to a
+    synchronous page fault on a cold read."""
+    out = np.zeros((len(parts), max(1, max(parts, default=0)), 2), dtype="<u8")
     if not any(parts):
         return out
     try:
@@ -51,16 +54,12 @@ def tail_spans(env, db, path: str, parts: list[int], psize: int) -> np.ndarray |
     try:
         with env.begin(db=db, buffers=True) as txn:
             for i, count in enumerate(parts):
-                pieces = []
                 for part in range(count):
                     view = txn.get(spec.tail_key(i, part))
                     at = _address_in(mappings, view) if view is not None else None
                     if at is None:
                         return None
-                    pieces.append((at, at + len(view)))
-                if pieces:
-                    lo, hi = min(a for a, _ in pieces), max(b for _, b in pieces)
-                    out[i] = (lo, hi - lo) if hi - lo <= 2 * psize else (pieces[0][0], pieces[0][1] - pieces[0][0])
+                    out[i, part] = (at, len(view))
     except lmdb.Error:
         return None
     return out
@@ -221,7 +220,7 @@ class LMDBShardWriter(ShardWriter):
                       for name, dtype in spec.INDEX_ARRAYS.items()}
 
         spans = {spec.RECORD_SPANS_KEY: value_spans(self.env, self.records, self.path, len(index)),
-                 spec.TAIL_SPANS_KEY: tail_spans(self.env, self.tails_db, self.path, self.tail_parts, self.psize)}
+                 spec.TAIL_SPANS_KEY: tail_spans(self.env, self.tails_db, self.path, self.tail_parts)}
         if self.chunks_db is not None:
             spans[spec.CHUNK_SPANS_KEY] = value_spans(self.env, self.chunks_db, self.path, self.next_chunk)
 
