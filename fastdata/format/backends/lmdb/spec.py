@@ -67,8 +67,11 @@ exist. A reader looks for tails only behind a head that fills its pages exactly 
 is ``k * psize - 16`` or 0): another record has none. Records kept whole: raw pixels of a
 classification store (PPM: read as views of the map, which a split record cannot be) and
 records inline in ``records`` already. ``index`` may add ``b"tail_spans"`` (uint64
-little-endian ``[n, 2]``: the file offset and length covering each record's tail parts,
-``(0, 0)`` for a record without), advice as ``record_spans`` is (which then covers the heads).
+little-endian ``[n, k, 2]``, ``k`` the most parts a record of the shard has, at least 1: the file
+offset and length of each part of each record's tail, ``(0, 0)`` past its last), advice as
+``record_spans`` is (which then covers the heads). One span a part, not one a record: a record's
+parts often lie on two leaf pages far apart (LMDB takes a new leaf page from its free list, where
+an earlier commit left one).
 
 The global index of a record is the shard's ``first_index`` (manifest) plus
 its key. Readers open with ``readonly=True, lock=False, max_spare_txns=0``
