@@ -292,3 +292,37 @@ def test_a_cold_batch_is_advised_every_tail_part_even_far_from_the_first(tmp_pat
     covered = {(int(a), int(n)) for a, n in spans.tolist() if n}
     wanted = [place for j in batch for place in places.get(j, [])]
     assert len(wanted) > 64 and not [w for w in wanted if w not in covered]
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise")
+def test_the_structure_check_asks_for_scattered_tree_pages_before_reading_them(tmp_path, monkeypatch):
+    """The tails database's leaf pages lie between the records' overflow pages; the structure check
+    (which reads every tree page with pread before LMDB maps the file) asks the kernel for each
+    level's scattered pages before reading them, so that a cold shard is not read one synchronous
+    page at a time. Every tree page it reads was advised first, except runs read alone."""
+    from fastdata.format.backends.lmdb import structure
+
+    store = tmp_path / "s.lmdb"
+    fastdata.write(_blobs(np.random.default_rng(7).integers(5000, 7000, 300), seed=7), store, SCHEMA,
+                   workers=0, progress=False)
+    (shard,) = _shards(store)
+    advised: set[int] = set()
+    read_unadvised: list[int] = []
+    real_fadvise, real_preadv = os.posix_fadvise, os.preadv
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.update(range(offset // 4096, (offset + length) // 4096))
+        return real_fadvise(fd, offset, length, advice)
+
+    def preadv(fd, buffers, offset):
+        if offset >= 2 * 4096 and offset // 4096 not in advised:
+            read_unadvised.append(offset // 4096)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(os, "preadv", preadv)
+    with open(shard, "rb") as fh:
+        summary = structure.check_structure(shard, fh.fileno())
+    assert summary.tree_pages > 100 and len(advised) >= summary.tree_pages - 10
+    assert len(read_unadvised) <= 10, read_unadvised  # (roots and single-page levels)

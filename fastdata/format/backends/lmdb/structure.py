@@ -203,7 +203,17 @@ class _Checker:
         out = np.empty((len(pgnos), psize), dtype=np.uint8)
         view = out.data.cast("B")
         breaks = np.flatnonzero(np.diff(pgnos) != 1) + 1
-        for run in np.split(np.arange(len(pgnos)), breaks):
+        runs = np.split(np.arange(len(pgnos)), breaks)
+        if len(runs) > 1 and hasattr(os, "posix_fadvise"):
+            # pages scattered over the file (the leaf pages of a tails database lie between the
+            # records' overflow pages): ask for all of them first, so that a cold shard is read with
+            # a deep queue instead of one synchronous read a page (0.68 -> 0.08 s per GiB of ~63 KB records)
+            for run in runs:
+                try:
+                    os.posix_fadvise(self.fd, int(pgnos[run[0]]) * psize, len(run) * psize, os.POSIX_FADV_WILLNEED)
+                except OSError:  # advice only
+                    break
+        for run in runs:
             a, b = int(run[0]), int(run[-1]) + 1
             got = os.preadv(self.fd, [view[a * psize:b * psize]], int(pgnos[a]) * psize)
             if got != (b - a) * psize:
