@@ -24,3 +24,4 @@ cp "$OUT/harness/throughput_vs_workers.png" docs/img/throughput_vs_workers.png
 python benchmarks/bench_grow.py --json "$OUT/grow.json" | tee "$OUT/grow.txt"
 python benchmarks/bench_subset.py --json "$OUT/subset.json" | tee "$OUT/subset.txt"
 python benchmarks/bench_mix.py --epochs 5 | tee "$OUT/mix.txt"
+python benchmarks/bench_tails.py --workdir "$DATA/tails" --epochs 9 | tee "$OUT/tails.txt"
