@@ -326,3 +326,27 @@ def test_the_structure_check_asks_for_scattered_tree_pages_before_reading_them(t
         summary = structure.check_structure(shard, fh.fileno())
     assert summary.tree_pages > 100 and len(advised) >= summary.tree_pages - 10
     assert len(read_unadvised) <= 10, read_unadvised  # (roots and single-page levels)
+
+
+def test_a_crafted_tail_span_table_of_too_many_parts_is_ignored(tmp_path, monkeypatch):
+    """``tail_spans`` of more than MAX_TAIL_PARTS spans a record (not what fastdata writes) is
+    ignored: a batch repeating one index would otherwise select k spans per entry (k up to the
+    file's size over 16 n); the records still read and only the heads are advised. The control:
+    the table as written is advised."""
+    store, shard, j = _general_store(tmp_path)
+    count = len(_layout(shard)["heads"])
+    batch = [j] * 64
+    advised: list[np.ndarray] = []
+    real_advise = lmdb_reader.advise_spans
+    monkeypatch.setattr(lmdb_reader, "advise_spans",
+                        lambda fd, spans, size: advised.append(spans.copy()) or real_advise(fd, spans, size))
+    with fastdata.open_dataset(store) as ds:
+        expected = ds[j]["blob"].tobytes()
+        ds.__getitems__(batch)
+    assert len(advised[-1]) > len(batch)  # control: heads and tail parts
+    crafted = np.zeros((count, spec.MAX_TAIL_PARTS + 1, 2), "<u8")
+    crafted[:, :] = (4096, 16)  # (not all empty: an empty table is dropped before its shape counts)
+    lmdb_put(shard, {(spec.INDEX_DB, spec.TAIL_SPANS_KEY): crafted.tobytes()})
+    with fastdata.open_dataset(store) as ds:
+        assert all(b["blob"].tobytes() == expected for b in ds.__getitems__(batch))
+    assert len(advised[-1]) == len(batch)

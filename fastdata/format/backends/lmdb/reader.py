@@ -358,14 +358,17 @@ class LMDBShardReader(ShardReader):
         """Ask the kernel for the values ``ids`` (records or chunks) before they are read, as the
         index's span tables ``keys`` place them, in one advice pass: ``keys[0]`` one span a value
         (records' heads, chunks), any further table (``tail_spans``) ``k`` spans a record, its
-        ``k * n`` rows read as ``[n, k]`` by the first table's ``n`` (ignored where they do not divide)."""
+        ``k * n`` rows read as ``[n, k]`` by the first table's ``n`` (ignored where they do not divide
+        or ``k`` is above :data:`~spec.MAX_TAIL_PARTS`)."""
         first = self._spans_of(keys[0])
         if first is None:
             return
         tables = [first]
         for key in keys[1:]:
             more = self._spans_of(key, drop_empty=True)
-            if more is not None and len(more) % len(first) == 0:
+            # (a table of more than MAX_TAIL_PARTS spans a record is not one fastdata writes: ignored,
+            # so that a crafted one cannot make a batch's selection of it a large allocation)
+            if more is not None and len(more) % len(first) == 0 and len(more) // len(first) <= spec.MAX_TAIL_PARTS:
                 tables.append(more.reshape(len(first), -1, 2))
         ids = np.asarray(ids, dtype=np.int64)
         ids = ids[(ids >= 0) & (ids < len(first))]
