@@ -50,13 +50,14 @@ def whole_records_copy(shard: str, dst: str) -> None:
         records_in, index_in = src.open_db(spec.RECORDS_DB, create=False), src.open_db(spec.INDEX_DB, create=False)
         tails = src.open_db(spec.TAILS_DB, create=False)
         records_out, index_out = out.open_db(spec.RECORDS_DB), out.open_db(spec.INDEX_DB)
+        psize = int(src.stat()["psize"])
         with src.begin() as rtxn:
             count = msgpack.unpackb(rtxn.get(spec.HEADER_KEY, db=index_in))["count"]
             for first in range(0, count, COMMIT):
                 with out.begin(write=True) as wtxn:
                     for j in range(first, min(first + COMMIT, count)):
                         value = rtxn.get(spec.encode_key(j), db=records_in)
-                        if spec.fills_pages(len(value), src.stat()["psize"]):
+                        if spec.fills_pages(len(value), psize):
                             part = 0
                             while (data := rtxn.get(spec.tail_key(j, part), db=tails)) is not None:
                                 value, part = value + data, part + 1
