@@ -37,15 +37,16 @@ def _address_in(mappings: list[tuple[int, int, int]], view) -> int | None:
     return None if where is None else address - where[0] + where[1]
 
 
-def tail_spans(env, db, path: str, parts: list[int]) -> np.ndarray | None:
-    """``[n, k, 2]`` uint64 (``k``: the most parts any record has, at least 1): the file offset and
-    length of each tail part of each record (``parts[i]`` of them; ``(0, 0)`` past the last),
-    learned as :func:`value_spans` learns. One span per part, not per record: a record's parts are
-    often on two leaf pages far apart in the file (LMDB takes a new page from its free list, where
-    an earlier commit left one), and a span covering only the first would leave the second to a
-    synchronous page fault on a cold read."""
-    out = np.zeros((len(parts), max(1, max(parts, default=0)), 2), dtype="<u8")
-    if not any(parts):
+def _spans_of_keys(env, db, path: str, keys: list[bytes]) -> np.ndarray | None:
+    """``[len(keys), 2]`` uint64: the file offset and length of the value under each of ``keys`` in
+    ``db``, as it lies in the finished file ``path`` (read back through LMDB's map, whose pages the
+    write just left in the page cache; an empty value: ``(0, 0)``, nothing to read ahead); None
+    where that cannot be learned (no ``/proc/self/maps``, a key missing, a value outside the map).
+
+    py-lmdb does not expose the map's address, so the address of each value (a buffer into the
+    map) is located in this process's mappings of the file."""
+    out = np.zeros((len(keys), 2), dtype="<u8")
+    if not keys:
         return out
     try:
         mappings = _mappings_of(path)
@@ -53,13 +54,16 @@ def tail_spans(env, db, path: str, parts: list[int]) -> np.ndarray | None:
         return None
     try:
         with env.begin(db=db, buffers=True) as txn:
-            for i, count in enumerate(parts):
-                for part in range(count):
-                    view = txn.get(spec.tail_key(i, part))
-                    at = _address_in(mappings, view) if view is not None else None
-                    if at is None:
-                        return None
-                    out[i, part] = (at, len(view))
+            for i, key in enumerate(keys):
+                view = txn.get(key)
+                if view is None:
+                    return None
+                if not len(view):
+                    continue
+                at = _address_in(mappings, view)
+                if at is None:
+                    return None
+                out[i] = (at, len(view))
     except lmdb.Error:
         return None
     return out
@@ -67,33 +71,25 @@ def tail_spans(env, db, path: str, parts: list[int]) -> np.ndarray | None:
 
 def value_spans(env, db, path: str, count: int) -> np.ndarray | None:
     """``[count, 2]`` uint64: the file offset and length of the values under keys ``0..count-1``
-    of ``db``, as they lie in the finished file ``path`` (read back through LMDB's map, whose
-    pages the write just left in the page cache); None where that cannot be learned (no
-    ``/proc/self/maps``, a key missing, a value outside the map).
+    of ``db`` (see :func:`_spans_of_keys`)."""
+    return _spans_of_keys(env, db, path, [spec.encode_key(i) for i in range(count)])
 
-    py-lmdb does not expose the map's address, so the address of each value (a buffer into the
-    map) is located in this process's mappings of the file."""
-    if not count:
-        return np.zeros((0, 2), dtype="<u8")
-    try:
-        mappings = _mappings_of(path)
-    except OSError:
+
+def tail_spans(env, db, path: str, parts: list[int]) -> np.ndarray | None:
+    """``[n, k, 2]`` uint64 (``k``: the most parts any record has, at least 1): the file offset and
+    length of each tail part of each record (``parts[i]`` of them; ``(0, 0)`` past the last), as
+    :func:`_spans_of_keys` learns them. One span per part, not per record: a record's parts are
+    often on two leaf pages far apart in the file (LMDB takes a new page from its free list, where
+    an earlier commit left one), and a span covering only the first would leave the second to a
+    synchronous page fault on a cold read."""
+    out = np.zeros((len(parts), max(1, max(parts, default=0)), 2), dtype="<u8")
+    where = [(i, part) for i, count in enumerate(parts) for part in range(count)]
+    spans = _spans_of_keys(env, db, path, [spec.tail_key(i, part) for i, part in where])
+    if spans is None:
         return None
-    out = np.zeros((count, 2), dtype="<u8")
-    try:
-        with env.begin(db=db, buffers=True) as txn:
-            for i in range(count):
-                view = txn.get(spec.encode_key(i))
-                if view is None:
-                    return None
-                if not len(view):
-                    continue  # nothing to read ahead: (0, 0)
-                at = _address_in(mappings, view)
-                if at is None:
-                    return None
-                out[i] = (at, len(view))
-    except lmdb.Error:
-        return None
+    if where:
+        rows, cols = np.array(where, dtype=np.int64).T
+        out[rows, cols] = spans
     return out
 
 
