@@ -50,6 +50,7 @@ from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_CODES, IMAGE_DTYPE_
 from fastdata.reader import transforms as fd_transforms
 from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
+from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.seeding import epoch_of, sample_rng
 from fastdata.reader.shards import ShardHandles
 from fastdata.reader.subset import StoreSubset, code_names, read_only
@@ -784,10 +785,18 @@ class StoreDataset(Dataset):
         no ``transform``, the images are decoded into one preallocated batch
         array: a :class:`Batch`; otherwise a :class:`Samples` list. Both carry the
         number of damaged samples replaced (``skips``) for :func:`collate`.
+
+        A subclass that overrides ``__getitem__`` (and not this) gets a :class:`Samples` of
+        ``self[i]`` for each index instead: its override is what the batch goes through
+        (:mod:`fastdata.reader.overrides`).
         """
         epoch = epoch_of(indices, self.epoch)
-        idx = self._check_indices(indices)
         before = self._skips
+        if overrides_getitem(type(self)):
+            samples = each_sample(self, indices, epoch)
+            samples.skips, samples.token = self._skips - before, self._token
+            return samples
+        idx = self._check_indices(indices)
         shape = self._fixed_shape()
         layout = self._pixel_layout("image", idx) if shape is not None else None
         out = (self._fixed_batch(idx, shape, layout, epoch) if shape is not None and layout is not None

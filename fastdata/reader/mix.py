@@ -140,6 +140,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch, private_batches
+from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.sampler import DistributedShardSampler
 from fastdata.reader.seeding import EpochIndex, epoch_of
 
@@ -577,8 +578,15 @@ class MixedDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]):
         """A batch: each source's part read with its own ``__getitems__`` (one call per source and
         pass), the samples marked and returned in the order asked; one combined
-        :class:`~fastdata.reader.batching.Batch` when every part is one (module docstring)."""
+        :class:`~fastdata.reader.batching.Batch` when every part is one (module docstring);
+        ``self[i]`` for each index when a subclass overrides ``__getitem__``
+        (:mod:`fastdata.reader.overrides`)."""
         epoch = epoch_of(indices, self._epoch)
+        if overrides_getitem(type(self)):
+            before = self.skipped
+            samples = each_sample(self, indices, epoch)
+            samples.skips, samples.token = self.skipped - before, self._token
+            return samples
         pos = self._positions(indices)
         if not len(pos):
             return Samples()

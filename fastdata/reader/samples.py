@@ -45,6 +45,7 @@ from fastdata.reader.batching import Samples, aligned, new_segment
 from fastdata.reader.chunked import ChunkedArray
 from fastdata.reader.dataset import StoreDataset
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
+from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.seeding import epoch_of, sample_rng
 from fastdata.reader.subset import code_names
 from fastdata.remote.store import StoreLocation
@@ -364,10 +365,15 @@ class SampleDataset(StoreDataset):
 
     def __getitems__(self, indices: Sequence[int]) -> Samples:
         """A batch of sample dicts, storage read shard by shard in key/offset order
-        (as :meth:`StoreDataset.__getitems__`), returned in the order asked."""
+        (as :meth:`StoreDataset.__getitems__`), returned in the order asked; ``self[i]`` for each
+        index when a subclass overrides ``__getitem__`` (:mod:`fastdata.reader.overrides`)."""
         epoch = epoch_of(indices, self.epoch)
-        idx = self._check_indices(indices)
         before = self._skips
+        if overrides_getitem(type(self)):
+            samples = each_sample(self, indices, epoch)
+            samples.skips, samples.token, samples.ragged = self._skips - before, self._token, self._ragged_fields
+            return samples
+        idx = self._check_indices(indices)
         out = Samples()
         load = functools.partial(self._load, epoch)
         slots = self._image_slots(idx)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.seeding import EpochIndex, epoch_of
 
 #: a fastdata store dataset (:class:`fastdata.reader.dataset.StoreDataset`); not imported here, since
@@ -161,7 +162,14 @@ class StoreSubset(Dataset):
 
     def __getitems__(self, positions: Sequence[int]):
         """A batch: ``dataset.__getitems__`` of the mapped indices (its batched fast paths kept),
-        the first one carrying the epoch tag of ``positions[0]`` if it has one."""
+        the first one carrying the epoch tag of ``positions[0]`` if it has one; ``self[p]`` for each
+        position when a subclass overrides ``__getitem__`` (:mod:`fastdata.reader.overrides`)."""
+        if overrides_getitem(type(self)):
+            before = self.skipped
+            samples = each_sample(self, positions, epoch_of(positions, None))
+            # counted under the base dataset's name, as the base's own batches are
+            samples.skips, samples.token = self.skipped - before, getattr(self.dataset, "_token", "")
+            return samples
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         n = len(self._indices)
         pos = np.where(pos < 0, pos + n, pos)
