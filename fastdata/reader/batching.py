@@ -16,6 +16,7 @@ this module's name.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -172,9 +173,19 @@ def collate(batch):
     In a DataLoader worker, a batch in which damaged samples were replaced
     (``on_error="skip"``) also carries that count to the main process, where it
     is added to the dataset's ``skipped``; the tensors of a detection or dict batch cross
-    the worker's queue packed in one shared-memory segment (see :class:`PackedBatch`)."""
+    the worker's queue packed in one shared-memory segment (see :class:`PackedBatch`).
+
+    Samples holding ``monai.data.MetaTensor`` values (``PatchDataset(output="monai")``, or MONAI
+    transforms) are collated by MONAI's own ``list_data_collate``: MetaTensors stay MetaTensors,
+    batched, with each sample's affine stacked (``batch["image"].affine``: B x 4 x 4) and their meta
+    data listed. MONAI is never imported for this: a batch can only hold MetaTensors once something
+    else has imported it."""
     out: Any
-    if isinstance(batch, Batch):
+    if _holds_meta_tensors(batch):
+        from monai.data.utils import list_data_collate
+
+        out = list_data_collate(list(batch))
+    elif isinstance(batch, Batch):
         sources = getattr(batch, "sources", None)
         if getattr(batch, "inline", False):
             out = _InlineBatch(batch.pixels, batch.labels.numpy(), isinstance(batch.images, torch.Tensor),
@@ -190,6 +201,16 @@ def collate(batch):
     else:
         out = torch.utils.data.default_collate(batch)
     return _with_skips(batch, out)
+
+
+def _holds_meta_tensors(batch: Any) -> bool:
+    """Whether the first sample of ``batch`` (a dict, a tuple/list, or a value) holds a MONAI MetaTensor."""
+    meta_tensor = sys.modules.get("monai.data.meta_tensor")  # not imported: no sample can hold one
+    if meta_tensor is None or isinstance(batch, Batch) or not isinstance(batch, Sequence) or not len(batch):
+        return False
+    first = batch[0]
+    values = first.values() if isinstance(first, Mapping) else first if isinstance(first, (tuple, list)) else (first,)
+    return any(isinstance(v, meta_tensor.MetaTensor) for v in values)
 
 
 def _with_skips(batch, out):

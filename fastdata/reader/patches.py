@@ -26,6 +26,12 @@ the indices (:class:`fastdata.reader.seeding.EpochIndex`, as :func:`fastdata.loa
 :meth:`PatchDataset.set_epoch`. So patches are the same with any number of workers, batch size,
 start method or resume point.
 
+MONAI and torchio. ``channel_first`` gives each cut field a leading channel axis, ``dtype`` casts the
+cut fields (in the process that cuts them: the DataLoader's workers), the sample's affine
+(``affine_field``) becomes the patch's own, and ``output="monai"`` makes the cut fields
+``monai.data.MetaTensor`` objects that MONAI's dictionary transforms take (MONAI is imported only
+then); :func:`fastdata.collate` batches them as MONAI's ``list_data_collate`` does.
+
 Pickling. Per-sample state is numpy arrays only (shapes and patch offsets); the per-process cache
 of foreground maps is dropped when pickled. The base dataset is pickled as it is (fastdata
 datasets pickle without handles).
@@ -45,14 +51,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fastdata.errors import CorruptRecordError
+from fastdata.errors import CorruptRecordError, MissingExtraError
 from fastdata.reader.batching import Samples
 from fastdata.reader.seeding import EpochIndex, epoch_of, sample_rng
 
 __all__ = ["PatchDataset", "Stitcher", "stitch", "SAMPLERS", "SAMPLE_KEY", "POSITION_KEY"]
 
 SAMPLERS = ("uniform", "grid", "weighted")
-OUTPUTS = ("numpy", "tensor")
+OUTPUTS = ("numpy", "tensor", "monai")
 #: the key of an item's base sample index
 SAMPLE_KEY = "sample"
 #: the key of an item's start coordinates (int64, one per entry of ``patch_size``)
@@ -81,6 +87,26 @@ def _as_numpy(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def _numpy_dtype(value: Any, what: str) -> np.dtype:
+    """``value`` (a numpy dtype or its name, or a ``torch.dtype``) as a numpy dtype."""
+    try:
+        if isinstance(value, torch.dtype):
+            return torch.empty(0, dtype=value).numpy().dtype
+        return np.dtype(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{what}: {value!r} is not a numpy or torch dtype ({err})") from None
+
+
+def _meta_tensor_class() -> type:
+    """``monai.data.MetaTensor`` (imported here, only for ``output="monai"``: MONAI is optional)."""
+    try:
+        from monai.data import MetaTensor
+    except ImportError as err:
+        raise MissingExtraError(f"PatchDataset(output='monai') needs MONAI, which is not importable ({err}): "
+                                "pip install monai") from None
+    return MetaTensor
 
 
 def _pad_fill(value: Any, dtype: np.dtype, field: str) -> Any:
@@ -148,8 +174,37 @@ class PatchDataset(Dataset):
             2``). Patches never otherwise leave the sample.
         seed: seed of the patch positions. ``None``: the base's ``seed`` when it has one (a fastdata
             store dataset), else ``torch.initial_seed()``; ``fastdata.loader(seed=...)`` sets it.
-        transform: called with each patch dict; its result is returned.
-        output: ``"numpy"`` (patches and positions as numpy arrays) or ``"tensor"`` (torch tensors).
+        transform: called with each finished patch dict (after ``dtype``, ``channel_first`` and
+            ``output``), in the process that cuts it (a DataLoader worker); its result is the item.
+            A MONAI ``Compose`` of dictionary transforms fits here.
+        output: ``"numpy"`` (patches and positions as numpy arrays), ``"tensor"`` (torch tensors) or
+            ``"monai"``: the cut fields as ``monai.data.MetaTensor`` (the patch's affine, when the
+            sample has one, and meta ``filename_or_obj``: the base's ``relpath(sample)`` when it has
+            that method, as a fastdata store does; ``original_channel_dim`` as MONAI's loader sets
+            it, so ``EnsureChannelFirstd`` works), positions and affines as tensors. Needs MONAI
+            (``MissingExtraError`` here otherwise); no other output imports it.
+        channel_first: give every cut field a leading channel axis (MONAI's and torchio's ``CxDxHxW``):
+            a field with exactly the axes of ``patch_size`` gains a size-1 axis in front (MONAI
+            ``EnsureChannelFirst(channel_dim="no_channel")``), a field with one more axis after them
+            (an RGB slide's ``HxWx3``, a 4-D volume's time points) has that axis moved to the front
+            (``channel_dim=-1``). A field with more axes after those of ``patch_size`` is an error,
+            and so is ``channel_first`` with a ``patch_size`` whose first entry is ``None`` (the
+            fields are channel-first already). ``position`` is unchanged (the cut axes only).
+        dtype: cast the cut fields, patch by patch where they are cut (the DataLoader's workers):
+            one dtype for every cut field (``np.float32``, ``"float32"`` or ``torch.float32``), or a
+            dict ``field -> dtype`` for some of them (``{"image": np.float32}``; a named field a
+            sample does not cut is an error). ``None`` keeps the stored dtypes (a CT's ``uint16``,
+            which most torch operations refuse). Padding is applied before the cast, in the stored
+            dtype.
+        affine_field: the field holding a sample's voxel-to-world affine (a fastdata volume store's
+            ``"affine"``: ``(d + 1) x (d + 1)``, mapping the voxel indices of ``d`` spatial axes).
+            When a sample has it, the item's value is the **patch's** affine,
+            ``affine @ T(start)`` with ``T`` the translation by the patch's start on the spatial axes
+            (the axes of ``patch_size`` after its leading ``None`` entries, a channel axis; 0 on
+            spatial axes beyond ``patch_size``), float64: it maps the patch's voxel ``(0, 0, 0)`` to
+            the world position of the sample's voxel ``start``, as MONAI's ``SpatialCrop`` updates a
+            MetaTensor's affine. A numpy array for ``output="numpy"``, else a tensor. It is never cut
+            (``fields=None`` leaves it out). ``None``: no field is taken as an affine.
 
     Raises:
         ValueError: settings that do not fit together (each message says which); for
@@ -189,6 +244,9 @@ class PatchDataset(Dataset):
         *,
         cell_size: int | Sequence[int] | None = None,
         map_cache_size: int = 256,
+        channel_first: bool = False,
+        dtype: Any = None,
+        affine_field: str | None = "affine",
     ) -> None:
         if isinstance(patch_size, (str, bytes)) or not isinstance(patch_size, Sequence) or not patch_size:
             raise ValueError(f"patch_size must be a non-empty sequence of ints >= 1 or None (e.g. (96, 96, 96)), "
@@ -227,6 +285,19 @@ class PatchDataset(Dataset):
             if len(set(fields)) != len(fields):
                 raise ValueError(f"fields names a field twice: {fields!r}")
         self.fields: tuple[str, ...] | None = fields
+        if affine_field is not None and not isinstance(affine_field, str):
+            raise ValueError(f"affine_field must be a field name or None, got {affine_field!r}")
+        if affine_field is not None and fields is not None and affine_field in fields:
+            raise ValueError(f"fields names the affine field {affine_field!r}: an affine is not cut, the patch gets "
+                             "its own (pass affine_field=None to cut a field of that name)")
+        self.affine_field = affine_field
+        if not isinstance(channel_first, bool):
+            raise ValueError(f"channel_first must be True or False, got {channel_first!r}")
+        if channel_first and self.patch_size[0] is None:
+            raise ValueError(f"channel_first=True with patch_size {self.patch_size}: a first entry None takes a "
+                             "channel axis that is first already; leave channel_first False")
+        self.channel_first = channel_first
+        self.dtype = self._check_dtype(dtype)
         self.sampler = sampler
         self.patches_per_sample = int(patches_per_sample)
         self.weight_field = weight_field
@@ -236,6 +307,8 @@ class PatchDataset(Dataset):
         self.map_cache_size = int(map_cache_size)
         self.transform = transform
         self.output = output
+        if output == "monai":
+            _meta_tensor_class()  # a missing MONAI is said here, not in a DataLoader worker
         base_seed: Any = getattr(base, "seed", None)
         if seed is not None and not _is_int(seed):
             raise ValueError(f"seed must be None or an int, got {seed!r}")
@@ -271,6 +344,21 @@ class PatchDataset(Dataset):
         if values is None or len(values) != len(self.cut_axes) or not all(_is_int(v) and v >= 1 for v in values):
             raise ValueError(f"{name} must be an int >= 1 or one per cut axis ({len(self.cut_axes)}), got {value!r}")
         return tuple(int(v) for v in values)
+
+    def _check_dtype(self, dtype: Any) -> np.dtype | dict[str, np.dtype] | None:
+        if dtype is None:
+            return None
+        if isinstance(dtype, Mapping):
+            if not dtype or not all(isinstance(k, str) for k in dtype):
+                raise ValueError(f"dtype must be a dtype or a non-empty dict field name -> dtype, got {dtype!r}")
+            out = {name: _numpy_dtype(d, f"dtype of field {name!r}") for name, d in dtype.items()}
+            if self.fields is not None:
+                uncut = [name for name in out if name not in self.fields]
+                if uncut:
+                    raise ValueError(f"dtype names {', '.join(map(repr, uncut))}, not among the fields cut "
+                                     f"{self.fields}")
+            return out
+        return _numpy_dtype(dtype, "dtype")
 
     def _check_pad_value(self, pad_value: Any) -> float | dict[str, float] | None:
         if pad_value is None:
@@ -556,7 +644,8 @@ class PatchDataset(Dataset):
                                f"{', '.join(map(str, sample))})")
             return self.fields
         k = len(self.patch_size)
-        names = tuple(name for name, value in sample.items() if _is_array_like(value) and value.ndim >= k)
+        names = tuple(name for name, value in sample.items()
+                      if _is_array_like(value) and value.ndim >= k and name != self.affine_field)
         if not names:
             raise ValueError(f"sample {index} has no array field with at least {k} axes to cut (patch_size "
                              f"{self.patch_size}); its fields: {', '.join(map(str, sample))}")
@@ -600,15 +689,90 @@ class PatchDataset(Dataset):
             if shape[j] < extent[j] and self.pad_value is None:
                 self._too_small(index, names[0], j, shape[j], int(extent[j]))
         start = self._start(p, index, sample, shape, extent, epoch)
+        if isinstance(self.dtype, dict):
+            uncut = [name for name in self.dtype if name not in names]
+            if uncut:
+                raise ValueError(f"sample {index}: dtype names {', '.join(map(repr, uncut))}, which this sample does "
+                                 f"not cut (it cuts {', '.join(names)})")
+        as_tensors = self.output != "numpy"
+        affine = None
         item: dict[str, Any] = {}
         for name, value in sample.items():
-            item[name] = self._cut(value, name, start, extent, shape) if name in names else value
+            if name in names:
+                item[name] = self._shaped(self._cut(value, name, start, extent, shape), name, index)
+            elif name == self.affine_field:
+                affine = self._patch_affine(value, index, start)
+                item[name] = torch.from_numpy(affine) if as_tensors else affine
+            else:
+                item[name] = value
+        if self.output == "tensor":
+            for name in names:
+                item[name] = torch.from_numpy(item[name])
+        elif self.output == "monai":
+            self._as_meta_tensors(item, names, index, affine)
         item[SAMPLE_KEY] = index
         position = start.astype(np.int64)
-        item[POSITION_KEY] = torch.from_numpy(position) if self.output == "tensor" else position
+        item[POSITION_KEY] = torch.from_numpy(position) if as_tensors else position
         return self.transform(item) if self.transform is not None else item
 
-    def _cut(self, value: Any, name: str, start: np.ndarray, extent: np.ndarray, shape: Sequence[int]) -> Any:
+    def _shaped(self, region: np.ndarray, name: str, index: int) -> np.ndarray:
+        """A cut region with ``channel_first`` and ``dtype`` applied, C-contiguous (one copy at most)."""
+        if self.channel_first:
+            rest = region.ndim - len(self.patch_size)
+            if rest == 0:
+                region = region[None]
+            elif rest == 1:
+                region = np.moveaxis(region, -1, 0)
+            else:
+                raise ValueError(f"sample {index}: field {name!r} has {rest} axes after the {len(self.patch_size)} of "
+                                 f"patch_size {self.patch_size}; channel_first moves at most one (the channels) "
+                                 "to the front")
+        dtype = self.dtype.get(name) if isinstance(self.dtype, dict) else self.dtype
+        return np.ascontiguousarray(region, dtype=dtype)
+
+    def _spatial_axes(self) -> int:
+        """The first spatial axis of a sample: after ``patch_size``'s leading ``None`` entries (channels)."""
+        lead = 0
+        while self.patch_size[lead] is None:
+            lead += 1
+        return lead
+
+    def _patch_affine(self, value: Any, index: int, start: np.ndarray) -> np.ndarray:
+        """The sample's affine moved to the patch: ``affine @ T(start)`` (see ``affine_field``)."""
+        affine = _as_numpy(value)
+        if (affine.ndim != 2 or affine.shape[0] != affine.shape[1] or affine.shape[0] < 2
+                or affine.dtype.kind not in "iuf"):
+            raise ValueError(f"sample {index}: field {self.affine_field!r} is taken as the affine (affine_field) but "
+                             f"is a {affine.dtype} array of shape {affine.shape}, not a square (d + 1) x (d + 1) "
+                             "matrix; pass affine_field=None (or the affine's name)")
+        d = affine.shape[0] - 1
+        lead = self._spatial_axes()
+        shift = np.zeros(d, dtype=np.float64)
+        spatial = start[lead:lead + d]
+        shift[:len(spatial)] = spatial
+        translation = np.eye(d + 1, dtype=np.float64)
+        translation[:d, d] = shift
+        return affine.astype(np.float64) @ translation
+
+    def _as_meta_tensors(self, item: dict[str, Any], names: Sequence[str], index: int,
+                         affine: np.ndarray | None) -> None:
+        """The cut fields of ``item`` as MONAI MetaTensors (``output="monai"``)."""
+        meta_tensor = _meta_tensor_class()
+        relpath = getattr(self.base, "relpath", None)
+        filename = relpath(index) if callable(relpath) else None
+        for name in names:
+            region = item[name]
+            meta: dict[str, Any] = {}
+            if filename:
+                meta["filename_or_obj"] = filename
+            # where MONAI's EnsureChannelFirst finds the channels (as its image loader records them)
+            rest = region.ndim - len(self.patch_size)
+            meta["original_channel_dim"] = (0 if self.channel_first or self.patch_size[0] is None
+                                            else "no_channel" if rest == 0 else -1)
+            item[name] = meta_tensor(torch.from_numpy(region), meta=meta,
+                                     affine=None if affine is None else torch.from_numpy(affine.copy()))
+
+    def _cut(self, value: Any, name: str, start: np.ndarray, extent: np.ndarray, shape: Sequence[int]) -> np.ndarray:
         """The region ``[start, start + extent)`` of ``value`` on the leading axes (its other axes
         whole), padded where it leaves the sample; a lazy array reads only that region."""
         key, pads = [], []
@@ -627,8 +791,6 @@ class PatchDataset(Dataset):
                 raise ValueError(f"pad_value names no value for field {name!r}, which needs padding "
                                  f"(pad_value={self.pad_value!r})")
             region = np.pad(region, pads + [(0, 0)] * rest, constant_values=_pad_fill(fill, region.dtype, name))
-        if self.output == "tensor":
-            return torch.from_numpy(np.ascontiguousarray(region))
         return region
 
     # -- positions --------------------------------------------------------------------------
@@ -826,6 +988,12 @@ class PatchDataset(Dataset):
             lines.append(f"Fields: {', '.join(self.fields)}")
         if self.pad_value is not None:
             lines.append(f"Pad value: {self.pad_value}")
+        if self.channel_first:
+            lines.append("Channel first: True")
+        if self.dtype is not None:
+            lines.append(f"Dtype: {self.dtype}")
+        if self.output != "numpy":
+            lines.append(f"Output: {self.output}")
         return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in lines])
 
 
