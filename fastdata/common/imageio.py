@@ -291,11 +291,15 @@ def decode_rgb_array(data: Buffer) -> np.ndarray:
 
     Raises:
         ImageDecodeError: as :func:`open_image`.
+        ImageModeError: an image with no RGB form (a DICOM, a TIFF of more than 4 bands, of several
+            bands over 8 bits, or of bands Pillow cannot open): sound data, not damage; the message
+            names ``image_mode="unchanged"``.
     """
     pixels = ppm_pixels(data)  # a raw-native record: the pixels are the bytes
     if pixels is not None:
         return pixels.copy()
-    im = open_image(data)
+    # not open_image: a TIFF Pillow cannot open (or would misread) is a mode error, not garbage
+    im = _pillow_form(data, "RGB")
     try:
         # np.array, not np.asarray: Pillow's array interface hands out read-only bytes,
         # and torch.from_numpy on a read-only array warns (writes would be undefined)

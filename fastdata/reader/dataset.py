@@ -40,9 +40,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fastdata.common.callers import user_stacklevel
 from fastdata.common.imageio import decoded_bytes_limit, pixel_limit
 from fastdata.common.imagemodes import IMAGE_MODES, MODE_CHANNELS, check_mode
-from fastdata.errors import CorruptRecordError, FastdataError, FormatError, StoreChangedError
+from fastdata.errors import CorruptRecordError, FastdataError, FormatError, ImageModeError, StoreChangedError
 from fastdata.format.manifest import is_classification, label_map_of
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
@@ -62,9 +63,10 @@ CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "form
 
 
 class ImagesReducedWarning(UserWarning):
-    """A store's images are deeper than 8 bits or have extra channels, and the dataset reads
-    them in a Pillow mode (``"RGB"``, the default for the field ``image``), which reduces them;
-    ``image_mode="unchanged"`` reads them as stored."""
+    """A store's images are deeper than 8 bits or have more bands than the dataset's default Pillow
+    mode (``"RGB"`` for the field ``image``) can represent, so that mode loses data;
+    ``image_mode="unchanged"`` reads them as stored. Not for what ImageFolder's ``convert("RGB")``
+    does silently (CMYK converted, an alpha channel dropped). Points at the caller's line."""
 
 
 #: records at least this large (mean) span several pages: read ahead whatever the store's size
@@ -190,8 +192,8 @@ class StoreDataset(Dataset):
                 float32, 1-N channels). A str applies to every image field, a dict maps field
                 names to modes. None: the store's recorded default, else ``"RGB"`` for the field
                 named ``image`` and ``"unchanged"`` for any other image field. Reading a store of
-                images deeper than 8 bits or with extra channels in a Pillow mode warns once
-                (:class:`ImagesReducedWarning`).
+                images deeper than 8 bits or of more than 4 bands in a default Pillow mode warns once
+                (:class:`ImagesReducedWarning`; CMYK and alpha do not count, as for ImageFolder).
         """
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
@@ -413,15 +415,22 @@ class StoreDataset(Dataset):
         return modes.get("image") or next(iter(modes.values()), "RGB")
 
     def _warn_if_reduced(self, chosen: Mapping[str, str]) -> None:
-        """Warn once when a field read in its default Pillow mode (not one named in ``chosen``, the
-        caller's ``image_mode``) holds images that mode reduces: deeper than 8 bits, or with alpha
-        or extra channels, as the index records them."""
+        """Warn once, at the caller's line, when a field read in its default Pillow mode (not one
+        named in ``chosen``, the caller's ``image_mode``) holds images that mode really loses, as
+        the index records them: deeper than 8 bits, colour read as ``"L"``, or more bands than the
+        mode can represent.
+
+        Not warned: what ImageFolder's ``convert("RGB")`` does silently to 8-bit images, which
+        every web-scraped store has (ImageNet's train set holds 22 CMYK JPEGs): gray and palette
+        expanded, CMYK/YCbCr converted, the alpha of LA/RGBA dropped. The index records only dtype
+        and channel count, so a 4-band uint8 image is taken for RGBA or CMYK; one that is neither
+        (a 4-band TIFF Pillow cannot open) raises ImageModeError when read."""
         for name, mode in self.image_modes.items():
             if mode == "unchanged" or name not in self._pixel_meta or name in chosen:
                 continue
             codes, channels = self._pixel_meta[name]
             deep = (codes != NOT_RECORDED) & (codes != IMAGE_DTYPE_CODES["uint8"])
-            kept = {"RGB": (1, 3), "L": (1,), "RGBA": (1, 2, 3, 4)}[mode]
+            kept = {"RGB": (1, 2, 3, 4), "L": (1, 2), "RGBA": (1, 2, 3, 4)}[mode]
             extra = (channels != NOT_RECORDED) & ~np.isin(channels, kept)
             if not (deep.any() or extra.any()):
                 continue
@@ -431,11 +440,12 @@ class StoreDataset(Dataset):
                 kinds.append(f"{int(deep.sum())} of {len(codes)} are {'/'.join(dtypes)}")
             if extra.any():
                 counts = sorted(int(c) for c in np.unique(channels[extra]))
-                kinds.append(f"{int(extra.sum())} have {'/'.join(map(str, counts))} channels")
+                kinds.append(f"{int(extra.sum())} have {'/'.join(map(str, counts))} channels"
+                             + ("" if mode == "L" else f", which image_mode={mode!r} cannot read (ImageModeError)"))
             warnings.warn(
                 f"fastdata: {self.root}: image field {name!r} is read in image_mode={mode!r}, which reduces its "
                 f"images to 8-bit {mode} as Pillow's convert({mode!r}) does ({'; '.join(kinds)}); open it with "
-                f"image_mode='unchanged' to read them as stored", ImagesReducedWarning, stacklevel=4)
+                f"image_mode='unchanged' to read them as stored", ImagesReducedWarning, stacklevel=user_stacklevel())
 
     def _pixel_layout(self, name: str, idx: np.ndarray | None = None) -> tuple[int, np.dtype] | None:
         """(channels, dtype) every decode of image field ``name`` gives in its read mode (for the
@@ -706,6 +716,10 @@ class StoreDataset(Dataset):
             return self._run_decoder(data, index, epoch, out)
         try:
             return self._run_decoder(data, index, epoch, out)
+        except ImageModeError as err:  # sound bytes the read mode cannot give: not damage, never skipped
+            shard, local = self.locate(index)
+            raise ImageModeError(f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): "
+                                 f"{err}") from None
         except FastdataError:
             raise
         except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data

@@ -28,7 +28,6 @@ from fastdata.common.imageio import (
     decode_rgb_array,
     decode_unchanged_into,
     fast_jpeg_size,
-    open_image,
     ppm_pixels,
 )
 from fastdata.errors import ImageModeError
@@ -43,13 +42,11 @@ def _raw_pixels(data: bytes, raw_shape: tuple[int, int] | None) -> np.ndarray:
 
 def decode_pil(data: bytes, fmt: str, raw_shape: tuple[int, int] | None = None, mode: str = "RGB") -> Image.Image:
     """A PIL image in read mode ``mode``: for ``"RGB"`` exactly what ImageFolder's loader returns;
-    for ``"unchanged"`` the PIL mode that holds the stored pixels losslessly (ImageModeError where
-    PIL has none)."""
+    for ``"unchanged"`` the PIL mode that holds the stored pixels losslessly. ImageModeError (not
+    damage) where the mode has no form of the image: a 5-band TIFF in ``"RGB"``, 16-bit RGB unchanged."""
     if fmt == "RAW":
         image = Image.fromarray(_raw_pixels(data, raw_shape))
         return image if mode in ("RGB", "unchanged") else image.convert(mode)
-    if mode == "RGB":
-        return open_image(data).convert("RGB")
     return decode_pil_image(data, mode)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fastdata.common.imageio import decoded_bytes_limit, pixel_limit
-from fastdata.errors import CorruptRecordError, FastdataError
+from fastdata.errors import CorruptRecordError, FastdataError, ImageModeError
 from fastdata.format.chunks import ChunkTable, check_shape
 from fastdata.format.fields import Chunked, Float, Image, Int, NDArray, Ragged
 from fastdata.format.manifest import schema_of
@@ -235,6 +235,10 @@ class SampleDataset(StoreDataset):
             else:
                 image = self.decode(data, **moded)
             return pil_of(image) if self.output == "pil" else squeezed(image, mode)
+        except ImageModeError as err:  # sound bytes the read mode cannot give: not damage, never skipped
+            shard, local = self.locate(index)
+            raise ImageModeError(f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}) "
+                                 f"image field {name!r}: {err}") from None
         except FastdataError:
             raise
         except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data

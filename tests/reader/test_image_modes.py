@@ -273,3 +273,132 @@ def test_numpy_batches_through_the_loader_are_n_h_w(deep_store, workers):
     images, _ = next(iter(fastdata.loader(ds, batch_size=4, num_workers=workers, shuffle=False)))
     assert isinstance(images, np.ndarray) and images.shape == (4, H, W) and images.dtype == np.uint16
     np.testing.assert_array_equal(images[1], arrays[ds.relpath(1)])
+
+
+# -- what counts as reduced, and where the warning points ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cmyk_store(tmp_path_factory) -> str:
+    """Ordinary photos beside CMYK JPEGs (Pillow's own), as every ImageNet-like folder has: the
+    CMYK ones are recorded as 4 channels of uint8."""
+    root = tmp_path_factory.mktemp("cmyk")
+    rng = np.random.default_rng(5)
+    for cls in ("a", "b"):
+        os.makedirs(root / "src" / cls)
+        for i in range(2):
+            rgb = rng.integers(0, 256, (H, W, 3), dtype=np.uint8)
+            image = Image.fromarray(rgb).convert("CMYK") if i == 0 else Image.fromarray(rgb)
+            image.save(root / "src" / cls / f"{i}.jpg", format="JPEG")
+    dst = str(root / "cmyk.lmdb")
+    fastdata.convert(str(root / "src"), dst, workers=0)
+    return dst
+
+
+def test_cmyk_jpegs_open_without_a_reduced_warning(cmyk_store):
+    """ImageFolder converts CMYK to RGB silently; so does the default read mode, without a warning."""
+    assert Image.open(os.path.join(os.path.dirname(cmyk_store), "src", "a", "0.jpg")).mode == "CMYK"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ImagesReducedWarning)
+        ds = fastdata.open_dataset(cmyk_store, output="numpy")
+        fastdata.LMDBImageDataset(cmyk_store)
+    assert sorted(ds.column("channels").tolist()) == [3, 3, 4, 4]  # the index does record 4 channels
+    image, _ = ds[0]
+    assert image.shape == (H, W, 3)
+
+
+def _reduced_warning(open_it) -> warnings.WarningMessage:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        open_it()
+    reduced = [w for w in caught if issubclass(w.category, ImagesReducedWarning)]
+    assert len(reduced) == 1, [str(w.message) for w in caught]
+    return reduced[0]
+
+
+def test_the_reduced_warning_points_at_the_callers_line(deep_store, tmp_path):
+    """Whichever way the dataset is opened (the facade, the class, a subclass of it, a general
+    store), the warning names the caller's line, never a line inside fastdata."""
+    store, _ = deep_store
+    cls = fastdata.LMDBImageDataset if store.endswith(".lmdb") else fastdata.HDF5ImageDataset
+    general = str(tmp_path / "general.lmdb")
+    fastdata.write([{"image": _png(np.arange(H * W, dtype=np.uint16).reshape(H, W) * 97), "label": 0}], general,
+                   schema={"image": ImageField(), "label": Int()}, workers=0)
+
+    class Mine(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, path):
+            super().__init__(path)  # the first line outside fastdata: where the warning points
+
+    # each call on its own line: a lambda's first line is the line of its call
+    calls = [
+        lambda: fastdata.open_dataset(store),
+        lambda: cls(store),
+        lambda: fastdata.open_dataset(general),
+    ]
+    expected = [(c, c.__code__.co_firstlineno) for c in calls]
+    expected.append((lambda: Mine(store), Mine.__init__.__code__.co_firstlineno + 1))
+    for open_it, line in expected:
+        w = _reduced_warning(open_it)
+        assert (w.filename, w.lineno) == (__file__, line)
+
+
+@pytest.fixture(scope="module")
+def band_store(tmp_path_factory) -> tuple[str, dict[str, np.ndarray]]:
+    """A class folder with a 5-band TIFF, a 4-band (not RGBA) TIFF, both written by tifffile, and
+    a JPEG: sound records, two of which the default "RGB" mode cannot represent."""
+    from helpers.native_images import pixels, tiff
+
+    root = tmp_path_factory.mktemp("bands")
+    os.makedirs(root / "src" / "a")
+    five, four = pixels(np.uint8, 5, seed=1, shape=(H, W)), pixels(np.uint8, 4, seed=2, shape=(H, W))
+    (root / "src" / "a" / "five.tif").write_bytes(tiff(five))
+    buf = io.BytesIO()
+    import tifffile
+
+    tifffile.imwrite(buf, four, photometric="minisblack", planarconfig="contig", metadata=None)
+    (root / "src" / "a" / "four.tif").write_bytes(buf.getvalue())
+    Image.fromarray(pixels(np.uint8, 3, seed=3, shape=(H, W))).save(root / "src" / "a" / "photo.jpg")
+    dst = str(root / "bands.lmdb")
+    fastdata.convert(str(root / "src"), dst, workers=0)
+    return dst, {"a/five.tif": five, "a/four.tif": four}
+
+
+def test_a_five_band_store_warns_at_the_callers_line(band_store):
+    store, _ = band_store
+    call = lambda: fastdata.open_dataset(store)  # noqa: E731 - its first line is the line of the call
+    w = _reduced_warning(call)
+    assert (w.filename, w.lineno) == (__file__, call.__code__.co_firstlineno)
+    assert "1 have 5 channels" in str(w.message) and "ImageModeError" in str(w.message)
+
+
+@pytest.mark.parametrize("output", ["numpy", "pil", "tensor"])
+def test_bands_rgb_cannot_represent_raise_a_mode_error_that_skip_never_skips(band_store, output):
+    """Sound records a read mode cannot give are not damage: ImageModeError naming the record and the
+    mode to use, under on_error="skip" too, one by one and in batches; nothing is counted as skipped."""
+    store, arrays = band_store
+    ds = _open(store, output=output, on_error="skip")
+    for rel in arrays:
+        i = [ds.relpath(k) for k in range(len(ds))].index(rel)
+        with pytest.raises(ImageModeError, match=rf"record {i} \(sample {i}\).*image_mode=\"unchanged\"") as info:
+            ds[i]
+        assert not isinstance(info.value, CorruptRecordError)
+        with pytest.raises(ImageModeError, match=rf"sample {i}\)"):
+            ds.__getitems__([i, (i + 1) % len(ds)])
+    assert ds.skipped == 0
+    unchanged = _open(store, output="numpy", image_mode="unchanged")
+    for i in range(len(unchanged)):
+        if unchanged.relpath(i) in arrays:
+            np.testing.assert_array_equal(unchanged[i][0], arrays[unchanged.relpath(i)])
+
+
+def test_a_five_band_image_field_of_a_general_store_is_a_mode_error_too(tmp_path):
+    from helpers.native_images import pixels, tiff
+
+    dst = str(tmp_path / "g.lmdb")
+    five = pixels(np.uint8, 5, seed=4, shape=(H, W))
+    fastdata.write([{"image": tiff(five), "label": 0}], dst, schema={"image": ImageField(), "label": Int()},
+                   workers=0)
+    ds = _open(dst, output="numpy", on_error="skip")
+    with pytest.raises(ImageModeError, match=r"sample 0\) image field 'image'.*image_mode=\"unchanged\""):
+        ds[0]
+    assert ds.skipped == 0
