@@ -19,18 +19,26 @@ Batches (``__getitems__``, what the DataLoader calls) come marked for
 :func:`fastdata.collate`, which turns them into ``(list of images, list of targets)``, as
 torchvision's detection references do: images of different sizes cannot be stacked and
 detection models take lists.
+
+``ds.coco`` is, as ``CocoDetection.coco``, a ``pycocotools.coco.COCO`` of the ground truth:
+built on first access from the stored images and annotation dicts (crowd ones, RLE and polygon
+segmentations, ids, areas, boxes as the file has them) and the manifest's categories, so that
+``COCOeval`` (and torchvision's detection references' ``CocoEvaluator``) scores predictions on
+the store exactly as on the annotation file. It is never pickled into DataLoader workers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, overload
 
 import numpy as np
 
-from fastdata.errors import FormatError
-from fastdata.format.record import FIELD_PREFIX
+from fastdata.errors import CorruptRecordError, FormatError, MissingExtraError
+from fastdata.format.record import FIELD_PREFIX, decode_record_v2
 from fastdata.reader.batching import Samples
 from fastdata.reader.samples import SampleDataset
 from fastdata.remote.store import StoreLocation
@@ -41,6 +49,8 @@ __all__ = ["CocoStoreDataset", "CocoIds", "TARGET_FORMATS", "is_coco_manifest"]
 TARGET_FORMATS = ("coco", "v2")
 #: the fields a COCO store must have for this class to read it
 _REQUIRED_FIELDS = ("image", "image_id", "annotations")
+#: records read at a time while rebuilding the annotation file (``coco_dataset``)
+_GT_READ_BATCH = 256
 
 
 def is_coco_manifest(manifest: dict) -> bool:
@@ -180,8 +190,93 @@ class CocoStoreDataset(SampleDataset):
             raise FormatError(f"{self.root} was not converted from a COCO annotation file (no "
                               f"{', '.join(missing) or 'metadata.coco'}); open it with fastdata.open_dataset")
         #: what the manifest keeps of the annotation file: categories, info, licenses, problems, paths
-        self.coco: dict = manifest["metadata"]["coco"]
+        self.coco_metadata: dict = manifest["metadata"]["coco"]
         self._ids = CocoIds(self.index_arrays[FIELD_PREFIX + "image_id"])
+        self._coco: Any = None  # the pycocotools COCO, built on first access of .coco
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_coco"] = None  # the whole ground truth: workers rebuild it only if they ask for it
+        return state
+
+    @property
+    def coco(self) -> Any:
+        """The ground truth as a ``pycocotools.coco.COCO``, like ``CocoDetection.coco``.
+
+        Built on first access (in the process that asks, never pickled into DataLoader workers)
+        from :meth:`coco_dataset`: reading it costs one pass over the store's records (their
+        images are read but not decoded). ``COCOeval(ds.coco, ds.coco.loadRes(detections), "bbox")``
+        gives the stats ``COCO(annotation_file)`` gives for the store's images.
+
+        Returns:
+            pycocotools.coco.COCO: with ``dataset``, ``imgs``, ``anns``, ``cats`` indexed.
+
+        Raises:
+            MissingExtraError: pycocotools is not installed (an ``ImportError``).
+            CorruptRecordError: a damaged record (whatever ``on_error`` says: ground truth with
+                an image missing would score predictions wrongly).
+        """
+        if self._coco is None:
+            try:
+                from pycocotools.coco import COCO
+            except ImportError as err:
+                raise MissingExtraError(f"CocoStoreDataset.coco needs pycocotools, which is not importable ({err}): "
+                                        "pip install pycocotools (or use ds.coco_dataset(), the annotation "
+                                        "file's dict, which needs nothing)") from None
+            api = COCO()
+            api.dataset = self.coco_dataset()
+            with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+                api.createIndex()
+            self._coco = api
+        return self._coco
+
+    def coco_dataset(self) -> dict:
+        """The annotation file's content for the store's images, rebuilt from the store.
+
+        ``info`` and ``licenses`` (when the file had them) and ``categories`` from the manifest;
+        ``images`` in dataset order, each the file's entry as ``json.load`` gave it (stores converted
+        before entries were stored: ``id``, ``file_name``, and ``height``/``width`` when listed);
+        ``annotations``: every image's annotation dicts as the file has them (what ``ds[i][1]`` holds),
+        image by image. Images the conversion rejected (missing files) and their annotations are not
+        in the store, so not here; annotations of images the file does not list were never kept.
+
+        Returns:
+            dict: JSON-serialisable, the shape of a COCO instances file.
+
+        Raises:
+            CorruptRecordError: a damaged record; run ``fastdata verify`` on the store.
+        """
+        stored_entries = "image_info" in self.schema
+        images: list[dict] = []
+        annotations: list[dict] = []
+        for start in range(0, len(self), _GT_READ_BATCH):
+            idx = np.arange(start, min(len(self), start + _GT_READ_BATCH), dtype=np.int64)
+            for i, data in zip(idx.tolist(), self._read_batch(idx), strict=True):
+                if isinstance(data, CorruptRecordError):
+                    raise data
+                shard, local = self.locate(i)
+                record = decode_record_v2(data, self.schema,
+                                          where=f"{self.root}: shard {self._shard_files[shard]} record {local} "
+                                                f"(sample {i})")
+                images.append(record["image_info"] if stored_entries else self._image_entry(i))
+                annotations.extend(record["annotations"])
+        meta = self.coco_metadata
+        dataset: dict[str, Any] = {key: meta[key] for key in ("info", "licenses") if meta.get(key) is not None}
+        dataset.update(images=images, annotations=annotations, categories=list(meta.get("categories") or []))
+        return dataset
+
+    def _image_entry(self, i: int) -> dict:
+        """Image ``i``'s ``images`` entry from the index, for a store converted before entries were stored."""
+        entry: dict[str, Any] = {"id": self._ids[i]}
+        path, image_dir = self.relpath(i), self.coco_metadata.get("image_dir")
+        # the stored path is IMAGE_DIR/file_name as it was at conversion
+        entry["file_name"] = (os.path.relpath(path, image_dir) if image_dir and os.path.isabs(path)
+                              and path.startswith(os.path.join(image_dir, "")) else path)
+        for key in ("height", "width"):
+            value = int(self.index_arrays[FIELD_PREFIX + key][i])
+            if value >= 0:
+                entry[key] = value
+        return entry
 
     @property
     def ids(self) -> CocoIds:
@@ -191,7 +286,7 @@ class CocoStoreDataset(SampleDataset):
     @property
     def categories(self) -> list[dict]:
         """The annotation file's ``categories`` list."""
-        return self.coco["categories"]
+        return self.coco_metadata["categories"]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f"\nTarget format: {self.target_format}"

@@ -69,7 +69,7 @@ def test_every_sample_is_the_image_and_annotations_of_cocodetections_order(coco_
         empty += not target
     assert empty == coco_set.num_empty >= 1
     doc = json.loads(Path(coco_set.ann_file).read_text())
-    assert ds.categories == doc["categories"] and ds.coco["info"] == doc.get("info")
+    assert ds.categories == doc["categories"] and ds.coco_metadata["info"] == doc.get("info")
     assert any(ann["iscrowd"] and isinstance(ann["segmentation"], dict) for i in range(len(ds)) for ann in ds[i][1])
 
 

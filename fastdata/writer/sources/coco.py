@@ -35,7 +35,12 @@ annotation without a required key or with one of the wrong type) raises one
 * ``image_id``: the image's id (``CocoDetection.ids[i]``), in the shard index;
 * ``width``, ``height``: the sizes the file lists (-1 when absent or not an integer), in the index;
 * ``annotations``: the image's annotation dicts exactly as ``json.load`` gave them (same keys,
-  key order, values and types: msgpack keeps ints apart from floats and bools), in file order.
+  key order, values and types: msgpack keeps ints apart from floats and bools), in file order;
+* ``image_info``: the image's entry of the file's ``images`` list as ``json.load`` gave it
+  (``file_name``, ``height``, ``width``, ``id`` and any other key), so that the annotation file's
+  ground truth can be rebuilt from the store (``CocoStoreDataset.coco``). Appended after the
+  others: stores converted before it existed lack it, and readers rebuild the entry from
+  ``image_id``, ``width``, ``height`` and the stored path.
 
 The file's ``categories``, ``info`` and ``licenses`` go into the manifest
 (``metadata.coco``), where :class:`fastdata.reader.coco.CocoStoreDataset` finds them. The
@@ -567,6 +572,7 @@ COCO_SCHEMA = Schema.of({
     "width": Int("int32"),
     "height": Int("int32"),
     "annotations": JSON(),
+    "image_info": JSON(),
 })
 #: problems named in a --strict error (the rest are counted)
 _STRICT_LISTED = 5
@@ -590,6 +596,7 @@ class CocoSamples:
             "width": int(index.width[i]),
             "height": int(index.height[i]),
             "annotations": index.annotations(i),
+            "image_info": index.image(i),
         }
 
     def input_name(self, i: int) -> str:
