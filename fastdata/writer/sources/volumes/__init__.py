@@ -51,7 +51,9 @@ Each sample holds
 * ``affine``: ``img.affine`` (``ndarray`` float64 (4, 4): voxel indices to world mm);
 * ``spacing``: the voxel sizes of the spatial axes (``header.get_zooms()[:3]``, float64);
 * ``scl_slope``, ``scl_inter``; the list's other columns;
-* the record's ``path``: the volume's path relative to the source folder (as in the list).
+* the record's ``path``: the volume's path relative to the source folder (as in the list):
+  ``ds.relpath(i)``, which ``PatchDataset(output="monai")`` puts in each MetaTensor's
+  ``filename_or_obj``. It is the record's, not a field: stores of every version have it.
 
 Chunks: ``--chunks 48,48,48`` (the default for 3-D volumes, chosen for 96^3 patches:
 :data:`~fastdata.writer.sources.volumes.nifti.VOLUME_CHUNK`; 256,256 for 2-D ones); axes beyond
