@@ -160,6 +160,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import sys
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -167,7 +168,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 __all__ = ["DistributedShardSampler", "STATE_VERSION", "epoch_order"]
 
@@ -455,6 +456,43 @@ def _shard_mode(dataset: Sized, n: int, shard_window: int | None,
     return int(shard_window), shard_sizes_from_starts(starts, n)
 
 
+def _check_world(num_replicas: Any, rank: Any) -> None:
+    """Validate the ranks a caller gave (either may be None: resolved when first used)."""
+    if num_replicas is not None and (not _is_int(num_replicas) or num_replicas < 1):
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if rank is not None and (not _is_int(rank) or rank < 0
+                             or (num_replicas is not None and rank >= num_replicas)):
+        top = "num_replicas - 1" if num_replicas is None else num_replicas - 1
+        raise ValueError(f"Invalid rank {rank!r}, rank should be in [0, {top}]")
+
+
+#: how many callers up the stack :func:`_resharding_wrapper` looks (sampler <- batch sampler(s) <- wrapper)
+_WRAPPER_DEPTH = 12
+
+
+def _resharding_wrapper() -> Any:
+    """Accelerate's ``BatchSamplerShard`` if one is driving this call (iterating or sizing the
+    sampler through a batch sampler), else None.
+
+    ``accelerator.prepare(loader)`` wraps the batch sampler of any map-style loader in a
+    ``BatchSamplerShard`` that deals whole batches round-robin to the processes, whatever the
+    sampler is (``prepare_data_loader`` in ``accelerate/data_loader.py``; there is no attribute
+    that tells it a sampler is split already). Nothing is passed down to the sampler either, so
+    the only trace is the wrapper's frame on the call stack: a few frames up, read once per
+    epoch (``__iter__``) or size query, never per index.
+    """
+    frame: Any = sys._getframe(2)
+    for _ in range(_WRAPPER_DEPTH):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        kind = type(owner)
+        if kind.__name__ == "BatchSamplerShard" and kind.__module__.startswith("accelerate"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     initialised = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
@@ -473,16 +511,19 @@ def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int
     return int(num_replicas), int(rank)
 
 
-class DistributedShardSampler(Sampler[int]):
+class DistributedShardSampler(DistributedSampler):
     """Sampler giving each rank an equal, disjoint share of a dataset, optionally block-shuffled
     for sequential reads, with mid-epoch resume across world sizes.
 
     Args:
         dataset (Sized): anything with ``len()``; only its length is used.
         num_replicas (int | None): number of ranks. ``None``: ``torch.distributed``'s world size
-            if a process group is initialised, else 1.
+            if a process group is initialised, else 1, read each time the sampler is sized or
+            iterated, so the sampler can be made before the process group exists (in a Lightning
+            module's ``__init__``, say) and still split the data once it does.
         rank (int | None): this rank. ``None``: ``torch.distributed``'s rank if initialised, else
-            0 (a ``ValueError`` if ``num_replicas > 1`` without a process group).
+            0 (a ``ValueError`` when the sampler is used with ``num_replicas > 1`` and no
+            process group).
         shuffle (bool): shuffle each epoch (``False``: storage order, dealt to ranks).
         seed (int): base seed; epoch ``e`` uses ``seed + e`` on every rank.
         drop_last (bool): drop the tail so ranks get equal counts, instead of padding.
@@ -506,6 +547,17 @@ class DistributedShardSampler(Sampler[int]):
     226 / 24.8 / 16.9 / 28.2, storage regions read per batch 235 / 19.7 / 8.6 / 11.0.
     For ``shard_window`` 1/2/4/8 (shards of 1,000 samples): 24.3 / 43.5 / 77.9 / 126.6 labels per
     batch, with 1 / 2 / 4 / 8 shards needed on disk at a time (50 for a per-index shuffle).
+
+    Inside training frameworks. It is a subclass of ``torch.utils.data.DistributedSampler``, which
+    is how Lightning tells a loader needs no sampler of its own (its default
+    ``use_distributed_sampler=True`` leaves an ``isinstance(sampler, DistributedSampler)`` alone).
+    Accelerate's ``prepare`` deals the batches of any loader to its processes again
+    (``BatchSamplerShard``): under it, a sampler whose ``num_replicas`` was not given yields the
+    whole epoch's global order on every process (as for one rank), so that Accelerate's dealing
+    is the only split; an explicit ``num_replicas > 1`` there raises a ``ValueError`` before the
+    first batch. ``len()`` is always the whole epoch of this rank, also after
+    :meth:`load_state_dict` (an iterator resumed mid-epoch yields the rest), as
+    ``DistributedSampler`` and torchdata's samplers do: frameworks size their epochs from it.
 
     :meth:`set_epoch` and :meth:`load_state_dict` also call ``dataset.set_epoch`` when the dataset
     has one, so a fastdata Dataset's random crops follow the sampler's epoch; under
@@ -538,7 +590,8 @@ class DistributedShardSampler(Sampler[int]):
         shard_window: int | None = None,
         shard_sizes: Sequence[int] | None = None,
     ) -> None:
-        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        _check_world(num_replicas, rank)
+        self._requested_world = (num_replicas, rank)
         if not _is_int(block_size) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if window is None:
@@ -549,7 +602,7 @@ class DistributedShardSampler(Sampler[int]):
             raise ValueError("window applies only to block mode (block_size > 1)")
         if not _is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        self.dataset = dataset
+        self.dataset = dataset  # type: ignore[assignment]  # only its len() is needed
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
@@ -560,11 +613,49 @@ class DistributedShardSampler(Sampler[int]):
         self.shard_window, self.shard_sizes = _shard_mode(dataset, self._n, shard_window,
                                                           shard_sizes, self.block_size)
         self._layout_cache: tuple[tuple[int, int], list[list[_Window]]] | None = None
-        self.num_samples = _num_samples(self._n, self.num_replicas, self.drop_last)
-        self.total_size = self.num_samples * self.num_replicas
         # (R0, start) of the next __iter__, and (R0, consumed) of the latest one: see docstring.
-        self._resume = (self.num_replicas, 0)
-        self._position = (self.num_replicas, 0)
+        # R0 None: a fresh epoch, laid out for the world size found when it starts.
+        self._resume: tuple[int | None, int] = (None, 0)
+        self._position: tuple[int | None, int] = (None, 0)
+
+    # -- ranks ------------------------------------------------------------------------------
+    def _world(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` now: the ones given, else torch.distributed's (see the class
+        docstring for Accelerate's ``prepare``)."""
+        requested, requested_rank = self._requested_world
+        world = _resolve_world(requested, requested_rank)
+        if world[0] > 1 or requested is None:
+            wrapper = _resharding_wrapper() if (dist.is_available() and dist.is_initialized()) else None
+            if wrapper is not None:
+                if requested is not None:
+                    raise ValueError(
+                        f"DistributedShardSampler(num_replicas={requested}) is split again by "
+                        f"accelerate's prepare() ({type(wrapper).__name__} deals the batches to "
+                        f"{getattr(wrapper, 'num_processes', '?')} processes): leave num_replicas "
+                        "and rank unset, or do not pass this loader to prepare()")
+                return 1, 0  # prepare() deals the global order's batches to the processes
+        return world
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        """Number of ranks the data is split over (resolved now, see ``num_replicas=``)."""
+        return self._world()[0]
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        """This process's rank (resolved now, see ``rank=``)."""
+        return self._world()[1]
+
+    @property
+    def num_samples(self) -> int:  # type: ignore[override]
+        """Per-rank count of a whole epoch (as in ``DistributedSampler``)."""
+        return _num_samples(self._n, self.num_replicas, self.drop_last)
+
+    @property
+    def total_size(self) -> int:  # type: ignore[override]
+        """``num_samples * num_replicas``."""
+        replicas = self.num_replicas
+        return _num_samples(self._n, replicas, self.drop_last) * replicas
 
     # -- order ------------------------------------------------------------------------------
     def _order(self, replicas: int) -> np.ndarray:
@@ -598,13 +689,14 @@ class DistributedShardSampler(Sampler[int]):
         return _rank_stream(windows, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
                             replicas=replicas, rank=rank)
 
-    def _own_windows(self, epoch: int | None) -> list[_Window]:
+    def _own_windows(self, epoch: int | None, world: tuple[int, int] | None = None) -> list[_Window]:
         if self.shard_window is None:
             raise ValueError("windows exist only in shard-window mode: pass shard_window=")
         epoch = self.epoch if epoch is None else epoch
         if not _is_int(epoch):
             raise ValueError(f"epoch must be an int, got {epoch!r}")
-        return self._layout(int(epoch), self.num_replicas)[self.rank]
+        replicas, rank = self._world() if world is None else world
+        return self._layout(int(epoch), replicas)[rank]
 
     def window_shards(self, epoch: int | None = None) -> list[list[int]]:
         """This rank's windows for an epoch, in reading order, each the list of its shard numbers.
@@ -650,38 +742,39 @@ class DistributedShardSampler(Sampler[int]):
         return _num_samples(self._n, replicas, self.drop_last) * replicas
 
     def __len__(self) -> int:
-        """Number of indices the next ``iter()`` yields on this rank."""
-        replicas, start = self._resume
-        remaining = self._order_len(replicas) - start
-        return _num_samples(remaining, self.num_replicas, self.drop_last)
+        """Number of indices a whole epoch has on this rank (also after :meth:`load_state_dict`,
+        whose resumed iterator yields fewer: the rest of the epoch)."""
+        return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        world = self._world()
+        current, rank = world
         replicas, start = self._resume
-        if self.shard_window is not None and replicas == self.num_replicas and start % replicas == 0:
+        if replicas is None:
+            replicas = current
+        if self.shard_window is not None and replicas == current and start % replicas == 0:
             # Same world, whole lockstep steps consumed: continue this rank's own stream (its
             # share of the global order) without computing the other ranks' shuffles.
-            stream = self._stream(self._layout(self.epoch, replicas)[self.rank], self.epoch,
-                                  replicas, self.rank)
+            stream = self._stream(self._layout(self.epoch, replicas)[rank], self.epoch, replicas, rank)
             self._position = (replicas, start)
             return self._prefetching(self._track(stream[start // replicas:].tolist(), replicas, start,
-                                                 self._order_len(replicas)), start // replicas)
+                                                 self._order_len(replicas), current),
+                                     start // replicas, world)
         order = self._order(replicas)
         remainder = order[start:]
-        mine = _pad_or_drop(remainder, self.num_replicas, self.drop_last)[
-            self.rank :: self.num_replicas
-        ]
+        mine = _pad_or_drop(remainder, current, self.drop_last)[rank::current]
         self._position = (replicas, start)
-        return self._track(mine.tolist(), replicas, start, len(order))
+        return self._track(mine.tolist(), replicas, start, len(order), current)
 
-    def _prefetching(self, stream: Iterator[int], position: int) -> Iterator[int]:
+    def _prefetching(self, stream: Iterator[int], position: int, world: tuple[int, int]) -> Iterator[int]:
         """``stream`` (this rank's indices from ``position`` on), telling a dataset that can
         prefetch (a remote store: ``prefetch_shards``) the next window's shards each time the
         stream enters a window, so they download while this one is read."""
         prefetch = getattr(self.dataset, "prefetch_shards", None)
-        if prefetch is None or self.num_samples == 0:
+        if prefetch is None or _num_samples(self._n, world[0], self.drop_last) == 0:
             yield from stream
             return
-        own = self._own_windows(None)
+        own = self._own_windows(None, world)
         windows = [window.shards for window in own]
         ends = np.cumsum([window.size for window in own])
         current = -1
@@ -694,14 +787,14 @@ class DistributedShardSampler(Sampler[int]):
             position += 1
             yield index
 
-    def _track(self, mine: list[int], replicas: int, start: int, end: int) -> Iterator[int]:
+    def _track(self, mine: list[int], replicas: int, start: int, end: int, current: int) -> Iterator[int]:
         for k, index in enumerate(mine, 1):
             # Lockstep: after every rank yielded k, positions start .. start + k*R are consumed.
-            self._position = (replicas, min(start + k * self.num_replicas, end))
+            self._position = (replicas, min(start + k * current, end))
             yield index
         # Exhausted: this epoch is complete; iterating again without set_epoch restarts it.
         self._position = (replicas, end)
-        self._resume = (self.num_replicas, 0)
+        self._resume = (None, 0)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next ``iter()`` yields.
@@ -714,8 +807,8 @@ class DistributedShardSampler(Sampler[int]):
             raise ValueError(f"epoch must be an int, got {epoch!r}")
         if epoch != self.epoch:
             self.epoch = int(epoch)
-            self._resume = (self.num_replicas, 0)
-            self._position = (self.num_replicas, 0)
+            self._resume = (None, 0)
+            self._position = (None, 0)
         self._tell_dataset()
 
     def _tell_dataset(self) -> None:
@@ -742,13 +835,16 @@ class DistributedShardSampler(Sampler[int]):
             in shard-window mode also ``shard_window`` and ``shard_layout`` (a fingerprint of
             the shard sizes).
         """
+        current = self.num_replicas
         replicas, tracked = self._position
+        if replicas is None:
+            replicas = current
         end = self._order_len(replicas)
         if consumed is None:
             consumed = tracked
         elif not _is_int(consumed) or consumed < 0:
             raise ValueError(f"consumed must be an int >= 0, got {consumed!r}")
-        elif consumed > end + self.num_replicas - 1:
+        elif consumed > end + current - 1:
             raise ValueError(
                 f"consumed={consumed} exceeds this epoch's {end} samples; count only samples "
                 "of the current epoch, summed over ranks"
@@ -763,7 +859,7 @@ class DistributedShardSampler(Sampler[int]):
             "block_size": self.block_size,
             "window": self.window,
             "order_replicas": replicas,
-            "num_replicas": self.num_replicas,
+            "num_replicas": current,
             "consumed": min(int(consumed), end),
         }
         if self.shard_window is not None and self.shard_sizes is not None:
@@ -803,24 +899,28 @@ class DistributedShardSampler(Sampler[int]):
                     f"sampler state has {key}={state.get(key)!r} but this sampler has "
                     f"{key}={mine.get(key)!r}; the saved epoch order cannot be reproduced"
                 )
+        current = self.num_replicas
         replicas, consumed = int(state["order_replicas"]), int(state["consumed"])
         if replicas < 1 or not 0 <= consumed <= self._order_len(replicas):
             raise ValueError(
                 f"sampler state order_replicas={replicas}, consumed={consumed} is out of range"
             )
-        if (self.shard_window is not None and replicas != self.num_replicas
+        if (self.shard_window is not None and replicas != current
                 and 0 < consumed < self._order_len(replicas)):
             raise ValueError(
                 f"this sampler state was saved mid-epoch by {replicas} ranks in shard-window "
                 f"mode; the rest of that epoch lies in each rank's own windows of shards and "
-                f"cannot be split over {self.num_replicas} ranks without every rank reading "
+                f"cannot be split over {current} ranks without every rank reading "
                 f"every other rank's window. Resume with num_replicas={replicas}, or start "
-                f"epoch {int(state['epoch']) + 1} on {self.num_replicas} ranks (set_epoch) "
+                f"epoch {int(state['epoch']) + 1} on {current} ranks (set_epoch) "
                 "without loading this state"
             )
         if consumed == 0:
-            # Nothing consumed yet: start the epoch afresh, laid out for this world size.
-            replicas = self.num_replicas
+            # Nothing consumed yet: start the epoch afresh, laid out for the world size then.
+            self.epoch = int(state["epoch"])
+            self._resume = self._position = (None, 0)
+            self._tell_dataset()
+            return
         self.epoch = int(state["epoch"])
         self._resume = (replicas, consumed)
         self._position = (replicas, consumed)

@@ -540,7 +540,8 @@ def test_loader_defaults(sharded):
     workers = default_num_workers()
     assert 0 < workers <= 8 and workers <= len(os.sched_getaffinity(0))
     assert dl.num_workers == workers
-    assert dl.persistent_workers is True
+    # not persistent: a training loader's workers would stay alive through every validation loop
+    assert dl.persistent_workers is False
     assert dl.pin_memory is torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert dl.pin_memory is False
@@ -577,7 +578,8 @@ def test_dropping_the_loader_frees_its_persistent_iterator_at_once(sharded):
     garbage collector happens to run (seconds later, or inside another forked child)."""
     import weakref
 
-    dl = fastdata.loader(fastdata.open_dataset(sharded["lmdb"], output="tensor"), batch_size=4, num_workers=1)
+    dl = fastdata.loader(fastdata.open_dataset(sharded["lmdb"], output="tensor"), batch_size=4, num_workers=1,
+                         persistent_workers=True)
     gc.disable()
     try:
         it = iter(dl)

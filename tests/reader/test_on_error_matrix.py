@@ -128,7 +128,8 @@ def test_damaged_record_first_and_middle_of_a_batch(damaged_stores, backend, out
 
 def test_skip_count_reaches_the_main_process_from_persistent_spawned_workers(damaged_stores):
     ds = open_ds(damaged_stores["lmdb"], "tensor", "rrc", "skip")
-    dl = fastdata.loader(ds, batch_sampler=BATCHES, num_workers=2, multiprocessing_context="spawn")
+    dl = fastdata.loader(ds, batch_sampler=BATCHES, num_workers=2, multiprocessing_context="spawn",
+                         persistent_workers=True)
     assert dl.persistent_workers
     for epoch in range(2):
         with warnings.catch_warnings():

@@ -49,9 +49,11 @@ def load(n: int, replicas: int, state: dict, **kw) -> list[list[int]]:
         s = DistributedShardSampler(Sized(n), num_replicas=replicas, rank=rank, **kw)
         s.load_state_dict(state)
         s.set_epoch(state["epoch"])  # the usual training-loop call must keep the resume point
-        expected_len = len(s)
         result.append(list(s))
-        assert len(result[-1]) == expected_len
+        # len() stays the whole epoch (frameworks size every later epoch from it); the resumed
+        # iterator yields at most that many: the rest of this epoch
+        assert len(s) == -(-n // replicas) if not kw.get("drop_last") else n // replicas
+        assert len(result[-1]) <= len(s)
     return result
 
 
@@ -214,8 +216,10 @@ def test_world_defaults_without_process_group():
     assert not torch.distributed.is_initialized()
     s = DistributedShardSampler(Sized(10))
     assert (s.num_replicas, s.rank) == (1, 0)
+    # resolved when used, not made: the process group may not exist yet when the sampler is made
+    unresolved = DistributedShardSampler(Sized(10), num_replicas=2)
     with pytest.raises(ValueError, match="rank is required"):
-        DistributedShardSampler(Sized(10), num_replicas=2)
+        list(unresolved)
     for replicas, rank in [(2, 2), (2, -1), (0, 0)]:
         with pytest.raises(ValueError):
             DistributedShardSampler(Sized(10), num_replicas=replicas, rank=rank)
@@ -315,7 +319,7 @@ def test_state_dict_tracks_iteration_and_epoch_end():
     assert done["consumed"] == 50
     fresh = DistributedShardSampler(Sized(n), num_replicas=3, rank=0, block_size=4)
     fresh.load_state_dict(done)
-    assert len(fresh) == 0 and list(fresh) == []
+    assert len(fresh) == len(outputs(n, 3, epoch=0, block_size=4)[0]) and list(fresh) == []
     fresh.set_epoch(1)
     assert list(fresh) == outputs(n, 3, epoch=1, block_size=4)[0]
     # A completed iteration restarts the same epoch from its beginning, like DistributedSampler.
@@ -325,11 +329,13 @@ def test_state_dict_tracks_iteration_and_epoch_end():
 def test_set_epoch_other_epoch_drops_resume_point():
     s = DistributedShardSampler(Sized(40), num_replicas=2, rank=1)
     s.load_state_dict(DistributedShardSampler(Sized(40), num_replicas=2, rank=0).state_dict(10))
-    assert len(s) == 15
+    assert len(s) == 20 and len(list(s)) == 15  # len() the whole epoch, iteration the rest
+    s.load_state_dict(DistributedShardSampler(Sized(40), num_replicas=2, rank=0).state_dict(10))
     s.set_epoch(0)
-    assert len(s) == 15
+    assert len(s) == 20 and len(list(s)) == 15
+    s.load_state_dict(DistributedShardSampler(Sized(40), num_replicas=2, rank=0).state_dict(10))
     s.set_epoch(1)
-    assert len(s) == 20 and s.state_dict()["consumed"] == 0
+    assert len(s) == 20 and s.state_dict()["consumed"] == 0 and len(list(s)) == 20
 
 
 def test_zero_consumed_state_starts_fresh_layout():

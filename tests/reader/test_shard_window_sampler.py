@@ -232,8 +232,9 @@ def test_resume_same_world_is_exact(replicas, drop_last):
             s = DistributedShardSampler(Sharded(sizes), num_replicas=replicas, rank=r, **kw)
             s.load_state_dict(state)
             s.set_epoch(2)  # the training loop's call keeps the resume point
-            assert len(s) == len(full[r]) - k
+            assert len(s) == len(full[r])  # the whole epoch; the resumed iterator yields the rest
             resumed.append(list(s))
+            assert len(resumed[-1]) == len(full[r]) - k
             if k < len(full[r]):  # the prefetcher's view: the next position's window
                 assert shard_of(sizes)[resumed[-1][0]] in s.window_shards()[s.window_index(k)]
         assert resumed == [p[k:] for p in full]
@@ -429,4 +430,4 @@ def test_set_epoch_reaches_the_dataset_in_shard_mode():
     s.set_epoch(3)
     other = DistributedShardSampler(Recorder([3, 4, 5]), num_replicas=1, rank=0, shard_window=1)
     other.load_state_dict(s.state_dict(5))
-    assert ds.epochs == [3] and other.dataset.epochs == [3] and len(other) == 7
+    assert ds.epochs == [3] and other.dataset.epochs == [3] and len(other) == 12 and len(list(other)) == 7
