@@ -103,7 +103,10 @@ def _cmd_info(args) -> int:
     print(f"store:    {printable(data['path'])}")
     print(f"backend:  {data['backend']} (layout version {data['version']})")
     print(f"storage:  {mode}")
-    print(f"samples:  {data['num_samples']} in {data['num_classes']} classes; {data['rejected']} input(s) rejected")
+    categories = data.get("categories")
+    labels = (f"{data['num_categories']} categories (detection)" if categories is not None
+              else f"{data['num_classes']} classes")
+    print(f"samples:  {data['num_samples']} in {labels}; {data['rejected']} input(s) rejected")
     print(f"size:     {format_size(data['total_bytes'])} in {len(data['shards'])} shard(s)")
     options = data.get("options") or {}
     merged, appends = options.get("merged") or [], options.get("appends") or []
@@ -130,9 +133,15 @@ def _cmd_info(args) -> int:
         print("schema:")
         for line in Schema.from_json(data["schema"]).describe_markdown().splitlines():
             print(f"  {printable(line)}")
-    print("classes:")
-    for c in data["classes"]:
-        print(f"  {c['index']:>5}  {printable(c['name'])}: {c['count']}")
+    if categories is not None:  # a detection store: its labels are the annotation file's categories
+        print("categories:")
+        for c in categories:
+            group = f" ({printable(str(c['supercategory']))})" if "supercategory" in c else ""
+            print(f"  {printable(str(c.get('id'))):>5}  {printable(str(c.get('name')))}{group}")
+    if data["classes"] or categories is None:
+        print("classes:")
+        for c in data["classes"]:
+            print(f"  {c['index']:>5}  {printable(c['name'])}: {c['count']}")
     print("shards:")
     for s in data["shards"]:
         print(f"  {printable(s['name'])}: {s['count']} records, {format_size(s['bytes'])}")
@@ -497,10 +506,11 @@ def _add_coco_argument(c) -> None:
     c.add_argument("--coco", metavar="ANNOTATIONS.json",
                    help="convert a COCO detection set: SRC is then the image folder the file's file_name entries "
                         "are relative to; one sample per listed image in CocoDetection's order (sorted ids), "
-                        "fields image, image_id, width, height and annotations (the image's annotation dicts "
-                        "exactly as in the file); open it with fastdata.open_dataset. Missing or unusable images "
-                        "are skipped and reported, problems of the file (annotations of unknown images, repeated "
-                        "ids) are warnings; --strict stops at any of them")
+                        "fields image, image_id, width, height, annotations (the image's annotation dicts "
+                        "exactly as in the file) and image_info (its images entry); open it with "
+                        "fastdata.open_dataset. Missing or unusable images are skipped and reported, problems "
+                        "of the file (annotations of unknown images, repeated ids) are warnings; --strict stops "
+                        "at any of them")
 
 
 def _run_coco(args):

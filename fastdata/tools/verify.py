@@ -50,7 +50,9 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
 
     Returns:
         dict: JSON-serialisable: backend, version, storage mode, counts, classes with
-        per-class counts, shards with sizes, rejected inputs.
+        per-class counts, shards with sizes, rejected inputs; for a detection store (converted
+        from COCO) also ``categories`` (each ``id``, ``name`` and ``supercategory`` when the file
+        gives one) and ``num_categories``, else None and 0.
     """
     remote: RemoteStore | None = None
     if is_remote(store):
@@ -73,6 +75,7 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "num_classes": len(m["classes"]),
         "classes": [{"name": c, "index": i, "count": n}
                     for i, (c, n) in enumerate(zip(m["classes"], m["class_counts"], strict=True))],
+        **_detection_categories(m),
         "shards": [{"name": s["name"], "count": s["count"], "bytes": s["bytes"],
                     **({"label_map": s["label_map"]} if "label_map" in s else {})} for s in m["shards"]],
         "total_bytes": sum(s["bytes"] for s in m["shards"]),
@@ -86,6 +89,20 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "image_modes": _default_modes(m),
         "raw_split": raw_split,
     }
+
+
+def _detection_categories(m: dict) -> dict:
+    """``categories`` and ``num_categories`` of a store converted from COCO (``metadata.coco``):
+    its labels are the annotation file's categories, not the manifest's (empty) class table.
+    Only the keys that name a category are kept (a keypoint category's ``keypoints`` and
+    ``skeleton`` are long and say nothing about what is detected)."""
+    metadata = m.get("metadata")
+    coco = metadata.get("coco") if isinstance(metadata, dict) else None
+    if not isinstance(coco, dict) or not isinstance(coco.get("categories"), list):
+        return {"categories": None, "num_categories": 0}
+    categories = [{key: c[key] for key in ("id", "name", "supercategory") if key in c}
+                  for c in coco["categories"] if isinstance(c, dict)]
+    return {"categories": categories, "num_categories": len(categories)}
 
 
 def _default_modes(m: dict) -> dict[str, str]:
