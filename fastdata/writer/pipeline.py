@@ -71,6 +71,7 @@ from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import build_store_index, encode_shard_index, sidecar_path
 from fastdata.format.store_index import manifest_entry as store_index_entry
 from fastdata.writer.ingest import SPILL_PREFIX, SPILL_SUFFIX, IngestedSample, unspill
+from fastdata.writer.mainless import is_mainless, pool_context, refers_to_main
 from fastdata.writer.owned import (
     MARKER_NAME,
     check_dir,
@@ -547,9 +548,13 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
     if workers == 0:
         executor, spill_to = _InProcess(), None
     else:
+        # children that skip re-running the caller's script when nothing sent to them needs it:
+        # a fastdata.write/convert at a script's top level then works without the __main__ guard
+        ctx = pool_context(ctx, (source.worker, source.worker_init))
         executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                           initargs=(os.getpid(), source.worker_init))
         spill_to = spill_dir
+    mainless = is_mainless(ctx)
     inflight: collections.deque = collections.deque()
     sink = _SINK.get()
     if sink is not None:
@@ -563,7 +568,12 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
             nxt = next(source_chunks, None)
             if nxt is None:
                 return False
-            inflight.append((nxt, executor.submit(source.worker, *nxt.args, spill_to)))
+            if mainless and source.worker_init is None and refers_to_main(nxt.args):
+                # samples of classes the script defines: workers that skipped the script cannot
+                # unpickle them, so this chunk is encoded here (in order, as any other)
+                inflight.append((nxt, _InProcess().submit(source.worker, *nxt.args, spill_to)))
+            else:
+                inflight.append((nxt, executor.submit(source.worker, *nxt.args, spill_to)))
             return True
 
         def consume(chunk: Chunk, results: list, read_bytes: int) -> None:
@@ -635,9 +645,10 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
         raise ConversionError(
             f"a conversion worker died unexpectedly (killed, or out of memory?) "
             f"{f'while reading {current_files}' if current_files else 'while starting'}; "
-            "finished shards are kept: rerun the same command with --resume. (Calling fastdata.convert from a "
-            "script? Workers start with forkserver and import your main module: put the call under "
-            "`if __name__ == \"__main__\":`.)"
+            "finished shards are kept: rerun the same command with --resume."
+            + ("" if mainless else " (Calling fastdata.convert or write from a script whose samples need it, e.g. a "
+               "Dataset class defined there? Workers then import your main module: put the call under "
+               "`if __name__ == \"__main__\":`.)")
         ) from None
     except io_errors as err:
         raise io_error(err, writing) from err

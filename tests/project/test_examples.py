@@ -82,3 +82,78 @@ def test_grow_and_mix_example_appends_merges_splits_and_resumes_a_mix(tmp_path):
     assert sum(result["split"]) == 28 + 8 and result["split"][1] == 4
     assert result["mix"]["real"] == 45 and result["mix"]["synthetic"] == 19 and result["mix"]["resumed_batches"] == 5
     assert "the other 5 batches equal the uninterrupted epoch's" in proc.stdout
+
+
+def _readme_block(containing: str) -> str:
+    """The README's python code block that contains ``containing``, as written."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = [b for b in blocks if containing in b]
+    assert len(found) == 1, f"{len(found)} README python blocks contain {containing!r}"
+    return found[0]
+
+
+def _run_script(tmp_path: Path, name: str, source: str) -> subprocess.CompletedProcess:
+    script = tmp_path / name
+    script.write_text(source)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+# a thread besides the main one, as numpy's BLAS pool makes in most processes: the conversion pool
+# then starts its workers through the forkserver, whose children would run the script again
+_THREADED = ("import threading, time\n"
+             "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+             "print('the script ran')\n")
+
+
+def test_the_readme_write_snippet_runs_as_a_script_without_the_main_guard(tmp_path):
+    """``fastdata.write(...)`` at a script's top level, with worker processes, as the README shows it:
+    the workers do not run the script again (it ran once), and the store holds the sample."""
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "imgs" / "0001.jpg")
+    snippet = _readme_block('fastdata.write(samples, "det.lmdb", workers=2)')
+    assert "__main__" not in snippet and "workers=2" in snippet
+    proc = _run_script(tmp_path, "snippet.py", _THREADED + snippet + "\nprint('samples', len(ds), ds[0]['caption'])\n")
+    assert proc.stdout.count("the script ran") == 1
+    assert "samples 1 a dog on a sofa" in proc.stdout
+
+
+def test_samples_of_classes_the_script_defines_still_convert(tmp_path):
+    """The other side: a map-style dataset class defined in the script reaches workers that import
+    the script (under the guard, as any multiprocessing code), and an iterable's samples holding an
+    instance of a script class are encoded in the converting process, never sent to workers that
+    skipped the script (they could not unpickle them)."""
+    import fastdata
+
+    source = _THREADED + '''
+import numpy as np
+import fastdata
+
+
+class Squares:  # map-style, as a torch Dataset (torch is not imported: a faster test)
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return {"value": np.full((2,), i * i, np.int64), "label": i % 2}
+
+
+class Caption(str):
+    pass
+
+
+if __name__ == "__main__":
+    fastdata.write(Squares(), "squares.lmdb", workers=2)
+    fastdata.write(({"caption": Caption(f"c{i}"), "label": i} for i in range(5)), "captions.lmdb", workers=2)
+'''
+    _run_script(tmp_path, "guarded.py", source)
+    squares = fastdata.open_dataset(tmp_path / "squares.lmdb", output="numpy")
+    assert [int(squares[i]["value"][0]) for i in range(len(squares))] == [0, 1, 4, 9, 16, 25]
+    captions = fastdata.open_dataset(tmp_path / "captions.lmdb")
+    assert [captions[i]["caption"] for i in range(len(captions))] == ["c0", "c1", "c2", "c3", "c4"]
