@@ -357,8 +357,12 @@ class StoreDataset(Dataset):
             path_offsets.append(index.relpath_offsets[1:] + base)
             base += len(index.relpaths)
         cat = lambda arrs, dt: np.concatenate(arrs).astype(dt) if arrs else np.zeros(0, dtype=dt)  # noqa: E731
-        #: ImageFolder-compatible labels, one per sample
-        self.targets = cat(parts["labels"], np.int64)
+        #: ImageFolder's ``targets`` (one label per sample, same values) as a read-only int64 numpy array, not a
+        #: list: indexable, iterable and ``len()`` alike, but a list of Python ints would be copied into every
+        #: forked DataLoader worker page by page as reference counts touch it. Not a list in that ``==`` compares
+        #: elementwise, ``+`` adds, there is no ``.count``/``.index``, and JSON needs ``targets.tolist()``. Read-only
+        #: because ``ds[i]`` reads its label here: a write would change the labels (ImageFolder's would not)
+        self.targets = read_only(cat(parts["labels"], np.int64))
         if len(self.targets) != manifest["num_samples"] or (
                 len(self.targets) and int(self.targets.max()) >= len(self.classes)):
             raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",

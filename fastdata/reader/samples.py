@@ -47,7 +47,7 @@ from fastdata.reader.dataset import StoreDataset
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.seeding import epoch_of, sample_rng
-from fastdata.reader.subset import code_names
+from fastdata.reader.subset import code_names, read_only
 from fastdata.remote.store import StoreLocation
 
 
@@ -197,16 +197,17 @@ class SampleDataset(StoreDataset):
 
     def _load_class_tables(self, manifest: dict) -> None:
         """``class_tables`` (every class field's names, e.g. from a JSONL list), and
-        ``targets``: the single-label class field's indices (int64, one per sample, as
-        ImageFolder's), so samplers and class counts work; empty when there is none."""
+        ``targets``: the single-label class field's indices (one per sample, as ImageFolder's, as a
+        read-only int64 numpy array: see :attr:`StoreDataset.targets`), so samplers and class counts
+        work; empty when there is none."""
         from fastdata.format.manifest import CLASS_TABLES_KEY, target_field
 
         #: field name -> class names, for each class field (``classes`` is the targets' table)
         self.class_tables: dict[str, list[str]] = {k: list(v) for k, v in manifest.get(CLASS_TABLES_KEY, {}).items()}
         target = target_field(self.schema, self.class_tables)
         self.target_field = target
-        self.targets = (self.index_arrays[FIELD_PREFIX + target].astype(np.int64) if target is not None
-                        else np.zeros(0, dtype=np.int64))
+        self.targets = read_only(self.index_arrays[FIELD_PREFIX + target].astype(np.int64) if target is not None
+                                 else np.zeros(0, dtype=np.int64))
 
     def __len__(self) -> int:
         return self._count

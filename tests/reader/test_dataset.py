@@ -122,8 +122,10 @@ def test_imagefolder_drop_in(small_tree, tmp_path, backend):
     assert isinstance(ds, torch.utils.data.Dataset)
     assert ds.classes == ref.classes
     assert ds.class_to_idx == ref.class_to_idx
-    assert isinstance(ds.targets, np.ndarray) and np.issubdtype(ds.targets.dtype, np.integer)
-    np.testing.assert_array_equal(ds.targets, ref.targets)
+    assert isinstance(ds.targets, np.ndarray) and ds.targets.dtype == np.int64
+    assert ds.targets.tolist() == ref.targets  # tolist(): ImageFolder's list of ints
+    with pytest.raises(ValueError, match="read-only"):
+        ds.targets[0] = 1  # ds[i] takes its label from there: a write would change it (ImageFolder's would not)
     assert len(ds) == len(ref) == 24
     ref_by_rel = {os.path.relpath(p, small_tree): j for j, (p, _) in enumerate(ref.samples)}
     # the store keeps ImageFolder's order, so even the index is the same

@@ -65,6 +65,7 @@ def test_jsonl_list_round_trips_every_field_bit_exact(tmp_path, suffix, capsys):
     assert manifest["class_counts"] == [2, 3, 2]
     labels = [ds.classes.index(r["label"]) for r in rows]
     assert ds.targets.dtype == np.int64 and ds.targets.tolist() == labels  # ImageFolder-like targets
+    assert not ds.targets.flags.writeable  # read-only, as a classification store's (tests/reader/test_dataset.py)
     records = stored_records(dst)
     for i, row in enumerate(rows):
         got = ds[i]
