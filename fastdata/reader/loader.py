@@ -105,16 +105,22 @@ class EpochBatchSampler(BatchSampler):
         self.skip_next = [0]
 
     def __iter__(self) -> Iterator[list[int]]:
-        return _tagged_batches(super().__iter__(), self.sampler, self.dataset, self.skip_next, per_index=False)
+        return _tagged_batches(super().__iter__(), self.sampler, self.dataset, self.skip_next, per_index=False,
+                               batch_size=self.batch_size)
 
 
-def _tagged_batches(batches, sampler, dataset, skip_next: list[int], per_index: bool, tag: bool = True) -> Iterator:
+def _tagged_batches(batches, sampler, dataset, skip_next: list[int], per_index: bool, tag: bool = True,
+                    batch_size: int | None = None) -> Iterator:
     """``batches`` (an iterator of index lists, or of single indices when ``per_index``) with the
     first ``skip_next[0]`` dropped and the rest tagged with the iteration's epoch.
 
     A generator: nothing runs until the first batch is asked for, which is after the framework
     has set this iteration's epoch (DataLoader iterators call iter() twice and advance only the
     second; the skip is taken, and cleared, by the one that runs).
+
+    The first batch and a short last one have every index tagged, not just their first: a wrapper
+    that evens out the processes' batch counts (Accelerate's ``BatchSamplerShard``) builds its
+    padding batches from pieces of exactly those two, and the dataset reads a batch's first index.
     """
     skip, skip_next[0] = skip_next[0], 0
     epoch = iteration_epoch(sampler, dataset) if tag else None
@@ -125,6 +131,8 @@ def _tagged_batches(batches, sampler, dataset, skip_next: list[int], per_index: 
             yield batch
         elif per_index:
             yield EpochIndex(batch, epoch)
+        elif number == 0 or (batch_size is not None and len(batch) < batch_size):
+            yield [EpochIndex(index, epoch) for index in batch]
         else:
             batch = list(batch)
             if batch:
@@ -145,7 +153,7 @@ class _TaggedIndexSampler:
 
     def __iter__(self) -> Iterator:
         return _tagged_batches(iter(self.inner), self.sampler, self.dataset, self._skip_next, self._per_index,
-                               self._tag)
+                               self._tag, getattr(self.inner, "batch_size", None))
 
 
 def _order_seed(seed: int, epoch: int) -> int:
