@@ -53,6 +53,7 @@ from torch.utils.data import Dataset
 
 from fastdata.errors import CorruptRecordError, MissingExtraError
 from fastdata.reader.batching import Samples
+from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.seeding import EpochIndex, epoch_of, sample_rng
 
 __all__ = ["PatchDataset", "Stitcher", "stitch", "SAMPLERS", "SAMPLE_KEY", "POSITION_KEY"]
@@ -619,7 +620,10 @@ class PatchDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> Samples:
         """A batch of patch dicts (the DataLoader calls this): each distinct sample of the batch is
         read once (through the base's ``__getitems__`` when it has one), in the order asked.
-        Passthrough values of one sample are the same objects in each of its patches."""
+        Passthrough values of one sample are the same objects in each of its patches; ``self[p]``
+        for each patch when a subclass overrides ``__getitem__`` (:mod:`fastdata.reader.overrides`)."""
+        if overrides_getitem(type(self)):
+            return each_sample(self, indices, epoch_of(indices, self.epoch))
         epoch = epoch_of(indices, self.epoch)
         patches = [self._check_index(i) for i in indices]
         samples = [self.sample_of(p) for p in patches]

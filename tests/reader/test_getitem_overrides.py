@@ -194,3 +194,21 @@ def test_control_a_subclass_overriding_both_keeps_its_own_getitems(stores):
     assert overrides_getitem(CountingCoco) and overrides_getitem(CountingSubset)
     assert len(Both(stores["classification"]).__getitems__([0, 1])) == 2
     assert list(WithMixin(stores["coco"]).__getitems__([0, 1])) == ["mixin", "mixin"]
+
+
+def test_a_patch_dataset_subclass_overriding_getitem_sees_every_patch():
+    from fastdata.reader.patches import PatchDataset
+
+    class Counted(PatchDataset):
+        calls = 0
+
+        def __getitem__(self, index):
+            type(self).calls += 1
+            return super().__getitem__(index)
+
+    volumes = [{"image": np.arange(8 * 8, dtype=np.float32).reshape(8, 8)} for _ in range(3)]
+    ds = Counted(volumes, patch_size=(4, 4), sampler="grid")
+    loader = torch.utils.data.DataLoader(ds, batch_size=3, num_workers=0, collate_fn=listed)
+    got = [item for batch in loader for item in batch]
+    assert len(got) == len(ds) and Counted.calls == len(ds)
+    assert not overrides_getitem(PatchDataset)  # control: the shipped class keeps its batched path
