@@ -21,7 +21,9 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240, chec
     """Run ``examples/frameworks/<script>`` on ``nproc`` CPU processes (torchrun, gloo)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(EXAMPLES / script), *args]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    # offline: nothing here may reach a model hub; one thread per process on a 2-core machine
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+                   **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=ROOT)
     if check and result.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
