@@ -24,14 +24,6 @@ def test_accelerate_prepare_of_a_shard_sampler_loader_splits_once(store, tmp_pat
     check_crops_change(logs)
 
 
-def test_accelerate_prepare_of_an_explicitly_split_sampler_fails_before_the_first_batch(store, tmp_path):
-    run = torchrun("accelerate_prepare.py", "--store", str(store), "--sampler", "shard-explicit", "--workers", "0",
-                   "--log-dir", str(tmp_path), check=False)
-    assert run.returncode != 0
-    assert "is split again by accelerate's prepare()" in run.stderr + run.stdout
-    assert not list(tmp_path.glob("rank*.jsonl")), "batches were yielded before the error"
-
-
 def test_trainer_subclass_returning_fastdata_loader_gets_new_epochs(store, tmp_path):
     pytest.importorskip("transformers")
     torchrun("transformers_trainer.py", "--store", str(store), "--loader", "fastdata", "--log-dir", str(tmp_path),

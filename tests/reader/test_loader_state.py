@@ -122,3 +122,22 @@ def test_a_shard_sampler_made_before_the_process_group_splits_once_it_exists(sto
         assert sampler.num_replicas == 1
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_an_explicitly_split_shard_sampler_under_accelerates_wrapper_fails_before_the_first_batch(store, tmp_path):
+    """accelerate's prepare() deals the batches of any loader to its processes; a sampler told to
+    split too would lose half the samples: refused when first iterated. Left unset, the sampler
+    yields the global order for prepare() to split (tested on 2 processes in tests/frameworks)."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    ds = fastdata.open_dataset(store, output="tensor")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        explicit = fastdata.loader(ds, batch_size=6, num_workers=0,
+                                   sampler=fastdata.DistributedShardSampler(ds, num_replicas=2, rank=0))
+        shard = accelerate.BatchSamplerShard(explicit.batch_sampler, num_processes=2, process_index=0)
+        with pytest.raises(ValueError, match=r"split again by accelerate's prepare\(\)"):
+            next(iter(shard))
+        # control: the same sampler iterated directly splits as asked
+        assert len(list(explicit.sampler)) == N // 2
+    finally:
+        torch.distributed.destroy_process_group()
