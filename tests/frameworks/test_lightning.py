@@ -68,3 +68,48 @@ def test_resume_mid_epoch_matrix(store, tmp_path, workers, crash_at):
     after = read_logs(tmp_path / "resume")
     for rank in (0, 1):
         assert after[rank] == [s for s in full[rank] if s["step"] >= saved]
+
+
+def test_store_data_module_trains_and_validates_in_one_process(store, tmp_path):
+    """fastdata.integrations.lightning.StoreDataModule: stores by path, opened in setup(), the
+    train loader shuffled by a DistributedShardSampler (Lightning adds no sampler of its own)."""
+    import lightning as L
+    import torch
+
+    from fastdata import transforms
+    from fastdata.integrations.lightning import StoreDataModule
+    from fastdata.reader.sampler import DistributedShardSampler
+
+    seen: dict[str, list[tuple[int, list[int]]]] = {"train": [], "val": []}
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(3 * 16 * 16, 2)
+
+        def training_step(self, batch, _):
+            seen["train"].append((self.current_epoch, batch["index"].tolist()))
+            return torch.nn.functional.cross_entropy(self.net(batch["image"].float().flatten(1)), batch["index"] % 2)
+
+        def validation_step(self, batch, _):
+            seen["val"].append((self.current_epoch, batch["index"].tolist()))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = StoreDataModule(train=store, val=store, batch_size=20, num_workers=0,
+                           dataset_options={"output": "tensor"},
+                           train_options={"decode": transforms.RandomResizedCrop(16)},
+                           sampler_options={"seed": 3})
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                        default_root_dir=tmp_path)
+    trainer.fit(Module(), datamodule=data)
+    assert isinstance(trainer.train_dataloader.sampler, DistributedShardSampler)
+    for epoch in (0, 1):
+        train = [i for e, batch in seen["train"] if e == epoch for i in batch]
+        assert sorted(train) == list(range(SAMPLES))
+        assert [i for e, batch in seen["val"] if e == epoch for i in batch] == list(range(SAMPLES))
+    assert [b for e, b in seen["train"] if e == 0] != [b for e, b in seen["train"] if e == 1]
+    with pytest.raises(ValueError, match="at least one"):
+        StoreDataModule()

@@ -31,7 +31,7 @@ LAYERS = {
     "remote": 3,
     "writer": 4, "reader": 4,
     "tools": 5, "bench": 5,
-    "cli": 6,
+    "cli": 6, "integrations": 6,
 }
 #: the facade and the alias modules for public paths: on top of everything
 TOP = 7
