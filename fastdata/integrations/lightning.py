@@ -7,7 +7,7 @@ the common case: one store (path, URL or dataset) per stage, opened in each proc
 calls ``setup``, read through ``fastdata.loader`` with a :class:`fastdata.DistributedShardSampler`
 for training.
 
-Requires ``lightning`` (or the older ``pytorch_lightning`` package).
+Requires the ``lightning`` package.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-try:  # the unified package first, then the standalone one it grew from
+try:
     from lightning.pytorch import LightningDataModule
-except ImportError:  # pragma: no cover - depends on what is installed
-    try:
-        from pytorch_lightning import LightningDataModule
-    except ImportError as exc:
-        from fastdata.errors import MissingExtraError
+except ImportError as exc:  # pragma: no cover - depends on what is installed
+    from fastdata.errors import MissingExtraError
 
-        raise MissingExtraError("fastdata.integrations.lightning needs Lightning: pip install lightning") from exc
+    raise MissingExtraError("fastdata.integrations.lightning needs Lightning: pip install lightning") from exc
 
 from fastdata.reader.loader import loader
 from fastdata.reader.open import open_dataset
