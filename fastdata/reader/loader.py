@@ -335,6 +335,9 @@ def loader(dataset, batch_size: int = 64, *, seed: int | None = None, **kwargs) 
         if not hasattr(dataset, "seed"):
             raise ValueError("seed= applies to fastdata datasets (the seed of their decode-time crops)")
         dataset.seed = int(seed)
+    for key in ("sampler", "batch_sampler"):  # sampler=None means no sampler, as in DataLoader
+        if key in kwargs and kwargs[key] is None:
+            del kwargs[key]
     if "sampler" not in kwargs and "batch_sampler" not in kwargs:
         kwargs.setdefault("shuffle", True)
     reseeds = bool(kwargs.get("shuffle")) and kwargs.get("generator") is None

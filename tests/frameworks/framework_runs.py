@@ -62,8 +62,13 @@ def crops_by_epoch(logs: dict[int, list[dict]]) -> dict[int, dict[int, str]]:
     return crops
 
 
-def check_crops_change(logs: dict[int, list[dict]], at_least: float = 0.9) -> float:
-    """The fraction of samples whose random crop differs between epochs 0 and 1 (asserted >= at_least)."""
+def check_epochs_differ(logs: dict[int, list[dict]], at_least: float = 0.9) -> float:
+    """Epoch 1 is a new epoch: another order than epoch 0's on every rank, and a new random crop
+    for at least ``at_least`` of the samples. Returns the fraction of new crops."""
+    order = order_by_epoch(logs)
+    for rank in sorted(logs):
+        assert order[0][rank] != order[1][rank], f"rank {rank} read epoch 1 in epoch 0's order"
+        assert order[0][rank] != sorted(order[0][rank]), f"rank {rank} read epoch 0 in storage order, unshuffled"
     crops = crops_by_epoch(logs)
     common = set(crops[0]) & set(crops[1])
     assert common, "no sample seen in both epochs"

@@ -11,7 +11,7 @@ Lightning's sampler wrapper (150 of 300 samples never seen); one made in ``__ini
 from __future__ import annotations
 
 import pytest
-from framework_runs import SAMPLES, check_crops_change, check_every_sample_once, read_logs, torchrun
+from framework_runs import SAMPLES, check_epochs_differ, check_every_sample_once, read_logs, torchrun
 
 pytest.importorskip("lightning")
 
@@ -24,7 +24,7 @@ def test_sampler_made_in_train_dataloader_splits_once_and_resumes_exactly(store,
     torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "full"))
     full = read_logs(tmp_path / "full")
     check_every_sample_once(full, SAMPLES, epochs=2)
-    check_crops_change(full)
+    check_epochs_differ(full)
 
     crashed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "crash"), "--ckpt-dir",
                        str(tmp_path / "ckpt"), "--crash-at", "22", check=False)
@@ -51,7 +51,7 @@ def test_every_sample_once_per_epoch(store, tmp_path, sampler, workers, distribu
     torchrun("lightning_ddp.py", *args, *([] if distributed_sampler else ["--no-distributed-sampler"]))
     logs = read_logs(tmp_path)
     check_every_sample_once(logs, SAMPLES, epochs=2)
-    check_crops_change(logs)
+    check_epochs_differ(logs)
 
 
 @pytest.mark.slow

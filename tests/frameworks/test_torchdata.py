@@ -9,7 +9,7 @@ import hashlib
 
 import numpy as np
 import pytest
-from framework_runs import SAMPLES, check_crops_change, check_every_sample_once, order_by_epoch, read_logs, torchrun
+from framework_runs import SAMPLES, check_epochs_differ, check_every_sample_once, order_by_epoch, read_logs, torchrun
 
 import fastdata
 from fastdata import transforms
@@ -22,7 +22,7 @@ def test_stateful_dataloader_two_ranks_resumed_mid_epoch(store, tmp_path):
     torchrun("torchdata_stateful.py", "--store", str(store), "--log-dir", str(tmp_path), "--stop-after", "6")
     logs = read_logs(tmp_path)
     check_every_sample_once(logs, SAMPLES, epochs=2)
-    check_crops_change(logs)
+    check_epochs_differ(logs)
     order = order_by_epoch(logs)
     dataset = fastdata.open_dataset(store, output="tensor", decode=transforms.RandomResizedCrop(16), seed=0)
     for rank in (0, 1):

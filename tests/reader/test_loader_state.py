@@ -141,3 +141,14 @@ def test_an_explicitly_split_shard_sampler_under_accelerates_wrapper_fails_befor
         assert len(list(explicit.sampler)) == N // 2
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_sampler_none_shuffles_like_no_sampler(store):
+    """``sampler=None`` (what code that picks a sampler or none passes) is no sampler: the
+    loader's default shuffle, not storage order."""
+    ds = fastdata.open_dataset(store, output="tensor")
+    for loader in (fastdata.loader(ds, batch_size=6, num_workers=0, sampler=None),
+                   fastdata.loader(ds, batch_size=6, num_workers=0, batch_sampler=None)):
+        assert isinstance(loader.sampler, torch.utils.data.RandomSampler)
+        order = [int(i) for b in loader for i in b["index"]]
+        assert sorted(order) == list(range(N)) and order != list(range(N))
