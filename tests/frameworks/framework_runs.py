@@ -85,3 +85,32 @@ def order_by_epoch(logs: dict[int, list[dict]]) -> dict[int, list[list[int]]]:
             per_rank = order.setdefault(step["epoch"], [[] for _ in logs])
             per_rank[rank].extend(step["index"])
     return order
+
+
+def expected_steps(store: Path, rank: int, epochs: int, batch_size: int = 10, ranks: int = 2,
+                   seed: int = 0) -> list[dict]:
+    """The step records an uninterrupted run must log on ``rank``: the batches of a
+    ``DistributedShardSampler(seed=seed)`` over ``ranks`` ranks, epoch by epoch, each sample's crop
+    computed from the store as the dataset draws it for that epoch (``RandomResizedCrop(16)``,
+    the examples' seed 0), steps numbered from 0 over the epochs."""
+    import hashlib
+
+    import numpy as np
+
+    import fastdata
+    from fastdata import transforms
+    from fastdata.reader.seeding import EpochIndex
+
+    dataset = fastdata.open_dataset(store, output="tensor", decode=transforms.RandomResizedCrop(16), seed=seed)
+    sampler = fastdata.DistributedShardSampler(dataset, num_replicas=ranks, rank=rank, seed=seed)
+    steps, step = [], 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, len(order), batch_size):
+            indices = order[start:start + batch_size]
+            crops = [hashlib.blake2b(np.ascontiguousarray(dataset[EpochIndex(i, epoch)]["image"].numpy()).tobytes(),
+                                     digest_size=8).hexdigest() for i in indices]
+            steps.append({"epoch": epoch, "step": step, "index": indices, "crop": crops})
+            step += 1
+    return steps

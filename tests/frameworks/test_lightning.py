@@ -11,32 +11,34 @@ Lightning's sampler wrapper (150 of 300 samples never seen); one made in ``__ini
 from __future__ import annotations
 
 import pytest
-from framework_runs import SAMPLES, check_epochs_differ, check_every_sample_once, read_logs, torchrun
+from framework_runs import SAMPLES, check_epochs_differ, check_every_sample_once, expected_steps, read_logs, torchrun
 
 pytest.importorskip("lightning")
 
 
 def test_sampler_made_in_train_dataloader_splits_once_and_resumes_exactly(store, tmp_path):
-    """Default Trainer: every sample once per epoch on 2 ranks, new crops in epoch 1; a crash in
-    epoch 1 resumed with fit(ckpt_path=last.ckpt) continues exactly as the uninterrupted run
-    (same samples, same order, same crops), through the loader's own state in the checkpoint."""
+    """Default Trainer, a DistributedShardSampler made in train_dataloader(), 2 workers per rank.
+    A run that crashes in epoch 1 (global step 22) and is resumed with fit(ckpt_path=last.ckpt)
+    (the checkpoint after step 20, 5 batches into epoch 1) trains on exactly what an uninterrupted
+    run does: every sample once per epoch over the 2 ranks, the sampler's order, each epoch's crops
+    (computed here from the store), with no state code in the module: the loader's own state
+    rides in Lightning's checkpoint."""
     run = ["--store", str(store), "--sampler", "hook", "--workers", "2"]
-    torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "full"))
-    full = read_logs(tmp_path / "full")
-    check_every_sample_once(full, SAMPLES, epochs=2)
-    check_epochs_differ(full)
-
     crashed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "crash"), "--ckpt-dir",
                        str(tmp_path / "ckpt"), "--crash-at", "22", check=False)
     assert crashed.returncode != 0 and "simulated crash at step 22" in crashed.stderr + crashed.stdout
-    # the last checkpoint is after step 20: epoch 1 (steps 15-29), 5 batches in
     resumed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "resume"), "--resume",
                        str(tmp_path / "ckpt" / "last.ckpt"))
     assert "not resumable" not in resumed.stderr + resumed.stdout
-    after = read_logs(tmp_path / "resume")
+    before, after = read_logs(tmp_path / "crash"), read_logs(tmp_path / "resume")
     for rank in (0, 1):
-        assert [s["step"] for s in after[rank]] == list(range(20, 30))
-        assert after[rank] == [s for s in full[rank] if s["step"] >= 20], f"rank {rank} did not resume exactly"
+        assert [s["step"] for s in before[rank]] == list(range(22))
+        assert [s["step"] for s in after[rank]] == list(range(20, 30)), "the resumed run did not start at step 20"
+    combined = {rank: [s for s in before[rank] if s["step"] < 20] + after[rank] for rank in (0, 1)}
+    check_every_sample_once(combined, SAMPLES, epochs=2)
+    check_epochs_differ(combined)
+    for rank in (0, 1):
+        assert combined[rank] == expected_steps(store, rank, epochs=2), f"rank {rank} did not resume exactly"
 
 
 @pytest.mark.slow
