@@ -10,8 +10,10 @@ Public API::
     fastdata.verify(store, decode=False) -> VerifyReport
     fastdata.info(store) -> dict
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
-    fastdata.seed_worker, fastdata.loader, fastdata.collate
-    fastdata.DistributedShardSampler
+    fastdata.seed_worker, fastdata.collate
+    fastdata.loader(dataset, batch_size) -> Loader (state_dict/load_state_dict, set_epoch)
+    fastdata.DistributedShardSampler (a DistributedSampler; ranks resolved when first used)
+    fastdata.integrations.lightning.StoreDataModule (optional: needs lightning)
     fastdata.random_split, fastdata.StoreSubset (ds.subset(indices), ds.column(name))
     fastdata.mix(sources, weights=None, **options) -> MixedDataset
     fastdata.PatchDataset, fastdata.Stitcher, fastdata.stitch
