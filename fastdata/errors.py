@@ -98,3 +98,9 @@ class RemoteStoreError(FastdataError):
 class CacheFullError(FastdataError):
     """The local cache of remote shards cannot make room (its limit is below the shards in
     use at once, or its disk is full); the message names the cache directory."""
+
+
+class ReadLimitError(FastdataError, ValueError):
+    """A read would decode more bytes than a reader-side limit allows (one region read, or the
+    lazy values one batch collates); the limits are the user's (environment variables), never
+    the store's. The message names the sample and field and the setting that raises the limit."""
