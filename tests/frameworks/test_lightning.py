@@ -115,3 +115,34 @@ def test_store_data_module_trains_and_validates_in_one_process(store, tmp_path):
     assert [b for e, b in seen["train"] if e == 0] != [b for e, b in seen["train"] if e == 1]
     with pytest.raises(ValueError, match="at least one"):
         StoreDataModule()
+
+
+@pytest.mark.parametrize("inside_hook", [False, True])
+def test_lightning_rebuilds_a_fastdata_loader_with_its_sampler_and_keeps_the_epoch(store, inside_hook):
+    """What Lightning does under DDP to a loader whose sampler is not a DistributedSampler
+    (``_update_dataloader``, the real function): rebuild it with its own sampler, from the saved
+    init arguments when the loader was made inside a hook, else from its attributes. The rebuilt
+    loader is still a fastdata loader whose batches carry the new sampler's epoch."""
+    import torch
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    import fastdata
+    from fastdata.reader.loader import EpochBatchSampler, Loader
+    from fastdata.reader.seeding import EpochIndex
+
+    ds = fastdata.open_dataset(store, output="tensor")
+    if inside_hook:  # as Lightning calls train_dataloader() (data_connector.py): init arguments recorded
+        with _replace_dunder_methods(torch.utils.data.DataLoader, "dataset"), \
+                _replace_dunder_methods(torch.utils.data.BatchSampler):
+            loader = fastdata.loader(ds, batch_size=10, num_workers=0)
+    else:
+        loader = fastdata.loader(ds, batch_size=10, num_workers=0)
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    rebuilt = _update_dataloader(loader, sampler)
+    assert isinstance(rebuilt, Loader) and isinstance(rebuilt.batch_sampler, EpochBatchSampler)
+    assert rebuilt.batch_sampler.sampler is sampler and len(rebuilt) == 15
+    sampler.set_epoch(3)  # Lightning's _set_sampler_epoch
+    batches = list(rebuilt.batch_sampler)
+    assert all(isinstance(b[0], EpochIndex) and b[0].epoch == 3 for b in batches)
+    assert [i for b in batches for i in b] == list(sampler)
