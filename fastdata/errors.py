@@ -101,6 +101,7 @@ class CacheFullError(FastdataError):
 
 
 class ReadLimitError(FastdataError, ValueError):
-    """A read would decode more bytes than a reader-side limit allows (one region read, or the
-    lazy values one batch collates); the limits are the user's (environment variables), never
-    the store's. The message names the sample and field and the setting that raises the limit."""
+    """A read would cost more than a reader-side limit allows: the bytes one region read or the
+    lazy values of one batch decode (``FASTDATA_MAX_REGION_BYTES``, ``FASTDATA_MAX_BATCH_BYTES``),
+    or the tiles of one sample's patch grid. The limits are the user's, never the store's; the
+    message names the sample and field and the setting that raises the limit."""

@@ -39,12 +39,20 @@ MAX_STORED_CHUNK_BYTES = (1 << 32) - 1
 
 
 def grid_shape(shape: Sequence[int], chunks: Sequence[int]) -> tuple[int, ...]:
-    """Chunks along each axis of a value of ``shape``."""
-    return tuple(-(-s // c) for s, c in zip(shape, chunks, strict=True))
+    """Chunks along each axis of a value of ``shape`` (Python ints: nothing is iterated)."""
+    return tuple(-(-int(s) // int(c)) for s, c in zip(shape, chunks, strict=True))
+
+
+def is_empty(shape: Sequence[int]) -> bool:
+    """Whether a value of ``shape`` has no element (an axis of size 0, whatever the others:
+    ``[2**40, 0, 20]`` is empty and has no chunk)."""
+    return any(int(s) == 0 for s in shape)
 
 
 def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:
-    """Chunks of a value of ``shape`` (0 when any axis is empty)."""
+    """Chunks of a value of ``shape`` (0 when any axis is empty), with Python ints."""
+    if is_empty(shape):
+        return 0
     return math.prod(grid_shape(shape, chunks))
 
 
@@ -54,7 +62,10 @@ def chunk_region(position: Sequence[int], shape: Sequence[int], chunks: Sequence
 
 
 def iter_grid(shape: Sequence[int], chunks: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    """Grid positions of every chunk, in storage (C) order."""
+    """Grid positions of every chunk, in storage (C) order (none for an empty value: the other
+    axes' ranges are never walked, which ``itertools.product`` would do before yielding)."""
+    if is_empty(shape):
+        return iter(())
     return itertools.product(*(range(n) for n in grid_shape(shape, chunks)))
 
 

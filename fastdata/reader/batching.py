@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fastdata.reader import batch_ring
-from fastdata.reader.chunked import ChunkedArray
+from fastdata.reader.chunked import ChunkedArray, check_batch_bytes
 
 #: skips counted in DataLoader workers, received with their batches: dataset token -> count
 WORKER_SKIPS: defaultdict[str, int] = defaultdict(int)
@@ -376,7 +376,8 @@ def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
 
     A chunked field's lazy arrays (:class:`~fastdata.reader.chunked.ChunkedArray`) are read whole
     first, where the batch is collated (in a DataLoader worker), then collated as numpy arrays:
-    to train on parts of them, cut patches with :class:`fastdata.PatchDataset`.
+    to train on parts of them, cut patches with :class:`fastdata.PatchDataset`. Together they
+    may decode at most ``FASTDATA_MAX_BATCH_BYTES`` (default 4 GiB), checked before any is read.
 
     Rule 3 depends on the batch: a ragged field whose samples happen to share a
     length (every image with 2 boxes) is stacked by rule 2. Name such fields in
@@ -393,6 +394,7 @@ def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
     Raises:
         ValueError: an empty batch, or samples whose keys or lengths differ (names
             the first differing sample).
+        ReadLimitError: the batch's chunked values would decode more than the batch limit.
     """
     if not len(batch):
         raise ValueError("collate_samples: the batch is empty")
@@ -403,6 +405,7 @@ def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
             if not isinstance(sample, Mapping) or list(sample) != keys:
                 raise ValueError(f"collate_samples: sample {i} of the batch has keys {_keys_of(sample)}, "
                                  f"sample 0 has {keys}; every sample of a batch needs the same fields")
+        check_batch_bytes([s[key] for s in batch for key in keys])  # before any lazy value is read
         columns = {key: _read_lazy([s[key] for s in batch]) for key in keys}
         stacked = _stack_in_ring({key: values for key, values in columns.items() if key not in ragged})
         return {key: stacked[key] if key in stacked else _collate_values(values, key in ragged)
@@ -412,9 +415,11 @@ def collate_samples(batch: Sequence, *, ragged: Collection[str] = ()) -> Any:
             if not isinstance(sample, (tuple, list)) or len(sample) != len(first):
                 raise ValueError(f"collate_samples: sample {i} of the batch is not a tuple of {len(first)} "
                                  "items like sample 0")
+        check_batch_bytes([v for s in batch for v in s])
         positions = zip(*batch, strict=True)
         return tuple(list(col) if isinstance(col[0], Mapping) else _collate_values(list(col), False)
                      for col in positions)
+    check_batch_bytes(batch)
     return _collate_values(list(batch), False)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from fastdata.errors import CorruptRecordError, FastdataError, StoreChangedError
+from fastdata.errors import CorruptRecordError, FastdataError, ReadLimitError, StoreChangedError
 from fastdata.format.chunks import ChunkTable, chunk_region, grid_shape, linear_index
 from fastdata.format.chunk_codecs import chunk_codec
 from fastdata.format.fields import Chunked
@@ -31,16 +31,55 @@ from fastdata.format.fields import Chunked
 #: chunks fetched from the shard at once (one read transaction / one readahead advice)
 FETCH_BATCH = 64
 #: most bytes one read may return unless ``FASTDATA_MAX_REGION_BYTES`` says otherwise
-DEFAULT_MAX_REGION_BYTES = 16 << 30
+DEFAULT_MAX_REGION_BYTES = 2 << 30
+#: most bytes the lazy chunked values of one collated batch may decode together unless
+#: ``FASTDATA_MAX_BATCH_BYTES`` says otherwise
+DEFAULT_MAX_BATCH_BYTES = 4 << 30
+#: the environment variables that set the two limits (bytes, a decimal integer)
+REGION_LIMIT_ENV = "FASTDATA_MAX_REGION_BYTES"
+BATCH_LIMIT_ENV = "FASTDATA_MAX_BATCH_BYTES"
+
+
+def _limit(env: str, default: int) -> int:
+    try:
+        value = int(os.environ.get(env, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def max_region_bytes() -> int:
-    """The most bytes one region read may allocate (``FASTDATA_MAX_REGION_BYTES``, default 16 GiB):
-    a stored shape is not trusted to size an allocation by itself."""
-    try:
-        return int(os.environ.get("FASTDATA_MAX_REGION_BYTES", DEFAULT_MAX_REGION_BYTES))
-    except ValueError:
-        return DEFAULT_MAX_REGION_BYTES
+    """The most bytes one region read may allocate (``FASTDATA_MAX_REGION_BYTES``, default 2 GiB):
+    a stored shape is not trusted to size an allocation by itself, and only the user (the
+    environment of the reading process), never a store, raises it."""
+    return _limit(REGION_LIMIT_ENV, DEFAULT_MAX_REGION_BYTES)
+
+
+def max_batch_bytes() -> int:
+    """The most bytes the lazy chunked values of one batch may decode together when collated
+    (``FASTDATA_MAX_BATCH_BYTES``, default 4 GiB)."""
+    return _limit(BATCH_LIMIT_ENV, DEFAULT_MAX_BATCH_BYTES)
+
+
+def check_batch_bytes(values: Sequence[Any]) -> None:
+    """Refuse, before anything is read, a batch whose lazy chunked values (``ChunkedArray`` among
+    ``values``; other values are ignored) would decode to more than :func:`max_batch_bytes` in all
+    (each one is also held to :func:`max_region_bytes` when it is read).
+
+    Raises:
+        ReadLimitError: naming the largest value (its store, record, sample and field) and the setting.
+    """
+    lazy = [v for v in values if isinstance(v, ChunkedArray)]
+    if not lazy:
+        return
+    total = sum(v.nbytes for v in lazy)  # Python ints: no product or sum can wrap
+    limit = max_batch_bytes()
+    if total > limit:
+        largest = max(lazy, key=lambda v: v.nbytes)
+        raise ReadLimitError(f"a batch of {len(lazy)} chunked values would decode {total:,} bytes, more than the "
+                             f"{limit:,} one batch may ({BATCH_LIMIT_ENV}); the largest is {largest._where} of shape "
+                             f"{list(largest.shape)} {largest.dtype.name} ({largest.nbytes:,} bytes): set "
+                             f"{BATCH_LIMIT_ENV} higher or use a smaller batch")
 
 
 class _Axis:
@@ -54,11 +93,20 @@ class _Axis:
 
     def pieces(self, chunk: int, size: int) -> list[tuple[int, slice, slice]]:
         """``(chunk number, slice inside the chunk, slice of the output)`` for every chunk this
-        selection takes at least one index from."""
+        selection takes at least one index from, and no other: a step of a chunk or more takes
+        one index per chunk (``count`` pieces), a smaller step takes at least one index from
+        every chunk between its first and last (so at most ``count`` pieces either way, and at
+        most the axis' chunk count)."""
         if self.count == 0:
             return []
         hi = self.lo + (self.count - 1) * self.step
         out = []
+        if self.step >= chunk:
+            for k in range(self.count):
+                i = self.lo + k * self.step
+                c, inside = divmod(i, chunk)
+                out.append((c, slice(inside, inside + 1), slice(k, k + 1)))
+            return out
         for c in range(self.lo // chunk, hi // chunk + 1):
             begin, end = c * chunk, min((c + 1) * chunk, size)
             first = self.lo if begin <= self.lo else self.lo + -(-(begin - self.lo) // self.step) * self.step
@@ -182,28 +230,33 @@ class ChunkedArray:
         Raises:
             IndexError: a bad index (out of range, not basic indexing).
             CorruptRecordError: a chunk it needs is missing or damaged (naming the sample, field and chunk).
-            ValueError: the region is larger than :func:`max_region_bytes`.
+            ReadLimitError: the region is larger than :func:`max_region_bytes` (a ``ValueError`` too).
         """
         axes = _axes(key, self.shape)
         out_shape = tuple(a.count for a in axes)
-        size = math.prod(out_shape) * self.dtype.itemsize
+        result_shape = tuple(n for n, a in zip(out_shape, axes, strict=True) if not a.drop)
+        elements = math.prod(out_shape)  # Python ints, from the shape alone
+        if elements == 0:  # an empty value or region: nothing to read, whatever the other axes' sizes
+            return np.empty(result_shape, dtype=self.dtype)
+        size = elements * self.dtype.itemsize
         if size > max_region_bytes():
-            raise ValueError(f"{self._where}: a region of {list(out_shape)} {self.dtype.name} is {size:,} bytes, more "
-                             f"than the {max_region_bytes():,} one read may allocate (FASTDATA_MAX_REGION_BYTES); "
-                             "read it in parts")
+            raise ReadLimitError(f"{self._where}: a region of {list(out_shape)} {self.dtype.name} is {size:,} bytes, "
+                                 f"more than the {max_region_bytes():,} one read may allocate ({REGION_LIMIT_ENV}); "
+                                 f"read it in parts or set {REGION_LIMIT_ENV} higher")
         out = np.empty(out_shape, dtype=self.dtype)
         per_axis = [a.pieces(c, s) for a, c, s in zip(axes, self.chunks, self.shape, strict=True)]
         grid = grid_shape(self.shape, self.chunks)
         jobs = [(linear_index(tuple(p[0] for p in combo), grid), combo) for combo in itertools.product(*per_axis)]
-        scratch: dict[tuple[int, ...], np.ndarray] = {}  # one decode buffer per chunk shape (edges differ)
+        # one decode buffer, the size of the largest chunk this value has, viewed at each chunk's own
+        # (edge-truncated) shape: bounded by the chunk shape however many edge shapes there are
+        largest = math.prod(min(int(c), int(s)) for c, s in zip(self.chunks, self.shape, strict=True))
+        scratch = np.empty(largest, dtype=self._field.dtype)
 
         def place(k: int, data: Any) -> None:
             j, combo = batch[k]
             position = tuple(p[0] for p in combo)
             shape = tuple(r.stop - r.start for r in chunk_region(position, self.shape, self.chunks))
-            decoded = scratch.get(shape)
-            if decoded is None:
-                decoded = scratch[shape] = np.empty(shape, dtype=self._field.dtype)
+            decoded = scratch[:math.prod(shape)].reshape(shape)
             self._codec.decode_into(data, decoded, f"{self._where} chunk {j}")  # damage: reported by _read
             out[tuple(p[2] for p in combo)] = decoded[tuple(p[1] for p in combo)]
 
@@ -214,8 +267,7 @@ class ChunkedArray:
         flips = tuple(slice(None, None, -1) if a.flip else slice(None) for a in axes)
         if any(a.flip for a in axes):
             out = np.ascontiguousarray(out[flips])
-        drops = tuple(i for i, a in enumerate(axes) if a.drop)
-        return out.reshape(tuple(n for i, n in enumerate(out_shape) if i not in drops)) if drops else out
+        return out.reshape(result_shape) if len(result_shape) != len(out_shape) else out
 
     def read(self, start: Sequence[int], size: Sequence[int]) -> np.ndarray:
         """The box of ``size`` starting at ``start`` (one entry per axis), refused unless it lies

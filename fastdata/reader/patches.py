@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fastdata.errors import CorruptRecordError, MissingExtraError
+from fastdata.errors import CorruptRecordError, MissingExtraError, ReadLimitError
 from fastdata.reader.batching import Samples
 from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.seeding import EpochIndex, epoch_of, sample_rng
@@ -72,6 +72,8 @@ _TAG_PATCH = 0x5EED_0A7C
 _U64 = (1 << 64) - 1
 #: most elements (spatial voxels x trailing elements) read at once while a foreground map is built
 MAP_BLOCK_ELEMENTS = 1 << 22
+#: most tiles one sample's grid may have (counted with Python ints: an int64 product would wrap)
+MAX_GRID_TILES = 1 << 32
 
 
 def _is_int(value: Any) -> bool:
@@ -327,7 +329,7 @@ class PatchDataset(Dataset):
         if sampler == "grid":
             self._fill_all_shapes()
             self._tile_counts = self._grid_counts(self._shapes)
-            per_sample = self._tile_counts.prod(axis=1)
+            per_sample = self._tile_totals(self._tile_counts)
         else:
             self._tile_counts = np.zeros((0, len(self.patch_size)), dtype=np.int64)
             per_sample = np.full(self._n, self.patches_per_sample, dtype=np.int64)
@@ -496,6 +498,30 @@ class PatchDataset(Dataset):
         step = np.maximum(extent - np.array(self.overlap)[None, :], 1)
         more = np.maximum(shapes - extent, 0)
         return (1 + -(-more // step)).astype(np.int64)
+
+    def _tile_totals(self, counts: np.ndarray) -> np.ndarray:
+        """Tiles of each sample's grid (the product of ``counts``' rows), refused for a sample with
+        more than :data:`MAX_GRID_TILES`: the products are checked with Python ints wherever an int64
+        product could come near the bound (a stored shape such as ``[2**40, 2**40, 0]`` would wrap
+        to no tile at all).
+
+        Raises:
+            ReadLimitError: naming the sample, its shape and tile counts.
+        """
+        if not len(counts):
+            return np.zeros(0, dtype=np.int64)
+        rough = counts.astype(np.float64).prod(axis=1)  # no wrap; exact enough to find candidates
+        for i in np.flatnonzero(rough > MAX_GRID_TILES / 2).tolist():
+            tiles = math.prod(int(n) for n in counts[i].tolist())
+            if tiles > MAX_GRID_TILES:
+                raise ReadLimitError(
+                    f"sample {i}: field {self._shape_field()!r} of leading shape {self._shapes[i].tolist()} makes a "
+                    f"grid of {counts[i].tolist()} = {tiles:,} tiles of patch_size {self.patch_size}, more than the "
+                    f"{MAX_GRID_TILES:,} one sample may have (fastdata.reader.patches.MAX_GRID_TILES)")
+        totals = counts.prod(axis=1)
+        if sum(int(t) for t in totals.tolist()) >= 1 << 62:
+            raise ReadLimitError(f"the grid's tiles over {len(counts)} samples are too many to index")
+        return totals
 
     def _too_small(self, sample: int, field: str, axis: int, size: int, patch: int) -> None:
         raise ValueError(
