@@ -55,7 +55,7 @@ from fastdata.remote.store import is_remote
 from fastdata.writer.append import open_base, schema_differences
 from fastdata.writer.lock import StoreLock, raise_if_locked
 from fastdata.writer.pipeline import PublishedBase, clear_store, io_error
-from fastdata.writer.session import check_destination
+from fastdata.writer.session import check_destination, refuse_input_as_destination
 from fastdata.writer.resume import describe_storage
 
 #: what a merged store's ``options.source`` says
@@ -142,6 +142,7 @@ def _merge_local(given: list[str], dst: str, overwrite: bool, link: bool) -> Mer
     dst = os.path.abspath(dst)
     if dst in paths:
         raise MergeError(f"{dst} is one of the inputs: merge into a new store")
+    refuse_input_as_destination(dst, paths, MergeError)  # (a symlink, a bind mount or a folder inside an input)
     for path in paths:
         raise_if_locked(path)
     bases = [open_base(p) for p in paths]

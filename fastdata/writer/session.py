@@ -113,6 +113,57 @@ def check_destination(dst: str, resume: bool, overwrite: bool) -> None:
                            "or --overwrite to start again")
 
 
+def _identities(path: str) -> list[tuple[tuple[int, int], str]]:
+    """``((st_dev, st_ino), path)`` of ``path`` once resolved and of each of its folders up to ``/``
+    (those that exist: a destination not made yet is placed by its nearest existing folder)."""
+    out = []
+    cur = os.path.realpath(path)
+    while True:
+        try:
+            st = os.stat(cur)
+            out.append(((st.st_dev, st.st_ino), cur))
+        except OSError:
+            pass
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return out
+        cur = parent
+
+
+def refuse_input_as_destination(dst: str, inputs: list[str], error: type[Exception] = StoreExistsError,
+                                inside: bool = True) -> None:
+    """Refuse a destination that is one of ``inputs`` under another name, or would hold one.
+
+    Compared by identity, not by name: the resolved paths' ``(st_dev, st_ino)``, so a symbolic
+    link, a ``..`` spelling or a bind mount of an input is recognised. Refused: ``dst`` is an
+    input; an input lies inside ``dst`` (clearing it would delete the input); with ``inside``,
+    ``dst`` lies inside an input, also when ``dst`` does not exist yet and only a folder above it
+    resolves into the input (a merge would write into an input store). Inputs that do not exist
+    (a glob, a Python object) are skipped.
+
+    Raises:
+        error: naming both paths (``StoreExistsError`` by default; merge raises ``MergeError``).
+    """
+    chain = _identities(dst)
+    exists = bool(chain) and chain[0][1] == os.path.realpath(dst)
+    for given in inputs:
+        try:
+            st = os.stat(given)
+        except OSError:
+            continue
+        ident = (st.st_dev, st.st_ino)
+        if exists and chain[0][0] == ident:
+            kind = "folder" if os.path.isdir(given) else "file"
+            raise error(f"the destination {dst} is the input {given} (the same {kind}, {chain[0][1]}): write into "
+                        "a new destination")
+        if inside and any(i == ident for i, _ in chain):
+            raise error(f"the destination {dst} lies inside the input {given} (resolved: {os.path.realpath(dst)}): "
+                        "write into a destination outside every input")
+        if exists and any(i == chain[0][0] for i, _ in _identities(given)[1:]):
+            raise error(f"the input {given} lies inside the destination {dst} (resolved: {chain[0][1]}): write into "
+                        "a destination that holds no input")
+
+
 class WriteSession:
     """One write of ``source`` into ``dst`` (a directory or a URL) with ``options``; :meth:`run` does it.
 
@@ -176,6 +227,9 @@ class WriteSession:
         if group.world_size == 1:  # (ranks: rank 0 checks it while preparing, so that all ranks stop together)
             raise_if_locked(dst)  # a live writer is named before any other complaint about DST
         dst = os.path.abspath(dst)
+        recorded_source = source.recorded_source
+        if isinstance(recorded_source, str) and os.path.isabs(recorded_source):  # a path source: never written
+            refuse_input_as_destination(dst, [recorded_source], inside=False)  # into, nor deleted
         self.base = append.open_base(dst) if o.append else None
         recorded: RecordedRun | None
         if self.base is not None:

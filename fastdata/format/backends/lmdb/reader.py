@@ -444,6 +444,12 @@ class LMDBShardReader(ShardReader):
         it runs (see :meth:`ShardReader.read_chunks`): a chunk is decoded from the map, not copied."""
         if self.chunks_db is None:
             raise CorruptRecordError(f"{where}: the shard {self.path} has no chunks database", shard=self.path)
+        # a chunk key is a u64 of the index; the shard's chunks are keyed 0, 1, ... (Python ints: no wrap)
+        last = int(first) + max((int(c) for c in chunks), default=0)
+        if not 0 <= int(first) <= last < spec.MAX_CHUNK_KEY:
+            raise CorruptRecordError(f"{where}: the index places its chunks at keys {int(first):,} .. {last:,} of "
+                                     f"{self.path}, outside 0 .. {spec.MAX_CHUNK_KEY - 1:,} (the index is damaged); "
+                                     "run 'fastdata verify'", shard=self.path)
         j = -1
         pages = self.mapped_pages
         if pages is None:

@@ -111,6 +111,9 @@ RECORD_SPANS_KEY = b"record_spans"
 TAIL_SPANS_KEY = b"tail_spans"
 CHUNK_SPANS_KEY = b"chunk_spans"
 KEY = struct.Struct(">Q")
+#: chunk keys a reader looks up are below this (the index's ``first`` + chunk, as Python ints: an
+#: int64 position, never a wrapped one)
+MAX_CHUNK_KEY = 1 << 63
 #: index key -> numpy dtype string (explicit little-endian)
 INDEX_ARRAYS = INDEX_DTYPES
 #: first map size; it doubles on MapFullError, so users never see MDB_MAP_FULL

@@ -46,7 +46,15 @@ from fastdata.format.fields import (JSON, RESERVED_NAMES, Field, Float, Image, I
                                     field_name_for)
 from fastdata.writer.ingest import Rejected, read_bytes
 
-__all__ = ["Column", "Layout", "Bad", "looks_like_image", "make_layout", "plain_table", "row_values"]
+__all__ = ["Column", "Layout", "Bad", "check_class_names", "looks_like_image", "make_layout", "plain_table",
+           "row_values"]
+
+#: the most names a ``ClassLabel`` may have (a Parquet file's metadata, a sidecar, a Dataset's features)
+MAX_CLASS_NAMES = 1_000_000
+#: the most bytes (UTF-8) a ``ClassLabel``'s names may hold together
+MAX_CLASS_NAMES_BYTES = 8 << 20
+#: features nested deeper than this are not looked into for class names
+_MAX_FEATURE_DEPTH = 32
 
 #: the first bytes of the image files a binary column is recognised by
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*", b"II+\x00",
@@ -184,8 +192,48 @@ def _feature_type(feature: Any) -> str:
     return feature.get("_type", "") if isinstance(feature, Mapping) else ""
 
 
-def _class_names(feature: Any) -> list[str] | None:
+def _names_size(names: Any, where: str) -> None:
+    if len(names) > MAX_CLASS_NAMES:
+        raise SourceError(f"{where}: a ClassLabel of {len(names):,} names, more than the {MAX_CLASS_NAMES:,} allowed")
+    total = 0
+    for n in names:
+        if isinstance(n, str):
+            total += len(n.encode("utf-8", "surrogatepass"))
+        elif isinstance(n, int | float) and not isinstance(n, bool):
+            total += 24
+        else:
+            raise SourceError(f"{where}: a ClassLabel name is a {type(n).__name__}, not a string")
+        if total > MAX_CLASS_NAMES_BYTES:
+            raise SourceError(f"{where}: a ClassLabel whose {len(names):,} names hold more than the "
+                              f"{MAX_CLASS_NAMES_BYTES:,} bytes allowed")
+
+
+def check_class_names(features: Any, where: str) -> None:
+    """Refuse a ``ClassLabel`` anywhere in ``features`` (a features dict, or one feature) with more than
+    :data:`MAX_CLASS_NAMES` names or :data:`MAX_CLASS_NAMES_BYTES` bytes of them, or a name that is
+    not a string (or number); counted before any name is copied.
+
+    Raises:
+        SourceError: naming ``where`` (the file the features come from) and the limit.
+    """
+    stack: list[tuple[Any, int]] = [(features, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > _MAX_FEATURE_DEPTH:
+            continue
+        if isinstance(value, Mapping):
+            if value.get("_type") == "ClassLabel" and isinstance(value.get("names"), list | dict):
+                names = value["names"]
+                _names_size(list(names.values()) if isinstance(names, dict) else names, where)
+                continue
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, Mapping | list))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value if isinstance(v, Mapping | list))
+
+
+def _class_names(feature: Any, where: str = "the features") -> list[str] | None:
     if _feature_type(feature) == "ClassLabel" and isinstance(feature.get("names"), list):
+        _names_size(feature["names"], where)
         return [str(n) for n in feature["names"]]
     return None
 
@@ -222,10 +270,10 @@ def column_for(name: str, t: pa.DataType, feature: Any, forced_image: bool, null
             return Column(name, name, "image", image, image_form="path")
         raise SourceError(f"{where}: column {name!r} ({t}) cannot be an image column: an image column holds "
                           "encoded bytes (binary), a struct<bytes, path> or file paths (strings)")
-    names = _class_names(feature)
+    names = _class_names(feature, f"{where}: column {name!r}")
     if names is not None and pa.types.is_integer(s):
         return Column(name, name, "class", Int("int64"), classes=tuple(names))
-    item_names = _class_names(_list_item(feature))
+    item_names = _class_names(_list_item(feature), f"{where}: column {name!r}")
     if item_names is not None and _is_list(s) and pa.types.is_integer(_storage(s.value_type)):
         return Column(name, name, "multilabel", Ragged("int64"), classes=tuple(item_names), dims=(None,))
     scalar = None

@@ -1,11 +1,18 @@
 """The Parquet files of a conversion, from their footers alone (no row is read here but the
 first value of a binary column that may hold images): each file's row groups, one schema for
 all files, the null counts of the statistics, and the Hugging Face ``features`` (class names)
-from the schema metadata or a ``dataset_info.json``/``README.md`` beside the files."""
+from the schema metadata or a ``dataset_info.json``/``README.md`` beside the files.
+
+The files' footers and sidecars are untrusted input (docs/SECURITY.md, "Sources: untrusted input
+files"): row counts are checked with Python integers against :data:`MAX_ROWS`; a sidecar is
+opened as a regular file only (``O_NONBLOCK``, checked with ``fstat``: a FIFO never blocks, a
+link to a device is refused), read up to :data:`MAX_SIDECAR_BYTES` (a card's YAML front matter
+up to :data:`MAX_CARD_BYTES`), its JSON decoded with bounded expansion, and its class lists held
+to :data:`~fastdata.writer.sources.parquet.columns.MAX_CLASS_NAMES` names and
+:data:`~fastdata.writer.sources.parquet.columns.MAX_CLASS_NAMES_BYTES` bytes."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -14,13 +21,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from fastdata.errors import SourceError
+from fastdata.common.bounded import ExpansionError, json_loads_bounded
+from fastdata.common.fileio import open_regular, read_regular
+from fastdata.errors import SourceError, UnsafeStoreError
+from fastdata.writer.sources.parquet.columns import check_class_names
 
 __all__ = ["ParquetFileInfo", "read_footers", "hf_features", "null_counts", "first_value", "open_parquet",
            "column_minimum"]
 
 #: the schema metadata key ``datasets`` writes its features under
 HF_METADATA_KEY = b"huggingface"
+#: the most rows a row group, and all the files of a conversion together, may declare
+MAX_ROWS = 1 << 48
+#: the largest ``dataset_info.json`` read for the features
+MAX_SIDECAR_BYTES = 16 << 20
+#: the most of a ``README.md`` read for its YAML front matter (which must end within it)
+MAX_CARD_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,7 @@ def read_footers(paths: list[str]) -> tuple[list[ParquetFileInfo], pa.Schema, li
     """
     infos, metas = [], []
     schema: pa.Schema | None = None
+    total = 0
     for path in paths:
         try:
             st = os.stat(path)
@@ -78,13 +95,37 @@ def read_footers(paths: list[str]) -> tuple[list[ParquetFileInfo], pa.Schema, li
         elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
             raise SourceError(f"{paths[0]} and {path} have different columns ({_difference(schema, file_schema)}): "
                               "convert files of one schema into one store")
-        groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
-        sizes = tuple(sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))
+        groups = tuple(int(meta.row_group(g).num_rows) for g in range(meta.num_row_groups))
+        total += check_row_counts(path, groups, total)
+        # (a plan estimate: a crafted size is held within the file, never refused for itself)
+        sizes = tuple(min(max(sum(int(meta.row_group(g).column(c).total_compressed_size)
+                                  for c in range(meta.num_columns)), 0), st.st_size)
                       for g in range(meta.num_row_groups))
         infos.append(ParquetFileInfo(os.path.abspath(path), st.st_size, st.st_mtime_ns, groups, sizes))
         metas.append(meta)
     assert schema is not None, "parquet_files never gives an empty list"
     return infos, schema, metas
+
+
+def check_row_counts(path: str, groups: tuple[int, ...], before: int = 0) -> int:
+    """The rows of the row groups ``groups`` of file ``path`` (its footer's ``num_rows``), checked as
+    Python integers: each from 0 to :data:`MAX_ROWS`, and ``before`` (the rows of the files before it)
+    plus all of them at most :data:`MAX_ROWS`.
+
+    Raises:
+        SourceError: a count out of range, naming the file and row group (the footer is damaged
+            or crafted: no conversion of it can succeed, ``--resume`` included).
+    """
+    total = 0
+    for g, rows in enumerate(groups):
+        if not 0 <= rows <= MAX_ROWS:
+            raise SourceError(f"{path}: its footer says row group {g} holds {rows:,} rows, not a count from 0 to "
+                              f"{MAX_ROWS:,}: the file is damaged or crafted")
+        total += rows
+    if before + total > MAX_ROWS:
+        raise SourceError(f"{path}: its footer declares {total:,} rows, {before + total:,} with the files before it, "
+                          f"more than the {MAX_ROWS:,} a conversion takes: the file is damaged or crafted")
+    return total
 
 
 def _difference(a: pa.Schema, b: pa.Schema) -> str:
@@ -157,37 +198,72 @@ def first_value(info: ParquetFileInfo, column: str) -> Any:
         f.close()
 
 
-def hf_features(schema: pa.Schema, paths: list[str]) -> tuple[dict[str, Any] | None, str]:
+def hf_features(schema: pa.Schema, paths: list[str],
+                warnings: list[str] | None = None) -> tuple[dict[str, Any] | None, str]:
     """The Hugging Face ``features`` description of the files and where it was found: the schema
     metadata's ``huggingface`` key (what ``datasets`` writes into every Parquet file), else a
     ``dataset_info.json`` or a ``README.md`` card's ``dataset_info`` beside the first file or in
-    the folder above it (a Hub repository's ``data/`` folder). ``(None, "")`` when there is none."""
+    the folder above it (a Hub repository's ``data/`` folder). ``(None, "")`` when there is none.
+
+    A sidecar that cannot be trusted to be read (a FIFO, socket, device or directory, a link to
+    one, a file over :data:`MAX_SIDECAR_BYTES`, a card whose front matter does not end within
+    :data:`MAX_CARD_BYTES`, JSON that would expand past its budget, a ``ClassLabel`` over the
+    limits of :func:`~fastdata.writer.sources.parquet.columns.check_class_names`) stops the
+    conversion; one that is merely not valid JSON/YAML/UTF-8 is skipped with a line in ``warnings``.
+
+    Raises:
+        SourceError: naming the sidecar and what is wrong with it.
+    """
+    notes = warnings if warnings is not None else []
     raw = (schema.metadata or {}).get(HF_METADATA_KEY)
     if raw:
+        where = f"the Parquet schema metadata of {paths[0]}"
         try:
-            features = json.loads(raw).get("info", {}).get("features")
-            if isinstance(features, dict):
-                return features, "the Parquet schema metadata"
-        except (ValueError, AttributeError):
-            pass
+            meta = json_loads_bounded(raw)
+            features = meta.get("info", {}).get("features") if isinstance(meta, dict) else None
+        except ExpansionError as err:
+            raise SourceError(f"{where}: its {HF_METADATA_KEY.decode()} entry {err}") from None
+        except (ValueError, AttributeError, RecursionError):
+            features = None
+        if isinstance(features, dict):
+            check_class_names(features, where)
+            return features, "the Parquet schema metadata"
     folder = os.path.dirname(os.path.abspath(paths[0]))
     for where in (folder, os.path.dirname(folder)):
         info_file = os.path.join(where, "dataset_info.json")
-        features = _features_of_info_json(info_file)
+        features = _features_of_info_json(info_file, notes)
         if features is not None:
+            check_class_names(features, info_file)
             return features, info_file
         card = os.path.join(where, "README.md")
-        features = _features_of_card(card)
+        features = _features_of_card(card, notes)
         if features is not None:
+            check_class_names(features, card)
             return features, card
     return None, ""
 
 
-def _features_of_info_json(path: str) -> dict[str, Any] | None:
+def _sidecar_refused(path: str, err: Exception) -> SourceError:
+    return SourceError(f"{err}; remove or replace {path} (read for the class names of the Parquet files) and "
+                       "convert again")
+
+
+def _features_of_info_json(path: str, notes: list[str]) -> dict[str, Any] | None:
     try:
-        with open(path, encoding="utf-8") as fh:
-            info = json.load(fh)
-    except (OSError, ValueError):
+        raw = read_regular(path, MAX_SIDECAR_BYTES, "dataset_info.json")
+    except FileNotFoundError:
+        return None
+    except UnsafeStoreError as err:
+        raise _sidecar_refused(path, err) from None
+    except OSError as err:
+        notes.append(f"{path}: not read ({err.strerror or err}); no class names from it")
+        return None
+    try:
+        info = json_loads_bounded(raw)
+    except ExpansionError as err:
+        raise _sidecar_refused(path, SourceError(f"{path}: {err}")) from None
+    except (ValueError, RecursionError) as err:
+        notes.append(f"{path}: not valid JSON ({type(err).__name__}); no class names from it")
         return None
     if isinstance(info, dict) and isinstance(info.get("features"), dict):
         return info["features"]
@@ -197,22 +273,55 @@ def _features_of_info_json(path: str) -> dict[str, Any] | None:
     return configs[0]["features"] if len(configs) == 1 else None
 
 
-def _features_of_card(path: str) -> dict[str, Any] | None:
+def _read_card(path: str) -> bytes:
+    """The first :data:`MAX_CARD_BYTES` + 1 bytes of the regular file ``path`` (at most)."""
+    fd = open_regular(path, "README.md")
+    try:
+        chunks: list[bytes] = []
+        left = MAX_CARD_BYTES + 1
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 20))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _features_of_card(path: str, notes: list[str]) -> dict[str, Any] | None:
     """A dataset card's YAML ``dataset_info.features`` (a list of ``{name, dtype}``) in the
     features form: class labels as ``ClassLabel`` with their names, images as ``Image``."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read(1 << 20)
-    except (OSError, UnicodeDecodeError):
+        data = _read_card(path)
+    except FileNotFoundError:
         return None
-    if not text.startswith("---"):
+    except UnsafeStoreError as err:
+        raise _sidecar_refused(path, err) from None
+    except OSError as err:
+        notes.append(f"{path}: not read ({err.strerror or err}); no class names from it")
         return None
-    end = text.find("\n---", 3)
+    if not data.startswith(b"---"):
+        return None
+    end = data.find(b"\n---", 3)
+    if end < 0 and len(data) > MAX_CARD_BYTES:
+        raise _sidecar_refused(path, SourceError(f"{path}: its YAML front matter does not end within the first "
+                                                 f"{MAX_CARD_BYTES:,} bytes"))
+    try:
+        text = data[3:end if end > 0 else None].decode("utf-8")
+    except UnicodeDecodeError:
+        notes.append(f"{path}: its front matter is not UTF-8; no class names from it")
+        return None
     try:
         import yaml  # (PyYAML comes with datasets; without it a card is not read)
 
-        card = yaml.safe_load(text[3:end if end > 0 else None])
-    except Exception:  # noqa: BLE001 - no yaml, or a card that is not YAML: no features from it
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        card = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader (C or Python)
+    except ImportError:
+        return None
+    except Exception as err:  # noqa: BLE001 - a card that is not YAML: no features from it
+        notes.append(f"{path}: its front matter is not YAML ({type(err).__name__}); no class names from it")
         return None
     info = card.get("dataset_info") if isinstance(card, dict) else None
     if isinstance(info, list):
@@ -225,22 +334,38 @@ def _features_of_card(path: str) -> dict[str, Any] | None:
     for entry in feats:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             continue
-        out[entry["name"]] = _card_feature(entry.get("dtype"))
+        out[entry["name"]] = _card_feature(entry.get("dtype"), path)
     return out
 
 
-def _card_feature(dtype: Any) -> Any:
+def _card_feature(dtype: Any, path: str, depth: int = 0) -> Any:
+    """One card ``dtype`` as a feature (None: not one fastdata reads); lists nested at most 8 deep,
+    class names strings or numbers only (a YAML alias may make any other value huge)."""
     if dtype == "image":
         return {"_type": "Image"}
+    if depth > 8:
+        return None
     if isinstance(dtype, dict) and isinstance(dtype.get("class_label"), dict):
         names = dtype["class_label"].get("names")
+        if isinstance(names, dict | list):
+            check_class_names({"_type": "ClassLabel", "names": names}, path)  # (its count, before any copy)
         if isinstance(names, dict):
-            ordered = sorted(names.items(), key=lambda kv: int(kv[0]))
-            return {"_type": "ClassLabel", "names": [str(v) for _, v in ordered]}
-        if isinstance(names, list):
-            return {"_type": "ClassLabel", "names": [str(v) for v in names]}
+            try:
+                ordered = sorted(((int(k), v) for k, v in names.items()), key=lambda kv: kv[0])
+            except (TypeError, ValueError):
+                return None
+            values = [v for _, v in ordered]
+        elif isinstance(names, list):
+            values = names
+        else:
+            return None
+        if not all(isinstance(v, str | int | float) and not isinstance(v, bool) for v in values):
+            return None
+        feature = {"_type": "ClassLabel", "names": [str(v) for v in values]}
+        check_class_names(feature, path)
+        return feature
     if isinstance(dtype, dict) and "list" in dtype:  # {"list": {"class_label": ...}}
-        return {"_type": "List", "feature": _card_feature(dtype["list"])}
+        return {"_type": "List", "feature": _card_feature(dtype["list"], path, depth + 1)}
     if isinstance(dtype, list) and len(dtype) == 1:
-        return {"_type": "List", "feature": _card_feature(dtype[0])}
+        return {"_type": "List", "feature": _card_feature(dtype[0], path, depth + 1)}
     return None

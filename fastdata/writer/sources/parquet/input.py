@@ -315,7 +315,7 @@ class ParquetInput(ArrowInput):
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         infos, schema, metas = read_footers(self.paths)
-        features, found = hf_features(schema, self.paths)
+        features, found = hf_features(schema, self.paths, self.warnings)
         where = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} (and {len(self.paths) - 1} more)"
         layout = make_layout(schema, features, self.image_columns, null_counts(schema, metas),
                              lambda column: first_value(infos[0], column), where,
