@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import math
 import struct
 import sys
 import threading
@@ -486,8 +487,9 @@ def _decode_tiff(data: Buffer, *, pixels: bool = True,
     (shape, dtype). ``out``: an array to decode into when it has the page's shape and dtype (a
     contiguous, native-order page), or None."""
     tifffile = _require("tifffile", "images", "a TIFF")
+    raw = bytes(data)
     try:
-        tif = tifffile.TiffFile(io.BytesIO(bytes(data)))
+        tif = tifffile.TiffFile(io.BytesIO(raw))
     except Exception as err:  # noqa: BLE001 - tifffile raises TiffFileError, ValueError, struct.error, ...
         raise ImageDecodeError(f"truncated or corrupt TIFF image data ({type(err).__name__}: {err})") from None
     with tif:
@@ -521,6 +523,7 @@ def _decode_tiff(data: Buffer, *, pixels: bool = True,
         if not pixels:
             return out_shape, out_dtype
         compression = page.compression
+        _check_tiff_segments(page, raw, np.dtype(dtype).itemsize)
         if out is not None and not (axes != "SYX" and out.shape == out_shape and out.dtype == dtype
                                     and np.dtype(dtype).isnative and out.flags.c_contiguous):
             out = None
@@ -541,6 +544,195 @@ def _decode_tiff(data: Buffer, *, pixels: bool = True,
     if array.shape != out_shape:
         raise ImageDecodeError(f"corrupt TIFF image data (decoded {array.shape}, header says {out_shape})")
     return array
+
+
+# -- the sizes a TIFF tile's own codec allocates
+#
+# tifffile decodes a tile of an image codec (JPEG, JPEG 2000, PNG, WebP, ...) with the codec's own
+# header deciding the output's size, not the TIFF's tile size: a 3.5 KB TIFF whose JPEG tile claims
+# 60000x60000 would allocate 10 GB before tifffile noticed the mismatch. General compressors (deflate,
+# LZW, zstd, ...) decode into the tile's size (tifffile passes ``out=``), so only the image codecs' headers
+# are read here, before the tile is handed to the codec.
+
+#: TIFF compression tags of JPEG (new-style, old-style, Adobe's alternative, DNG lossy)
+TIFF_JPEG_COMPRESSIONS = frozenset({6, 7, 33007, 34892})
+#: TIFF compression tags whose tiles' decoded size comes from the codec's own header, checked here
+_TIFF_JPEG2000 = frozenset({33003, 33004, 33005, 34712})
+_TIFF_PNG, _TIFF_WEBP = 34933, 50001
+#: image codecs whose headers fastdata does not read: their tiles are refused, never decoded unbounded
+_TIFF_UNBOUNDED_CODECS = {22610: "JPEG XR", 34934: "JPEG XR (ZIF)", 50002: "JPEG XL", 52546: "JPEG XL (DNG)"}
+_TIFF_IMAGE_CODECS = TIFF_JPEG_COMPRESSIONS | _TIFF_JPEG2000 | {_TIFF_PNG, _TIFF_WEBP} | set(_TIFF_UNBOUNDED_CODECS)
+_JPEG_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+#: bytes of a tile searched for its codec's header (a JPEG's tables come before its frame header)
+_HEADER_SEARCH = 1 << 20
+
+
+def _jpeg_frame(data: bytes) -> tuple[int, int, int, int] | None:
+    """(height, width, components, bits) of a JPEG stream's frame header (SOFn), walking its markers as
+    libjpeg does (bytes between markers skipped, fill bytes 0xFF skipped); None when the stream reaches
+    its scan (SOS) or its end without one (an abbreviated table stream)."""
+    if data[:2] != _JPEG_SOI:
+        return None
+    pos, end = 2, len(data)
+    while pos < end:
+        while pos < end and data[pos] != 0xFF:
+            pos += 1
+        while pos < end and data[pos] == 0xFF:
+            pos += 1
+        if pos >= end:
+            return None
+        marker = data[pos]
+        pos += 1
+        if marker == 0xDA or marker == 0xD9:  # SOS, EOI: no frame header before the scan
+            return None
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8 or marker == 0x00:
+            continue  # markers without a length
+        if pos + 2 > end:
+            return None
+        length = (data[pos] << 8) | data[pos + 1]
+        if marker in _JPEG_SOF:
+            if pos + 8 > end:
+                raise ImageDecodeError("truncated JPEG frame header in a TIFF tile")
+            bits = data[pos + 2]
+            height = (data[pos + 3] << 8) | data[pos + 4]
+            width = (data[pos + 5] << 8) | data[pos + 6]
+            return height, width, data[pos + 7], bits
+        pos += max(length, 2)
+    return None
+
+
+def _jpeg2000_size(data: bytes) -> tuple[int, int, int, int] | None:
+    """(height, width, components, bits) from a JPEG 2000 codestream's SIZ marker (bare, or inside a JP2
+    file), or None without one."""
+    at = data.find(b"\xff\x4f\xff\x51")
+    if at < 0 or at + 42 > len(data):
+        return None
+    xsiz, ysiz, xo, yo = struct.unpack(">IIII", data[at + 8:at + 24])
+    count = struct.unpack(">H", data[at + 40:at + 42])[0]
+    bits = max(((b & 0x7F) + 1 for b in data[at + 42:at + 42 + count]), default=8)
+    return max(0, ysiz - yo), max(0, xsiz - xo), count, bits
+
+
+def _webp_size(data: bytes) -> tuple[int, int, int, int] | None:
+    """(height, width, 4, 8) of a WebP file (VP8, VP8L or VP8X canvas), or None."""
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    kind = data[12:16]
+    if kind == b"VP8X":
+        width = 1 + int.from_bytes(data[24:27], "little")
+        height = 1 + int.from_bytes(data[27:30], "little")
+    elif kind == b"VP8L":
+        bits = int.from_bytes(data[21:25], "little")
+        width, height = 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    elif kind == b"VP8 ":
+        width = int.from_bytes(data[26:28], "little") & 0x3FFF
+        height = int.from_bytes(data[28:30], "little") & 0x3FFF
+    else:
+        return None
+    return height, width, 4, 8
+
+
+def tiff_segment_codec_size(compression: int, data: Buffer, *, tables: bytes | None = None,
+                            header: bytes | None = None) -> tuple[int, int, int, int] | None:
+    """What an image codec will allocate for one TIFF tile or strip: ``(height, width, samples, bits per
+    sample)`` from the codec's own header in the tile's bytes (a JPEG's frame header, else the one in
+    ``header``, an NDPI's shared JPEG header; a JPEG 2000 SIZ marker; a PNG IHDR; a WebP header).
+
+    Returns:
+        tuple[int, int, int, int] | None: None for compressions whose output tifffile sizes from the tile
+        itself (none, deflate, LZW, zstd, PackBits, CCITT, ...).
+
+    Raises:
+        ImageDecodeError: an image codec whose header is missing or unreadable, or one fastdata does not
+            read (JPEG XR, JPEG XL): such a tile is never handed to its codec.
+    """
+    compression = int(compression)
+    if compression in _TIFF_UNBOUNDED_CODECS:
+        raise ImageDecodeError(f"TIFF compression {_TIFF_UNBOUNDED_CODECS[compression]} is not supported: "
+                               "fastdata cannot bound its tiles' decoded size before decoding them")
+    head = bytes(memoryview(data).cast("B")[:_HEADER_SEARCH])
+    if compression in TIFF_JPEG_COMPRESSIONS:
+        frame = _jpeg_frame(head)
+        if frame is None and header:
+            frame = _jpeg_frame(bytes(header))
+        if frame is None and tables:
+            frame = _jpeg_frame(bytes(tables))
+        if frame is None:
+            raise ImageDecodeError("corrupt TIFF: a JPEG tile has no frame header (SOF) before its scan")
+        return frame
+    if compression in _TIFF_JPEG2000:
+        size = _jpeg2000_size(head)
+        if size is None:
+            raise ImageDecodeError("corrupt TIFF: a JPEG 2000 tile has no SIZ marker")
+        return size
+    if compression == _TIFF_PNG:
+        if head[:8] != _PNG_SIGNATURE or len(head) < 33:
+            raise ImageDecodeError("corrupt TIFF: a PNG tile has no IHDR chunk")
+        width, height, depth, ctype, _ = _png_header(head)
+        return height, width, _PNG_CHANNELS.get(ctype, 4), depth
+    if compression == _TIFF_WEBP:
+        size = _webp_size(head)
+        if size is None:
+            raise ImageDecodeError("corrupt TIFF: a WebP tile has no readable header")
+        return size
+    return None
+
+
+def check_tiff_segment(compression: int, data: Buffer, seg_height: int, seg_width: int, limit_bytes: int, *,
+                       tables: bytes | None = None, header: bytes | None = None, max_pixels: int | None = None) -> None:
+    """Refuse, before it is decoded, a TIFF tile/strip whose codec's own header (see
+    :func:`tiff_segment_codec_size`) declares more rows or columns than the TIFF's tile (``seg_height`` x
+    ``seg_width``), more pixels than ``max_pixels`` (None: :func:`pixel_limit`), or more decoded bytes than
+    ``limit_bytes``.
+    Python integers throughout. A height of 0 (a JPEG whose height comes later, in a DNL marker) counts
+    as the tile's.
+
+    Raises:
+        ImageDecodeError: "decompression bomb: ..." naming the sizes, or the header's damage.
+    """
+    size = tiff_segment_codec_size(compression, data, tables=tables, header=header)
+    if size is None:
+        return
+    height, width, samples, bits = size
+    height = height or seg_height
+    max_pixels = pixel_limit() if max_pixels is None else max_pixels
+    itemsize = max(1, -(-bits // 8))
+    nbytes = height * width * max(1, samples) * itemsize
+    if width <= 0 or samples <= 0:
+        raise ImageDecodeError(f"corrupt TIFF: a tile's codec header declares {width} columns, {samples} samples")
+    if height > seg_height or width > seg_width or height * width > max_pixels or nbytes > limit_bytes:
+        raise ImageDecodeError(
+            f"decompression bomb: a TIFF tile of {seg_width}x{seg_height} holds compressed data whose own header "
+            f"declares {width}x{height}x{samples} at {bits} bits ({nbytes:,} bytes decoded; the limits: the tile's "
+            f"size, {max_pixels:,} pixels, {limit_bytes:,} bytes)")
+
+
+def _check_tiff_segments(page: Any, raw: bytes, itemsize: int) -> None:
+    """Every tile/strip of ``page`` (in the file ``raw``) checked before tifffile decodes any: the tile's
+    own size (a 65535x65535 tile of a small image would be allocated whole), and for image codecs the
+    size their header declares (:func:`check_tiff_segment`), against the pixel and decoded-bytes limits."""
+    try:
+        chunks = [int(c) for c in page.chunks]
+        offsets, counts = list(page.dataoffsets), list(page.databytecounts)
+        compression = int(page.compression)
+        tables = page.jpegtables if compression in TIFF_JPEG_COMPRESSIONS else None
+        header = page.jpegheader if compression in TIFF_JPEG_COMPRESSIONS else None
+    except Exception as err:  # noqa: BLE001 - tifffile parses tags lazily
+        raise ImageDecodeError(f"truncated or corrupt TIFF image data ({type(err).__name__}: {err})") from None
+    seg_h, seg_w = chunks[0], chunks[1]
+    seg_bytes = math.prod(chunks) * itemsize
+    if seg_h * seg_w > pixel_limit() or seg_bytes > decoded_bytes_limit():
+        raise ImageDecodeError(f"decompression bomb: TIFF tiles/strips of {chunks} decode to {seg_bytes:,} bytes "
+                               f"each, over the limits ({pixel_limit():,} pixels, {decoded_bytes_limit():,} bytes)")
+    if compression not in _TIFF_IMAGE_CODECS:
+        return  # the output is the tile's size (tifffile decodes into it)
+    view = memoryview(raw)
+    for offset, count in zip(offsets, counts, strict=False):
+        offset, count = int(offset), int(count)
+        if count <= 0 or offset >= len(raw):
+            continue  # a missing tile: tifffile gives its fill value
+        check_tiff_segment(compression, view[offset:offset + count], seg_h, seg_w, decoded_bytes_limit(),
+                           tables=tables, header=header)
 
 
 def _tiff_has_pillow_form(data: Buffer) -> bool:

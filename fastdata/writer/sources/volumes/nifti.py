@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from types import ModuleType
@@ -27,14 +28,111 @@ from fastdata.writer.sources.volumes.common import (
 )
 from fastdata.writer.sources.volumes.scan import FileScan, ScannedSamples
 
-__all__ = ["GZIP_PIECE_BYTES", "NiftiRegions", "PLANE_CHUNK", "VOLUME_CHUNK", "VolumeLayout", "VolumeSamples",
-           "WholeVolume", "nifti_header", "read_gzip_values", "require_nibabel", "volume_layout", "volume_schema"]
+__all__ = ["DEFAULT_MAX_GZIP_BYTES", "GZIP_LIMIT_ENV", "GZIP_PIECE_BYTES", "GZIP_TRAILING_BYTES",
+           "MAX_EXTENSION_BYTES", "NiftiRegions", "PLANE_CHUNK", "VOLUME_CHUNK", "VolumeLayout", "VolumeSamples",
+           "WholeVolume", "max_gzip_bytes", "nifti_header", "read_gzip_values", "require_nibabel", "volume_layout",
+           "volume_schema"]
 
 #: chunk side of the spatial axes of a 3-D (or more) volume, and of a 2-D one. 48: a 96^3 patch (the
 #: common training patch) at a random place touches about 26 chunks holding 3.3x its voxels, against
 #: 15 chunks and 4.4x with 64^3 chunks; measured on 512^3 uint16 CT-like volumes in one process
 #: (blosc-lz4), 658 against 532 patches/s (1.24x), for a store 1.3% larger
 VOLUME_CHUNK, PLANE_CHUNK = 48, 256
+
+
+#: most bytes a ``.nii.gz``'s stream may decompress to, as its header declares it (header, extensions and
+#: voxels: a converter worker holds the voxels whole in memory), unless ``FASTDATA_MAX_NIFTI_GZ_BYTES`` says
+#: otherwise; the stream is read no further than that (see docs/SECURITY.md)
+DEFAULT_MAX_GZIP_BYTES = 2 << 30
+#: the environment variable that sets the ``.nii.gz`` limit (bytes, a decimal integer)
+GZIP_LIMIT_ENV = "FASTDATA_MAX_NIFTI_GZ_BYTES"
+#: most bytes of header extensions a NIfTI file may declare between its header and its voxels
+MAX_EXTENSION_BYTES = 64 << 20
+#: most bytes a ``.nii.gz``'s stream may hold after its voxels (read, at most this many, to tell)
+GZIP_TRAILING_BYTES = 1 << 20
+
+
+def max_gzip_bytes() -> int:
+    """The most bytes a ``.nii.gz``'s stream may decompress to (``FASTDATA_MAX_NIFTI_GZ_BYTES``, default
+    2 GiB): only the user (the converting process's environment), never a file, raises it."""
+    try:
+        value = int(os.environ.get(GZIP_LIMIT_ENV, DEFAULT_MAX_GZIP_BYTES))
+    except ValueError:
+        return DEFAULT_MAX_GZIP_BYTES
+    return value if value > 0 else DEFAULT_MAX_GZIP_BYTES
+
+
+def _skip(fh: Any, count: int) -> bool:
+    """Read ``count`` bytes of ``fh`` in pieces, keeping none; False when the stream ends first."""
+    while count > 0:
+        piece = fh.read(min(count, 1 << 20))
+        if not piece:
+            return False
+        count -= len(piece)
+    return True
+
+
+def _check_nifti_stream(path: str, name: str) -> None:
+    """The NIfTI header's own sizes, read with Python integers before nibabel reads anything: the offset of
+    the voxels (``vox_offset``) within :data:`MAX_EXTENSION_BYTES` of the header, and every header extension
+    within it (nibabel reads an extension's declared size whole, and a size under 8 reads the whole
+    stream: a 2 MB ``.nii.gz`` of zeros is 2 GB).
+
+    Raises:
+        RejectedInputError: naming the file and the size.
+    """
+    opener: Any = gzip.open if path.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as fh:
+            head = fh.read(348)
+            if len(head) < 348:
+                return  # nibabel words the refusal
+            for order in "<>":
+                if struct.unpack(order + "i", head[:4])[0] in (348, 540):
+                    break
+            else:
+                return  # not a NIfTI header: nibabel's verdict
+            two = struct.unpack(order + "i", head[:4])[0] == 540
+            size = 544 if two else 352  # the header and its 4 extension-flag bytes
+            head += fh.read(size - 348)  # the stream is now where nibabel reads the extensions from
+            if len(head) < size:
+                return
+            if two:
+                offset = struct.unpack(order + "q", head[168:176])[0]
+                single = head[4:7] == b"n+2"
+            else:
+                raw = struct.unpack(order + "f", head[108:112])[0]
+                if not math.isfinite(raw):
+                    raise RejectedInputError(f"{named(name)}NIfTI header's vox_offset is {raw}")
+                offset = int(raw)
+                single = head[344:347] == b"n+1"
+            if single and offset - size > MAX_EXTENSION_BYTES:
+                raise RejectedInputError(f"{named(name)}NIfTI header puts the voxels at byte {offset:,}, more than "
+                                         f"{MAX_EXTENSION_BYTES >> 20} MiB of header extensions after the header")
+            if head[size - 4] == 0:
+                return  # no extensions
+            # nibabel's loop (Nifti1Extensions.from_fileobj): up to the voxels, or (a pair's header) to the end
+            left: int | None = offset - size if single else None
+            budget = MAX_EXTENSION_BYTES
+            while left is None or left >= 16:
+                ext = fh.read(8)
+                if len(ext) < 8:
+                    return  # the end (a pair's header), or a short extension nibabel refuses itself
+                esize = struct.unpack(order + "i", ext[:4])[0]
+                if esize < 8 or esize > budget or (left is not None and esize > left):
+                    where = f"{left:,} bytes left before the voxels at byte {offset:,}" if left is not None else \
+                        f"at most {MAX_EXTENSION_BYTES >> 20} MiB of extensions"
+                    raise RejectedInputError(f"{named(name)}NIfTI header extension of {esize:,} bytes does not fit "
+                                             f"between the header and the voxels ({where})")
+                if not _skip(fh, esize - 8):
+                    return
+                budget -= esize
+                if left is not None:
+                    left -= esize
+    except RejectedInputError:
+        raise
+    except (OSError, EOFError, ValueError, struct.error, gzip.BadGzipFile) as err:
+        raise RejectedInputError(f"{named(name)}not a readable NIfTI file ({type(err).__name__}: {err})") from None
 
 
 def require_nibabel() -> ModuleType:
@@ -93,10 +191,13 @@ GZIP_PIECE_BYTES = 16 << 20
 def read_gzip_values(path: str, offset: int, shape: tuple[int, ...], stored: np.dtype) -> np.ndarray:
     """The voxels of a ``.nii.gz`` (Fortran order, from byte ``offset`` of the decompressed stream),
     decompressed piece by piece straight into one array of the native byte order: the volume's
-    size in memory, and no more.
+    size in memory, and no more. The stream is decompressed no further than the voxels and
+    :data:`GZIP_TRAILING_BYTES` after them (the caller checked ``offset`` + the voxels' bytes
+    against :func:`max_gzip_bytes`).
 
     Raises:
         EOFError: the stream ends before the voxels do; gzip/zlib errors for a damaged stream.
+        ValueError: the stream holds more than :data:`GZIP_TRAILING_BYTES` after the voxels.
     """
     out = np.empty(math.prod(shape) * stored.itemsize, dtype=np.uint8)
     view = memoryview(out.data)
@@ -113,6 +214,9 @@ def read_gzip_values(path: str, offset: int, shape: tuple[int, ...], stored: np.
             if not got:
                 raise EOFError(f"the file ends after {done:,} of its {len(out):,} bytes of voxels")
             done += got
+        if len(fh.read(GZIP_TRAILING_BYTES + 1)) > GZIP_TRAILING_BYTES:  # read no further than that
+            raise ValueError(f"the gzip stream holds more than the {offset + len(out):,} bytes its header declares "
+                             f"(over {GZIP_TRAILING_BYTES:,} bytes after the voxels): refused, not decompressed")
     values = out.view(stored)
     if not stored.isnative:
         values = values.byteswap(inplace=True).view(stored.newbyteorder("="))
@@ -126,6 +230,7 @@ def nifti_header(path: bytes, name: str) -> tuple[Any, tuple[int, ...], np.dtype
         RejectedInputError: not a NIfTI-1/2 file nibabel reads, or of a non-numeric dtype (``name`` first).
     """
     nib = require_nibabel()
+    _check_nifti_stream(os.fsdecode(path), name)
     try:
         image = nib.load(os.fsdecode(path))
     except FileNotFoundError:
@@ -144,7 +249,34 @@ def nifti_header(path: bytes, name: str) -> tuple[Any, tuple[int, ...], np.dtype
                                  "(RGB and complex volumes are not supported)")
     if not shape or 0 in shape:
         raise RejectedInputError(f"{named(name)}NIfTI volume of shape {shape} holds no voxel")
+    _check_declared_bytes(os.fsdecode(path), name, image, shape, dtype)
     return image, shape, dtype
+
+
+def _check_declared_bytes(path: str, name: str, image: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The bytes the header declares (voxel offset + voxels, Python integers) against what will be read:
+    a ``.nii.gz`` within :func:`max_gzip_bytes` (its voxels are decompressed whole), a ``.nii`` no longer
+    than the file (it is read region by region, so a header cannot claim what the file does not hold)."""
+    try:
+        offset = int(image.dataobj.offset)
+    except Exception as err:  # noqa: BLE001
+        raise RejectedInputError(f"{named(name)}unusable NIfTI header ({type(err).__name__}: {err})") from None
+    voxels = math.prod(shape) * dtype.itemsize
+    need = offset + voxels
+    if path.lower().endswith(".gz"):
+        if need > max_gzip_bytes():
+            raise RejectedInputError(
+                f"{named(name)}NIfTI header declares {shape} of {dtype} ({voxels:,} bytes of voxels): more than the "
+                f"{max_gzip_bytes():,} bytes a .nii.gz may decompress to ({GZIP_LIMIT_ENV} raises the limit; or store "
+                "it uncompressed, .nii, which is read region by region)")
+        return
+    try:
+        held = os.path.getsize(path)
+    except OSError:
+        return  # nibabel's reads word it
+    if need > held and not path.lower().endswith((".hdr", ".img")):
+        raise RejectedInputError(f"{named(name)}truncated NIfTI file: its header declares {shape} of {dtype} "
+                                 f"({need:,} bytes with the header), the file holds {held:,} bytes")
 
 
 def _nifti_values(path: bytes, name: str, dtype: np.dtype, opened: OpenedSample) -> tuple[Any, Any, tuple[int, ...]]:

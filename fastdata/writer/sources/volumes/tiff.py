@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fastdata.common.imageio import pixel_limit
+from fastdata.common.imageio import ImageDecodeError, check_tiff_segment, pixel_limit
 from fastdata.errors import RejectedInputError, SourceError
 from fastdata.writer.sources.volumes.common import OpenedSample, chunk_shape, named, native_dtype, require_extra
 from fastdata.writer.sources.volumes.scan import FileScan, ScannedSamples
@@ -65,7 +65,8 @@ class TiffRegions:
             raise RejectedInputError(f"{named(name)}corrupt TIFF: {len(page.dataoffsets)} tiles/strips, the page's "
                                      f"geometry needs {planes * self.rows * self.cols}")
         self.decode_args: dict[str, Any] = {}
-        if int(page.compression) in _JPEG_COMPRESSIONS:
+        self.compression = int(page.compression)
+        if self.compression in _JPEG_COMPRESSIONS:
             self.decode_args = {"jpegtables": page.jpegtables, "jpegheader": page.jpegheader}
         #: segments decoded so far (a measure for tests: a region reads only what it touches)
         self.decoded = 0
@@ -99,6 +100,8 @@ class TiffRegions:
             counts = [page.databytecounts[j] for j in wanted]
             for data, j in fh.read_segments(offsets, counts, indices=wanted, sort=True, lock=fh.lock,
                                             buffersize=READ_BUFFER_BYTES, flat=True):
+                if data:  # an image codec sizes its output from its own header: checked before it decodes
+                    self._check_segment(data)
                 segment, (s, _d, y, x, _c), _shape = page.decode(data, j, **self.decode_args)
                 self.decoded += 1
                 if segment is None:
@@ -122,6 +125,17 @@ class TiffRegions:
                 require_extra("imagecodecs", f"decoding a TIFF of compression {getattr(page.compression, 'name', '?')}")
             raise RejectedInputError(f"{named(self.name)}truncated or corrupt TIFF data ({type(err).__name__}: "
                                      f"{err})") from None
+
+
+    def _check_segment(self, data: bytes) -> None:
+        """Refuse a tile whose codec header (a JPEG frame header, ...) declares more than the tile holds
+        or more than :data:`MAX_SEGMENT_BYTES` decoded (see :func:`fastdata.common.imageio.check_tiff_segment`)."""
+        try:
+            check_tiff_segment(self.compression, data, self.seg_h, self.seg_w, MAX_SEGMENT_BYTES,
+                               max_pixels=self.seg_h * self.seg_w, tables=self.decode_args.get("jpegtables"),
+                               header=self.decode_args.get("jpegheader"))
+        except ImageDecodeError as err:
+            raise RejectedInputError(f"{named(self.name)}{err}") from None
 
 
 def _tiff_geometry(page: Any) -> tuple[int, int, int]:
