@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata.common.coco_rle import rle_size
 from fastdata.common.extras import MissingExtraError
 
 __all__ = ["COCO_TARGET_KEYS", "DEFAULT_COCO_TARGET_KEYS", "coco_target_keys", "coco_target", "coco_to_v2",
@@ -224,6 +225,7 @@ def _segmentation_to_mask(segmentation: Any, size: tuple[int, int]) -> torch.Ten
     """One annotation's polygons or RLE as an ``(H, W)`` uint8 mask, as torchvision rasterises it."""
     mask = _pycocotools_mask()
     if isinstance(segmentation, dict):
+        _check_rle(segmentation, size)
         if not isinstance(segmentation["counts"], str):  # uncompressed RLE; a str is already encoded
             segmentation = mask.frPyObjects(segmentation, *size)
     elif isinstance(segmentation, list):
@@ -231,6 +233,17 @@ def _segmentation_to_mask(segmentation: Any, size: tuple[int, int]) -> torch.Ten
     else:
         raise ValueError(f"COCO segmentation expected to be a dict or a list, got {type(segmentation)}")
     return torch.from_numpy(mask.decode(segmentation))
+
+
+def _check_rle(rle: Mapping[str, Any], size: tuple[int, int]) -> None:
+    """Refuse (ValueError) an RLE whose ``size`` is not the image's ``(height, width)`` or whose run
+    lengths do not add up to its pixels, before pycocotools allocates the mask at the declared size."""
+    declared, why = rle_size(rle)
+    if why is not None:
+        raise ValueError(f"COCO segmentation: {why}")
+    if declared != (int(size[0]), int(size[1])):
+        raise ValueError(f"COCO segmentation: RLE size [{declared[0]}, {declared[1]}] is not the image's "
+                         f"[{size[0]}, {size[1]}] (height, width)")
 
 
 def _pycocotools_mask() -> Any:

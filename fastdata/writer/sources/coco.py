@@ -22,6 +22,12 @@ rejected inputs of an ImageFolder conversion (a strict conversion stops on any o
 - a ``category_id`` missing from a non-empty ``categories`` list is kept;
 - an image whose file is missing under the image folder (when one is given).
 
+Some images are rejected (:attr:`CocoIndex.refused`; reported, never read; ``strict`` stops
+before anything is written): a ``file_name`` that resolves (``..``, an absolute path, a symbolic
+link) outside the image folder, more than :data:`MAX_ANNOTATIONS_PER_IMAGE` annotations, an RLE
+segmentation whose ``size`` is not the image's listed ``[height, width]`` or whose run lengths
+do not add up to its pixels (:mod:`fastdata.common.coco_rle`).
+
 A file that cannot be used at all (not JSON, not an object, no ``images`` list, an image or
 annotation without a required key or with one of the wrong type) raises one
 :class:`~fastdata.errors.SourceError` naming the file and the entry's position.
@@ -64,6 +70,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from fastdata.common.coco_rle import rle_size
 from fastdata.errors import RejectedInputError, SourceError
 from fastdata.format.fields import JSON, Image, Int, Schema
 from fastdata.writer.plan import ShardPlan
@@ -81,6 +88,8 @@ _INT32 = (-(2**31), 2**31 - 1)
 _SECTIONS = ("info", "licenses", "images", "annotations", "categories")
 #: at most this many problems of one kind are listed one by one; the rest are counted in one line
 MAX_LISTED_PROBLEMS = 1000
+#: the most annotations one image may have: an image with more is rejected (reported; the conversion goes on)
+MAX_ANNOTATIONS_PER_IMAGE = 5000
 # msgpack cannot pack a lone surrogate as UTF-8, and json.load can produce one ("\ud800")
 _UNICODE_ERRORS = "surrogatepass"
 
@@ -240,6 +249,9 @@ class CocoIndex:
     _name_offsets: np.ndarray = field(repr=False)  # int64, len(ids) + 1
     _image_rows: _PackedRows = field(repr=False)
     _ann_rows: _PackedRows = field(repr=False)
+    #: images (sorted position) that are rejected, and why: a file outside the image folder, an RLE
+    #: segmentation that does not fit the image, more than MAX_ANNOTATIONS_PER_IMAGE annotations
+    refused: dict[int, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -321,8 +333,10 @@ def load_coco(ann_file: str | os.PathLike, image_dir: str | os.PathLike | None =
     img = _parse_images(images, source, problems)
     anns = _parse_annotations(annotations, source)
     root = None if image_dir is None else os.path.abspath(os.fspath(image_dir))
-    sizes = _stat_images(root, img["names"], img["keep"], problems)
+    refused: dict[int, str] = {}
+    sizes = _stat_images(root, img["names"], img["keep"], problems, refused)
     grouping = _group_annotations(anns, img["sorted_ids"], source, annotations, problems)
+    _refuse_annotations(anns, grouping, img["height"][img["keep"]], img["width"][img["keep"]], refused)
     _check_categories(categories, anns, source, problems)
     keep, content = img["keep"], grouping["content"]
     names = [img["names"][j] for j in keep.tolist()]
@@ -351,6 +365,7 @@ def load_coco(ann_file: str | os.PathLike, image_dir: str | os.PathLike | None =
         _name_offsets=name_offsets,
         _image_rows=img["packer"].finish(keep),
         _ann_rows=anns["packer"].finish(content),
+        refused=refused,
     )
 
 
@@ -463,6 +478,8 @@ def _parse_annotations(annotations: list[dict], source: str) -> dict:
     bbox = np.empty((n, 4), dtype=np.float64)
     area = np.full(n, math.nan, dtype=np.float64)
     iscrowd = np.zeros(n, dtype=np.int64)
+    rle_hw = np.full((n, 2), -1, dtype=np.int64)
+    rle_problem: dict[int, str] = {}
     for pos, entry in enumerate(annotations):
         where = f"annotations[{pos}]"
         ann_id[pos] = _required(entry, "id", _is_int, "an integer", source, where)
@@ -478,9 +495,43 @@ def _parse_annotations(annotations: list[dict], source: str) -> dict:
             area[pos] = entry["area"]
         crowd = entry.get("iscrowd", 0)
         iscrowd[pos] = int(crowd) if _is_int(crowd) or type(crowd) is bool else 0
+        segmentation = entry.get("segmentation")
+        if isinstance(segmentation, dict):
+            size, why = rle_size(segmentation)
+            if why is not None:
+                rle_problem[pos] = why
+            else:
+                rle_hw[pos] = size
         packer.add(entry, where)
     return {"id": ann_id, "image_id": image_id, "image_id_ok": image_id_ok, "category_id": category_id,
-            "bbox": bbox, "area": area, "iscrowd": iscrowd, "packer": packer}
+            "bbox": bbox, "area": area, "iscrowd": iscrowd, "packer": packer, "rle_hw": rle_hw,
+            "rle_problem": rle_problem}
+
+
+def _refuse_annotations(anns: dict, grouping: dict, height: np.ndarray, width: np.ndarray,
+                        refused: dict[int, str]) -> None:
+    """Refuse the images with more than :data:`MAX_ANNOTATIONS_PER_IMAGE` annotations, or with an RLE
+    segmentation that is unusable or whose size is not the image's listed ``[height, width]``."""
+    start, content = grouping["start"], grouping["content"]
+    counts = np.diff(start)
+    for i in np.flatnonzero(counts > MAX_ANNOTATIONS_PER_IMAGE).tolist():
+        refused.setdefault(i, f"{int(counts[i]):,} annotations, more than the {MAX_ANNOTATIONS_PER_IMAGE:,} "
+                              "allowed for one image")
+    rle_hw, rle_problem = anns["rle_hw"], anns["rle_problem"]
+    slots = np.flatnonzero((rle_hw[content, 0] >= 0) | np.isin(content, list(rle_problem)))
+    if not len(slots):
+        return
+    images = np.searchsorted(start, slots, side="right") - 1
+    for slot, i in zip(slots.tolist(), images.tolist(), strict=True):
+        pos = int(content[slot])
+        where = f"annotation id {int(anns['id'][pos])}"
+        if pos in rle_problem:
+            refused.setdefault(i, f"{where}: {rle_problem[pos]}")
+            continue
+        h, w = (int(v) for v in rle_hw[pos])
+        if height[i] >= 0 and width[i] >= 0 and (h, w) != (int(height[i]), int(width[i])):
+            refused.setdefault(i, f"{where}: RLE segmentation size [{h}, {w}] is not the image's "
+                                  f"[{int(height[i])}, {int(width[i])}] (height, width)")
 
 
 def _group_annotations(anns: dict, sorted_ids: np.ndarray, source: str, annotations: list[dict],
@@ -539,14 +590,24 @@ def _check_categories(categories: list[dict], anns: dict, source: str, problems:
     _count_more(problems, len(unknown), "annotations of unlisted categories", source)
 
 
-def _stat_images(root: str | None, names: list[bytes], keep: np.ndarray, problems: list[Problem]) -> np.ndarray:
-    """File sizes of the kept images under ``root`` (-1 when missing or not looked up)."""
+def _stat_images(root: str | None, names: list[bytes], keep: np.ndarray, problems: list[Problem],
+                 refused: dict[int, str] | None = None) -> np.ndarray:
+    """File sizes of the kept images under ``root`` (-1 when missing or not looked up). A ``file_name``
+    that resolves (symbolic links followed) outside ``root`` is refused: never read."""
     sizes = np.full(len(keep), -1, dtype=np.int64)
     if root is None:
         return sizes
     missing = 0
+    broot = os.fsencode(root)
+    real_root = os.path.join(os.path.realpath(broot), b"")
     for i, j in enumerate(keep.tolist()):
-        path = os.path.join(os.fsencode(root), names[j])
+        path = os.path.join(broot, names[j])
+        if not os.path.realpath(path).startswith(real_root):
+            if refused is not None:
+                refused[i] = (f"file_name {os.fsdecode(names[j])!r} resolves outside the image folder {root} (an "
+                              "absolute path, '..' or a symbolic link leading out): only files inside it are read; "
+                              "copy or move the image into the folder")
+            continue
         try:
             sizes[i] = os.stat(path).st_size
         except OSError as err:
@@ -590,6 +651,9 @@ class CocoSamples:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         index = self.index
+        why = index.refused.get(i)
+        if why is not None:  # rejected (reported) unless strict, which stops at planning
+            raise RejectedInputError(why)
         return {
             "image": index.path(i),
             "image_id": int(index.ids[i]),
@@ -645,9 +709,10 @@ class CocoInput(MapInput):
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         index = self.index = load_coco(self.ann_file, self.image_dir)
-        if run.strict and index.problems:
-            raise _strict_error(index.ann_file, index.problems)
-        missing = _missing_files(index)
+        refusals = [(index.path(i), why) for i, why in sorted(index.refused.items())]
+        if run.strict and (index.problems or refusals):
+            raise _strict_error(index.ann_file, index.problems + refusals)
+        missing = _missing_files(index) | {path for path, _ in refusals}
         problems = [(where, why) for where, why in index.problems if where not in missing]
         self.samples, self.metadata = CocoSamples(index), coco_metadata(index, problems)
         self.warnings.extend(f"{where}: {why}" for where, why in problems)

@@ -179,15 +179,27 @@ def prepare_or_reject(schema: Schema, sample: Any, index: int, strict: bool,
         return str(err)
 
 
+def _item_or_reject(schema: Schema, samples: Any, k: int, index: int, strict: bool,
+                    chunk_dir: str | None = None) -> EncodedSample | str:
+    """:func:`prepare_or_reject` of ``samples[k]`` (sample ``index``); a map-style dataset may reject
+    an item itself by raising :class:`RejectedInputError` from ``__getitem__`` (reported unless ``strict``)."""
+    try:
+        item = samples[k]
+    except RejectedInputError as err:
+        if strict:
+            raise
+        return str(err)
+    return prepare_or_reject(schema, item, index, strict, chunk_dir)
+
+
 def encode_chunk(schema: Schema, start: int, stop: int, items: list | None, strict: bool, chunk_dir: str | None,
                  spill_dir: str | None):
     """Worker entry point: samples ``start .. stop-1`` (``items``, or from the map-style
     dataset given to this worker) as :class:`EncodedSample` objects (or rejection reasons
     when not ``strict``), the chunks of chunked fields written into files in ``chunk_dir``;
     see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value."""
-    if items is None:
-        items = [_SAMPLES[i] for i in range(start, stop)]
-    results = [prepare_or_reject(schema, item, start + k, strict, chunk_dir) for k, item in enumerate(items)]
+    results = [_item_or_reject(schema, items if items is not None else _SAMPLES, k if items is not None else start + k,
+                               start + k, strict, chunk_dir) for k in range(stop - start)]
     nbytes = sum(r.stored_bytes for r in results if not isinstance(r, str))
     return (spill(results, spill_dir) if spill_dir is not None else results), nbytes
 
@@ -362,7 +374,7 @@ class MapInput(_SamplesInput):
         count = self.count = len(samples)
         schema = self.schema = self._schema([samples[0]] if count and self.declared is None else [])
         picks = sorted({0, count // 4, count // 2, 3 * count // 4, count - 1}) if count else []
-        prepared = [prepare_or_reject(schema, samples[i], i, run.strict) for i in picks]
+        prepared = [_item_or_reject(schema, samples, i, i, run.strict) for i in picks]
         self.probe = [p for p in prepared if not isinstance(p, str)]
         per_shard = max(1, run.shard_size.bytes // _estimate(self.probe))
         plans = [ShardPlan(k, a, min(a + per_shard, count)) for k, a in enumerate(range(0, count, per_shard))]

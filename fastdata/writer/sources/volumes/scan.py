@@ -218,10 +218,18 @@ def _class_labels(texts: list[str]) -> tuple[list[str], list[int]]:
     return classes, [index[t] for t in texts]
 
 
+def _outside(root: str, text: str) -> bool:
+    """Whether the path ``text`` (relative to ``root``, or absolute) resolves outside ``root``
+    (``..``, an absolute path, or a symbolic link leading out)."""
+    real_root = os.path.join(os.path.realpath(root), "")
+    return not os.path.realpath(os.path.join(root, text.strip())).startswith(real_root)
+
+
 def _entries_scan(where: str, root: str, entries: Sequence[tuple[int, dict[str, Any] | str]], keys: list[str],
-                  from_text: bool, line_word: str = "line") -> FileScan:
+                  from_text: bool, line_word: str = "line", confined: bool = False) -> FileScan:
     """A :class:`FileScan` of list entries (``(line or entry number, {key: value})``), every bad
-    entry reported at once in one :class:`SourceError`."""
+    entry reported at once in one :class:`SourceError`. ``confined``: every image and label path
+    must resolve inside ``root`` (a bad entry otherwise)."""
     image_key = _column(keys, IMAGE_COLUMNS)
     if image_key is None:
         raise SourceError(f"{where}: no image column (expected one named {' or '.join(IMAGE_COLUMNS)}; "
@@ -251,6 +259,14 @@ def _entries_scan(where: str, root: str, entries: Sequence[tuple[int, dict[str, 
             first = next(n for n, row in kept if is_nifti(str(row[label_key])) != is_nifti(str(kept[0][1][label_key])))
             bad.append(f"{line_word} {first}: {label_key!r} mixes NIfTI paths (label volumes) and class labels")
         segmentation = kinds == {True}
+    if confined:
+        for lineno, row in kept:
+            for key in (image_key, label_key if segmentation else None):
+                if key is not None and _outside(root, str(row[key])):
+                    bad.append(f"{line_word} {lineno}: {key} path {str(row[key]).strip()!r} resolves outside "
+                               f"{root} (an absolute path, '..' or a symbolic link leading out): a dataset.json "
+                               "names files inside its folder; move them there, or list them in a CSV/JSONL "
+                               "volume list, which may name any path")
     if bad:
         shown = "; ".join(bad[:MAX_ROW_ERRORS]) + (f"; ... and {len(bad) - MAX_ROW_ERRORS} more"
                                                    if len(bad) > MAX_ROW_ERRORS else "")
@@ -318,7 +334,7 @@ def scan_decathlon(json_file: str) -> FileScan:
     for e in entries:
         keys.extend(k for k in e if k not in keys)
     scan = _entries_scan(json_file, os.path.dirname(json_file), list(enumerate(entries)), keys, False,
-                         line_word="training entry")
+                         line_word="training entry", confined=True)
     scan.metadata = {"decathlon": {k: v for k, v in body.items() if k not in ("training", "test")}}
     return scan
 

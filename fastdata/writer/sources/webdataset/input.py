@@ -15,13 +15,21 @@ from fastdata.common.imageio import ImageDecodeError, inspect_image
 from fastdata.errors import SourceError
 from fastdata.format.fields import SchemaError
 from fastdata.format.record import encode_sample
-from fastdata.writer.ingest import MAX_INPUT_BYTES, spill
+from fastdata.writer.ingest import spill
 from fastdata.writer.options import check_shard_count
 from fastdata.writer.pipeline import Chunk, ChunkSource
 from fastdata.writer.plan import ShardPlan, plan_shards
 from fastdata.writer.resume import RecordedRun, RunOptions
 from fastdata.writer.sources.base import WriteSource, record_run, refuse_changed_resume
-from fastdata.writer.sources.webdataset.scan import KEY_FIELD, TarLayout, TarScan, layout_of, member_value, read_at
+from fastdata.writer.sources.webdataset.scan import (
+    KEY_FIELD,
+    MAX_MEMBER_BYTES,
+    TarLayout,
+    TarScan,
+    layout_of,
+    member_value,
+    read_at,
+)
 
 __all__ = ["TarChunks", "TarInput", "encode_tar_chunk"]
 
@@ -41,7 +49,10 @@ def encode_tar_chunk(layout: TarLayout, path: str, size: int, name: str, samples
                 if bad is not None:
                     results.append(bad)
                     continue
-                result, read = _encode_sample(layout, fd, name, key, members)
+                try:
+                    result, read = _encode_sample(layout, fd, name, key, members)
+                except MemoryError:  # one sample too large for this machine: rejected, the conversion goes on
+                    result, read = "out of memory while reading or encoding the sample", 0
                 results.append(result)
                 nbytes += read
         except OSError as err:
@@ -60,8 +71,8 @@ def _encode_sample(layout: TarLayout, fd: int, name: str, key: str, members: lis
         if ext not in by_ext:
             return f"no .{ext} member (every sample needs one: the shards hold .{ext} members)", read
         offset, size = by_ext[ext]
-        if size > MAX_INPUT_BYTES:
-            return f".{ext}: member of {size:,} bytes exceeds the {MAX_INPUT_BYTES:,} byte limit", read
+        if size > MAX_MEMBER_BYTES:
+            return f".{ext}: member of {size:,} bytes exceeds the {MAX_MEMBER_BYTES:,} byte limit", read
         data = read_at(fd, offset, size)
         read += size
         try:
@@ -76,9 +87,10 @@ def _encode_sample(layout: TarLayout, fd: int, name: str, key: str, members: lis
             images[field_name] = (info.format, info.width, info.height, info.dtype, info.channels)
     try:
         checked = layout.schema.check(values, key)
+        # a record readers would refuse (too many values for its size) rejects its sample, not the conversion
+        return encode_sample(layout.schema, checked, images, f"{name}/{key}".encode("utf-8", "surrogateescape")), read
     except SchemaError as err:
         return str(err).removeprefix(f"{key} "), read
-    return encode_sample(layout.schema, checked, images, f"{name}/{key}".encode("utf-8", "surrogateescape")), read
 
 
 class TarChunks(ChunkSource):

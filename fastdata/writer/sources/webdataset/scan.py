@@ -4,7 +4,6 @@ member extension (:func:`layout_of`), and a member's bytes as its field's value 
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import tarfile
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata.common.bounded import json_loads_bounded
 from fastdata.errors import SourceError
 from fastdata.format.fields import (
     JSON,
@@ -29,7 +29,21 @@ from fastdata.format.fields import (
 )
 from fastdata.writer.ingest import MAX_INPUT_BYTES
 
-__all__ = ["KEY_FIELD", "TarLayout", "TarScan", "layout_of", "member_value", "read_at"]
+__all__ = ["KEY_FIELD", "MAX_EXTENDED_HEADER_BYTES", "MAX_JSON_MEMBER_BYTES", "MAX_MEMBER_BYTES", "MAX_SAMPLE_BYTES",
+           "TarLayout", "TarScan", "layout_of", "member_value", "read_at"]
+
+#: the largest tar extended header (pax ``x``/``g``, GNU long name ``L`` / long link ``K``) read: tarfile
+#: reads one whole, so a crafted header declaring GiBs is refused (SourceError) before it is read
+MAX_EXTENDED_HEADER_BYTES = 1 << 20
+#: the largest member read (a sample holding a larger one is rejected): one record holds at most ~1 GiB
+MAX_MEMBER_BYTES = MAX_INPUT_BYTES
+#: the most bytes one sample's members may hold together (every member of a sample is in memory at once)
+MAX_SAMPLE_BYTES = MAX_INPUT_BYTES
+#: the largest ``.json``/``.jsn`` member parsed (a larger one rejects its sample): parsing costs up to ~12x
+MAX_JSON_MEMBER_BYTES = 16 << 20
+_EXTENDED_TYPES = {tarfile.XHDTYPE: "pax extended header", tarfile.XGLTYPE: "pax global header",
+                   tarfile.SOLARIS_XHDTYPE: "Solaris extended header", tarfile.GNUTYPE_LONGNAME: "GNU long name",
+                   tarfile.GNUTYPE_LONGLINK: "GNU long link name"}
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "tif", "tiff", "bmp", "ppm", "pgm", "pbm"})
 INT_EXTENSIONS = frozenset({"cls", "cls2", "index"})
@@ -38,6 +52,19 @@ JSON_EXTENSIONS = frozenset({"json", "jsn"})
 #: WebDataset's split of a member path into key and extension: the key ends at the first dot of the file name
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")
 KEY_FIELD = "__key__"
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A TarInfo that refuses an extended header (pax, GNU long name) over :data:`MAX_EXTENDED_HEADER_BYTES`
+    before tarfile reads it whole into memory."""
+
+    def _proc_member(self, tarfile_):
+        what = _EXTENDED_TYPES.get(self.type)
+        if what is not None and self.size > MAX_EXTENDED_HEADER_BYTES:
+            raise SourceError(f"{tarfile_.name}: the {what} at byte {self.offset:,} (named {self.name!r}) declares "
+                              f"{self.size:,} bytes, more than the {MAX_EXTENDED_HEADER_BYTES:,} byte limit for "
+                              "a tar extended header: a damaged or crafted tar")
+        return super()._proc_member(tarfile_)  # type: ignore[misc]
 
 
 class TarScan:
@@ -81,7 +108,7 @@ class TarScan:
     def _scan(self, t: int, path: str) -> None:
         try:
             st = os.stat(path)
-            tf = tarfile.open(path, "r:")
+            tf = tarfile.open(path, "r:", tarinfo=_BoundedTarInfo)
         except (tarfile.TarError, OSError) as err:
             raise SourceError(f"{path}: not a readable tar file ({err})") from None
         self.stats.append((st.st_size, st.st_mtime_ns))
@@ -89,6 +116,7 @@ class TarScan:
         with tf:
             key: str | None = None
             seen: set[str] = set()
+            total = 0  # the bytes of the current sample's members
             overran = False  # the last member claims more bytes than the file holds
             while True:
                 try:
@@ -107,7 +135,7 @@ class TarScan:
                     self.skipped += 1
                     continue
                 if match.group(1) != key:
-                    key, seen = match.group(1), set()
+                    key, seen, total = match.group(1), set(), 0
                     self.keys.append(key)
                     self.tar.append(t)
                     self.first.append(len(self.member_offset))
@@ -121,6 +149,13 @@ class TarScan:
                 if overran:
                     self.bad.setdefault(i, f"member {member.name!r} claims {member.size:,} bytes, more than the "
                                            f"{max(0, size - member.offset_data):,} left in the file")
+                total += member.size
+                if member.size > MAX_MEMBER_BYTES:
+                    self.bad.setdefault(i, f"member {member.name!r} of {member.size:,} bytes exceeds the "
+                                           f"{MAX_MEMBER_BYTES:,} byte limit for one member")
+                elif total > MAX_SAMPLE_BYTES:
+                    self.bad.setdefault(i, f"the sample's members hold {total:,} bytes or more, over the "
+                                           f"{MAX_SAMPLE_BYTES:,} byte limit for one sample")
                 self.member_ext.append(self._code(ext))
                 self.member_offset.append(member.offset_data)
                 self.member_size.append(member.size)
@@ -143,7 +178,10 @@ class TarScan:
         sizes = np.frombuffer(self.member_size.tobytes(), dtype=np.int64)
         firsts = np.frombuffer(self.first.tobytes(), dtype=np.int64)
         sums = np.add.reduceat(sizes, firsts) if len(sizes) and len(firsts) else np.zeros(len(firsts), np.int64)
-        return sums.astype(np.int64)
+        sums = sums.astype(np.int64)
+        if self.bad:  # rejected samples are never read, let alone stored
+            sums[np.fromiter(self.bad, dtype=np.int64, count=len(self.bad))] = 0
+        return sums
 
 
 def _kind_of(ext: str) -> str:
@@ -183,9 +221,30 @@ def read_at(fd: int, offset: int, size: int) -> bytes:
 
 
 def _npy(data: bytes) -> np.ndarray:
+    """The array of ``.npy`` bytes, once its header is known to describe exactly the bytes that
+    follow it (numpy allocates the declared shape before reading: a header declaring 64 GiB in
+    a small member would cost 64 GiB)."""
     try:
+        fh = io.BytesIO(data)
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+        elif version in ((2, 0), (3, 0)):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+        if dtype.hasobject:
+            raise ValueError("object arrays are not stored (they would need pickle)")
+        count = 1
+        for n in shape:
+            count *= int(n)
+        declared = count * int(dtype.itemsize)
+        held = len(data) - fh.tell()
+        if declared != held:
+            raise ValueError(f"its header declares {declared:,} bytes of data ({tuple(shape)} {dtype}), the member "
+                             f"holds {held:,}")
         return np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
+    except (ValueError, OSError, EOFError, TypeError, OverflowError) as err:
         raise ValueError(f"not a .npy array ({err})") from None
 
 
@@ -201,8 +260,10 @@ def member_value(kind: str, data: bytes) -> Any:
         except UnicodeDecodeError as err:
             raise ValueError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
     if kind == "json":
+        if len(data) > MAX_JSON_MEMBER_BYTES:
+            raise ValueError(f"JSON member of {len(data):,} bytes exceeds the {MAX_JSON_MEMBER_BYTES:,} byte limit")
         try:
-            return json.loads(data)
+            return json_loads_bounded(data)
         except (ValueError, RecursionError) as err:
             raise ValueError(f"not JSON ({err})") from None
     if kind == "npy":
