@@ -336,12 +336,17 @@ def _rle(h: int, w: int) -> dict:
     ({"size": [30000, 40000], "counts": [1_200_000_000]}, "RLE segmentation size [30000, 40000] is not the image's"),
     ({"size": [10, 12], "counts": [5, 7]}, "add up to 12, not the 120 pixels"),
     ({"size": [10, 12], "counts": "~"}, "not a compressed RLE"),
+    ({"size": [30000, 40000], "counts": [1_200_000_000], "unlisted": True}, "is more than the 89,478,485 pixels"),
+    ({"size": [10, 12], "counts": [120], "listed": True}, "listed size 30000 x 40000 is more than"),
     (None, "annotations, more than the 5,000 allowed"),
-], ids=["declared-size", "short-counts", "bad-string", "too-many-annotations"])
+], ids=["declared-size", "short-counts", "bad-string", "unlisted-image-size", "listed-size", "too-many-annotations"])
 def test_a_coco_image_with_an_unusable_rle_or_too_many_annotations_is_rejected(zygote, tmp_path, segmentation,
                                                                                reason):
-    anns = [{}] * 5001 if segmentation is None else [{"segmentation": segmentation, "iscrowd": 1}]
-    ann_file, image_dir = _coco(tmp_path, anns)
+    segmentation = dict(segmentation or {})
+    sizes = {1: (-1, -1)} if segmentation.pop("unlisted", False) else {1: (30000, 40000)} \
+        if segmentation.pop("listed", False) else None
+    anns = [{}] * 5001 if not segmentation else [{"segmentation": segmentation, "iscrowd": 1}]
+    ann_file, image_dir = _coco(tmp_path, anns, images=sizes)
     result = zygote.run("case_convert", src=ann_file, dst=tmp_path / "out.lmdb", coco_images=image_dir)
     assert result["outcome"] == "ok" and result["images"] == 1, _outcome(result)
     [(name, why)] = result["rejected"]

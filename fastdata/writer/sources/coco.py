@@ -71,6 +71,7 @@ import msgpack
 import numpy as np
 
 from fastdata.common.coco_rle import rle_size
+from fastdata.common.imageio import pixel_limit
 from fastdata.errors import RejectedInputError, SourceError
 from fastdata.format.fields import JSON, Image, Int, Schema
 from fastdata.writer.plan import ShardPlan
@@ -514,6 +515,11 @@ def _refuse_annotations(anns: dict, grouping: dict, height: np.ndarray, width: n
     segmentation that is unusable or whose size is not the image's listed ``[height, width]``."""
     start, content = grouping["start"], grouping["content"]
     counts = np.diff(start)
+    limit = pixel_limit()
+    # masks (pycocotools' annToMask, polygons included) are allocated at the listed size
+    for i in np.flatnonzero(height.astype(np.int64) * width.astype(np.int64) > limit).tolist():
+        refused.setdefault(i, f"its listed size {int(height[i])} x {int(width[i])} is more than the {limit:,} pixels "
+                              "an image may have (PIL.Image.MAX_IMAGE_PIXELS)")
     for i in np.flatnonzero(counts > MAX_ANNOTATIONS_PER_IMAGE).tolist():
         refused.setdefault(i, f"{int(counts[i]):,} annotations, more than the {MAX_ANNOTATIONS_PER_IMAGE:,} "
                               "allowed for one image")
@@ -532,6 +538,9 @@ def _refuse_annotations(anns: dict, grouping: dict, height: np.ndarray, width: n
         if height[i] >= 0 and width[i] >= 0 and (h, w) != (int(height[i]), int(width[i])):
             refused.setdefault(i, f"{where}: RLE segmentation size [{h}, {w}] is not the image's "
                                   f"[{int(height[i])}, {int(width[i])}] (height, width)")
+        elif h * w > limit:
+            refused.setdefault(i, f"{where}: RLE segmentation size [{h}, {w}] is more than the {limit:,} pixels an "
+                                  "image may have (PIL.Image.MAX_IMAGE_PIXELS)")
 
 
 def _group_annotations(anns: dict, sorted_ids: np.ndarray, source: str, annotations: list[dict],
