@@ -15,6 +15,7 @@ none, only the URL and options, and makes its filesystem on first use in each pr
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import random
@@ -59,9 +60,53 @@ class RemoteSizeError(RemoteStoreError):
     declared size): the store changed or was damaged remotely, or its server is hostile."""
 
 
-class RedirectRefusedError(RemoteStoreError):
+class RedirectError(RemoteStoreError):
+    """An http(s) server's redirects were not followed (base of the two kinds below)."""
+
+
+class RedirectRefusedError(RedirectError):
     """An http(s) server answered a redirect to another origin, which is not followed unless the
     storage option ``allow_redirects`` is True."""
+
+
+class RedirectLoopError(RedirectError):
+    """An http(s) server's redirects come back to a URL already visited, or go on past
+    :data:`MAX_REDIRECTS` hops."""
+
+
+class RemoteTimeoutError(RemoteStoreError):
+    """A remote object's reply stalled: no connection within the connect timeout, or fewer than
+    :data:`MIN_PROGRESS_BYTES` bytes within a read timeout (a server trickling its reply)."""
+
+
+#: most redirects one request follows (within its origin)
+MAX_REDIRECTS = 10
+#: defaults of the timeouts of every remote request (seconds); ``$FASTDATA_REMOTE_CONNECT_TIMEOUT`` /
+#: ``$FASTDATA_REMOTE_READ_TIMEOUT``, or the storage options below, override them
+DEFAULT_CONNECT_TIMEOUT_S = 15.0
+DEFAULT_READ_TIMEOUT_S = 30.0
+#: storage options (fastdata's own, not passed to fsspec) setting the two timeouts for one store
+CONNECT_TIMEOUT_OPTION = "fastdata_connect_timeout"
+READ_TIMEOUT_OPTION = "fastdata_read_timeout"
+#: a reply must deliver at least this many bytes (or its end) within each read timeout
+MIN_PROGRESS_BYTES = 64 << 10
+#: a stalled request is tried again only while the time since the first attempt is under this many
+#: read timeouts (then the error is raised; other transient errors keep their retries)
+STALL_RETRY_WINDOW = 3
+
+
+def _timeout_setting(options: Mapping[str, Any], option: str, env: str, default: float) -> float:
+    value = options.get(option)
+    source = f"storage option {option}"
+    if value is None:
+        value, source = os.environ.get(env) or default, f"${env}"
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: {value!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ValueError(f"{source}: {value!r} must be a positive number of seconds")
+    return seconds
 
 
 #: storage option of http(s) stores: True follows redirects to any origin (scheme, host, port);
@@ -74,11 +119,20 @@ def _origin(url) -> tuple[str, str, int | None]:
 
 
 async def _refuse_cross_origin(session, context, params) -> None:
-    """aiohttp ``on_request_redirect`` hook: raise before a redirect to another origin is followed."""
+    """aiohttp ``on_request_redirect`` hook: raise before a redirect to another origin is followed,
+    and before one that comes back to a URL this request already visited (a loop)."""
     from yarl import URL
 
     location = params.response.headers.get("Location", "")
     target = params.url.join(URL(location)) if location else params.url
+    seen = getattr(context, "fastdata_seen", None)
+    if seen is None:
+        seen = context.fastdata_seen = []
+        seen.append(str(params.url))
+    if str(target) in seen or len(seen) > MAX_REDIRECTS:
+        raise RedirectLoopError(f"{seen[0]}: the server's redirects loop ({' -> '.join(seen[-4:])} -> {target}); "
+                                "fix the server or the URL")
+    seen.append(str(target))
     if _origin(target) != _origin(params.url):
         raise RedirectRefusedError(
             f"{params.url}: the server redirects to {target.with_query(None)}, another origin; fastdata does not "
@@ -96,16 +150,34 @@ async def _same_origin_client(**kwargs):
     return aiohttp.ClientSession(**kwargs)
 
 
-def _refused_redirect(err: BaseException) -> RedirectRefusedError | None:
-    """The :class:`RedirectRefusedError` behind ``err`` (fsspec wraps it as a missing file), if any."""
+def _refused_redirect(err: BaseException) -> RedirectError | None:
+    """The :class:`RedirectError` behind ``err`` (fsspec wraps it as a missing file), if any; aiohttp's
+    own ``TooManyRedirects`` as a :class:`RedirectLoopError`."""
     seen = 0
     cur: BaseException | None = err
     while cur is not None and seen < 16:
-        if isinstance(cur, RedirectRefusedError):
+        if isinstance(cur, RedirectError):
             return cur
+        if type(cur).__name__ == "TooManyRedirects":
+            info = getattr(cur, "request_info", None)
+            return RedirectLoopError(f"{getattr(info, 'real_url', '?')}: the server's redirects go on past "
+                                     f"{MAX_REDIRECTS} hops (a redirect loop)")
         cur = cur.__cause__ or cur.__context__
         seen += 1
     return None
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps) is a timeout of a request (asyncio's, aiohttp's, botocore's,
+    the socket's)."""
+    seen = 0
+    cur: BaseException | None = err
+    while cur is not None and seen < 16:
+        if isinstance(cur, (TimeoutError, RemoteTimeoutError)) or "Timeout" in type(cur).__name__:
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
 
 
 def _retries() -> int:
@@ -154,13 +226,27 @@ class RemoteLocation:
         """This process's fsspec filesystem for the URL (made on first use, per process)."""
         # the environment is part of the key: endpoints and credentials often come from it
         key = (os.getpid(), self.scheme, json.dumps(self.storage_options, sort_keys=True, default=str),
-               _credential_env())
+               _credential_env(), self.timeouts())
         fs = _FS.get(key)
         if fs is None:
             options = dict(self.storage_options)
+            connect, read = self.timeouts()
+            options.pop(CONNECT_TIMEOUT_OPTION, None)
+            options.pop(READ_TIMEOUT_OPTION, None)
             if self.read_only and options.get(ALLOW_REDIRECTS) is not True and "get_client" not in options:
                 options.pop(ALLOW_REDIRECTS, None)  # not given, or false: same-origin redirects only
                 options["get_client"] = _same_origin_client
+            if self.read_only:
+                client = dict(options.get("client_kwargs") or {})
+                if "timeout" not in client:  # the user's own aiohttp.ClientTimeout wins
+                    import aiohttp
+                    client["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=read)
+                options["client_kwargs"] = client
+            elif self.scheme in ("s3", "s3a"):
+                config = dict(options.get("config_kwargs") or {})
+                config.setdefault("connect_timeout", connect)
+                config.setdefault("read_timeout", read)
+                options["config_kwargs"] = config
             try:
                 import fsspec
                 fs = fsspec.filesystem(self.scheme, skip_instance_cache=True, **options)
@@ -174,6 +260,35 @@ class RemoteLocation:
             _FS[key] = fs
         return fs
 
+    def timeouts(self) -> tuple[float, float]:
+        """(connect, read) timeouts in seconds of this location's requests: the storage options
+        ``fastdata_connect_timeout`` / ``fastdata_read_timeout``, else ``$FASTDATA_REMOTE_CONNECT_TIMEOUT`` /
+        ``$FASTDATA_REMOTE_READ_TIMEOUT``, else 15 s / 30 s."""
+        return (_timeout_setting(self.storage_options, CONNECT_TIMEOUT_OPTION, "FASTDATA_REMOTE_CONNECT_TIMEOUT",
+                                 DEFAULT_CONNECT_TIMEOUT_S),
+                _timeout_setting(self.storage_options, READ_TIMEOUT_OPTION, "FASTDATA_REMOTE_READ_TIMEOUT",
+                                 DEFAULT_READ_TIMEOUT_S))
+
+    def _progress(self, what: str) -> Callable[[int, bool], None]:
+        """A check to call after each block read of one reply (its length, and whether it was the
+        end): raises :class:`RemoteTimeoutError` when a read timeout passed with fewer than
+        :data:`MIN_PROGRESS_BYTES` bytes (a trickling server; a silent one trips the socket timeout)."""
+        read_timeout = self.timeouts()[1]
+        window = [time.monotonic(), 0]
+
+        def check(n: int, end: bool) -> None:
+            window[1] += n
+            now = time.monotonic()
+            if end or now - window[0] < read_timeout:
+                return
+            if window[1] < MIN_PROGRESS_BYTES:
+                raise RemoteTimeoutError(f"{what}: the server sent {window[1]:,} bytes in {now - window[0]:.1f} s, "
+                                         f"fewer than {MIN_PROGRESS_BYTES:,} within the read timeout of "
+                                         f"{read_timeout:g} s (set by ${'FASTDATA_REMOTE_READ_TIMEOUT'} or the storage "
+                                         f"option {READ_TIMEOUT_OPTION}); the server or the network stalls")
+            window[0], window[1] = now, 0
+        return check
+
     def _path(self, name: str | None) -> str:
         url = self.url if name is None else self.child(name)
         return url if self.read_only else url.split("://", 1)[1]
@@ -183,23 +298,31 @@ class RemoteLocation:
         connection, a server restart); a missing object or a refused permission fails at once.
         Raises :class:`RemoteStoreError` naming ``what`` when every attempt failed."""
         attempts = _retries() + 1
+        started = time.monotonic()
         for attempt in range(attempts):
             try:
                 return fn()
-            except FileNotFoundError as err:
-                refused = _refused_redirect(err)
-                if refused is not None:
-                    raise refused from None
-                if self.read_only:
-                    self._check_http_server()
-                raise
             except Exception as err:  # noqa: BLE001 - fsspec backends raise many types
                 refused = _refused_redirect(err)
                 if refused is not None:
                     raise refused from None
+                if isinstance(err, FileNotFoundError) and not _timed_out(err):
+                    if self.read_only:
+                        self._check_http_server()
+                    raise
                 if isinstance(err, OSError) and err.errno in _LOCAL_DISK_FULL:
                     raise  # the local disk, not the network: retrying cannot help (the cache names it)
-                if _is_permanent(err) or attempt == attempts - 1:
+                stalled = _timed_out(err)
+                if stalled and (attempt == attempts - 1 or self._stalled_too_long(started)):
+                    if isinstance(err, RemoteTimeoutError):
+                        raise
+                    connect, read = self.timeouts()
+                    raise RemoteTimeoutError(
+                        f"{what}: the server did not answer within the timeouts (connect {connect:g} s, read "
+                        f"{read:g} s; $FASTDATA_REMOTE_CONNECT_TIMEOUT / $FASTDATA_REMOTE_READ_TIMEOUT) after "
+                        f"{attempt + 1} attempt{'s' if attempt else ''} in {time.monotonic() - started:.1f} s "
+                        f"({type(err).__name__}: {err})") from err
+                if not stalled and (_is_permanent(err) or attempt == attempts - 1):
                     if isinstance(err, FastdataError):
                         raise
                     raise RemoteStoreError(f"{what}: {type(err).__name__}: {err} "
@@ -208,20 +331,57 @@ class RemoteLocation:
                 _backoff(attempt)
         raise AssertionError("unreachable")
 
+    def _stalled_too_long(self, started: float) -> bool:
+        """After a stalled attempt: no new attempt once :data:`STALL_RETRY_WINDOW` read timeouts passed."""
+        return time.monotonic() - started >= STALL_RETRY_WINDOW * self.timeouts()[1]
+
     def _check_http_server(self) -> None:
         """fsspec's HTTP filesystem reports a server it cannot reach as a missing file: tell
-        "no server" (RemoteStoreError) from "no such object" with one request of our own."""
+        "no server" (RemoteStoreError) from "no such object" with one request of our own, which
+        follows redirects only as the store's reads do (never to another origin, unless the storage
+        option ``allow_redirects`` is True; a loop is a :class:`RedirectLoopError`) and has the
+        store's connect timeout."""
         import urllib.error
         import urllib.request
 
+        from yarl import URL
+
+        allow_any = self.storage_options.get(ALLOW_REDIRECTS) is True
+
+        class Redirects(urllib.request.HTTPRedirectHandler):
+            max_redirections = MAX_REDIRECTS
+
+            def redirect_request(self, req, fp, code, msg, headers, newurl):
+                here, there = URL(req.full_url), URL(req.full_url).join(URL(newurl))
+                if not allow_any and _origin(there) != _origin(here):
+                    raise RedirectRefusedError(
+                        f"{here}: the server redirects to {there.with_query(None)}, another origin; fastdata does "
+                        f"not follow a store's reads elsewhere unless told to: pass storage_options="
+                        f"{{'{ALLOW_REDIRECTS}': True}} (--storage-option {ALLOW_REDIRECTS}=true) if that server "
+                        "is trusted")
+                return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+        opener = urllib.request.build_opener(Redirects)
         try:
-            urllib.request.urlopen(urllib.request.Request(self.url + "/", method="HEAD"), timeout=10).close()
-        except urllib.error.HTTPError:
+            opener.open(urllib.request.Request(self.url + "/", method="HEAD"), timeout=self.timeouts()[0]).close()
+        except urllib.error.HTTPError as err:
+            if 300 <= err.code < 400:  # urllib's loop detection (or a redirect with no Location)
+                raise RedirectLoopError(f"{self.url}/: the server's redirects loop or lead nowhere ({err.code} "
+                                        f"{err.reason}); fix the server or the URL") from None
             return  # the server answered: the object is what is missing
         except (OSError, ValueError) as err:
             reason = getattr(err, "reason", err)
+            if isinstance(reason, TimeoutError) or isinstance(err, TimeoutError):
+                raise RemoteTimeoutError(f"{self.url}: the server did not answer within the connect timeout "
+                                         f"({self.timeouts()[0]:g} s)") from None
             raise RemoteStoreError(f"{self.url}: cannot reach the server ({reason}); check the URL and the "
                                    "network, then rerun") from None
+
+    def _open_read(self, fs, path: str):
+        """``path`` open for one pass from its start: http(s) as one streamed GET (block_size=0: no
+        range requests whose bodies fsspec reads whole, and each read returns what has arrived, so a
+        stalled reply is noticed between reads), others in blocks."""
+        return fs.open(path, "rb", block_size=0 if self.read_only else BLOCK)
 
     def read_bytes(self, name: str, limit: int | None = None) -> bytes:
         """Whole object ``name`` (FileNotFoundError when there is none).
@@ -229,28 +389,32 @@ class RemoteLocation:
         ``limit``: read at most ``limit + 1`` bytes, in blocks, and raise :class:`RemoteSizeError`
         when there are more, whatever size the server claims. An http(s) object is read as a
         stream, so a server that ignores ranges or sends a compressed body (``Content-Encoding``:
-        aiohttp decodes it as it arrives) is counted after decoding and cut off at the limit."""
+        aiohttp decodes it as it arrives) is counted after decoding and cut off at the limit.
+        A reply that stalls (see :meth:`timeouts`) raises :class:`RemoteTimeoutError`."""
         fs = self.filesystem()
         path = self._path(name)
+        what = f"reading {self.child(name)}"
 
         def read() -> bytes:
-            if limit is None:
-                with fs.open(path, "rb", block_size=BLOCK) as fh:
-                    return fh.read()
-            # block_size=0: http(s) as one streamed GET (no range requests whose bodies fsspec reads whole)
-            with fs.open(path, "rb", **({"block_size": 0} if self.read_only else {"block_size": BLOCK})) as fh:
-                chunks, total = [], 0
-                while total <= limit:
-                    block = fh.read(min(BLOCK, limit + 1 - total))
+            progress = self._progress(what)
+            # one buffer, grown in place: getvalue() hands it over without a copy (a 1.5 GiB index.fdi
+            # is held once, not as blocks plus their join)
+            out, total = io.BytesIO(), 0
+            with self._open_read(fs, path) as fh:
+                while limit is None or total <= limit:
+                    want = BLOCK if limit is None else min(BLOCK, limit + 1 - total)
+                    block = fh.read(want)
+                    progress(len(block), not block)
                     if not block:
                         break
-                    chunks.append(block)
+                    out.write(block)
                     total += len(block)
-            if total > limit:
+                    del block
+            if limit is not None and total > limit:
                 raise RemoteSizeError(f"{self.child(name)}: larger than the {limit:,} bytes it may be (the manifest's "
                                       "size, or the limit of its kind); refusing to read on")
-            return b"".join(chunks)
-        return self.call(f"reading {self.child(name)}", read)
+            return out.getvalue()
+        return self.call(what, read)
 
     def size(self, name: str) -> int | None:
         """Size of object ``name``, or None when there is none."""
@@ -275,10 +439,11 @@ class RemoteLocation:
             h = xxhash.xxh3_64()
             written = 0
             longer = False
-            with fs.open(path, "rb", block_size=BLOCK) as src, open(out_path, "r+b" if os.path.exists(out_path)
-                                                                    else "wb") as dst:
+            progress = self._progress(f"downloading {self.child(name)}")
+            with self._open_read(fs, path) as src, open(out_path, "r+b" if os.path.exists(out_path) else "wb") as dst:
                 while True:
                     block = src.read(min(BLOCK, expected_size + 1 - written))
+                    progress(len(block), not block)
                     if not block:
                         break
                     if written + len(block) > expected_size:
