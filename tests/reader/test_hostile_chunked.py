@@ -10,6 +10,7 @@ import os
 import pickle
 import resource
 import signal
+import sys
 import time
 import tracemalloc
 
@@ -52,6 +53,10 @@ def bounded(fn, *args, env: dict[str, str] | None = None, timeout: float = TIMEO
     if pid == 0:  # the child: never returns into pytest
         try:
             os.close(r)
+            # one torch thread, as DataLoader workers do: an OpenMP pool the parent started does
+            # not survive fork, and a parallel region in the child can wait on it for ever
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(1)
             os.environ.update(env or {})
             limit = _vm_size() + GROWTH
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

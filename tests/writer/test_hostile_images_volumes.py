@@ -22,6 +22,7 @@ import os
 import resource
 import signal
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +74,10 @@ def bounded(fn, *args, **kwargs) -> dict:
     if pid == 0:  # the child
         try:
             os.close(r)
+            # one torch thread, as DataLoader workers do: an OpenMP pool the parent started does
+            # not survive fork, and a parallel region in the child can wait on it for ever
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(1)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             limit = _vm_size() + GROWTH
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
