@@ -7,11 +7,6 @@ right (empty) result, cheaply; each has a control, the benign store read correct
 from __future__ import annotations
 
 import os
-import pickle
-import resource
-import signal
-import sys
-import time
 import tracemalloc
 
 import h5py
@@ -24,81 +19,17 @@ from helpers.volumes import SCHEMA, volume
 import fastdata
 import fastdata.reader.open  # noqa: F401 - as torch: what the children run is imported here first
 import fastdata.tools.verify  # noqa: F401
-from fastdata.errors import FastdataError, ReadLimitError
+from fastdata.errors import ReadLimitError
 from fastdata.fields import Chunked, Int, Schema
+from helpers.bounded import TIMEOUT, run_bounded
 
 fastdata.open_dataset  # noqa: B018 - resolve the lazy names before forking
 fastdata.collate  # noqa: B018
 
-#: what a case may allocate beyond the child's address space when it starts
-GROWTH = 1 << 30
-#: seconds a case may run
-TIMEOUT = 20.0
-
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) << 10
-    return 0
-
-
 def bounded(fn, *args, env: dict[str, str] | None = None, timeout: float = TIMEOUT) -> dict:
-    """``fn(*args)`` in a forked child limited to :data:`GROWTH` more address space and
-    ``timeout`` seconds: ``{"outcome": "ok", "value": ...}``, or ``typed_error`` / ``untyped_error``
-    / ``memory`` (with ``type`` and ``message``), ``timeout`` or ``signal``."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.close(r)
-            # one torch thread, as DataLoader workers do: an OpenMP pool the parent started does
-            # not survive fork, and a parallel region in the child can wait on it for ever
-            if "torch" in sys.modules:
-                sys.modules["torch"].set_num_threads(1)
-            os.environ.update(env or {})
-            limit = _vm_size() + GROWTH
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            try:
-                result = {"outcome": "ok", "value": fn(*args)}
-            except MemoryError as err:
-                result = {"outcome": "memory", "type": "MemoryError", "message": str(err)}
-            except BaseException as err:  # noqa: BLE001 - every failure is an outcome
-                typed = isinstance(err, FastdataError)
-                result = {"outcome": "typed_error" if typed else "untyped_error", "type": type(err).__name__,
-                          "message": str(err)[:2000]}
-            os.write(w, pickle.dumps(result))
-        finally:
-            os._exit(0)
-    os.close(w)
-    os.set_blocking(r, False)
-    data, deadline = b"", time.monotonic() + timeout
-    while True:
-        try:
-            while chunk := os.read(r, 1 << 16):
-                data += chunk
-        except BlockingIOError:
-            pass
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(r)
-            return {"outcome": "timeout", "message": f"still running after {timeout} s"}
-        time.sleep(0.005)
-    try:
-        while chunk := os.read(r, 1 << 16):
-            data += chunk
-    except BlockingIOError:
-        pass
-    os.close(r)
-    if os.WIFSIGNALED(status):
-        return {"outcome": "signal", "message": signal.Signals(os.WTERMSIG(status)).name}
-    return pickle.loads(data) if data else {"outcome": "untyped_error", "message": "no result"}
+    """``fn(*args)`` in a forked child limited to 1 GiB more address space and ``timeout`` seconds
+    (:func:`helpers.bounded.run_bounded`)."""
+    return run_bounded(fn, *args, env=env, timeout=timeout)
 
 
 def _write(dst, values, schema=SCHEMA) -> str:

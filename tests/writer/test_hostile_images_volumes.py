@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import os
-import resource
-import signal
 import struct
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +30,7 @@ pytest.importorskip("imagecodecs")
 import tifffile  # noqa: E402
 
 import fastdata  # noqa: E402
+from helpers.bounded import run_bounded  # noqa: E402
 
 #: address space a child may grow by: far below what any attack here would allocate unbounded
 GROWTH = 1 << 30
@@ -43,14 +39,6 @@ MODES = ["control", "attack"]
 
 
 # -- a bounded child ---------------------------------------------------------------------------------------
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmSize in /proc/self/status")
-
 
 @pytest.fixture(scope="module")
 def reader_imported():
@@ -66,49 +54,11 @@ def reader_imported():
 
 
 def bounded(fn, *args, **kwargs) -> dict:
-    """``fn(*args, **kwargs)`` (returning a JSON-able dict) in a forked child under ``RLIMIT_AS`` = its size + GROWTH,
-    killed after TIMEOUT seconds. The result has ``outcome``: ``ok``, ``typed_error`` (a FastdataError),
-    ``untyped_error``, ``memory``, ``signal`` or ``timeout``, and ``type``/``message`` for errors."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child
-        try:
-            os.close(r)
-            # one torch thread, as DataLoader workers do: an OpenMP pool the parent started does
-            # not survive fork, and a parallel region in the child can wait on it for ever
-            if "torch" in sys.modules:
-                sys.modules["torch"].set_num_threads(1)
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            limit = _vm_size() + GROWTH
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            result = fn(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - every failure is an outcome
-            from fastdata.errors import FastdataError
-
-            outcome = ("memory" if isinstance(err, MemoryError)
-                       else "typed_error" if isinstance(err, FastdataError) else "untyped_error")
-            result = {"outcome": outcome, "type": type(err).__name__, "message": str(err)[:2000]}
-        os.write(w, json.dumps(result, default=str).encode())
-        os._exit(0)
-    os.close(w)
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(r)
-            return {"outcome": "timeout"}
-        time.sleep(0.005)
-    data = b""
-    while chunk := os.read(r, 1 << 16):
-        data += chunk
-    os.close(r)
-    if os.WIFSIGNALED(status):
-        return {"outcome": "signal", "signal": os.WTERMSIG(status)}
-    return json.loads(data) if data else {"outcome": "untyped_error", "message": "no result"}
+    """``fn(*args, **kwargs)`` (returning a dict with ``outcome``) in a forked child under ``RLIMIT_AS`` =
+    its size + GROWTH, killed after TIMEOUT seconds (:func:`helpers.bounded.run_bounded`): its dict,
+    or the child's ``typed_error`` / ``untyped_error`` / ``memory`` / ``signal`` / ``timeout``."""
+    result = run_bounded(fn, *args, growth=GROWTH, timeout=TIMEOUT, **kwargs)
+    return result["value"] if result["outcome"] == "ok" else result
 
 
 def convert_op(src: str, dst: str, **kwargs) -> dict:
