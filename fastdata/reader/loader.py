@@ -63,19 +63,16 @@ def default_num_workers() -> int:
     return max(0, min(8, cores))
 
 
-def _sampler_epoch_source(sampler: Any) -> Any:
-    """``sampler`` if it keeps its own epoch (``set_epoch`` and ``epoch``), else None."""
-    if callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int):
-        return sampler
-    return None
+def _keeps_epoch(sampler: Any) -> bool:
+    """Whether ``sampler`` keeps its own epoch (``set_epoch`` and an int ``epoch``)."""
+    return callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int)
 
 
 def iteration_epoch(sampler: Any, dataset: Any) -> int | None:
     """The epoch an iteration over ``sampler`` and ``dataset`` is for: the sampler's own epoch when it
     has one, else the dataset's (None: the dataset has no epoch set, so nothing is tagged)."""
-    source = _sampler_epoch_source(sampler)
-    if source is not None:
-        return int(source.epoch)
+    if _keeps_epoch(sampler):
+        return int(sampler.epoch)
     epoch = getattr(dataset, "epoch", None)
     return int(epoch) if isinstance(epoch, (int, np.integer)) and not isinstance(epoch, bool) else None
 
@@ -195,7 +192,7 @@ class Loader(DataLoader):
     # -- epochs -------------------------------------------------------------------------------
     def _epoch_sampler(self):
         for candidate in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-            if _sampler_epoch_source(candidate) is not None:
+            if _keeps_epoch(candidate):
                 return candidate
         return None
 

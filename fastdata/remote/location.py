@@ -150,34 +150,34 @@ async def _same_origin_client(**kwargs):
     return aiohttp.ClientSession(**kwargs)
 
 
+def _causes(err: BaseException):
+    """``err`` and what it wraps (``__cause__``, else ``__context__``), at most 16 deep."""
+    cur: BaseException | None = err
+    for _ in range(16):
+        if cur is None:
+            return
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
 def _refused_redirect(err: BaseException) -> RedirectError | None:
     """The :class:`RedirectError` behind ``err`` (fsspec wraps it as a missing file), if any; aiohttp's
     own ``TooManyRedirects`` as a :class:`RedirectLoopError`."""
-    seen = 0
-    cur: BaseException | None = err
-    while cur is not None and seen < 16:
+    for cur in _causes(err):
         if isinstance(cur, RedirectError):
             return cur
         if type(cur).__name__ == "TooManyRedirects":
             info = getattr(cur, "request_info", None)
             return RedirectLoopError(f"{getattr(info, 'real_url', '?')}: the server's redirects go on past "
                                      f"{MAX_REDIRECTS} hops (a redirect loop)")
-        cur = cur.__cause__ or cur.__context__
-        seen += 1
     return None
 
 
 def _timed_out(err: BaseException) -> bool:
     """Whether ``err`` (or what it wraps) is a timeout of a request (asyncio's, aiohttp's, botocore's,
     the socket's)."""
-    seen = 0
-    cur: BaseException | None = err
-    while cur is not None and seen < 16:
-        if isinstance(cur, (TimeoutError, RemoteTimeoutError)) or "Timeout" in type(cur).__name__:
-            return True
-        cur = cur.__cause__ or cur.__context__
-        seen += 1
-    return False
+    return any(isinstance(cur, (TimeoutError, RemoteTimeoutError)) or "Timeout" in type(cur).__name__
+               for cur in _causes(err))
 
 
 def _retries() -> int:
