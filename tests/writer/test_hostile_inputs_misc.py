@@ -245,3 +245,27 @@ def test_an_lmdb_chunk_key_past_int64_is_a_corrupt_record_error(tmp_path, first)
     with pytest.raises(CorruptRecordError, match="outside 0"):
         arr[:2, :2, :2]  # one chunk
     assert not fastdata.verify(str(dst)).ok
+
+
+@pytest.mark.parametrize("first", [2**63, 2**64 - 1, 2**63 - 1, 0])
+def test_an_hdf5_chunk_offset_past_int64_is_a_corrupt_record_error(tmp_path, first):
+    """HDF5 keeps a value's chunks at a byte offset (``first``) into the shard's ``chunks`` dataset:
+    an offset at or past 2**63 (a u64 that would wrap in int64 arithmetic) is a damaged record."""
+    h5py = pytest.importorskip("h5py")
+    dst = tmp_path / "v.h5"
+    vol = volume(0, (20, 20, 20))
+    fastdata.write([{"ct": vol, "label": 0}], dst, SCHEMA, workers=0, progress=False, format="hdf5")
+    with h5py.File(dst / "shard-00000.h5", "r+") as f:
+        f["fields/ct.first"][0] = first
+    ds = fastdata.open_dataset(dst)
+    arr = ds[0]["ct"]
+    if first == 0:  # control: the same rewrite, the true offset
+        assert np.array_equal(arr[:, :, :], vol)
+        assert fastdata.verify(str(dst)).ok
+        return
+    with pytest.raises(CorruptRecordError, match=r"shard-00000\.h5.*field 'ct' chunk 0: missing"):
+        arr[:, :, :]
+    with pytest.raises(CorruptRecordError, match="chunk 0: missing"):
+        arr[:2, :2, :2]
+    del arr, ds
+    assert not fastdata.verify(str(dst)).ok
