@@ -55,6 +55,38 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
+#: schemes that name the same service (one fsspec implementation, one namespace of buckets)
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs"}
+
+
+def url_identity(url: str) -> tuple[str, ...]:
+    """``url`` as ``(scheme, bucket, key segment, ...)``: the same object prefix for every spelling
+    of it that a server or fsspec treats as one, so that two URLs are compared by what they name.
+
+    Case-insensitive parts are lowered (the scheme; bucket, container and host names, which object
+    stores keep lowercase); aliases of one service meet (``s3a`` is ``s3``, ``gcs`` is ``gs``);
+    empty and ``.`` segments are dropped and ``..`` removes the segment before it (HTTP servers
+    clean paths so; a store never holds such keys). Key segments keep their case and their
+    percent-escapes (object keys are case-sensitive and not URL-decoded by fsspec).
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"{url!r} is not a URL (scheme://bucket/key)")
+    scheme = scheme.lower()
+    scheme = _SCHEME_ALIASES.get(scheme, scheme)
+    bucket, _, key = rest.partition("/")
+    segments: list[str] = []
+    for part in key.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(part)
+    return (scheme, bucket.lower(), *segments)
+
+
 class RemoteSizeError(RemoteStoreError):
     """An object turned out longer or shorter than the size it was read with as its limit (a manifest's
     declared size): the store changed or was damaged remotely, or its server is hostile."""

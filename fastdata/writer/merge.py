@@ -177,8 +177,8 @@ def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: 
     target = RemoteLocation(dst, storage_options)
     check_url_path(target.url)
     target._writable()
-    if target.url in [loc.url for loc in locations]:
-        raise MergeError(f"{target.url} is one of the inputs: merge into a new store")
+    # by what the URLs name, not their spelling (S3:// or s3a://, //, ./ and ../, a prefix inside an input)
+    refuse_input_as_destination(target.url, [loc.url for loc in locations], MergeError)
     bases = []
     for loc in locations:
         RemoteLock(loc).check()

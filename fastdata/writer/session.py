@@ -139,11 +139,15 @@ def refuse_input_as_destination(dst: str, inputs: list[str], error: type[Excepti
     input; an input lies inside ``dst`` (clearing it would delete the input); with ``inside``,
     ``dst`` lies inside an input, also when ``dst`` does not exist yet and only a folder above it
     resolves into the input (a merge would write into an input store). Inputs that do not exist
-    (a glob, a Python object) are skipped.
+    (a glob, a Python object) are skipped. A URL destination is compared with the URL inputs by
+    :func:`~fastdata.remote.location.url_identity` (another spelling of one prefix is that prefix).
 
     Raises:
         error: naming both paths (``StoreExistsError`` by default; merge raises ``MergeError``).
     """
+    if is_remote(dst):
+        _refuse_url_input_as_destination(dst, [p for p in inputs if is_remote(p)], error, inside)
+        return
     chain = _identities(dst)
     exists = bool(chain) and chain[0][1] == os.path.realpath(dst)
     for given in inputs:
@@ -162,6 +166,25 @@ def refuse_input_as_destination(dst: str, inputs: list[str], error: type[Excepti
         if exists and any(i == chain[0][0] for i, _ in _identities(given)[1:]):
             raise error(f"the input {given} lies inside the destination {dst} (resolved: {chain[0][1]}): write into "
                         "a destination that holds no input")
+
+
+def _refuse_url_input_as_destination(dst: str, inputs: list[str], error: type[Exception], inside: bool) -> None:
+    """:func:`refuse_input_as_destination` for URLs: compared by :func:`url_identity` (scheme aliases,
+    case of bucket names, ``//``, ``.`` and ``..`` segments), prefixes standing for folders."""
+    from fastdata.remote.location import url_identity
+
+    target = url_identity(dst)
+    for given in inputs:
+        ident = url_identity(given)
+        if ident == target:
+            raise error(f"the destination {dst} is the input {given} (the same prefix, {'/'.join(target[1:])} on "
+                        f"{target[0]}://): write into a new destination")
+        if inside and target[:len(ident)] == ident:
+            raise error(f"the destination {dst} lies inside the input {given}: write into a destination outside "
+                        "every input")
+        if ident[:len(target)] == target:
+            raise error(f"the input {given} lies inside the destination {dst}: write into a destination that holds "
+                        "no input")
 
 
 class WriteSession:

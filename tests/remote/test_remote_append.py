@@ -106,3 +106,25 @@ def test_merge_of_s3_stores_copies_server_side_and_reads_like_the_local_merge(s3
     assert fastdata.open_dataset(url).classes == ["a", "b", "c"] and fastdata.verify(url).ok
     with pytest.raises(fastdata.errors.FastdataError, match="merge local stores into a local store"):
         fastdata.merge([f"{bucket}/A.lmdb", tmp_path / "B.lmdb"], tmp_path / "D.lmdb")
+    # the destination is compared by what the URL names, not its spelling (a destination with '//', '.' or
+    # '..' segments is refused as such): none of these touches A
+    inputs = [f"{bucket}/A.lmdb", f"{bucket}/B.lmdb"]
+    before = remote_manifest(inputs[0])
+    host = bucket.split("://", 1)[1]
+    for dst, says in [(f"S3://{host}/A.lmdb", "is the input"), (f"s3a://{host}/A.lmdb", "is the input"),
+                      (f"{bucket}//A.lmdb/", "empty segment"), (f"{bucket}/x/../A.lmdb", "'..'"),
+                      (f"{bucket}/A.lmdb/inner", "lies inside the input"),
+                      (f"{bucket}/", "lies inside the destination")]:
+        with pytest.raises(fastdata.errors.FastdataError, match=says):
+            fastdata.merge(inputs, dst, overwrite=True)
+    assert remote_manifest(inputs[0]) == before and fastdata.verify(inputs[0]).ok
+
+
+@pytest.mark.parametrize("a, b, same", [
+    ("s3://bkt/a/b", "S3://BKT/a/b/", True), ("s3a://bkt/a//b", "s3://bkt/a/./b", True),
+    ("gcs://bkt/x/../a", "gs://bkt/a", True), ("s3://bkt/A", "s3://bkt/a", False),  # keys keep their case
+    ("s3://bkt/a%2Fb", "s3://bkt/a/b", False), ("s3://bkt/a", "gs://bkt/a", False)])
+def test_url_identity_meets_every_spelling_of_one_prefix(a, b, same):
+    from fastdata.remote.location import url_identity
+
+    assert (url_identity(a) == url_identity(b)) is same
