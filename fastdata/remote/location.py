@@ -15,6 +15,7 @@ none, only the URL and options, and makes its filesystem on first use in each pr
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import json
 import os
@@ -41,13 +42,13 @@ BLOCK = 8 << 20
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``["key=value", ...]`` (the CLI's ``--storage-option``) as a dict; a value that parses
+    """``["key=value", ...]`` (as a command line gives them) as a dict; a value that parses
     as JSON (numbers, true/false, objects) takes that type, anything else stays a string."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option {pair!r}: expected key=value (e.g. endpoint_url=http://host:9000)")
+            raise ValueError(f"storage_options entry {pair!r}: expected key=value (e.g. endpoint_url=http://host:9000)")
         try:
             out[key] = json.loads(value)
         except ValueError:
@@ -168,8 +169,8 @@ async def _refuse_cross_origin(session, context, params) -> None:
     if _origin(target) != _origin(params.url):
         raise RedirectRefusedError(
             f"{params.url}: the server redirects to {target.with_query(None)}, another origin; fastdata does not "
-            f"follow a store's reads elsewhere unless told to: pass storage_options={{'{ALLOW_REDIRECTS}': True}} "
-            f"(--storage-option {ALLOW_REDIRECTS}=true) if that server is trusted")
+            f"follow a store's reads elsewhere unless told to: set {ALLOW_REDIRECTS}=true in storage_options "
+            "if that server is trusted")
 
 
 async def _same_origin_client(**kwargs):
@@ -229,6 +230,64 @@ def _backoff(attempt: int) -> None:
 def _is_permanent(err: BaseException) -> bool:
     return isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
                             FastdataError, ValueError, TypeError))
+
+
+#: schemes whose fsspec filesystem streams one GET (``open_async``: s3fs, fsspec's HTTP)
+_STREAMED_SCHEMES = ("s3", "s3a", "http", "https")
+
+
+class _StreamedRead:
+    """A file object reading one object as one streamed GET (fsspec's ``open_async``), each read
+    bounded in time.
+
+    A read returns the bytes that have arrived (up to those asked for), so the caller's progress
+    check (:meth:`RemoteLocation._progress`) sees a trickling body between reads, not after a whole
+    block. The first read, which waits for the reply's headers, must end within the connect and
+    read timeouts together; each later one within the read timeout (a server that trickles its
+    headers, or sends nothing, is cut off there: the read is cancelled, closing the connection).
+    """
+
+    def __init__(self, fs, path: str, connect_timeout: float, read_timeout: float):
+        self._fs, self._path = fs, path
+        self._first_timeout, self._read_timeout = connect_timeout + read_timeout, read_timeout
+        self._file: Any = None
+
+    def _run(self, make_coro, seconds: float):
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def bounded():
+            return await asyncio.wait_for(make_coro(), seconds)
+        return sync(self._fs.loop, bounded)
+
+    def read(self, n: int = -1) -> bytes:
+        if self._file is None:
+            async def first() -> bytes:
+                self._file = await self._fs.open_async(self._path, "rb")
+                return await self._file.read(n)
+            return self._run(first, self._first_timeout)
+        return self._run(lambda: self._file.read(n), self._read_timeout)
+
+    def close(self) -> None:
+        file, self._file = self._file, None
+        if file is None:
+            return
+        closing = getattr(file, "close", None)
+        body = getattr(file, "r", None)
+        try:
+            if body is not None and hasattr(body, "close"):
+                body.close()  # the response (s3: aiobotocore's body; http: aiohttp's response)
+            if closing is not None and inspect.iscoroutinefunction(closing):
+                self._run(closing, self._read_timeout)
+        except Exception:  # noqa: BLE001 - closing a reply already failed or done: nothing to keep
+            pass
+
+    def __enter__(self) -> _StreamedRead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -357,6 +416,8 @@ class RemoteLocation:
                 if not stalled and (_is_permanent(err) or attempt == attempts - 1):
                     if isinstance(err, FastdataError):
                         raise
+                    if self.read_only and not isinstance(err, FileNotFoundError):
+                        self._check_http_server()  # "cannot reach the server", when that is what failed
                     raise RemoteStoreError(f"{what}: {type(err).__name__}: {err} "
                                            f"(after {attempt + 1} attempt{'s' if attempt else ''}); check the "
                                            "endpoint, credentials and network, then rerun") from err
@@ -388,9 +449,8 @@ class RemoteLocation:
                 if not allow_any and _origin(there) != _origin(here):
                     raise RedirectRefusedError(
                         f"{here}: the server redirects to {there.with_query(None)}, another origin; fastdata does "
-                        f"not follow a store's reads elsewhere unless told to: pass storage_options="
-                        f"{{'{ALLOW_REDIRECTS}': True}} (--storage-option {ALLOW_REDIRECTS}=true) if that server "
-                        "is trusted")
+                        f"not follow a store's reads elsewhere unless told to: set {ALLOW_REDIRECTS}=true in "
+                        "storage_options if that server is trusted")
                 return super().redirect_request(req, fp, code, msg, headers, newurl)
 
         opener = urllib.request.build_opener(Redirects)
@@ -410,9 +470,12 @@ class RemoteLocation:
                                    "network, then rerun") from None
 
     def _open_read(self, fs, path: str):
-        """``path`` open for one pass from its start: http(s) as one streamed GET (block_size=0: no
-        range requests whose bodies fsspec reads whole, and each read returns what has arrived, so a
-        stalled reply is noticed between reads), others in blocks."""
+        """``path`` open for one pass from its start, as one streamed GET where the filesystem can
+        stream (s3 and http(s): :class:`_StreamedRead`, each read returning what has arrived, so a
+        stalled reply is noticed between reads however large the blocks asked for), in blocks
+        otherwise (each block a ranged request whose body the filesystem reads whole)."""
+        if hasattr(fs, "open_async") and hasattr(fs, "loop") and self.scheme in _STREAMED_SCHEMES:
+            return _StreamedRead(fs, path, *self.timeouts())
         return fs.open(path, "rb", block_size=0 if self.read_only else BLOCK)
 
     def read_bytes(self, name: str, limit: int | None = None) -> bytes:

@@ -59,6 +59,10 @@ class ReplyServer:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
+                if action[0] == "trickle-headers":  # the status line and headers, one byte at a time
+                    self._trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nX-Padding: " + b"x" * 4096
+                                  + b"\r\n\r\n0123456789", action[1])
+                    return
                 if action[0] == "silent":  # accepts, reads the request, answers nothing for a while
                     time.sleep(action[1])
                     self.close_connection = True
@@ -80,7 +84,9 @@ class ReplyServer:
                         shutil.copyfileobj(fh, self.wfile, 1 << 20)
                     return
                 with open(path, "rb") as fh:
-                    data = fh.read(1 << 20)
+                    self._trickle(fh.read(1 << 20), action[1])
+
+            def _trickle(self, data: bytes, seconds_per_byte: float) -> None:
                 self.close_connection = True
                 deadline = time.monotonic() + 8  # bounded: never past 8 s, whatever the client does
                 try:
@@ -89,7 +95,7 @@ class ReplyServer:
                             return
                         self.wfile.write(data[i:i + 1])
                         self.wfile.flush()
-                        time.sleep(action[1])
+                        time.sleep(seconds_per_byte)
                 except OSError:  # the client hung up (what the fix makes it do)
                     return
 
@@ -174,6 +180,70 @@ def test_a_silent_server_fails_in_bounded_time(store_dir, servers, tmp_path, mon
     with pytest.raises(RemoteTimeoutError, match="manifest.json"):
         read_all(url, tmp_path)
     assert time.monotonic() - started < 15
+
+
+def _s3_location(server: ReplyServer, read_timeout: float):
+    """The test server as an S3 endpoint (path-style: ``/bucket/key`` is the file ``root/bucket/key``)."""
+    from fastdata.remote.location import RemoteLocation
+
+    return RemoteLocation("s3://www/store.lmdb", {"endpoint_url": server.url, "key": "k", "secret": "s",
+                                                  "fastdata_read_timeout": read_timeout,
+                                                  "fastdata_connect_timeout": 0.5})
+
+
+@pytest.fixture
+def s3_root(store_dir, tmp_path) -> str:
+    """A folder whose ``www/`` is the served store folder (bucket ``www``)."""
+    os.symlink(store_dir, tmp_path / "www")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["control", "body", "headers"])
+def test_an_s3_reply_trickled_inside_one_block_fails_in_bounded_time(s3_root, servers, tmp_path, monkeypatch, mode):
+    """An S3 object read in blocks of 8 MiB: a server trickling the body (20 B/s) or the reply's headers
+    (5 B/s) never trips botocore's per-read socket timeout; the object is read as one stream whose
+    progress is checked between reads, and the headers within the connect and read timeouts."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    shard = next(n for n in os.listdir(os.path.join(s3_root, "www", "store.lmdb")) if n.startswith("shard-"))
+
+    def behave(method, path):
+        if mode == "body" and path.endswith(shard):
+            return ("trickle", 0.05)
+        if mode == "headers" and path.endswith(shard):
+            return ("trickle-headers", 0.2)
+        return ("file",)
+    server = servers(s3_root, behave)
+    loc = _s3_location(server, read_timeout=0.3)
+    expected = open(os.path.join(s3_root, "www", "store.lmdb", shard), "rb").read()
+    started = time.monotonic()
+    if mode == "control":
+        assert loc.read_bytes(shard) == expected
+        assert loc.download(shard, str(tmp_path / "copy"), len(expected)) and \
+            (tmp_path / "copy").read_bytes() == expected
+        return
+    with pytest.raises(RemoteTimeoutError) as info:
+        loc.read_bytes(shard)
+    assert time.monotonic() - started < 6, time.monotonic() - started  # the server trickles for 8 s
+    assert shard in str(info.value)
+    started = time.monotonic()
+    with pytest.raises(RemoteTimeoutError):
+        loc.download(shard, str(tmp_path / "copy"), len(expected))
+    assert time.monotonic() - started < 6
+
+
+@pytest.mark.parametrize("mode", ["control", "attack"])
+def test_http_reply_headers_trickled_fail_in_bounded_time(store_dir, servers, tmp_path, mode):
+    """manifest.json's status line and headers arrive at 5 B/s (each socket read gets a byte in time)."""
+    server = servers(store_dir, lambda m, p: ("trickle-headers", 0.2) if mode == "attack" and m == "GET"
+                     and p.endswith("manifest.json") else ("file",))
+    started = time.monotonic()
+    if mode == "control":
+        assert read_all(f"{server.url}/store.lmdb", tmp_path, fastdata_read_timeout=0.3,
+                        fastdata_connect_timeout=0.5) == 6
+        return
+    with pytest.raises(RemoteTimeoutError, match="manifest.json"):
+        read_all(f"{server.url}/store.lmdb", tmp_path, fastdata_read_timeout=0.3, fastdata_connect_timeout=0.5)
+    assert time.monotonic() - started < 6  # the server trickles for 8 s
 
 
 def test_timeout_settings_are_checked(store_dir, servers, tmp_path):
