@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import fastdata
+from fastdata.errors import FastdataError
 
 LEGACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "fixtures", "legacy")
 sys.path.insert(0, LEGACY)  # digest.py, shared with the generator (which runs under old commits)
@@ -40,6 +41,15 @@ _CHUNKED_HDF5 = ("HDF5 shards of the first commits (7b5ad17..66eaed2, fastdata 0
                  "although the store's layout version is the same")
 KNOWN_DIFFERENCES: dict[str, str] = {
     "g0-hdf5-original": _CHUNKED_HDF5, "g0-hdf5-raw": _CHUNKED_HDF5, "g0-hdf5-reencode": _CHUNKED_HDF5,
+}
+
+#: samples the old reader refused with one error class and the current one with another:
+#: name -> sorted [(read, old class, current class)]. b49de8f called a DICOM or 5-band TIFF image
+#: read in image_mode="RGB" a damaged record (CorruptRecordError: "cannot decode DICOM image");
+#: since then it is an ImageModeError naming the mode (the record is fine; still a refusal)
+_RGB = "g4-lmdb-native: LMDBImageDataset(**{'image_mode': 'RGB'}): sample"
+KNOWN_ERROR_CHANGES: dict[str, list] = {
+    "g4-lmdb-native": [(f"{_RGB} {i}", "CorruptRecordError", "ImageModeError") for i in (0, 1, 4)],
 }
 
 
@@ -97,16 +107,27 @@ def test_legacy_store_reads_as_its_writer_read_it(name, tmp_path):
     expected = _expected(name)
     store = _unpack(name, tmp_path)
     before = _snapshot(store)
+    refusals = []
     for read in expected["reads"]:
         what = f"{name}: {read['reader']}(**{read['kwargs']})"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. ImagesReducedWarning for the RGBA image
+            if "error" in read:  # the old reader refused the store: so must this one
+                with pytest.raises(FastdataError) as refused:
+                    _reader(read["reader"])(store, **read["kwargs"])
+                refusals.append((what, read["error"], type(refused.value).__name__))
+                continue
             ds = _reader(read["reader"])(store, **read["kwargs"])
             public = getattr(fastdata, read["type"], None)
             if isinstance(public, type):  # the class the old reader returned, where it is public
                 assert isinstance(ds, public), what
             assert len(ds) == read["len"], what
             for i, want in enumerate(read["items"]):
+                if "error" in want:  # the old reader refused this sample: so must this one
+                    with pytest.raises(FastdataError) as refused:
+                        ds[i]
+                    refusals.append((f"{what}: sample {i}", want["error"], type(refused.value).__name__))
+                    continue
                 assert describe(ds[i]) == want, f"{what}: sample {i}"
             if "classes" in read:
                 assert describe_classes(ds.classes) == read["classes"], what
@@ -114,6 +135,9 @@ def test_legacy_store_reads_as_its_writer_read_it(name, tmp_path):
                 assert describe_targets(ds.targets) == read["targets"], what
             if "samples" in read:
                 assert [[sample_path(p), int(t)] for p, t in ds.samples] == read["samples"], what
+    # a refusal may name its reason by another error class than the old reader did, but only as listed
+    changed = sorted((what, old, new) for what, old, new in refusals if old != new)
+    assert changed == KNOWN_ERROR_CHANGES.get(name, []), f"{name}: refusals now raise other errors"
     info = fastdata.info(store)
     for key, want in expected["info"].items():
         got = info[key]
