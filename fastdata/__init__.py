@@ -3,9 +3,12 @@ leak-free in PyTorch DataLoaders.
 
 Public API::
 
-    fastdata.convert(src, dst, **options) -> ConvertReport
-    fastdata.write(samples, dst, schema=None, **options) -> ConvertReport
-    fastdata.convert_coco(annotations_json, image_dir, dst, **options) -> ConvertReport
+    fastdata.convert(source, dst, options=None, **keywords) -> ConvertReport
+        source: a fastdata.sources object (ImageFolder, Table, Coco, Parquet, WebDataset,
+        Volumes, Dicom, Samples) or a path; options: fastdata.WriteOptions
+    fastdata.write(samples, dst, schema=None, options=None, **keywords) -> ConvertReport
+    fastdata.convert_coco(annotations_json, image_dir, dst, options=None, **keywords) -> ConvertReport
+    fastdata.WriteOptions(format=, workers=, shard_size=, resume=, overwrite=, append=, task_size=, ...)
     fastdata.merge([store_a, store_b, ...], dst) -> MergeReport
     fastdata.verify(store, decode=False) -> VerifyReport
     fastdata.info(store) -> dict
@@ -18,7 +21,7 @@ Public API::
     fastdata.mix(sources, weights=None, **options) -> MixedDataset
     fastdata.PatchDataset, fastdata.Stitcher, fastdata.stitch
     fastdata.diagnose
-    fastdata.errors, fastdata.fields, fastdata.transforms, fastdata.targets, fastdata.synth
+    fastdata.errors, fastdata.fields, fastdata.sources, fastdata.transforms, fastdata.targets, fastdata.synth
 
 Every name is imported on first use: ``import fastdata`` loads neither the writer
 nor torch, h5py or lmdb (nor ``fcntl``, so the readers work where it is missing),
@@ -45,6 +48,7 @@ _LAZY = {
     "write": "fastdata.writer.api",
     "merge": "fastdata.writer.merge",
     "convert_coco": "fastdata.writer.api",
+    "WriteOptions": "fastdata.writer.options",
     "ConvertReport": "fastdata.writer.report",
     "info": "fastdata.tools.verify",
     "verify": "fastdata.tools.verify",
@@ -69,12 +73,12 @@ _LAZY = {
     "stitch": "fastdata.reader.patches",
 }
 #: public modules: ``fastdata.<name>`` is the module itself (thin alias modules beside this file)
-_MODULES = ("fields", "transforms", "targets", "synth", "synth_coco")
+_MODULES = ("fields", "sources", "transforms", "targets", "synth", "synth_coco")
 
 __all__ = ["__version__", "errors", *_LAZY, *_MODULES]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name loads on first use
-    from fastdata import fields, synth, synth_coco, targets, transforms  # noqa: F401
+    from fastdata import fields, sources, synth, synth_coco, targets, transforms  # noqa: F401
     from fastdata.reader.batching import collate, collate_detection, collate_lists, collate_samples  # noqa: F401
     from fastdata.reader.coco import CocoStoreDataset  # noqa: F401
     from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset  # noqa: F401
@@ -89,6 +93,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.tools.verify import info, verify  # noqa: F401
     from fastdata.writer.api import convert, convert_coco, convert_table, write  # noqa: F401
     from fastdata.writer.merge import merge  # noqa: F401
+    from fastdata.writer.options import WriteOptions  # noqa: F401
     from fastdata.writer.report import ConvertReport  # noqa: F401
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
 
 from fastdata.common.paths import check_local_path
 from fastdata.common.units import parse_size
@@ -43,7 +42,7 @@ from fastdata.remote.store import is_remote
 from fastdata.writer import append
 from fastdata.writer.distributed import RankGroup, current_group, error_text, shards_for_rank
 from fastdata.writer.lock import StoreLock, raise_if_locked
-from fastdata.writer.options import resolve_options, resolve_workers
+from fastdata.writer.options import WriteOptions, resolve_options, resolve_workers
 from fastdata.writer.pipeline import (
     check_store_entries,
     clear_store,
@@ -62,25 +61,6 @@ from fastdata.writer.remote_sink import write_to_url
 from fastdata.writer.report import ConvertReport, ProgressBar
 from fastdata.writer.resume import RecordedRun, RunOptions, read_recorded_run
 from fastdata.writer.sources.base import WriteSource
-
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """How to write, as every entry point takes it (see :func:`fastdata.convert` for each option)."""
-
-    format: str | None = None
-    shard_size: int | str | None = None
-    strict: bool | None = None
-    workers: int | None = None
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool | None = None
-    lmdb_map_size: int | str | None = None
-    chunk_size: int = 32
-    storage_options: dict | None = None
-    staging_dir: str | os.PathLike | None = None
-    append: bool = False
-    add_classes: bool = False
 
 
 def check_destination(dst: str, resume: bool, overwrite: bool) -> None:
@@ -388,7 +368,7 @@ class WriteSession:
         label = source.progress_label if group.world_size == 1 else f"rank {group.rank}"
         with ProgressBar(sum(p.stop - p.start for p in todo) if todo is not None else 0, o.progress,
                          desc=label) as bar:
-            stats = run_shards(dst=dst, backend=run.backend, source=source.chunks(run, o.chunk_size), plans=todo,
+            stats = run_shards(dst=dst, backend=run.backend, source=source.chunks(run, o.task_size), plans=todo,
                                storage=run.storage, workers=workers, strict=run.strict, writer_options=writer_options,
                                on_progress=bar.update_counts, schema=source.schema,
                                num_classes=len(source.classes()) if source.schema is None else 0, first_shard=first)

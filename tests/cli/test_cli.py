@@ -90,7 +90,7 @@ def test_errors_from_the_real_entry_point_are_one_line(tmp_path):
     (["{src}", "{tmp}/o.zip"], "cannot tell the backend"),
     (["{src}", "{tmp}/o.lmdb", "--shard-size", "lots"], "not a size"),
     (["{src}", "{tmp}/o.lmdb", "--raw", "12xx"], "HxW"),
-    (["{src}", "{tmp}/o.lmdb", "--quality", "80"], "--quality only applies with --max-side"),
+    (["{src}", "{tmp}/o.lmdb", "--quality", "80"], "--quality 80 only applies with --max-side"),
     (["{src}", "{tmp}/o.lmdb", "--max-side", "0"], "--max-side"),
 ])
 def test_convert_errors_exit_2_with_one_line(tmp_path, capsys, args, expect):

@@ -101,7 +101,7 @@ def test_more_than_10k_shards_is_refused_with_a_size_that_fits(src, tmp_path, ca
 
 def test_negative_workers_is_an_error(src, tmp_path, capsys):
     assert main(["convert", src, str(tmp_path / "o.lmdb"), "--workers", "-2"]) == 2
-    assert "--workers must be 0 (no worker processes: everything runs in this process) or a positive number" in \
+    assert "workers must be 0 (no worker processes: everything runs in this process) or a positive number" in \
         one_line_error(capsys)
     assert not (tmp_path / "o.lmdb").exists()
 

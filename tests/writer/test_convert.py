@@ -496,7 +496,7 @@ def test_backend_choice():
     assert choose_backend("x.lmdb", None) == "lmdb"
     assert choose_backend("x.h5", None) == choose_backend("x.HDF5/", None) == "hdf5"
     assert choose_backend("x.store", "hdf5") == choose_backend("x.lmdb", "h5") == "hdf5"
-    with pytest.raises(ValueError, match="--format"):
+    with pytest.raises(ValueError, match="pass format="):
         choose_backend("x.store", None)
 
 

@@ -87,9 +87,9 @@ def test_lossless_resume_refuses_another_storage_mode(tmp_path, tree):
 @pytest.mark.parametrize("other", [{"raw": "8x8"}, {"max_side": 8}, {"quality": 80}])
 def test_lossless_is_exclusive_with_the_other_storage_modes(tmp_path, tree, other):
     root, _ = tree
-    with pytest.raises(ValueError, match="--lossless and .* are exclusive"):
+    with pytest.raises(ValueError, match='lossless="tiff" and .* are exclusive'):
         fastdata.convert(root, tmp_path / "x.lmdb", lossless="tiff", workers=0, progress=False, **other)
-    with pytest.raises(ValueError, match="--lossless must be one of tiff"):
+    with pytest.raises(ValueError, match="lossless must be one of tiff"):
         fastdata.convert(root, tmp_path / "x.lmdb", lossless="png", workers=0, progress=False)
 
 

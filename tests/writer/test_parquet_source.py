@@ -329,9 +329,9 @@ def test_a_resume_of_changed_files_is_refused(tmp_path):
 
 def test_options_for_images_are_refused_for_parquet(tmp_path):
     src = write_hf_parquet(tmp_path / "train.parquet", hf_rows(2))
-    with pytest.raises(ValueError, match="--max-side do\\(es\\) not apply to Parquet files"):
+    with pytest.raises(ValueError, match="max_side=64 do\\(es\\) not apply to Parquet files"):
         fastdata.convert(src, tmp_path / "out.lmdb", max_side=64)
-    with pytest.raises(ValueError, match="--image-column applies to Parquet files"):
+    with pytest.raises(ValueError, match="image_column applies to Parquet files"):
         fastdata.convert(tmp_path / "images", tmp_path / "out.lmdb", image_column="x")
 
 

@@ -505,23 +505,23 @@ def test_raw_shards_are_planned_from_the_pixels_they_will_hold(tmp_path):
 # -- option errors, before anything is written ----------------------------------------------------------------
 
 @pytest.mark.parametrize("options, message", [
-    ({"storage": "raw"}, "--storage raw needs --max-side"),
+    ({"storage": "raw"}, 'storage="raw" needs max_side'),
     ({"storage": "raw", "max_side": 31}, "at least 32"),
-    ({"storage": "mixed", "max_side": 64}, "needs --raw-fraction"),
-    ({"storage": "mixed", "max_side": 64, "raw_fraction": 1.5}, "--raw-fraction must be from 0 to 1"),
-    ({"storage": "mixed", "max_side": 64, "raw_fraction": -0.1}, "--raw-fraction must be from 0 to 1"),
-    ({"storage": "mixed", "max_side": 64, "raw_fraction": float("nan")}, "--raw-fraction must be from 0 to 1"),
-    ({"storage": "raw", "max_side": 64, "raw_fraction": 0.5}, "applies to --storage mixed"),
+    ({"storage": "mixed", "max_side": 64}, "needs raw_fraction"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": 1.5}, "raw_fraction must be from 0 to 1"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": -0.1}, "raw_fraction must be from 0 to 1"),
+    ({"storage": "mixed", "max_side": 64, "raw_fraction": float("nan")}, "raw_fraction must be from 0 to 1"),
+    ({"storage": "raw", "max_side": 64, "raw_fraction": 0.5}, 'applies to storage="mixed"'),
     ({"storage": "raw", "max_side": 64, "raw": "32x32"}, "are exclusive"),
     ({"storage": "mixed", "max_side": 64, "raw_fraction": 0.5, "lossless": "tiff"}, "are exclusive"),
     ({"storage": "raw", "max_side": 64, "quality": 80}, "are exclusive"),
-    ({"raw_fraction": 0.5}, "applies to --storage mixed only"),
-    ({"raw_budget": "1GB"}, "--raw-budget applies to --storage raw|mixed"),
+    ({"raw_fraction": 0.5}, 'applies to storage="mixed" only'),
+    ({"raw_budget": "1GB"}, 'raw_budget applies to storage="raw" or "mixed"'),
     ({"storage": "mixed", "max_side": 64, "raw_fraction": 0.5, "raw_budget": "1GB"}, "are exclusive"),
-    ({"storage": "mixed", "max_side": 64, "raw_budget": 0}, "--raw-budget must be a positive size"),
-    ({"storage": "mixed", "max_side": 64, "raw_budget": "-5GB"}, "--raw-budget must be a positive size"),
-    ({"storage": "mixed", "max_side": 64, "raw_budget": True}, "--raw-budget must be a positive size"),
-    ({"storage": "ppm", "max_side": 64}, "--storage must be one of raw, mixed"),
+    ({"storage": "mixed", "max_side": 64, "raw_budget": 0}, "raw_budget must be a positive size"),
+    ({"storage": "mixed", "max_side": 64, "raw_budget": "-5GB"}, "raw_budget must be a positive size"),
+    ({"storage": "mixed", "max_side": 64, "raw_budget": True}, "raw_budget must be a positive size"),
+    ({"storage": "ppm", "max_side": 64}, "storage must be one of raw, mixed"),
 ])
 def test_bad_storage_options_are_refused_before_writing(tmp_path, options, message):
     root = make_tree(tmp_path / "src", classes={"cat": 1}, size=(40, 30))

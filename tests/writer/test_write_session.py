@@ -101,7 +101,7 @@ def test_workers_0_runs_everything_in_this_process_for_every_entry_point(inputs,
 
 def test_negative_workers_is_refused_the_same_way_by_every_entry_point(inputs, tmp_path):
     for kind in ("folder", "table", "map", "coco"):
-        with pytest.raises(ValueError, match="--workers must be 0 .no worker processes"):
+        with pytest.raises(ValueError, match="workers must be 0 .no worker processes"):
             run_entry_point(kind, inputs, tmp_path / f"{kind}.lmdb", workers=-1)
         assert not (tmp_path / f"{kind}.lmdb").exists()
 
