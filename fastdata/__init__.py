@@ -18,7 +18,7 @@ Public API::
     fastdata.DistributedShardSampler (a DistributedSampler; ranks resolved when first used)
     fastdata.integrations.lightning.StoreDataModule (optional: needs lightning)
     fastdata.random_split, fastdata.StoreSubset (ds.subset(indices), ds.column(name))
-    fastdata.mix(sources, weights=None, **options) -> MixedDataset
+    fastdata.mix([fastdata.MixPart(store, weight=...), ...], **options) -> MixedDataset
     fastdata.PatchDataset, fastdata.Stitcher, fastdata.stitch
     fastdata.diagnose
     fastdata.errors, fastdata.fields, fastdata.sources, fastdata.transforms, fastdata.targets, fastdata.synth
@@ -67,6 +67,7 @@ _LAZY = {
     "random_split": "fastdata.reader.subset",
     "mix": "fastdata.reader.mix",
     "MixedDataset": "fastdata.reader.mix",
+    "MixPart": "fastdata.reader.mix",
     "diagnose": "fastdata.tools.diagnose",
     "PatchDataset": "fastdata.reader.patches",
     "Stitcher": "fastdata.reader.patches",
@@ -83,7 +84,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.reader.coco import CocoStoreDataset  # noqa: F401
     from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset  # noqa: F401
     from fastdata.reader.loader import loader  # noqa: F401
-    from fastdata.reader.mix import MixedDataset, mix  # noqa: F401
+    from fastdata.reader.mix import MixedDataset, MixPart, mix  # noqa: F401
     from fastdata.reader.open import open_dataset  # noqa: F401
     from fastdata.reader.patches import PatchDataset, Stitcher, stitch  # noqa: F401
     from fastdata.reader.sampler import DistributedShardSampler  # noqa: F401

@@ -11,6 +11,13 @@
         for images, labels, sources in loader:   # sources[i]: train.source_names[sources[i]]
             ...
 
+Or, one object per source (:class:`MixPart`, as MosaicML Streaming's ``Stream`` holds a
+stream's ``proportion``/``repeat``/``choose``), each with its own size and transform::
+
+    train = fastdata.mix([fastdata.MixPart("real.lmdb", weight=0.7),
+                          fastdata.MixPart(synth, name="synthetic", weight=0.3, transform=relabel)],
+                         epoch_size=100_000, seed=0)
+
 Sizing the sources (exactly one of three, as MosaicML streaming's ``Stream`` sizes a stream
 by ``proportion=``, ``repeat=`` or ``choose=``):
 
@@ -144,7 +151,7 @@ from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.sampler import DistributedShardSampler
 from fastdata.reader.seeding import EpochIndex, epoch_of
 
-__all__ = ["MixSampler", "MixedDataset", "mix"]
+__all__ = ["MixPart", "MixSampler", "MixedDataset", "mix"]
 
 _U64 = (1 << 64) - 1
 # Domain tags keep the mix's streams apart from every other use of the same seed.
@@ -221,6 +228,108 @@ def _number(value: Any, what: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{what} must be finite, got {value!r}")
     return value
+
+
+class MixPart:
+    """One source of a :func:`mix`: a dataset (or a store's path) with its share of each epoch
+    and its transform, as MosaicML Streaming's ``Stream(remote, local, proportion, repeat, choose)``.
+
+    Named for what it is, a part of a mix, and not a "source" or "stream": a source in fastdata
+    is what a store is written from (:mod:`fastdata.sources`), and a mix reads map-style
+    datasets by index rather than streaming them.
+
+    Args:
+        dataset (Dataset | str | os.PathLike): a map-style dataset (a fastdata store, or any
+            ``torch.utils.data.Dataset``), or a store's path or URL, opened with
+            :func:`fastdata.open_dataset` and its defaults.
+        name (str | None): the part's name: a dict sample's ``"source"`` value, and the key of its
+            draws (so adding another part keeps this one's). None: a path's file name without its
+            suffix (``"real"`` for ``"data/real.lmdb"``); a dataset object needs one.
+        weight (float | None): its relative weight (>= 0) in an epoch of ``epoch_size`` samples.
+        repeat (float | None): passes over it per epoch (> 0; 0.5 is half of it, 2 every sample twice).
+        samples (int | None): samples of it per epoch (>= 0).
+        transform (Callable | None): ``fn(sample) -> sample`` applied to its samples before they
+            are marked with the part's name (e.g. to map schemas to one).
+
+    Give at most one of ``weight``, ``repeat`` and ``samples``, and the same one on every part of
+    a mix (none on any: proportional to the lengths).
+
+    Raises:
+        TypeError, ValueError: naming the parameter.
+    """
+
+    def __init__(self, dataset: Any, *, name: str | None = None, weight: float | None = None,
+                 repeat: float | None = None, samples: int | None = None,
+                 transform: Callable[[Any], Any] | None = None):
+        if isinstance(dataset, str | os.PathLike):
+            path = os.fspath(dataset)
+            if name is None:
+                base = os.path.basename(str(path).rstrip("/"))
+                name = os.path.splitext(base)[0] or base
+            from fastdata.reader.open import open_dataset
+
+            dataset = open_dataset(path)
+        elif not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(f"dataset must be a map-style dataset (__len__ and __getitem__) or a store's path, got "
+                            f"{type(dataset).__name__}")
+        if name is None:
+            raise ValueError("name is needed for a dataset object: it marks the part's samples and keys its draws")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        given = [k for k, v in (("weight", weight), ("repeat", repeat), ("samples", samples)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of weight, repeat or samples (each sizes the part), got {' and '.join(given)}")
+        if weight is not None and _number(weight, "weight") < 0:
+            raise ValueError(f"weight must be >= 0, got {weight!r}")
+        if repeat is not None and _number(repeat, "repeat") <= 0:
+            raise ValueError(f"repeat must be > 0 (passes over the part per epoch), got {repeat!r}")
+        if samples is not None and (not (_is_int(samples) or isinstance(samples, np.integer)) or samples < 0):
+            raise ValueError(f"samples must be an int >= 0 (samples per epoch), got {samples!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable (sample -> sample), got {transform!r}")
+        self.dataset, self.name, self.transform = dataset, name, transform
+        self.weight, self.repeat, self.samples = weight, repeat, samples
+
+    @property
+    def sizing(self) -> str | None:
+        """Which of ``"weight"``, ``"repeat"``, ``"samples"`` sizes this part (None: none)."""
+        return next((k for k in ("weight", "repeat", "samples") if getattr(self, k) is not None), None)
+
+    def __repr__(self) -> str:
+        size = f", {self.sizing}={getattr(self, self.sizing)!r}" if self.sizing else ""
+        return f"MixPart({type(self.dataset).__name__}, name={self.name!r}{size})"
+
+
+def _from_parts(parts: Sequence[Any], weights, repeat, samples, transforms) -> dict[str, Any]:
+    """``mix``'s dict arguments (sources, weights, repeat, samples, transforms) from a list of
+    :class:`MixPart`."""
+    given = [k for k, v in (("weights", weights), ("repeat", repeat), ("samples", samples),
+                            ("transforms", transforms)) if v is not None]
+    if given:
+        raise ValueError(f"with MixPart objects, give weight/repeat/samples/transform on each part, not "
+                         f"{'/'.join(given)}= to mix")
+    if not parts:
+        raise ValueError("sources must be a non-empty list of MixPart (or a dict of name -> dataset)")
+    for part in parts:
+        if not isinstance(part, MixPart):
+            raise TypeError(f"sources must be MixPart objects (or a dict of name -> dataset), got "
+                            f"{type(part).__name__}")
+    names = [p.name for p in parts]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"two parts are named {', '.join(map(repr, twice))}: give each part its own name=")
+    sizings = {p.sizing for p in parts}
+    if len(sizings) > 1:
+        by = ", ".join(f"{p.name!r}: {p.sizing or 'none'}" for p in parts)
+        raise ValueError(f"every part must be sized the same way (weight, repeat or samples; or none on any), "
+                         f"got {by}")
+    sizing = sizings.pop()
+    sized = {p.name: getattr(p, sizing) for p in parts} if sizing is not None else None
+    return {"sources": {p.name: p.dataset for p in parts},
+            "weights": sized if sizing == "weight" else None,
+            "repeat": sized if sizing == "repeat" else None,
+            "samples": sized if sizing == "samples" else None,
+            "transforms": {p.name: p.transform for p in parts if p.transform is not None} or None}
 
 
 class MixedDataset(Dataset):
@@ -731,7 +840,7 @@ class MixSampler(DistributedShardSampler):
 
 
 def mix(
-    sources: Mapping[str, Any],
+    sources: Sequence[MixPart] | Mapping[str, Any],
     weights: Mapping[str, float] | None = None,
     *,
     repeat: Mapping[str, float] | None = None,
@@ -745,8 +854,9 @@ def mix(
     """Mix datasets in fixed per-epoch proportions (see :mod:`fastdata.reader.mix`).
 
     Args:
-        sources (Mapping[str, Dataset]): name -> map-style dataset (fastdata stores, or any
-            ``torch.utils.data.Dataset``).
+        sources (Sequence[MixPart] | Mapping[str, Dataset]): the parts, each with its own size and
+            transform (:class:`MixPart`); or name -> map-style dataset (fastdata stores, or any
+            ``torch.utils.data.Dataset``), sized by the dicts below.
         weights (Mapping[str, float] | None): relative weights (>= 0, sum > 0), keyed like
             ``sources``; None (and no ``repeat``/``samples``) = proportional to the lengths.
         repeat (Mapping[str, float] | None): passes over each source per epoch (> 0).
@@ -766,10 +876,17 @@ def mix(
         MixedDataset: ``len()`` = ``epoch_size``; read it with :meth:`MixedDataset.sampler`.
 
     Raises:
+        TypeError: a list of something else than :class:`MixPart`.
         ValueError: more than one of weights/repeat/samples; keys not matching the sources;
+            parts named twice, sized in different ways, or a list with the dict arguments;
             weights negative, NaN or all zero; repeat <= 0; samples < 0 or all zero; an empty
             source with a positive count; epoch_size with repeat/samples; an epoch smaller than
             ``num_replicas`` (or ``num_replicas * batch_size``); a ``"source"`` field clash.
     """
-    return MixedDataset(sources, weights, repeat=repeat, samples=samples, epoch_size=epoch_size, seed=seed,
+    by_name: Any = sources
+    if not isinstance(sources, Mapping) and isinstance(sources, Sequence):
+        parts = _from_parts(sources, weights, repeat, samples, transforms)
+        by_name, weights, repeat, samples, transforms = (parts["sources"], parts["weights"], parts["repeat"],
+                                                         parts["samples"], parts["transforms"])
+    return MixedDataset(by_name, weights, repeat=repeat, samples=samples, epoch_size=epoch_size, seed=seed,
                         transforms=transforms, num_replicas=num_replicas, batch_size=batch_size)
