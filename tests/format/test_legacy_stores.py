@@ -30,7 +30,7 @@ LEGACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "fi
 sys.path.insert(0, LEGACY)  # digest.py, shared with the generator (which runs under old commits)
 
 from digest import describe, describe_classes, describe_targets  # noqa: E402
-from make_fixtures import ARCHIVE, FIXTURES, sample_path  # noqa: E402
+from make_fixtures import ARCHIVE, FIXTURES, build, sample_path  # noqa: E402
 
 NAMES = sorted(n for n in os.listdir(LEGACY) if os.path.isfile(os.path.join(LEGACY, n, "expected.json")))
 
@@ -188,3 +188,60 @@ def test_one_pixel_changes_the_description():
     assert describe(pixels) != describe(flipped)
     assert describe(pixels) != describe(pixels.astype(np.int8))
     assert describe((1, 2)) != describe([1, 2]) and describe(1) != describe(np.int64(1)) != describe(1.0)
+
+
+def _layout(store: str) -> dict:
+    """What a store's files are made of, without what differs from one conversion to the next
+    (checksums, source paths, fingerprints, file sizes): the manifest's keys and values that
+    describe the store, and per shard the LMDB databases, header and index keys, or the HDF5
+    attributes and datasets (dtype, shape)."""
+    import h5py
+    import lmdb
+    import msgpack
+
+    with open(os.path.join(store, "manifest.json")) as fh:
+        m = json.load(fh)
+    out = {"keys": sorted(m), "options": sorted(m["options"]),
+           "store_index": m.get("store_index", {}).get("name"),
+           **{k: m.get(k) for k in ("format", "version", "backend", "storage", "classes", "class_counts",
+                                     "num_samples", "schema", "image_modes", "class_tables")},
+           "shards": [{k: v for k, v in s.items() if k not in ("xxh", "bytes")} for s in m["shards"]], "files": []}
+    for shard in m["shards"]:
+        path = os.path.join(store, shard["name"])
+        if m["backend"] == "lmdb":
+            env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_dbs=8)
+            try:
+                with env.begin() as txn:
+                    dbs = [k for k, _ in txn.cursor()]
+                    index = env.open_db(b"index", txn=txn, create=False)
+                    keys = [k for k, _ in txn.cursor(db=index)]
+                    header = msgpack.unpackb(txn.get(b"header", db=index))
+                    counts = {db: txn.stat(env.open_db(db, txn=txn, create=False))["entries"] for db in dbs}
+            finally:
+                env.close()
+            out["files"].append({"dbs": counts, "header": header, "index": keys})
+        else:
+            with h5py.File(path, "r", locking=False) as f:
+                names: list[str] = []
+                f.visit(names.append)
+                datasets = {n: [f[n].dtype.str, list(f[n].shape)] for n in names if isinstance(f[n], h5py.Dataset)}
+                out["files"].append({"attrs": {k: int(v) if isinstance(v, np.integer) else str(v)
+                                               for k, v in f.attrs.items()}, "datasets": datasets})
+    return out
+
+
+@pytest.mark.parametrize("name", ["head-lmdb-original", "head-hdf5-general"])
+def test_current_writer_writes_the_head_layout(name, tmp_path):
+    """The current writer, given the fixture's inputs, writes the layout of its ``head-*`` fixture
+    (databases, headers, index keys, datasets, manifest) and the same samples: a change to the
+    format shows here, and is then deliberate (regenerate the ``head-*`` fixtures, say so in
+    docs/FORMAT.md)."""
+    fixture = _unpack(name, tmp_path / "fixture")
+    fresh = str(tmp_path / os.path.basename(fixture))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build(name, fresh, src_root=str(tmp_path / "src"))
+        assert _layout(fresh) == _layout(fixture)
+        want = _expected(name)["reads"][0]["items"]
+        ds = fastdata.open_dataset(fresh)
+        assert [describe(ds[i]) for i in range(len(ds))] == want
