@@ -370,4 +370,4 @@ def _entry_options(caller: str, options: WriteOptions | None, keywords: Mapping[
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r} (its keywords are the "
                         "fields of fastdata.WriteOptions)")
     return _write_options(options, {name: value for name, value in keywords.items() if value is not None}, caller,
-                          stacklevel=5)
+                          stacklevel=4)

@@ -283,6 +283,9 @@ def test_chunk_size_is_a_deprecated_name_of_task_size(inputs, tmp_path):
     with pytest.warns(DeprecationWarning, match="task_size") as caught:
         fastdata.convert(inputs["tree"], tmp_path / "a.lmdb", chunk_size=2, **FAST)
     assert caught[0].filename == __file__  # the warning points at the caller
+    with pytest.warns(DeprecationWarning, match="task_size") as caught:
+        fastdata.write([sample(i) for i in range(3)], tmp_path / "c.lmdb", SCHEMA, chunk_size=2, **FAST)
+    assert caught[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fastdata.convert(inputs["tree"], tmp_path / "b.lmdb", task_size=2, **FAST)
