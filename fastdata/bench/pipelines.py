@@ -20,6 +20,7 @@ import torch
 from fastdata.bench.folder import DESCRIPTIONS, FolderDataset
 from fastdata.bench.grid import BenchConfig
 from fastdata.errors import FastdataError
+from fastdata.format.storage_mode import StorageMode
 
 
 @dataclass
@@ -47,15 +48,15 @@ class Target:
 def describe_storage(storage: dict) -> str:
     """A store's ``manifest["storage"]`` in a few words: ``original``, ``raw-native <=512``,
     ``mixed 50% raw <=512``, ``raw 224x224``, ``reencode <=512 q90``, ``lossless``."""
-    mode = str(storage.get("mode"))
+    mode = StorageMode.parse(storage.get("mode"))
     side = f" <={storage['max_side']}" if storage.get("max_side") else ""
-    if mode == "mixed":
+    if mode.picks_images_to_hold_as_pixels:
         return f"mixed {100 * float(storage.get('raw_fraction', 0)):.0f}% raw{side}"
-    if mode == "raw" and storage.get("raw_shape"):
+    if mode.holds_fixed_size_pixels and storage.get("raw_shape"):
         return "raw {}x{}".format(*storage["raw_shape"])
-    if mode == "reencode":
+    if mode.reencodes_large_images:
         return f"reencode{side}" + (f" q{storage['quality']}" if storage.get("quality") else "")
-    return mode + (side if mode == "raw-native" else "")
+    return mode.value + (side if mode.holds_only_native_size_pixels else "")
 
 
 def decode_transform(name: str):
@@ -108,7 +109,7 @@ def build_target(cfg: BenchConfig) -> Target:
         meta = info(cfg.target, storage_options=remote.get("storage_options"), cache_dir=remote.get("cache_dir"))
         nbytes = np.full(len(store), meta["total_bytes"] // max(1, meta["num_samples"]), dtype=np.int64)
     how = f"decode={decode!r}" if decode is not None else (
-        "raw pixels" if store.storage.mode == "raw" else "full decode (simplejpeg/PIL)")
+        "raw pixels" if store.storage.mode.holds_fixed_size_pixels else "full decode (simplejpeg/PIL)")
     root = cfg.target
     # the whole manifest once (the dataset keeps only a slim copy): storage, sizes and the files --cold evicts
     manifest = locate_store(root, storage_options=remote.get("storage_options"), cache_dir=remote.get("cache_dir"),

@@ -268,7 +268,7 @@ def _uniform_size(target: str, kind: str, transform: str, store_options: dict | 
 
     ds = open_dataset(target, **(store_options or {}))
     try:
-        return ds.storage.mode == "raw" or ds.uniform_shape is not None
+        return ds.storage.mode.holds_fixed_size_pixels or ds.uniform_shape is not None
     finally:
         ds.close()
 

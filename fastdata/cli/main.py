@@ -80,6 +80,7 @@ def _cmd_merge(args) -> int:
 
 def _cmd_info(args) -> int:
     from fastdata.common.units import exact_size, format_size
+    from fastdata.format.storage_mode import StorageMode
     from fastdata.tools.verify import info
 
     data = info(args.store, **remote_options(args, limit=False))
@@ -87,19 +88,20 @@ def _cmd_info(args) -> int:
         print(json.dumps(data, indent=2))
         return EXIT_OK
     storage = data["storage"]
-    mode = storage["mode"] + (f" (max side {storage['max_side']}, quality {storage['quality']})"
-                              if storage["mode"] == "reencode" else
-                              f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})"
-                              if storage["mode"] == "raw" else
-                              f" (pixels up to {storage['max_side']} px, raw budget "
-                              f"{exact_size(storage['raw_budget'])})"
-                              if storage["mode"] == "mixed" and storage.get("raw_budget") is not None else
-                              f" (pixels up to {storage['max_side']} px, raw fraction {storage['raw_fraction']:g})"
-                              if storage["mode"] == "mixed" else
-                              f" (pixels up to {storage['max_side']} px"
-                              + (f", raw budget {exact_size(storage['raw_budget'])}"
-                                 if storage.get("raw_budget") is not None else "") + ")"
-                              if storage["mode"] == "raw-native" else "")
+    kind = StorageMode.parse(storage["mode"])
+    mode = kind.value + (f" (max side {storage['max_side']}, quality {storage['quality']})"
+                         if kind.reencodes_large_images else
+                         f" ({storage['raw_shape'][0]}x{storage['raw_shape'][1]})"
+                         if kind.holds_fixed_size_pixels else
+                         f" (pixels up to {storage['max_side']} px, raw budget "
+                         f"{exact_size(storage['raw_budget'])})"
+                         if kind.picks_images_to_hold_as_pixels and storage.get("raw_budget") is not None else
+                         f" (pixels up to {storage['max_side']} px, raw fraction {storage['raw_fraction']:g})"
+                         if kind.picks_images_to_hold_as_pixels else
+                         f" (pixels up to {storage['max_side']} px"
+                         + (f", raw budget {exact_size(storage['raw_budget'])}"
+                            if storage.get("raw_budget") is not None else "") + ")"
+                         if kind.holds_only_native_size_pixels else "")
     print(f"store:    {printable(data['path'])}")
     print(f"backend:  {data['backend']} (layout version {data['version']})")
     print(f"storage:  {mode}")

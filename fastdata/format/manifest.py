@@ -17,6 +17,7 @@ import xxhash
 from fastdata.common.bounded import ExpansionError, json_loads_bounded
 from fastdata.common.fileio import atomic_write, read_regular
 from fastdata.errors import FormatError, IncompleteStoreError
+from fastdata.format.storage_mode import StorageMode
 from fastdata.format.names import MANIFEST_NAME, REJECTED_NAME, STORE_INDEX_NAME, check_file_name, is_store_index_name
 
 STORE_FORMAT = "fastdata-store"
@@ -293,27 +294,30 @@ def _validate_storage(storage: dict, where: str) -> None:
         return type(v) is int and v > 0
 
     keys = {"mode", "max_side", "quality", "raw_shape"}
-    mode = storage.get("mode")
+    try:
+        mode = StorageMode.parse(storage.get("mode"))
+    except FormatError:
+        raise FormatError(f"{where}: manifest field 'storage' is not a valid storage mode: {storage!r}") from None
     shape = storage.get("raw_shape")
-    if mode == "mixed":
+    if mode.picks_images_to_hold_as_pixels:
         keys = keys | {"raw_fraction"}
     budget = storage.get("raw_budget")
-    if mode in ("raw-native", "mixed") and "raw_budget" in storage:
+    if mode.may_hold_native_size_pixels and "raw_budget" in storage:
         keys = keys | {"raw_budget"}
     fraction = storage.get("raw_fraction")
     # a mixed store has a raw fraction or a raw budget (then its fraction is null), not both
     mixed_ok = ((isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction <= 1
                  and budget is None) or (fraction is None and positive_int(budget)))
     ok = set(storage) == keys and (
-        (mode in ("raw-native", "mixed") and type(storage["max_side"]) is int and storage["max_side"] >= 32
+        (mode.may_hold_native_size_pixels and type(storage["max_side"]) is int and storage["max_side"] >= 32
          and storage["quality"] is None and shape is None
          and (budget is None or positive_int(budget))
-         and (mode == "raw-native" or mixed_ok))
-        or (mode in ("original", "lossless") and storage["max_side"] is None and storage["quality"] is None
-         and shape is None)
-        or (mode == "reencode" and positive_int(storage["max_side"]) and type(storage["quality"]) is int
+         and (mode.holds_only_native_size_pixels or mixed_ok))
+        or ((mode.keeps_files_as_given or mode.transcodes_losslessly) and storage["max_side"] is None
+            and storage["quality"] is None and shape is None)
+        or (mode.reencodes_large_images and positive_int(storage["max_side"]) and type(storage["quality"]) is int
             and 1 <= storage["quality"] <= 100 and shape is None)
-        or (mode == "raw" and storage["max_side"] is None and storage["quality"] is None
+        or (mode.holds_fixed_size_pixels and storage["max_side"] is None and storage["quality"] is None
             and isinstance(shape, list) and len(shape) == 2 and all(positive_int(v) for v in shape))
     )
     if not ok:

@@ -210,7 +210,7 @@ class StoreDataset(Dataset):
                               f"or the matching class")
         self.backend = manifest["backend"]
         self.storage = StorageSpec.from_json(manifest["storage"])
-        if decode is not None and self.storage.mode == "raw":
+        if decode is not None and self.storage.mode.holds_fixed_size_pixels:
             raise ValueError(f"{self.root} stores raw pixels; decode-time transforms need encoded images")
         self.transform = transform
         self.target_transform = target_transform
@@ -494,7 +494,7 @@ class StoreDataset(Dataset):
         """A raw store: every record exactly H x W x 3 bytes of ``raw_shape`` (the index's ``nbytes``,
         read from the shard), checked before a batch is allocated from ``raw_shape``; the manifest's
         own check bounds ``raw_shape`` (at most a record's limit, and no more than the shards hold)."""
-        if self.storage.mode != "raw":
+        if not self.storage.mode.holds_fixed_size_pixels:
             return
         h, w = self.storage.raw_hw()
         bad = np.flatnonzero(nbytes != h * w * 3)
@@ -872,7 +872,7 @@ class StoreDataset(Dataset):
     def _fixed_shape(self) -> tuple[int, int] | None:
         if self.transform is not None or self.output == "pil":
             return None
-        if self.storage.mode == "raw":
+        if self.storage.mode.holds_fixed_size_pixels:
             return self.storage.raw_hw() if self.image_modes["image"] in ("RGB", "unchanged") else None
         if self.decode is None:
             return self.uniform_shape
@@ -882,7 +882,7 @@ class StoreDataset(Dataset):
     def _fixed_batch(self, idx: np.ndarray, shape: tuple[int, int], layout: tuple[int, np.dtype],
                      epoch: int | None) -> Batch:
         channels, dtype = layout
-        if self.decode is None and self.storage.mode != "raw":  # the shape is the index's (uniform_shape)
+        if self.decode is None and not self.storage.mode.holds_fixed_size_pixels:  # the index's uniform_shape
             self._check_batch_shape(idx, shape, channels=channels, itemsize=dtype.itemsize)
         return build_batch(self.targets[idx], (*shape, channels), lambda arr: self._fill(idx, arr, epoch),
                            channels_first=self.output == "tensor", target_transform=self.target_transform,
@@ -894,7 +894,7 @@ class StoreDataset(Dataset):
         Returns the targets of the samples actually written when a damaged one was
         replaced (its substitute brings its own label), else None.
         """
-        if self.storage.mode == "raw" and self.image_modes["image"] in ("RGB", "unchanged"):
+        if self.storage.mode.holds_fixed_size_pixels and self.image_modes["image"] in ("RGB", "unchanged"):
             return self._fill_raw(idx, arr)
         damaged: dict[int, CorruptRecordError] = {}
 

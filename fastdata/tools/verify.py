@@ -16,7 +16,7 @@ import numpy as np
 from fastdata.common.fileio import file_checksum, read_regular
 from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
-from fastdata.format.backends.base import RAW_NATIVE_MODES, ShardReader, StorageSpec
+from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.chunks import ChunkTable, check_shape, chunk_region, iter_grid
 from fastdata.format.chunk_codecs import chunk_codec
@@ -122,12 +122,13 @@ def _default_modes(m: dict) -> dict[str, str]:
 
 
 def _raw_split(indexes: list, storage: dict) -> dict | None:
-    """For a store of mode ``'raw-native'`` or ``'mixed'``: ``{"raw": {"count", "bytes"}, "encoded": {...}}``,
+    """For a store whose mode may hold native-size pixels (``NATIVE_SIZE_PIXELS``, ``MIXED``):
+    ``{"raw": {"count", "bytes"}, "encoded": {...}}``,
     the records held as PPM pixels and as encoded images, with their stored bytes (the disk each
     costs); None for the other modes."""
-    if storage.get("mode") not in RAW_NATIVE_MODES:
-        return None
     spec = StorageSpec.from_json(storage)
+    if not spec.mode.may_hold_native_size_pixels:
+        return None
     out = {"raw": {"count": 0, "bytes": 0}, "encoded": {"count": 0, "bytes": 0}}
     for index in indexes:
         if not isinstance(index, ShardIndex) or not len(index):
@@ -279,7 +280,8 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
             if mismatch:
                 problems.append(f"{name} record {i}: {mismatch}")
                 continue
-            if storage.mode in RAW_NATIVE_MODES and storage.holds_pixels(index.relpath(i), int(index.formats[i])):
+            if (storage.mode.may_hold_native_size_pixels
+                    and storage.holds_pixels(index.relpath(i), int(index.formats[i]))):
                 problem = _ppm_problem(data, int(index.formats[i]), int(index.widths[i]), int(index.heights[i]))
                 if problem:
                     problems.append(f"{name} record {i}: {problem}")
@@ -450,15 +452,15 @@ def _record_vs_index(reader, index, i: int) -> str | None:
 
 
 def _storage_mismatch(index, storage: StorageSpec, name: str) -> list[str]:
-    """Records must match the manifest's storage mode (raw pixels iff mode 'raw'):
-    a manifest edited to say 'raw' would make readers reinterpret JPEG bytes as pixels."""
+    """Records must match the manifest's storage mode (fixed-size pixels iff mode ``FIXED_SIZE_PIXELS``):
+    a manifest edited to say so would make readers reinterpret JPEG bytes as pixels."""
     is_raw = index.formats == FORMAT_CODES["RAW"]
-    if storage.mode == "raw":
+    if storage.mode.holds_fixed_size_pixels:
         h, w = storage.raw_hw()
         if len(index) and (not is_raw.all() or bool((index.nbytes != h * w * 3).any())):
             return [f"{name}: records are not {h}x{w} raw pixels, as the manifest's storage mode says"]
     elif is_raw.any():
-        return [f"{name}: holds raw-pixel records but the manifest's storage mode is {storage.mode!r}"]
+        return [f"{name}: holds raw-pixel records but the manifest's storage mode is {storage.mode.value!r}"]
     return []
 
 

@@ -66,14 +66,14 @@ def census_notes(census: dict[str, dict[str, int]], image_modes: dict[str, str],
         stored = census["bytes"]["stored"]
         notes.append(f"image bytes stored: {format_size(stored)}, {stored / storage.raw_budget:.0%} of the raw budget "
                      f"{exact_size(storage.raw_budget)}")
-    if storage.mode == "lossless":
+    if storage.mode.transcodes_losslessly:
         kept = {k: v for k, v in census["formats"].items() if k != "TIFF"}
         notes.append("lossless: every image but JPEG/WebP/DICOM (and palette/CMYK images) re-encoded as a zstd "
                      "TIFF, checked bit-exact" + (f"; kept as they were: {listing(kept)}" if kept else "")
                      + f"; stored image bytes {format_size(census['bytes']['stored'])} (the input files: 'input' "
                      "above)")
     deep = [kind for kind in census["kinds"] if kind != NOT_RECORDED_KIND and not kind.startswith("uint8 ")]
-    if deep and storage.mode == "original" and "PNG" in census["formats"]:
+    if deep and storage.mode.keeps_files_as_given and "PNG" in census["formats"]:
         notes.append("images deeper than 8 bits stored as PNG decode at zlib's pace: --lossless tiff (lossless="
                      "'tiff') keeps the same pixels in a zstd TIFF that decodes about 2.5x faster")
     if deep and not image_modes:

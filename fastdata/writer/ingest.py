@@ -31,7 +31,7 @@ from fastdata.common.imageio import (
     stored_format,
 )
 from fastdata.errors import ImageModeError
-from fastdata.format.backends.base import RAW_NATIVE_MODES, Sample, StorageSpec
+from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.record import MAX_RECORD_BYTES, EncodedSample, checksum
 
 DEFAULT_REENCODE_QUALITY = 90
@@ -146,16 +146,16 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     :meth:`~fastdata.format.backends.base.StorageSpec.keeps_raw`."""
     if data is None:
         data = _read_bytes(path)
-    if storage.mode == "lossless":
+    if storage.mode.transcodes_losslessly:
         return lossless_sample(path, relpath, label, data)
-    if storage.mode in RAW_NATIVE_MODES and (storage.keeps_raw(relpath) if keep_raw is None else keep_raw):
+    if storage.mode.may_hold_native_size_pixels and (storage.keeps_raw(relpath) if keep_raw is None else keep_raw):
         return raw_native_sample(path, relpath, label, data, storage.reencode_max_side())
-    if storage.mode not in ("raw", "reencode"):  # stored as given: only checked
+    if not (storage.mode.holds_fixed_size_pixels or storage.mode.reencodes_large_images):  # as given: checked
         info = inspect(data)
         return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
                               xxh=checksum(data), relpath=relpath, warning=extension_mismatch(path, info.format),
                               dtype=info.dtype, channels=info.channels)
-    if storage.mode == "reencode":
+    if storage.mode.reencodes_large_images:
         info = inspect(data)  # one decode for the images kept as they are (most of them)
         if max(info.width, info.height) <= storage.reencode_max_side():
             return IngestedSample(image=data, label=label, width=info.width, height=info.height, fmt=info.format,
@@ -165,7 +165,7 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     im = open_validated(data)
     fmt, width, height = stored_format(im), im.width, im.height
     warning = extension_mismatch(path, fmt)
-    if storage.mode == "raw":
+    if storage.mode.holds_fixed_size_pixels:
         h, w = storage.raw_hw()
         rgb = im.convert("RGB")
         if rgb.size != (w, h):

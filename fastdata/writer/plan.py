@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from fastdata.format.backends.base import RAW_NATIVE_MODES, StorageSpec
+from fastdata.format.backends.base import StorageSpec
 
 
 class Listing(Protocol):
@@ -45,11 +45,11 @@ def estimated_sizes(scan: Listing, storage: StorageSpec) -> np.ndarray:
     """Bytes each input is expected to take in the store (for rotation)."""
     if scan.stored_sizes is not None:  # a raw budget's plan read every header: the sizes are known
         return scan.stored_sizes
-    if storage.mode == "raw":
+    if storage.mode.holds_fixed_size_pixels:
         h, w = storage.raw_hw()
         return np.full(len(scan), h * w * 3, dtype=np.int64)
     sizes = np.maximum(scan.sizes, 0)
-    if storage.mode in RAW_NATIVE_MODES:
+    if storage.mode.may_hold_native_size_pixels:
         # A raw image's size is not known before decoding: its upper bound, a square at the
         # longest side allowed (plus the PPM header), so that shards end up at most the target
         side = storage.reencode_max_side()

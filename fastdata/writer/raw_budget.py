@@ -94,12 +94,12 @@ def choose_raw(storage: StorageSpec, file_sizes: np.ndarray, widths: np.ndarray,
     ``used`` bytes of the budget already taken (an append: the store's shards); ``raw_bytes``:
     :func:`raw_record_bytes` of the images when the caller has them.
 
-    Mode ``'raw-native'``: all, when they fit the budget. Mode ``'mixed'``: in order of
+    Mode ``NATIVE_SIZE_PIXELS``: all, when they fit the budget. Mode ``MIXED``: in order of
     :func:`decode_priority` (ties in input order), as many as fit the budget on top of the others'
     original bytes; an image whose header is unreadable is kept as it is.
 
     Raises:
-        ValueError: the images do not fit the budget (every one as pixels in mode ``'raw-native'``;
+        ValueError: the images do not fit the budget (every one as pixels in mode ``NATIVE_SIZE_PIXELS``;
             even all as their original bytes in mode ``'mixed'``), naming the sizes and what to do.
     """
     budget = storage.raw_budget
@@ -112,7 +112,7 @@ def choose_raw(storage: StorageSpec, file_sizes: np.ndarray, widths: np.ndarray,
     held = f" beside the store's {format_size(used)}" if used else ""
     way_out = ("convert the store's sources and these together into a new store with a larger --raw-budget" if used
                else "raise the budget")
-    if storage.mode == "raw-native":
+    if storage.mode.holds_only_native_size_pixels:
         total = int(np.where(readable, raw, files).sum()) + allowance
         if total > budget:
             raise ValueError(f"{source}: --storage raw --max-side {storage.max_side} stores these {len(files):,} "

@@ -78,21 +78,21 @@ class RecordedRun:
 
 def describe_storage(storage: StorageSpec) -> str:
     """``original``, ``re-encode above 512 px at quality 90`` or ``raw 32x32``."""
-    if storage.mode == "raw" and storage.raw_shape:
+    if storage.mode.holds_fixed_size_pixels and storage.raw_shape:
         return f"raw {storage.raw_shape[0]}x{storage.raw_shape[1]}"
-    if storage.mode == "reencode":
+    if storage.mode.reencodes_large_images:
         return f"re-encode above {storage.max_side} px at quality {storage.quality}"
-    if storage.mode == "raw-native":
+    if storage.mode.holds_only_native_size_pixels:
         budget = f", raw budget {exact_size(storage.raw_budget)}" if storage.raw_budget is not None else ""
         return f"raw pixels up to {storage.max_side} px{budget}"
-    if storage.mode == "mixed" and storage.raw_budget is not None:
+    if storage.mode.picks_images_to_hold_as_pixels and storage.raw_budget is not None:
         return (f"mixed: images kept as pixels as far as the raw budget {exact_size(storage.raw_budget)} holds, "
                 f"pixels up to {storage.max_side} px")
-    if storage.mode == "mixed":
+    if storage.mode.picks_images_to_hold_as_pixels:
         return f"mixed: raw fraction {storage.raw_fraction:g}, pixels up to {storage.max_side} px"
-    if storage.mode == "lossless":
+    if storage.mode.transcodes_losslessly:
         return "lossless (zstd TIFF)"
-    return storage.mode
+    return storage.mode.value
 
 
 def _staging(dst: str, name: str) -> str:

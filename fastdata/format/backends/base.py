@@ -24,6 +24,7 @@ from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.chunks import ChunkTable, PendingChunks
 from fastdata.format.fields import Schema
 from fastdata.format.record import FORMAT_CODES, SampleIndex, ShardIndex, checksum, chunk_first_key
+from fastdata.format.storage_mode import StorageMode
 
 
 _madvise: object = None  # libc's madvise, False where it is unavailable (set on first use)
@@ -128,77 +129,86 @@ class Sample:
     channels: int = 3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StorageSpec:
-    """How images are stored: ``mode`` is
+    """How images are stored: ``mode`` is a :class:`~fastdata.format.storage_mode.StorageMode`
+    (a mode's string, as a manifest records it, is accepted and turned into one):
 
-    * ``'original'``: each file's bytes as they are (validated);
-    * ``'reencode'``: images larger than ``max_side`` re-encoded as JPEG at ``quality``;
-    * ``'raw'``: decoded RGB pixels resized to ``raw_shape``;
-    * ``'lossless'`` (``convert --lossless tiff``): every image but JPEG, WebP and DICOM files
+    * ``ORIGINAL``: each file's bytes as they are (validated);
+    * ``REENCODE``: images larger than ``max_side`` re-encoded as JPEG at ``quality``;
+    * ``FIXED_SIZE_PIXELS`` (``convert(raw="HxW")``): decoded RGB pixels squashed to ``raw_shape``;
+    * ``LOSSLESS`` (``convert(lossless="tiff")``): every image but JPEG, WebP and DICOM files
       re-encoded as a zstd TIFF of its unchanged pixels, checked bit-exact (see
-      :func:`fastdata.writer.ingest.lossless_sample`); read like ``'original'``;
-    * ``'raw-native'`` (``convert --storage raw --max-side N``): every image's decoded RGB pixels at
-      its own size, scaled down so that the longer side is at most ``max_side``, each record a binary
-      PPM (``P6``, maxval 255: :func:`fastdata.common.imageio.encode_ppm`). ``'raw'`` is the older
-      fixed-size mode above, hence the other name;
-    * ``'mixed'`` (``convert --storage mixed --raw-fraction F --max-side N``): the images that
-      :meth:`keeps_raw` picks (a fraction ``raw_fraction`` of them) as in ``'raw-native'``, the
-      others as in ``'original'``. With ``--raw-budget SIZE`` instead of a fraction (``raw_budget``
-      bytes), the conversion's plan picks them: the images whose decode saves the most time per
-      extra byte, as many as the budget holds (:mod:`fastdata.writer.raw_budget`).
+      :func:`fastdata.writer.ingest.lossless_sample`); read like ``ORIGINAL``;
+    * ``NATIVE_SIZE_PIXELS`` (``convert(storage="raw", max_side=N)``): every image's decoded RGB
+      pixels at its own size, scaled down so that the longer side is at most ``max_side``, each
+      record a binary PPM (``P6``, maxval 255: :func:`fastdata.common.imageio.encode_ppm`);
+    * ``MIXED`` (``convert(storage="mixed", raw_fraction=F, max_side=N)``): the images that
+      :meth:`keeps_raw` picks (a fraction ``raw_fraction`` of them) as in ``NATIVE_SIZE_PIXELS``,
+      the others as in ``ORIGINAL``. With ``raw_budget`` (bytes) instead of a fraction, the
+      conversion's plan picks them: the images whose decode saves the most time per extra byte, as
+      many as the budget holds (:mod:`fastdata.writer.raw_budget`).
 
-    ``raw_budget`` (``--raw-budget``, modes ``'raw-native'`` and ``'mixed'``) is the most bytes the
-    images may take in the store, recorded so that ``info`` and a ``--resume`` say it.
+    ``raw_budget`` (modes ``NATIVE_SIZE_PIXELS`` and ``MIXED``) is the most bytes the images may
+    take in the store, recorded so that ``info`` and a resumed write say it.
 
-    Both raw-native modes are read like ``'original'``: a PPM record is an image like any other,
-    whose decode is a header parse and a view of its pixels.
+    Both native-size pixel modes are read like ``ORIGINAL``: a PPM record is an image like any
+    other, whose decode is a header parse and a view of its pixels.
     """
 
-    mode: str = "original"
+    mode: StorageMode = StorageMode.ORIGINAL
     max_side: int | None = None
     quality: int | None = None
-    raw_shape: tuple[int, int] | None = None  # (H, W) for mode 'raw'
-    raw_fraction: float | None = None  # for mode 'mixed': the share of images stored as pixels
-    raw_budget: int | None = None  # for modes 'raw-native' and 'mixed': the bytes the images may take
+    raw_shape: tuple[int, int] | None = None  # (H, W) for mode FIXED_SIZE_PIXELS
+    raw_fraction: float | None = None  # for mode MIXED: the share of images stored as pixels
+    raw_budget: int | None = None  # for the native-size pixel modes: the bytes the images may take
+
+    def __init__(self, mode: StorageMode | str = StorageMode.ORIGINAL, max_side: int | None = None,
+                 quality: int | None = None, raw_shape: tuple[int, int] | None = None,
+                 raw_fraction: float | None = None, raw_budget: int | None = None) -> None:
+        # a mode's string (as a manifest records it) becomes its StorageMode here, once
+        values = {"mode": StorageMode.parse(mode), "max_side": max_side, "quality": quality,
+                  "raw_shape": raw_shape, "raw_fraction": raw_fraction, "raw_budget": raw_budget}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def keeps_raw(self, relpath: bytes) -> bool:
         """Whether the image at ``relpath`` (its path relative to the source root, as recorded) is
-        stored as pixels: always in mode ``'raw-native'``; in mode ``'mixed'`` when
+        stored as pixels: always in mode ``NATIVE_SIZE_PIXELS``; in mode ``MIXED`` when
         ``xxh3_64(relpath) / 2**64 < raw_fraction``. A function of the path alone, so a
-        ``--resume``, a rerun or another machine picks the same images, and a fraction F picks
+        resumed write, a rerun or another machine picks the same images, and a fraction F picks
         about F of them (exactly those the rule says); never in the other modes.
 
         Raises:
-            ValueError: mode ``'mixed'`` with a ``raw_budget``: there the plan picks the images
+            ValueError: mode ``MIXED`` with a ``raw_budget``: there the plan picks the images
                 (:func:`fastdata.writer.raw_budget.choose_raw`), not the path.
         """
-        if self.mode == "raw-native":
+        if self.mode.holds_only_native_size_pixels:
             return True
-        if self.mode == "mixed" and self.raw_budget is not None:
+        if self.mode.picks_images_to_hold_as_pixels and self.raw_budget is not None:
             raise ValueError("a mixed store with a raw budget picks its raw images by their sizes, in the "
                              "conversion's plan: the path alone does not tell")
-        if self.mode != "mixed" or not self.raw_fraction:
+        if not self.mode.picks_images_to_hold_as_pixels or not self.raw_fraction:
             return False
         return xxhash.xxh3_64_intdigest(relpath) / 2.0**64 < self.raw_fraction
 
     def holds_pixels(self, relpath: bytes, fmt_code: int) -> bool:
         """Whether the record of the image at ``relpath``, indexed as format ``fmt_code``, is meant
-        to hold raw-native pixels: :meth:`keeps_raw` where the store has a rule (mode ``'raw-native'``,
-        mode ``'mixed'`` with a fraction); in a mixed store with a raw budget, which records no rule
-        (its plan chose from the images' sizes), when the record is a PPM."""
-        if self.mode == "mixed" and self.raw_budget is not None:
+        to hold native-size pixels: :meth:`keeps_raw` where the store has a rule (mode
+        ``NATIVE_SIZE_PIXELS``, mode ``MIXED`` with a fraction); in a mixed store with a raw budget,
+        which records no rule (its plan chose from the images' sizes), when the record is a PPM."""
+        if self.mode.picks_images_to_hold_as_pixels and self.raw_budget is not None:
             return fmt_code == FORMAT_CODES["PPM"]
         return self.keeps_raw(relpath)
 
     def raw_hw(self) -> tuple[int, int]:
-        """``(H, W)`` of every image of a raw-mode store.
+        """``(H, W)`` of every image of a store of fixed-size pixels.
 
-        Raises ValueError when this spec has no ``raw_shape`` (only raw-mode
-        stores have one; their manifest always records it)."""
+        Raises ValueError when this spec has no ``raw_shape`` (only stores of mode
+        ``FIXED_SIZE_PIXELS`` have one; their manifest always records it)."""
         if self.raw_shape is None:
-            raise ValueError(f"storage mode {self.mode!r} has no raw_shape: only raw-mode stores "
-                             "(convert --raw HxW) hold fixed-size pixel arrays")
+            raise ValueError(f"storage mode {self.mode.value!r} has no raw_shape: only stores of fixed-size "
+                             "pixels (raw='HxW') hold fixed-size pixel arrays")
         return self.raw_shape
 
     def reencode_max_side(self) -> int:
@@ -207,14 +217,14 @@ class StorageSpec:
         Raises ValueError when this spec has no ``max_side`` (only reencode-mode
         stores have one; their manifest always records it)."""
         if self.max_side is None:
-            raise ValueError(f"storage mode {self.mode!r} has no max_side: only reencode-mode stores "
-                             "(convert --max-side N) scale images down")
+            raise ValueError(f"storage mode {self.mode.value!r} has no max_side: only reencode-mode stores "
+                             "(max_side=N) scale images down")
         return self.max_side
 
     def to_json(self) -> dict:
-        out: dict = {"mode": self.mode, "max_side": self.max_side, "quality": self.quality,
+        out: dict = {"mode": self.mode.value, "max_side": self.max_side, "quality": self.quality,
                      "raw_shape": list(self.raw_shape) if self.raw_shape else None}
-        if self.mode == "mixed":  # only there: the manifests of the other modes keep their keys
+        if self.mode.picks_images_to_hold_as_pixels:  # only there: the manifests of the other modes keep their keys
             out["raw_fraction"] = self.raw_fraction
         if self.raw_budget is not None:  # (only given: stores without one keep their keys)
             out["raw_budget"] = self.raw_budget
@@ -223,13 +233,11 @@ class StorageSpec:
     @classmethod
     def from_json(cls, obj: dict) -> StorageSpec:
         shape = obj.get("raw_shape")
-        return cls(obj.get("mode", "original"), obj.get("max_side"), obj.get("quality"),
+        return cls(obj.get("mode", StorageMode.ORIGINAL.value), obj.get("max_side"), obj.get("quality"),
                    tuple(shape) if shape else None, obj.get("raw_fraction"), obj.get("raw_budget"))
 
 
-#: the storage modes whose records may be raw-native PPMs (``convert --storage raw|mixed``)
-RAW_NATIVE_MODES = ("raw-native", "mixed")
-#: smallest ``--max-side`` of those modes: a crop of a smaller image has too few pixels to train on
+#: smallest ``max_side`` of the native-size pixel modes: a crop of a smaller image has too few pixels to train on
 MIN_RAW_MAX_SIDE = 32
 
 

@@ -123,7 +123,7 @@ class HDF5ShardReader(ShardReader):
                       if name not in OPTIONAL_INDEX_ARRAYS or name in self._datasets}
             arrays = v1_index_arrays(arrays.get, count, self.path)
             offsets: np.ndarray | None
-            if self.storage.mode == "raw":
+            if self.storage.mode.holds_fixed_size_pixels:
                 h, w = self.storage.raw_hw()
                 data = structure.check_dataset(self._datasets, spec.PIXELS, "u1", (count, h, w, 3),
                                                self._stat.st_size, self.path, contiguous=True)

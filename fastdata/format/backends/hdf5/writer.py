@@ -146,7 +146,7 @@ class HDF5ShardWriter(ShardWriter):
                 self.offsets.append(self.offsets[-1] + len(s.record))
                 self.index.add(s, self.place_chunks(s))
             return
-        if self.storage.mode == "raw":
+        if self.storage.mode.holds_fixed_size_pixels:
             h, w = self.storage.raw_hw()
             for s in samples:
                 if len(s.image) != h * w * 3:
@@ -177,7 +177,7 @@ class HDF5ShardWriter(ShardWriter):
                 shape: tuple[int, ...]
                 if isinstance(index, SampleIndex):
                     name, shape = spec.RECORDS, (total,)
-                elif self.storage.mode == "raw":
+                elif self.storage.mode.holds_fixed_size_pixels:
                     h, w = self.storage.raw_hw()
                     name, shape = spec.PIXELS, (len(index), h, w, 3)
                 else:
@@ -197,7 +197,7 @@ class HDF5ShardWriter(ShardWriter):
                 if self.has_chunks:
                     chunks = f.create_dataset(spec.CHUNKS, shape=(self.chunk_bytes,), dtype=np.uint8, dcpl=dcpl)
                     chunks_at = chunks.id.get_offset()
-                if self.storage.mode != "raw":
+                if not self.storage.mode.holds_fixed_size_pixels:
                     f.create_dataset(spec.OFFSETS, data=np.asarray(self.offsets, dtype="<i8"))
                 if isinstance(index, SampleIndex):
                     for key, arr in index.arrays.items():
