@@ -69,6 +69,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import xxhash
 
 from fastdata.common.coco_rle import rle_size
 from fastdata.common.imageio import pixel_limit
@@ -726,6 +727,22 @@ class CocoInput(MapInput):
         self.samples, self.metadata = CocoSamples(index), coco_metadata(index, problems)
         self.warnings.extend(f"{where}: {why}" for where, why in problems)
         return super().plan(run, dst)
+
+    def fingerprint(self, run: RunOptions) -> str:
+        """:meth:`MapInput.fingerprint` (a few encoded samples) and, for every image, its id, file
+        name, size on disk and annotations' ids, categories, boxes, areas and crowd flags, and the
+        categories: a resume refuses an annotation file or an image file changed anywhere (names,
+        labels and sizes, as an image folder's resume), not only at the samples probed."""
+        index = self.index
+        assert index is not None, "CocoInput.plan loads the annotation file first"
+        h = xxhash.xxh3_128(super().fingerprint(run).encode())
+        for arr in (index.ids, index.width, index.height, index.sizes, index._names, index._name_offsets,
+                    index.ann_start, index.ann_id, index.ann_image_id, index.ann_category_id, index.ann_bbox,
+                    index.ann_area, index.ann_iscrowd):
+            h.update(repr((arr.dtype.str, arr.shape)).encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        h.update(json.dumps(index.categories, sort_keys=True, default=repr).encode())
+        return h.hexdigest()
 
     def options_text(self, run: RunOptions) -> str:
         assert self.index is not None, "CocoInput.plan loads the annotation file first"

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from fastdata.common import imageio
 from fastdata.common.imagemodes import check_mode
@@ -155,6 +156,19 @@ class DicomFolderInput(MapInput):
     def _folder(self) -> SourceScan:
         assert self.folder is not None, "DicomFolderInput.plan scans the folder first"
         return self.folder
+
+    def fingerprint(self, run: RunOptions) -> str:
+        """:meth:`MapInput.fingerprint` (a few encoded samples) and every file's path, class and
+        size: a resume refuses a file added, removed, moved or resized anywhere in the folder (as
+        an image folder's resume does), not only at the samples probed."""
+        found = self._folder()
+        h = xxhash.xxh3_128(super().fingerprint(run).encode())
+        for rel in found.relpaths:
+            h.update(len(rel).to_bytes(4, "little"))
+            h.update(rel)
+        h.update(found.labels.astype("<i8").tobytes())
+        h.update(found.sizes.astype("<i8").tobytes())
+        return h.hexdigest()
 
     def classes(self) -> list[str]:
         return list(self._folder().classes)
