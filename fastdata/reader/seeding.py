@@ -151,7 +151,7 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
         ``(index, epoch)`` in its high words, so streams of different samples or epochs
         never overlap (each may draw up to 2**128 values). The same arguments give the same
         draws in any process. Creating one costs about 15 us, against about 1 ms for
-        decoding and cropping a photo (measured in tests/test_seeding.py).
+        decoding and cropping a photo (measured in tests/reader/test_seeding.py).
     """
     counter = np.array([0, 0, int(index) & _U64, int(epoch) & _U64], dtype=np.uint64)
     key = np.array([int(seed) & _U64, _TAG_SAMPLE], dtype=np.uint64)

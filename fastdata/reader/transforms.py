@@ -32,7 +32,7 @@ as a full-size PIL image when a small output is wanted:
   differ by a mean 1.5 levels of 255 on photo-like images, with 2x headroom by under
   0.6, because the final antialiased resize then sets the filter. On photo-like images
   outputs stay within a mean absolute difference of 1 level of torchvision's PIL
-  pipeline at every output size (tests/test_transforms.py measures 32-224 px, with a
+  pipeline at every output size (tests/reader/test_transforms.py measures 32-224 px, with a
   control at no headroom). Strong colour noise at the scale of a few pixels differs
   more (1-3 levels measured on random colour cells of 8-24 px): a scaled decode reads
   4:2:0 chroma from its DCT blocks where a full decode interpolates it.

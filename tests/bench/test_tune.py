@@ -372,7 +372,7 @@ def test_printed_snippet_runs_on_mixed_sizes(mixed_store, monkeypatch, kind, tra
 
 
 def test_tune_cli_snippet_runs_as_printed(tmp_path, mixed_store, capsys):
-    """The README's command shape (default --transform none) on a store of mixed sizes."""
+    """The tuning guide's command shape (docs/guides/tuning.md; default --transform none) on a store of mixed sizes."""
     from fastdata.cli.main import main
 
     store, _ = mixed_store

@@ -84,12 +84,16 @@ def test_grow_and_mix_example_appends_merges_splits_and_resumes_a_mix(tmp_path):
     assert "the other 5 batches equal the uninterrupted epoch's" in proc.stdout
 
 
-def _readme_block(containing: str) -> str:
-    """The README's python code block that contains ``containing``, as written."""
-    text = (ROOT / "README.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
-    found = [b for b in blocks if containing in b]
-    assert len(found) == 1, f"{len(found)} README python blocks contain {containing!r}"
+#: the page of the documentation that shows ``fastdata.write`` of Python samples
+SOURCES_GUIDE = ROOT / "docs" / "guides" / "sources.md"
+
+
+def _doc_block(containing: str) -> str:
+    """The sources guide's python code block that contains ``containing``, as written."""
+    from helpers.docblocks import blocks_of
+
+    found = [b.code for b in blocks_of(SOURCES_GUIDE) if b.language == "python" and containing in b.code]
+    assert len(found) == 1, f"{len(found)} python blocks of {SOURCES_GUIDE.name} contain {containing!r}"
     return found[0]
 
 
@@ -110,14 +114,14 @@ _THREADED = ("import threading, time\n"
              "print('the script ran')\n")
 
 
-def test_the_readme_write_snippet_runs_as_a_script_without_the_main_guard(tmp_path):
-    """``fastdata.write(...)`` at a script's top level, with worker processes, as the README shows it:
+def test_the_documented_write_snippet_runs_as_a_script_without_the_main_guard(tmp_path):
+    """``fastdata.write(...)`` at a script's top level, with worker processes, as the sources guide shows it:
     the workers do not run the script again (it ran once), and the store holds the sample."""
     from PIL import Image
 
     (tmp_path / "imgs").mkdir()
     Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "imgs" / "0001.jpg")
-    snippet = _readme_block('fastdata.write(samples, "det.lmdb", workers=2)')
+    snippet = _doc_block('fastdata.write(samples, "det.lmdb", workers=2)')
     assert "__main__" not in snippet and "workers=2" in snippet
     proc = _run_script(tmp_path, "snippet.py", _THREADED + snippet + "\nprint('samples', len(ds), ds[0]['caption'])\n")
     assert proc.stdout.count("the script ran") == 1

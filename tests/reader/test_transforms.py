@@ -581,7 +581,7 @@ def test_normalize_on_device_rejects_bad_input():
 
 def test_fast_decode_opt_in_is_close_to_exact_and_takes_the_same_crops(images, large_jpeg):
     """``fast=True`` (libjpeg-turbo's fast IDCT and upsampling, the figure quoted in
-    the README's imagenet-fast row) changes pixels only slightly, never the sampling."""
+    the fast=True row of docs/performance.md) changes pixels only slightly, never the sampling."""
     exact, fast = T.RandomResizedCrop(224), T.RandomResizedCrop(224, fast=True)
     differs = False
     for data in (images["jpeg420"], large_jpeg):

@@ -1,5 +1,5 @@
 """What decides whether conversion workers must run the caller's script (fastdata/writer/mainless.py);
-the end-to-end runs are in tests/project/test_examples.py (a README snippet at a script's top level)."""
+the end-to-end runs are in tests/project/test_examples.py (a docs/guides/sources.md snippet as a script)."""
 
 from __future__ import annotations
 
