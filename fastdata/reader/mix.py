@@ -6,128 +6,13 @@
                          epoch_size=100_000, seed=0, batch_size=64)
     sampler = train.sampler()                    # rank and world size from torch.distributed
     loader = fastdata.loader(train, batch_size=64, sampler=sampler)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for images, labels, sources in loader:   # sources[i]: train.source_names[sources[i]]
-            ...
 
-Or, one object per source (:class:`MixPart`, as MosaicML Streaming's ``Stream`` holds a
-stream's ``proportion``/``repeat``/``choose``), each with its own size and transform::
-
-    train = fastdata.mix([fastdata.MixPart("real.lmdb", weight=0.7),
-                          fastdata.MixPart(synth, name="synthetic", weight=0.3, transform=relabel)],
-                         epoch_size=100_000, seed=0)
-
-Sizing the sources (exactly one of three, as MosaicML streaming's ``Stream`` sizes a stream
-by ``proportion=``, ``repeat=`` or ``choose=``):
-
-* ``weights={name: w}``: relative weights (>= 0, summing to something positive); source ``s``
-  gets the largest-remainder rounding of ``epoch_size * w_s / sum(w)`` samples per epoch (so
-  within 1 of its share, and the counts sum to ``epoch_size``). ``epoch_size`` defaults to the
-  sum of the sources' lengths; no weights at all = weights proportional to the lengths.
-* ``repeat={name: r}``: ``round(r * len(source))`` samples per epoch (``r > 0``, fractional
-  allowed: 0.5 is half the source per epoch, 2 is every sample twice).
-* ``samples={name: k}``: ``k`` samples per epoch (ints >= 0).
-
-With ``repeat``/``samples`` the epoch size is the sum of the counts (``epoch_size=`` too is an
-error). The derived ``counts``, ``weights`` (normalised) and ``epoch_size`` are attributes and
-are shown by ``repr``.
-
-Ranks and the epoch size
-------------------------
-The order is made for ``num_replicas`` ranks ``R`` (default: ``torch.distributed``'s world size
-when a process group is initialised, else 1). Every rank must read the same number of samples
-(DDP steps in lockstep), so **the epoch size is rounded down to a multiple of R**; with
-``repeat``/``samples`` whose counts then sum to more, the counts become the largest-remainder
-rounding of the smaller size in the requested proportions (each drops by at most
-``ceil(R * count / total)``; nothing is lost: the next epoch continues where this one stopped,
-see "Draws"). ``epoch_size`` and ``requested_epoch_size`` say both numbers. With
-``batch_size=`` given, an epoch smaller than ``R * batch_size`` (not one full batch per rank)
-is a ``ValueError``.
-
-The order of an epoch
----------------------
-A pure function of ``(seed, epoch, position)`` for a given ``R``, computed with numpy's Philox
-generator (never torch's or numpy's global RNG):
-
-1. The epoch's count of each source is split over the ranks: the sources are laid end to end
-   (``counts[0]`` positions of source 0, then source 1, ...) and dealt round-robin, so rank
-   ``r`` gets ``floor`` or ``ceil`` of ``count_s / R`` of source ``s``: within 1 of
-   ``w_s * epoch_size / R``, every rank ``epoch_size / R`` samples, the ranks' counts summing
-   to the epoch's counts.
-2. Each rank's *pattern* (its sequence of source ids) is a seeded shuffle of its counts.
-3. The global sequence interleaves the ranks as :class:`fastdata.DistributedShardSampler`
-   with ``shuffle=False`` deals them: position ``k * R + r`` is ``pattern_r[k]``. So rank ``r``
-   under ``DistributedShardSampler(mix, num_replicas=R, rank=r, shuffle=False)`` (what
-   :meth:`MixedDataset.sampler` builds: the documented way) reads exactly its pattern.
-
-Do not shuffle in the sampler over a mix with ``R > 1``: the mix already shuffles, and a
-shuffling sampler would deal each rank a random subset of positions whose sources are no longer
-the per-rank counts above (the global counts stay exact, the per-rank ones drift). With ``R = 1``
-any sampler keeps the per-epoch counts exact.
-
-Draws
------
-Source ``s`` (length ``n_s``) is read without replacement within a *pass*: its draws over the
-whole run form one infinite sequence, pass ``p`` being a permutation of ``range(n_s)`` seeded by
-``(seed, a hash of the source's name, n_s, p)``. Epoch ``e`` takes draws
-``[count_s * e, count_s * (e + 1))`` of it, assigned to the epoch's positions of ``s`` in order
-(rank-interleaved, so the union over ranks is exactly that range). A source with ``repeat=1``
-(and ``R`` dividing the epoch) therefore yields each sample once per epoch, and a small source
-repeated several times an epoch reads every sample once per pass. Keying the passes by the name,
-not the position, keeps a source's draws when another source is added or the dict is reordered.
-
-Permutations are drawn in blocks of ``K = max(1, 65536 // n_s)`` passes from one generator per
-block (``Generator.permuted`` on a ``(K, n_s)`` array), so a source of 7 samples repeated 50,000
-times an epoch costs a few generators, not 50,000 (a deviation from one generator per pass,
-for that reason; ``K`` depends only on ``n_s``, so the passes stay a pure function of the seed).
-
-An epoch's table (source id, sample index and pass of every position) is computed on first use
-in each process (DataLoader workers too), vectorised, and the latest one is cached: for
-``epoch_size = 1,281,167`` over two sources it takes 0.11-0.16 s (``benchmarks/bench_mix.py``
-prints it; 2-core development machine) and holds ~23 MB. The cache is not pickled.
-
-Samples
--------
-``mix[i]`` is the source's sample marked with its source: a dict sample gets
-``"source": name`` (a sample that already has a ``"source"`` key is an error: rename it with a
-per-source transform), a tuple ``(image, target)`` becomes ``(image, target, source_id)``
-(``mix.source_names[source_id]`` is its name) and anything else ``(sample, source_id)``.
-``__getitems__`` reads each source's part of a batch with that source's own ``__getitems__``
-(one call per source and pass); when every part is a fixed-shape
-:class:`fastdata.reader.batching.Batch` the parts are combined into one ``Batch`` (the stacked
-pixels copied once, into the order asked) with ``sources``, which :func:`fastdata.collate` turns
-into ``(images, labels, sources)``, ``sources`` an int64 tensor of source ids. The parts are
-built in private memory (:func:`fastdata.reader.batching.private_batches`), only the combined
-batch where it travels from: ``benchmarks/bench_mix.py`` (two stores, RandomResizedCrop(224),
-2 workers, batch 64) measured the mix at 0.96x the direct read of one store (0.91x with a
-shared-memory segment per part).
-
-``transforms={name: fn}`` applies ``fn(sample) -> sample`` to that source's samples before they
-are marked: the way to map sources of different schemas (a classification store's
-``(image, label)`` and a general store's dicts) to one. Such a source's parts take the
-per-sample path.
-
-Random crops
-------------
-A fastdata source draws the random crops of sample ``i`` from ``sample_rng(seed, epoch, i)``.
-The mix tells it the *pass* number as the epoch (an :class:`~fastdata.reader.seeding.EpochIndex`
-on the first index of each call), so each draw of a repeated sample gets its own crop and every
-crop is a pure function of ``(source seed, pass, index)``: the same whatever the workers, batch
-size or resume point. A source without ``set_epoch`` (a plain torch Dataset) gets plain ints.
-
-``mix.seed = s`` (what ``fastdata.loader(mix, seed=s)`` does) sets the mix's order seed *and*
-every source's ``seed`` (its crop seed) to ``s``, so one number fixes the whole run, as it does
-for one store. ``fastdata.mix(..., seed=s)`` sets only the order seed; the sources keep the crop
-seeds they were opened with.
-
-Resuming: the mix's epoch is the one the sampler sets (``DistributedShardSampler.set_epoch`` and
-``load_state_dict`` call ``mix.set_epoch``) and that :func:`fastdata.loader` sends with each
-batch, so ``sampler.state_dict(consumed)`` resumes exactly mid-epoch, with or without workers.
-The state applies to a mix of the same sources, sizes, seed and ``num_replicas``: the sampler of
-:meth:`MixedDataset.sampler` records the mix's :meth:`~MixedDataset.fingerprint` and refuses a
-state of another mix (so set the seed, ``fastdata.mix(seed=)`` or ``fastdata.loader(seed=)``,
-before ``load_state_dict``).
+Sources are sized by ``weights``, ``repeat`` or ``samples`` (or per source with :class:`MixPart`, as
+MosaicML Streaming's ``Stream``); every rank reads the same number of samples and within 1 of its
+share of each source; each source is read without replacement within a pass; the order, the draws
+and the random crops are pure functions of (seed, epoch, position), so ``sampler.state_dict()``
+resumes exactly. The specification (epoch sizes and ranks, the order of an epoch, draws, samples,
+random crops, resuming) and what it costs: ``docs/sampling.md``.
 """
 
 from __future__ import annotations

@@ -1,159 +1,16 @@
 """Rank-aware, block-shuffling, resumable sampler for (distributed) DataLoaders.
 
-:class:`DistributedShardSampler` is a drop-in for
-:class:`torch.utils.data.distributed.DistributedSampler` with three additions:
+:class:`DistributedShardSampler` is a drop-in for ``torch.utils.data.distributed.DistributedSampler``
+(the same indices for the same seed and epoch with ``block_size=1``) with three additions: ``block_size``
+shuffles blocks of consecutive records, so a batch reads a few storage regions instead of scattered
+records; ``shard_window=W`` has each rank read its shards W at a time, so a store larger than the local
+cache of remote shards streams through it; ``state_dict(consumed)``/``load_state_dict`` resume mid-epoch,
+also on another number of ranks. Everything follows from one sequence per epoch, the global order ``Q``,
+a pure function of the dataset's length, seed, epoch, settings and the starting world size, which every
+rank computes without communicating; rank ``r`` yields ``Q[r::R]``, so a resume point is one integer.
 
-* ``block_size > 1`` shuffles *blocks* of consecutive sample indices instead of single
-  indices and hands each rank whole blocks, so every rank (and every DataLoader worker, which
-  reads whole batches) touches a few contiguous regions of a shard per batch instead of
-  ``batch_size`` scattered records. A local "window" shuffle then mixes neighbouring blocks.
-* ``shard_window=W`` shuffles the order of the store's *shards* and has each rank read its
-  shards W at a time, shuffling per index within each window of W shards, so a rank needs only
-  its current window (and the next, when prefetching) on local disk: the mode for a store larger
-  than a local cache of remote shards (see "Shard windows" below).
-* :meth:`~DistributedShardSampler.state_dict` / :meth:`~DistributedShardSampler.load_state_dict`
-  resume in the middle of an epoch, also on a different number of ranks (shard-window mode:
-  same number of ranks).
-
-The epoch's global order
-------------------------
-Everything follows from one sequence, the *global order* ``Q`` of an epoch. It is a pure function
-of ``(len(dataset), seed + epoch, shuffle, drop_last, block_size, window, R0)`` where ``R0`` is the
-number of ranks the epoch started on, so every rank computes the same ``Q`` without communicating:
-
-1. Base order ``P`` (independent of ``R0``). ``shuffle=False``: ``0..n-1``. ``block_size == 1``:
-   ``torch.randperm(n)`` drawn from a ``torch.Generator`` seeded with ``seed + epoch``, exactly as
-   ``DistributedSampler`` does. ``block_size = B > 1``: a random offset ``o`` in ``[0, B)`` cuts the
-   indices, read cyclically from ``o``, into ``n // B`` full blocks of ``B`` consecutive indices
-   plus one short block of ``n % B``; the full blocks are shuffled and the short block goes last.
-   The random offset changes which samples share a block from epoch to epoch, and keeping the
-   short block last keeps every full block aligned with the rank dealing below.
-2. Pad or drop ``P`` to ``total_size = num_samples * R0`` with ``DistributedSampler``'s rule:
-   padding repeats ``P`` from its start, ``drop_last`` cuts the tail.
-3. Assign to ranks. ``block_size == 1``: rank ``r`` gets ``padded[r::R0]`` and ``Q = padded``, so
-   the sampler yields the same indices as ``DistributedSampler`` for the same seed and epoch.
-   ``block_size > 1``: the padded order is dealt in rounds of ``R0 * B`` positions, each rank
-   taking ``B`` consecutive positions (one whole block) per round, the last partial round split
-   evenly; then each rank's stream gets the window shuffle (below). ``Q`` is the rank-interleave
-   of the streams: ``Q[k * R0 + r]`` is the ``k``-th index rank ``r`` yields.
-
-In both modes rank ``r`` yields ``Q[r::R0]``, so **when every rank has consumed ``k`` samples
-(lockstep, as DDP enforces), the consumed set is exactly ``Q[:k * R0]``.** Resuming is therefore
-one integer, ``consumed``: the number of leading positions of ``Q`` already consumed.
-
-Window shuffle: each rank stream is re-sorted by ``position + U[0, window)``, so two positions
-``window`` or more apart never swap. A batch then draws from about ``(batch + window) / B`` blocks
-instead of ``batch / B`` (more diverse batches) and consecutive samples come from different
-blocks, while every index stays within ``window`` positions of its block order: a rank reads a
-few storage regions per batch, with small holes that a neighbouring batch fills. It applies only
-with ``shuffle=True`` and ``block_size > 1``; default ``window = 4 * block_size`` (the best mixing
-of the settings measured below for about twice the regions of no window).
-
-Shard windows
--------------
-With ``shard_window = W`` (``block_size`` 1) the order is built from whole shards (their sizes
-from ``dataset.shard_starts``, which every fastdata store dataset has, or ``shard_sizes=``):
-
-1. The generator seeded with ``seed + epoch`` (the same on every rank) shuffles the shard order
-   (``shuffle=False``: storage order). Empty shards are left out.
-2. The shards, laid end to end in that order, are cut into ``R0`` consecutive runs of samples,
-   as equal as possible: the first ``n % R0`` runs are one sample longer (``drop_last``: every
-   run has ``num_samples`` and the last ``n % R0`` samples are cut). Every rank thus gets its
-   share, in whole shards except where two ranks' runs meet: at most ``R0 - 1`` shards per
-   epoch are split, each rank reading its own part of the split shard. (Dealing whole shards
-   round-robin would leave ranks a shard's worth of samples apart, to be padded with repeats or
-   dropped; the cut loses nothing.) A rank short of ``num_samples`` pads with indices repeated
-   from its own last window, so padding needs no other shard.
-3. Each rank walks its shards in groups of ``W`` (its *windows*): the samples of one window are
-   shuffled together per index (an independent stream per rank and window, derived from
-   ``seed + epoch``; ``shuffle=False``: storage order) and all read before the next window
-   starts.
-
-``Q`` is again the rank-interleave of the streams, so resuming works as above.
-:meth:`DistributedShardSampler.window_shards` lists this rank's windows (shard numbers, in
-reading order) and :meth:`DistributedShardSampler.window_index` maps a position of the rank's
-stream to its window, so a prefetcher can fetch window ``w + 1`` while window ``w`` is read.
-
-Shuffle quality (``benchmarks/bench_sampler.py``, the same 50,000 label-sorted samples, one rank,
-batch 256, shards of 1,000 samples = 20 classes each; *shards/batch*: distinct shards a batch
-reads; *on disk*: shards the rank needs at a time, not counting a prefetched next window):
-
-=============================  ======  =====  =======  ============  =======
-sampler                        labels  same   regions  shards/batch  on disk
-=============================  ======  =====  =======  ============  =======
-per-index shuffle (control)    226.3   0.001  234.6    49.8          50
-shard_window=1                 24.3    0.050  7.8      1.2           1
-shard_window=2                 43.5    0.025  31.4     2.2           2
-shard_window=4                 77.9    0.013  85.0     4.1           4
-shard_window=8                 126.6   0.007  144.8    8.0           8
-=============================  ======  =====  =======  ============  =======
-
-With 8 ranks and per-rank batches of 64, ``shard_window`` 1/2/4/8 gives 19.4 / 31.8 / 41.0 / 50.4
-labels per batch against 62.0 for ``DistributedSampler``. A batch can only mix the classes of
-``W`` shards: on a class-sorted store (``fastdata convert`` writes an ImageFolder tree class by
-class) that is ``W`` x (classes per shard), so keep ``W`` large enough to cover many classes, or
-write the samples in random order (``fastdata.write`` of a shuffled dataset): then a window is
-a random sample already. The shard order and the windows' membership change every epoch.
-
-Resuming
---------
-``state_dict(consumed)`` records ``(epoch, seed, settings, R0, consumed)``. A sampler that loads it
-yields the unconsumed suffix ``Q[consumed:]``: padded (repeating its own start) or dropped to a
-multiple of its current ``num_replicas`` ``R`` like ``DistributedSampler`` does, rank ``r`` taking
-positions ``r::R``. With ``R == R0`` (and ``consumed`` a multiple of ``R``) every rank continues
-its own stream exactly as an uninterrupted run would. With ``R != R0`` the rest of that epoch is
-split round-robin: still exact (every unconsumed index once, apart from padding; lockstep
-consumption again takes a prefix of ``Q``, so resuming several times, with any world sizes, just
-moves the prefix boundary) but, in block mode, each rank's reads are less sequential until the
-epoch ends. The next epoch (``set_epoch`` with another number) is normal. In shard-window mode a
-mid-epoch state only loads with ``R == R0`` (:meth:`~DistributedShardSampler.load_state_dict`
-raises a ``ValueError`` otherwise): split round-robin, every rank would read every old rank's
-window, far more shards than the cache is sized for. A state at the very start or end of an
-epoch loads on any world size. The state also records ``shard_window`` and a fingerprint of the
-shard sizes, so it does not load onto another shard layout.
-
-The DataLoader pulls indices ahead of the training loop (``num_workers * prefetch_factor``
-batches), so the sampler's own count (``state_dict()`` with no argument) runs ahead of what the
-model has seen. Record what the loop actually consumed and pass it::
-
-    consumed = steps_done_this_epoch * batch_size * world_size   # counted from the epoch start
-    ckpt["sampler"] = sampler.state_dict(consumed)
-    ...
-    sampler.load_state_dict(ckpt["sampler"])   # same or different world size
-    for epoch in range(ckpt["sampler"]["epoch"], n_epochs):
-        sampler.set_epoch(epoch)               # same epoch keeps the resume point
-        for batch in loader: ...
-
-Shuffle quality and read locality
----------------------------------
-Measured by ``benchmarks/bench_sampler.py`` (pure numpy, 1.3 s): labels sorted as ImageFolder
-stores them (1000 classes x 50 = 50,000 samples, the worst case for blocks), one rank, batches of
-256, mean of epochs 0-3. *labels*: distinct labels per batch (i.i.d.: 226). *same*: fraction of
-consecutive samples sharing a label (i.i.d.: 0.001). *runs*: maximal runs of consecutive indices
-in a batch's sorted indices; *regions*: the same with holes of up to 16 records (~2 MB of
-ImageNet JPEGs) merged, i.e. separate storage regions a worker reads per batch. *adjacent*:
-fraction of consecutive reads that are storage neighbours. A window in parentheses is the default.
-
-=============================  ======  =====  =====  =======  ========
-sampler                        labels  same   runs   regions  adjacent
-=============================  ======  =====  =====  =======  ========
-DistributedSampler (control)   226.3   0.001  254.7  234.6    0.000
-block_size=1                   226.3   0.001  254.7  234.6    0.000
-block_size=16, window=1        20.5    0.919  15.9   15.8     0.938
-block_size=16 (window 64)      24.8    0.194  36.4   19.7     0.015
-block_size=64, window=1        9.0     0.965  4.0    4.0      0.984
-block_size=64, window=64       11.8    0.445  25.0   6.0      0.015
-block_size=64 (window 256)     16.9    0.134  87.9   8.6      0.004
-block_size=256, window=1       6.1     0.976  1.0    1.0      0.996
-block_size=256 (window 1024)   28.2    0.046  197.1  11.0     0.001
-=============================  ======  =====  =====  =======  ========
-
-With 8 ranks and per-rank batches of 64, ``block_size=16`` (window 64) gives 9.7 labels and 7.9
-regions per batch against 62 and 63 for ``DistributedSampler``. Block shuffling trades batch
-diversity for locality: on label-sorted data a batch holds roughly ``(batch + window) / B`` blocks'
-worth of classes, far from i.i.d. Prefer small blocks relative to the batch for training from a
-class-sorted store; large blocks cost no mixing when the store's order is already random
-(shuffled at conversion time).
+The specification (the global order, shard windows, resuming) and the shuffle-quality measurements
+behind the defaults: ``docs/sampling.md``.
 """
 
 from __future__ import annotations

@@ -195,6 +195,21 @@ def _growing(tmp: Path, monkeypatch) -> dict:
             "ckpt": {}}
 
 
+def _sampling(tmp: Path, monkeypatch) -> dict:
+    """Two stores to mix (``real``, ``synth``; ``real.lmdb`` by path), and the training loop's names
+    the sampler's resume example uses, at the start of an epoch."""
+    import fastdata
+
+    _store("real.lmdb")
+    _store("synthetic.lmdb", "week-1")
+    real = fastdata.open_dataset("real.lmdb", output="tensor")
+    synth = fastdata.open_dataset("synthetic.lmdb", output="tensor")
+    sampler = fastdata.DistributedShardSampler(real)
+    return {"fastdata": fastdata, "real": real, "synth": synth, "relabel": lambda sample: sample,
+            "sampler": sampler, "loader": fastdata.loader(real, batch_size=8, sampler=sampler), "ckpt": {},
+            "steps_done_this_epoch": 0, "batch_size": 8, "world_size": 1, "epochs": 1, "n_epochs": 1}
+
+
 def _multi_node(tmp: Path, monkeypatch) -> dict:
     import torch
 
@@ -279,6 +294,7 @@ PRELUDES: dict[str, Callable] = {
     "docs/guides/detection.md": _detection,
     "docs/guides/growing-and-mixing.md": _growing,
     "docs/guides/multi-node.md": _multi_node,
+    "docs/sampling.md": _sampling,
     "docs/guides/remote.md": _remote,
     "docs/guides/sources.md": _sources,
     "docs/guides/tuning.md": _tuning,
