@@ -1,18 +1,18 @@
 """The write-source contract (issue 37, item 4): every kind of input the write session takes (each
 :class:`fastdata.writer.sources.base.WriteSource`) runs the same five tests through the public
 API, as torchvision's ``DatasetTestCase`` and zarr's ``StoreTests`` run one suite over every
-dataset or store:
+dataset or store; on an LMDB store in CI, on an HDF5 store too nightly (``slow``):
 
 1. plan / convert / verify: the expected number of samples; ``verify`` passes, with and without
    decoding; one byte flipped inside a record fails it, naming the shard (the control).
-2. fingerprint: the same input converted twice (made again in another folder) gives the same
-   shards (checksums); ``resume=True``
-   over that store with one input item changed is refused (``ResumeMismatchError``), with the
-   same input it is accepted (the control). An iterable cannot resume: its refusal is the contract.
+2. fingerprint: the same input converted again (made again in another folder) gives the same
+   shards (checksums); ``resume=True`` over that store is accepted with the same input (the
+   control) and refused with one item changed (``ResumeMismatchError``). An iterable cannot
+   resume: its documented refusal is the contract.
 3. interrupt and resume: a conversion SIGKILLed once a shard is finished, then ``resume=True``,
    gives the store of an uninterrupted one (shard checksums and every sample).
-4. append: part A, then part B appended, reads sample by sample as the stores of A and of B one
-   after the other, and holds the samples of the store of A+B.
+4. append: part A, then part B appended, reads sample by sample as A's then B's source values,
+   and holds the samples of the store of A+B.
 5. read back: every sample read by ``open_dataset`` equals the source's own values (pixels decoded
    with Pillow, arrays read with nibabel/tifffile/pydicom, fields as written).
 
@@ -547,12 +547,15 @@ class Converted:
     samples: list
 
 
-@pytest.fixture(scope="module")
-def converted(case, tmp_path_factory) -> Converted:
+@pytest.fixture(scope="module", params=[".lmdb", pytest.param(".h5", marks=pytest.mark.slow)], ids=["lmdb", "h5"])
+def converted(case, tmp_path_factory, request) -> Converted:
+    """The case's input converted once; the backend (the destination's suffix) is the one of every
+    store a test of the case writes: LMDB in CI, HDF5 too nightly."""
     root = tmp_path_factory.mktemp("contract")
     inp = case.build(root / "in", range(case.count))
-    report = convert(case, inp, root / "store.lmdb")
-    return Converted(inp, root / "store.lmdb", report, read_all(root / "store.lmdb"))
+    dst = root / f"store{request.param}"
+    report = convert(case, inp, dst)
+    return Converted(inp, dst, report, read_all(dst))
 
 
 def test_every_kind_of_input_has_a_case():
@@ -646,7 +649,7 @@ def test_convert_gives_the_samples_and_verifies_and_a_flipped_byte_fails_verify(
     decoded = fastdata.verify(str(converted.dst), decode=True)
     assert decoded.ok and decoded.decoded > 0, decoded.problems
     # the control: one byte of a record flipped (in a copy) fails verify, naming the shard
-    damaged = tmp_path / "damaged.lmdb"
+    damaged = tmp_path / f"damaged{converted.dst.suffix}"
     shutil.copytree(converted.dst, damaged)
     shard = flip_a_record_byte(damaged)
     report = fastdata.verify(str(damaged))
@@ -661,14 +664,15 @@ def test_same_input_same_shards_and_a_changed_item_is_refused_by_resume(case, co
     """The input made again elsewhere converts into the same shards; ``resume=True`` over that
     complete store accepts the same input (nothing to do) and refuses it with one item changed."""
     inp = case.build(tmp_path / "in", range(case.count))
-    dst = tmp_path / "again.lmdb"
+    dst = tmp_path / f"again{converted.dst.suffix}"
     convert(case, inp, dst)
     if case.keeps_input_paths is None:
         assert shards(dst) == shards(converted.dst), "the same input, made again elsewhere, gives the same shards"
     else:  # known (see Case.keeps_input_paths): then the same input where it was
         assert shards(dst) != shards(converted.dst), f"fixed? {case.keeps_input_paths}"
-        convert(case, converted.inp, tmp_path / "same.lmdb")
-        assert shards(tmp_path / "same.lmdb") == shards(converted.dst), "the same input gives the same shards"
+        same_place = tmp_path / f"same{converted.dst.suffix}"
+        convert(case, converted.inp, same_place)
+        assert shards(same_place) == shards(converted.dst), "the same input gives the same shards"
     before = shards(dst)
     if case.resume_refused is not None:  # its documented refusal is the contract
         with pytest.raises(case.resume_refused, match="resume"):
@@ -729,7 +733,7 @@ def kill_once_a_shard_is_finished(case: Case, inp, dst: Path) -> None:
 
 
 def test_a_killed_conversion_resumes_into_the_uninterrupted_store(case, converted, tmp_path):
-    dst = tmp_path / "killed.lmdb"
+    dst = tmp_path / f"killed{converted.dst.suffix}"
     kill_once_a_shard_is_finished(case, converted.inp, dst)
     if case.resume_refused is not None:  # the documented refusal; overwrite=True starts over
         with pytest.raises(case.resume_refused, match="resume"):
@@ -751,7 +755,7 @@ def test_append_reads_as_the_two_parts_in_turn_and_holds_the_whole(case, convert
     B's (the source's values), and holds the samples of the store of A+B."""
     part_a = case.build(tmp_path / "a", range(case.split))
     part_b = case.build(tmp_path / "b", range(case.split, case.count))
-    dst = tmp_path / "grown.lmdb"
+    dst = tmp_path / f"grown{converted.dst.suffix}"
     convert(case, part_a, dst)
     before = shards(dst)
     report = convert(case, part_b, dst, append=True)
