@@ -1,54 +1,15 @@
 """Decode-time transforms: encoded image bytes -> final-size HWC arrays.
 
-Every transform (and :func:`full_decode`) takes the read mode of
-:mod:`fastdata.common.imagemodes` as ``mode=``:
+Decoding and cropping/resizing happen in one step, so a large JPEG never exists as a full-size
+image when a small crop is wanted: JPEGs decode through libjpeg-turbo at a DCT scale when the crop
+allows it, anything else through Pillow under :mod:`fastdata.common.imageio`'s policy; crops are
+numpy views, resizing is torch's antialiased bilinear with torchvision's sampling geometry, in every
+read mode of :mod:`fastdata.common.imagemodes` (``mode=``). Random transforms draw from an explicit
+``numpy.random.Generator`` (default :func:`fastdata.reader.seeding.get_rng`, never cloned across
+forked workers); :func:`normalize_on_device` turns a batch of any dtype into normalized float32.
 
-* ``"RGB"`` (the default): HxWx3 uint8, with the JPEG fast paths below.
-* ``"L"``, ``"RGBA"``, ``"unchanged"``: always 3-D HxWxC, C = 1 for ``"L"`` or a
-  one-channel image, 4 for ``"RGBA"``, the stored channel count for ``"unchanged"``; the
-  dtype is uint8 for ``"L"``/``"RGBA"`` and the stored one (uint16, int16, float32, ...)
-  for ``"unchanged"``. The image is decoded whole by
-  :func:`fastdata.common.imageio.decode_image` (no DCT scaling), then cropped and resized
-  with the same torchvision geometry as in ``"RGB"``, so a given ``rng`` gives the same
-  crop box in every mode. uint8 is resized with torch's uint8 antialiased bilinear for
-  any channel count; other dtypes with torch's float antialiased bilinear (float32, or
-  float64 for float64 and 32/64-bit integers, whose values float32 cannot hold exactly),
-  integers then rounded to nearest (ties to even) and clipped to their dtype's range.
-  Resizing a random 512x512 -> 224 crop on one thread took 0.75 ms for uint8 RGB, 0.41
-  uint8 gray, 0.77 uint8 RGBA, 0.76 uint16 gray, 2.8 uint16 RGB, 3.0 float32 4-channel:
-  the float kernel costs about as much per channel as the uint8 one does for C = 1, but
-  uint8 C = 3/4 have vectorised kernels. Resizing interpolates stored values as numbers:
-  a palette PNG read ``"unchanged"`` gives its indices, which only make sense uncropped
-  or unresized; read it ``"RGB"``/``"RGBA"``.
-
-The ``"RGB"`` pipeline decodes and crops/resizes in one step, so a large JPEG never exists
-as a full-size PIL image when a small output is wanted:
-
-* JPEG goes through simplejpeg (libjpeg-turbo). When the crop region, shrunk by a
-  DCT-domain scale factor of 1/2, 1/4 or 1/8, still has at least twice as many pixels
-  as the output in both dimensions, the image is decoded at that scale (about 2-10x
-  less work); otherwise at full size. DCT scaling averages blocks where PIL's bilinear
-  filter weights a wider triangle: with no headroom (scaled image = output) the two
-  differ by a mean 1.5 levels of 255 on photo-like images, with 2x headroom by under
-  0.6, because the final antialiased resize then sets the filter. On photo-like images
-  outputs stay within a mean absolute difference of 1 level of torchvision's PIL
-  pipeline at every output size (tests/reader/test_transforms.py measures 32-224 px, with a
-  control at no headroom). Strong colour noise at the scale of a few pixels differs
-  more (1-3 levels measured on random colour cells of 8-24 px): a scaled decode reads
-  4:2:0 chroma from its DCT blocks where a full decode interpolates it.
-* Anything else (PNG, ..., CMYK/YCCK JPEGs whose simplejpeg RGB output differs from
-  Pillow's by rounding, JPEGs simplejpeg rejects, images over Pillow's decompression
-  bomb limit) goes through Pillow under :mod:`fastdata.common.imageio`'s policy (allowed
-  formats only, chosen by content; bombs refused), whose error is raised if it fails too.
-* Crops are numpy views; resizing is torch's uint8 antialiased bilinear, within 1 of
-  torchvision's PIL ``BILINEAR`` and 2-6x faster (see :func:`_resize` for why not
-  OpenCV). Sampling geometry follows torchvision exactly. EXIF orientation is not
-  applied, as with torchvision's ``pil_loader``.
-
-Random transforms draw from an explicit ``numpy.random.Generator`` (default:
-:func:`fastdata.reader.seeding.get_rng`, which is never cloned across forked workers).
-
-:func:`normalize_on_device` turns a batch of any of these dtypes into normalized float32.
+How each path decodes, how close it stays to torchvision's PIL pipeline, and what the resizes cost:
+``docs/guides/classification.md``, "Decode-time transforms".
 """
 
 from __future__ import annotations
