@@ -1,82 +1,15 @@
 """LMDB shard layout, versions 1 (classification), 2 (general samples) and 3 (either, with tails).
 
-Each shard is one LMDB environment stored as a single file (``subdir=False``),
-e.g. ``shard-00000.lmdb``. It holds two named databases (three from version 3, below):
+A shard is one LMDB environment in a single file (``subdir=False``): named databases ``records``
+(a msgpack record per sample under its 8-byte big-endian local index), ``index`` (the header and
+the per-sample arrays readers load at open), ``chunks`` for chunked fields, and from version 3
+``tails``: LMDB keeps a value larger than about half a page in whole overflow pages, so a record
+whose last page would waste at least :data:`SPLIT_MIN_WASTE` bytes is stored as a head that fills
+its pages exactly plus tail parts inline in leaf pages (:func:`cut_tail`). Optional
+``record_spans``/``chunk_spans``/``tail_spans`` in ``index`` are read-ahead advice only.
 
-``records``
-    key   = the sample's index *within the shard* as an 8-byte big-endian
-            unsigned integer (``struct.pack(">Q", i)``), so key order is sample
-            order and keys are 0 .. count-1 without gaps;
-    value = one msgpack record (schema in ``fastdata/format/record.py`` and
-            ``docs/FORMAT.md``).
-
-``index``
-    ``b"header"``  msgpack map ``{"layout": "fastdata-lmdb-shard", "version": 1, "count": n}``
-    ``b"labels"`` int64, ``b"checksums"`` uint64, ``b"widths"`` int32,
-    ``b"heights"`` int32, ``b"formats"`` uint8, ``b"nbytes"`` int64 (all
-    little-endian, ``n`` entries), ``b"relpaths"`` (concatenated path bytes)
-    and ``b"relpath_offsets"`` int64 (``n + 1`` entries).
-
-Version 2 (a store whose manifest has a ``schema`` other than the
-classification one) keeps the same two databases and keys; only the values differ:
-
-``records``
-    value = one version-2 msgpack record ``{"v": 2, "path": bin, <record field>: value, ...}``
-    (fields in schema order; see ``fastdata/format/record.py`` and ``docs/FORMAT.md``).
-
-``index``
-    ``b"header"`` with ``"version": 2``; ``b"checksums"`` uint64 (xxh3_64 of each
-    record's bytes), ``b"nbytes"`` int64 (record lengths), ``b"relpaths"`` /
-    ``b"relpath_offsets"`` as in version 1, and per field (``fastdata.format.record.index_layout``):
-    ``b"fields/<name>"`` for index-resident fields (the field's dtype, little-endian,
-    ``n * prod(shape)`` values, C order) and ``b"fields/<image>.format"`` uint8,
-    ``.width`` int32, ``.height`` int32 for each image field.
-
-A store whose schema has ``chunked`` fields adds one more named database:
-
-``chunks``
-    key   = a chunk number within the shard, 8-byte big-endian (``struct.pack(">Q", k)``);
-    value = one stored chunk (``fastdata/format/chunk_codecs.py``). A value's chunks have
-            consecutive numbers in grid order: chunk ``j`` of a sample's field is key
-            ``first + j``, ``first`` being the index's ``b"fields/<name>.first"`` entry
-            (``uint64``); the record's chunk table gives each one's length and xxh3-64.
-
-Both versions may add ``b"record_spans"`` (and, with a ``chunks`` database,
-``b"chunk_spans"``) to ``index``: uint64 little-endian ``[n, 2]``, each record's (each chunk's)
-byte offset in the shard file and length, learned from the finished file by the writer
-(Linux). Readers use them only as advice, to ask the kernel for a batch's pages before
-reading it (``posix_fadvise(WILLNEED)``, deepest first in offset order); what they read
-still comes from LMDB's own lookups, so a wrong span costs a useless read-ahead, never
-wrong data. Shards without them read the same way, without the prefetch.
-
-Version 3 (what fastdata writes) holds the records of version 1 or 2 (as the manifest's
-version says) and adds a ``tails`` database, because LMDB keeps every value larger than
-about half a page in whole overflow pages: a 56 KB record left most of its last 4 KiB page
-empty, about 2 KiB a record (3.6% of a store of such JPEGs). A record whose last page would
-waste at least :data:`SPLIT_MIN_WASTE` bytes is stored as a *head* that fills its overflow
-pages exactly (``k * psize - 16`` bytes, or empty) under its key in ``records`` and the rest
-as one to a few *tail parts*, each small enough to sit inline in a leaf page of ``tails``
-(:func:`cut_tail` sizes them to fill each leaf page as LMDB appends to it):
-
-``tails``
-    key   = the record's local index, 8-byte big-endian, then the part number, one byte;
-    value = the part's bytes (at most :func:`inline_max` of a 9-byte key).
-
-Record ``j`` is ``records[j]`` followed by ``tails[j, 0]``, ``tails[j, 1]``, ... while they
-exist. A reader looks for tails only behind a head that fills its pages exactly (its length
-is ``k * psize - 16`` or 0): another record has none. Records kept whole: raw pixels of a
-classification store (PPM: read as views of the map, which a split record cannot be) and
-records inline in ``records`` already. ``index`` may add ``b"tail_spans"`` (uint64
-little-endian ``[n, k, 2]``, ``k`` the most parts a record of the shard has, at least 1: the file
-offset and length of each part of each record's tail, ``(0, 0)`` past its last), advice as
-``record_spans`` is (which then covers the heads). One span a part, not one a record: a record's
-parts often lie on two leaf pages far apart (LMDB takes a new leaf page from its free list, where
-an earlier commit left one).
-
-The global index of a record is the shard's ``first_index`` (manifest) plus
-its key. Readers open with ``readonly=True, lock=False, max_spare_txns=0``
-(published stores are immutable; no reader-lock table) and ``readahead`` as
-:func:`fastdata.reader.dataset.wants_readahead` decides for the store.
+The byte-level specification (keys, values, dtypes, versions, how a reader opens a shard), precise
+enough to read a shard with ``lmdb`` alone: ``docs/FORMAT.md``, section 5.
 """
 
 from __future__ import annotations
