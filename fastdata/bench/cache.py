@@ -56,7 +56,7 @@ def evict_page_cache(paths: Iterable[str]) -> list[str]:
         OSError: ``posix_fadvise`` is not available on this platform.
     """
     if not can_evict():
-        raise OSError("page-cache eviction needs os.posix_fadvise (Linux); --cold is not available here")
+        raise OSError("page-cache eviction needs os.posix_fadvise (Linux); cold=True is not available here")
     evicted = []
     for path in paths:
         try:

@@ -261,7 +261,7 @@ def expand_grid(
     ]
     resolved = [(_absolute(t), target_kind(t, store_options)) for t in targets]
     if any(axes[-1]) and any(is_remote(path) for path, _ in resolved):
-        raise ValueError("--cold evicts local files from the page cache and does not apply to a URL target; "
+        raise ValueError("cold=True evicts local files from the page cache and does not apply to a URL target; "
                          "to measure a cold remote read, empty its shard cache first (fastdata cache clear URL)")
     if not resolved:
         raise ValueError("give at least one target")

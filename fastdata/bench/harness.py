@@ -123,7 +123,7 @@ def environment_warnings(configs: Sequence[BenchConfig]) -> list[str]:
         from fastdata.bench.cache import can_evict
 
         if not can_evict():
-            out.append("--cold needs os.posix_fadvise (Linux): cold rows will fail")
+            out.append("cold=True needs os.posix_fadvise (Linux): cold rows will fail")
     return out
 
 

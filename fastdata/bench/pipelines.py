@@ -30,7 +30,7 @@ class Target:
     Attributes:
         dataset: the map-style Dataset.
         pipeline: human description of how samples are read and decoded.
-        files: callable returning every file the dataset reads (for ``--cold``).
+        files: callable returning every file the dataset reads (for ``cold``).
         sample_bytes: stored bytes per sample (numpy int64, one per sample), used for MB/s.
         storage: how the target holds its images (:func:`describe_storage`), so rows of a JPEG,
             a raw and a mixed store of the same images say which is which.
@@ -111,7 +111,7 @@ def build_target(cfg: BenchConfig) -> Target:
     how = f"decode={decode!r}" if decode is not None else (
         "raw pixels" if store.storage.mode.holds_fixed_size_pixels else "full decode (simplejpeg/PIL)")
     root = cfg.target
-    # the whole manifest once (the dataset keeps only a slim copy): storage, sizes and the files --cold evicts
+    # the whole manifest once (the dataset keeps only a slim copy): storage, sizes and the files cold evicts
     manifest = locate_store(root, storage_options=remote.get("storage_options"), cache_dir=remote.get("cache_dir"),
                             cache_limit=remote.get("cache_limit")).manifest
     shard_files = [os.path.join(root, s["name"]) for s in manifest["shards"]]

@@ -77,7 +77,7 @@ def frontier(points: Sequence[tuple]) -> list:
     return best
 
 
-_PURPOSE = "benchmark plots (skip them with --no-plots)"
+_PURPOSE = "benchmark plots (skip them with plots=False)"
 
 
 def check_plotting() -> None:

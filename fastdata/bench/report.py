@@ -22,7 +22,7 @@ from fastdata._version import __version__
 from fastdata.bench.grid import BenchConfig, available_cores
 from fastdata.common.units import format_size
 
-#: every field of a result row, with its meaning (the README and --help point here)
+#: every field of a result row, with its meaning (the README and the bench command's help point here)
 FIELDS: dict[str, str] = {
     # configuration
     **{f.name: "configuration (see BenchConfig)" for f in dc_fields(BenchConfig)},
@@ -57,11 +57,11 @@ FIELDS: dict[str, str] = {
     # CPU and the training step
     "cpu_cores_busy": "CPU seconds of main + workers per wall second, measured epochs",
     "cpu_util": "cpu_cores_busy / available cores",
-    "data_wait_fraction": "fraction of the epoch the training loop waited for data (with --step-ms: "
+    "data_wait_fraction": "fraction of the epoch the training loop waited for data (with step_ms: "
                           "time not covered by the simulated step)",
     "decoded_bytes_per_sample": "bytes of decoded pixels per sample, as delivered",
     # cold cache
-    "cold_evicted_files": "files evicted from the page cache before each epoch (--cold)",
+    "cold_evicted_files": "files evicted from the page cache before each epoch (cold)",
     "cold_residency_after_evict": "fraction of those files' pages still cached right after eviction "
                                   "(mincore; 0 = truly cold)",
     # CUDA (null without CUDA)

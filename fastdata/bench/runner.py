@@ -45,7 +45,7 @@ class SubsetShuffle:
 
 
 class CloseAfterFetch:
-    """Dataset wrapper for ``--cold`` with persistent workers on a store.
+    """Dataset wrapper for ``cold`` with persistent workers on a store.
 
     A page some process has mapped cannot be evicted, and persistent workers would
     keep their store maps (LMDB's, the HDF5 reader's mmap of the image bytes) from

@@ -297,11 +297,11 @@ def tune(
 
     allow_zero = allow_no_workers or step_ms > 0 or max_workers == 0
     if effective_batch_size:
-        note = (f"batch size: --effective-batch-size {effective_batch_size} sets it: the largest of "
+        note = (f"batch size: effective_batch_size={effective_batch_size} sets it: the largest of "
                 f"{effective_batch_size}, {effective_batch_size // 2}, ... that fits, with gradient accumulation "
                 f"making up the rest")
         if batch_size is not None and batch_size != effective_batch_size:
-            note += f" (--batch-size {batch_size} is not used)"
+            note += f" (batch_size={batch_size} is not used)"
         log(note)
         notes.append(note)
     batch_size = DEFAULT_BATCH if batch_size is None else batch_size
@@ -324,7 +324,7 @@ def tune(
             fitting.append(zero)
     elif max_workers:
         notes.append("num_workers=0 was not tried: with no worker, loading never overlaps the training step; "
-                     "pass --allow-no-workers to include it, or --step-ms to measure the overlap")
+                     "pass allow_no_workers=True to include it, or step_ms=MS to measure the overlap")
     best = _pick(search, fitting, min_gain)
     if not search.fits(best):  # a second run went over the budget
         best = _pick(search, [t for t in fitting if search.fits(t)], min_gain, confirm_within=None)
@@ -373,9 +373,9 @@ def _nothing_fits(search: _Search, batch: int, probe: Probe, budget: int, effect
     trial = search.cache.get(Settings(workers, batch))
     figure = (format_size(trial.measured.peak_pss) if trial and trial.measured and trial.measured.ok
               else f"about {format_size(estimate_memory(Settings(workers, batch), probe, search.full_queue))}")
-    hint = "" if effective else " or lower --batch-size (or give --effective-batch-size)"
+    hint = "" if effective else " or lower batch_size (or give effective_batch_size)"
     if not allow_zero:
-        hint += ("; num_workers=0 may fit but never overlaps loading with training: pass --allow-no-workers "
+        hint += ("; num_workers=0 may fit but never overlaps loading with training: pass allow_no_workers=True "
                  "to consider it")
     return (f"nothing fits a memory budget of {format_size(budget)}: num_workers={workers} with "
             f"batch_size={batch} already needs {figure}; raise the budget{hint}")
@@ -418,7 +418,7 @@ def _search_workers(search: _Search, batch: int, max_workers: int, step_ms: floa
     if over_w is None:
         if fitting and max(fitting, key=_speed).settings.workers == max_workers:
             notes.append(f"throughput still rose at the most workers tried ({max_workers}); a larger "
-                         "--max-workers may help on a machine with more cores")
+                         "max_workers may help on a machine with more cores")
         return fitting
     # the largest count under the one that overshoots which still fits
     lo = fitting[-1].settings.workers if fitting else 0
@@ -543,7 +543,7 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
                  "from torch.utils.data import DataLoader"]
         remote = "".join(f", {k}={v!r}" for k, v in (store_options or {}).items() if k != "storage_options")
         if (store_options or {}).get("storage_options"):
-            lines.append("storage_options = {...}  # the --storage-option values you passed")
+            lines.append("storage_options = {...}  # the storage_options you passed")
             remote += ", storage_options=storage_options"
         lines += ["",
                   f"dataset = fastdata.open_dataset({target!r}, output={output!r}{decode}{remote})"]

@@ -86,7 +86,7 @@ def add_commands(subparsers) -> None:
     b.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sample subset and shuffling")
     b.add_argument("--out", default="fastdata-bench", metavar="DIR",
                    help="folder for results.json, results.csv, table.txt and plots (default ./fastdata-bench)")
-    b.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    b.add_argument("--no-plots", action="store_false", dest="plots", help="skip the PNG plots")
     _add_remote_options(b)
     b.set_defaults(func=_cmd_bench)
 
@@ -176,13 +176,13 @@ def _cmd_bench(args) -> int:
         start_method=args.start_method, output=args.output, transform=args.transform, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, max_batches=args.max_batches, cold=args.cold, step_ms=args.step_ms,
         seed=args.seed, store_options=_store_options(args))
-    if not args.no_plots:  # say so now, not after the whole run
+    if args.plots:  # say so now, not after the whole run
         from fastdata.bench.plots import check_plotting
 
         check_plotting()
     if not args.quiet:
         print(f"measuring {len(configs)} configuration(s), each in a fresh process", file=sys.stderr)
-    result = run_bench(configs, args.out, timeout=args.timeout, progress=not args.quiet, plots=not args.no_plots,
+    result = run_bench(configs, args.out, timeout=args.timeout, progress=not args.quiet, plots=args.plots,
                        store_options=_store_options(args) or None)
     print(result.table)
     if not args.quiet:
@@ -222,7 +222,7 @@ def _cmd_tune(args) -> int:
     base = BenchConfig(target=target, kind=kind, batch_size=args.batch_size, output=args.output,
                        transform=args.transform, pin_memory=pin, start_method=start, epochs=args.epochs,
                        warmup_epochs=1, max_batches=args.max_batches, step_ms=args.step_ms)
-    log = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
+    log = (lambda line: None) if args.quiet else (lambda line: print(args.say(line), flush=True))
     from dataclasses import replace
 
     from fastdata.bench.grid import available_cores
@@ -230,7 +230,7 @@ def _cmd_tune(args) -> int:
 
     most = replace(base, workers=args.max_workers or available_cores(), prefetch_factor=8)
     for warning in environment_warnings([most]):
-        print(f"warning: {warning}", file=sys.stderr)
+        print(f"warning: {args.say(warning)}", file=sys.stderr)
     uniform = _uniform_size(target, kind, args.transform, remote)
     result = tune(harness_measure(base, args.timeout, store_options=remote or None),
                   harness_probe(base, args.timeout, remote or None), budget,
@@ -247,7 +247,7 @@ def _cmd_tune(args) -> int:
           f"{format_size(budget)} budget")
     print(f"  {_wait_sentence(m.data_wait_fraction, args.step_ms)}")
     for note in result.notes + _size_notes(kind, args.transform, args.output, uniform):
-        print(f"  {note}")
+        print(f"  {args.say(note)}")
     print("\n" + snippet)
     if loop:
         print("\n# gradient accumulation\n" + loop)

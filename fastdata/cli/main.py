@@ -14,6 +14,7 @@ import os
 import sys
 
 from fastdata._version import __version__
+from fastdata.cli.flags import cli_spelling, command_parser
 from fastdata.cli.options import add_remote_options, remote_options
 from fastdata.common.text import printable
 from fastdata.errors import FastdataError
@@ -35,9 +36,9 @@ def _cmd_convert(args) -> int:
     finally:
         shutdown(created)
     for warning in report.warnings:
-        print(f"warning: {printable(warning, keep_newlines=True)}", file=sys.stderr)
+        print(f"warning: {printable(args.say(warning), keep_newlines=True)}", file=sys.stderr)
     if not args.quiet and rank == 0:
-        print(printable(report.summary(), keep_newlines=True))
+        print(printable(args.say(report.summary()), keep_newlines=True))
     return EXIT_OK
 
 
@@ -59,8 +60,8 @@ def _upload_options(args) -> dict:
     from fastdata.remote.location import parse_storage_options
 
     out: dict = {}
-    if args.storage_option:
-        out["storage_options"] = parse_storage_options(args.storage_option)
+    if args.storage_options:
+        out["storage_options"] = parse_storage_options(args.storage_options)
     if args.staging_dir:
         out["staging_dir"] = args.staging_dir
     return out
@@ -71,10 +72,10 @@ def _cmd_merge(args) -> int:
 
     from fastdata.remote.location import parse_storage_options
 
-    options = parse_storage_options(args.storage_option) if args.storage_option else None
+    options = parse_storage_options(args.storage_options) if args.storage_options else None
     report = merge(args.stores, args.output, overwrite=args.overwrite, link=not args.copy, storage_options=options)
     if not args.quiet:
-        print(printable(report.summary(), keep_newlines=True))
+        print(printable(args.say(report.summary()), keep_newlines=True))
     return EXIT_OK
 
 
@@ -172,11 +173,11 @@ def _cmd_verify(args) -> int:
 
     remote = remote_options(args, limit=False)
     report = verify(args.store, decode=args.decode, storage_options=remote.get("storage_options"),
-                    scratch_dir=remote.get("cache_dir"))
+                    scratch_dir=args.scratch_dir)
     if args.json:
         print(json.dumps(report.__dict__, indent=2))
     else:
-        print(printable(report.summary(), keep_newlines=True), file=sys.stdout if report.ok else sys.stderr)
+        print(printable(args.say(report.summary()), keep_newlines=True), file=sys.stdout if report.ok else sys.stderr)
     return {"ok": EXIT_OK, "not_a_store": EXIT_NOT_A_STORE, "unfinished": EXIT_UNFINISHED}.get(
         report.status, EXIT_FAILED_CHECK)
 
@@ -221,7 +222,7 @@ def _add_cache_command(sub) -> None:
     ls.add_argument("--cache-dir", default=None, metavar="DIR", help=_CACHE_DIR_HELP)
     ls.add_argument("--check", action="store_true",
                     help="read each store's manifest from its server to say whether the cached version is current")
-    ls.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_option",
+    ls.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_options",
                     help="fsspec option for --check, repeatable (as for info)")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=_cmd_cache_list)
@@ -356,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coco_argument(c)
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
-    c.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+    c.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
                    help="fsspec option for a URL DST (repeatable), e.g. endpoint_url=http://host:9000; credentials "
                         "otherwise come from the usual AWS_* / cloud SDK environment")
     c.add_argument("--staging-dir", metavar="DIR",
@@ -384,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the merged store's directory, or a URL on the inputs' server (new)")
     mg.add_argument("--overwrite", action="store_true", help="replace a store at OUTPUT")
     mg.add_argument("--copy", action="store_true", help="copy the shard files instead of hard-linking them")
-    mg.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+    mg.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
                     help="fsspec option for stores at URLs (repeatable), e.g. endpoint_url=http://host:9000; "
                          "URL stores merge into a URL on the same server, their shards copied by the server")
     mg.add_argument("--quiet", action="store_true", help="no summary")
@@ -417,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--decode", action="store_true", help="also fully decode every image")
     v.add_argument("--json", action="store_true", help="print JSON")
     add_remote_options(v, "folder a URL's shard is downloaded into while it is checked (one shard at a time; "
-                           "default: the shard cache directory)", limit=False)
+                           "default: the shard cache directory)", limit=False, cache_dir_dest="scratch_dir")
     v.set_defaults(func=_cmd_verify)
 
     d = sub.add_parser("demo", help="synthesize a dataset, convert, verify and compare (no data needed)",
@@ -555,16 +556,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the library's messages name its parameters (resume=True); a CLI user reads the flags (--resume)
+    say = args.say = cli_spelling(parser, command_parser(parser, args))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("fastdata: interrupted; an interrupted convert can be finished with --resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     except FastdataError as err:
-        print(f"fastdata: error: {printable(err, keep_newlines=True)}", file=sys.stderr)
+        print(f"fastdata: error: {printable(say(str(err)), keep_newlines=True)}", file=sys.stderr)
         return EXIT_ERROR
     except ValueError as err:
-        print(f"fastdata: error: {printable(err, keep_newlines=True)}", file=sys.stderr)
+        print(f"fastdata: error: {printable(say(str(err)), keep_newlines=True)}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # e.g. `fastdata info X | head`
         return EXIT_OK
@@ -575,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # never a bare traceback; FASTDATA_DEBUG=1 shows it
         if os.environ.get("FASTDATA_DEBUG"):
             raise
-        print(f"fastdata: internal error: {type(err).__name__}: {printable(err, keep_newlines=True)} "
+        print(f"fastdata: internal error: {type(err).__name__}: {printable(say(str(err)), keep_newlines=True)} "
               "(please report it; rerun with FASTDATA_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
 

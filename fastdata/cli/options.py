@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 
 
-def add_remote_options(p: argparse.ArgumentParser, cache_dir_help: str, limit: bool = True) -> None:
-    """``--storage-option``, ``--cache-dir`` (and ``--cache-limit``) for commands that read URLs."""
-    p.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_option",
+def add_remote_options(p: argparse.ArgumentParser, cache_dir_help: str, limit: bool = True,
+                       cache_dir_dest: str = "cache_dir") -> None:
+    """``--storage-option``, ``--cache-dir`` (and ``--cache-limit``) for commands that read URLs;
+    ``cache_dir_dest`` is the API's name for the folder (``dest``: what an error names)."""
+    p.add_argument("--storage-option", action="append", default=None, metavar="KEY=VALUE", dest="storage_options",
                    help="fsspec option for a URL store, repeatable (e.g. endpoint_url=http://host:9000, anon=true; "
                         "a value that parses as JSON takes that type); credentials and endpoints also come from "
                         "the usual variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
-    p.add_argument("--cache-dir", default=None, metavar="DIR", help=cache_dir_help)
+    p.add_argument("--cache-dir", default=None, metavar="DIR", dest=cache_dir_dest, help=cache_dir_help)
     if limit:
         p.add_argument("--cache-limit", default=None, metavar="SIZE",
                        help="most bytes of shards the cache keeps, e.g. 50GiB (default: $FASTDATA_CACHE_LIMIT, "
@@ -24,9 +26,9 @@ def remote_options(args, limit: bool = True) -> dict:
     from fastdata.remote.location import parse_storage_options
 
     out: dict = {}
-    if args.storage_option:
-        out["storage_options"] = parse_storage_options(args.storage_option)
-    if args.cache_dir:
+    if args.storage_options:
+        out["storage_options"] = parse_storage_options(args.storage_options)
+    if getattr(args, "cache_dir", None):
         out["cache_dir"] = args.cache_dir
     if limit and getattr(args, "cache_limit", None):
         out["cache_limit"] = args.cache_limit

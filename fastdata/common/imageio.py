@@ -185,7 +185,7 @@ def validate_image(data: Buffer) -> tuple[str, int, int]:
 
 # -- raw-native pixels: binary PPM (P6, maxval 255) ---------------------------------------------------------
 #
-# What ``convert --storage raw|mixed`` stores per image: a few bytes of header (``P6\n<w> <h>\n255\n``) and
+# What ``convert(storage="raw"|"mixed")`` stores per image: a few bytes of header (``P6\n<w> <h>\n255\n``) and
 # the RGB pixels, row by row. The header makes each record self-describing (every decode path learns the size
 # from the bytes alone), and Pillow/OpenCV read the record as the standard file it is. Its "decode" is
 # :func:`ppm_pixels`: a header parse and a zero-copy view.

@@ -91,7 +91,7 @@ def read_manifest(store_dir: str) -> dict:
         # a regular file only (a FIFO would block the open forever), at most MAX_MANIFEST_BYTES
         raw = read_regular(path, MAX_MANIFEST_BYTES, "manifest")
     except FileNotFoundError:
-        hint = " (an interrupted conversion: rerun it with --resume)" if _has_staging(store_dir) else ""
+        hint = " (an interrupted conversion: rerun it with resume=True)" if _has_staging(store_dir) else ""
         raise IncompleteStoreError(f"{store_dir}: no {MANIFEST_NAME}: not a finished fastdata store{hint}") from None
     except OSError as err:
         raise FormatError(f"{path}: cannot read the manifest ({err.strerror or err})") from None

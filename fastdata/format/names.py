@@ -8,7 +8,7 @@
       shard-00000.lmdb        LMDB backend (one file per shard, subdir=False)
       shard-00000.h5          HDF5 backend
       .fastdata-staging/      only while converting: plan, the run's options and source
-                              listing (for --resume), one sidecar per finished shard
+                              listing (for resume=True), one sidecar per finished shard
       .fastdata.lock          only while converting: flock'ed by the live converter
       shard-00000.lmdb.tmp    only while converting: a shard being written
 """
@@ -30,9 +30,9 @@ STORE_INDEX_NAME = "index.fdi"
 _STORE_INDEX_RE = re.compile(r"index(-[0-9]{5})?\.fdi")
 #: only while writing: the staging folder, and in it ...
 STAGING_DIR = ".fastdata-staging"
-#: ... the run's plan fingerprint and options (what --resume reuses and compares)
+#: ... the run's plan fingerprint and options (what resume=True reuses and compares)
 PLAN_FILE = "plan.json"
-#: ... the source listing of a folder conversion (what --resume compares the source with)
+#: ... the source listing of a folder conversion (what resume=True compares the source with)
 LISTING_FILE = "listing.npz"
 #: ... and one index sidecar per finished shard (``<shard>.index``)
 SIDECAR_SUFFIX = ".index"

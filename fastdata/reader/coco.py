@@ -121,7 +121,7 @@ class _JointTransform:
 
 
 class CocoStoreDataset(SampleDataset):
-    """A store written by ``fastdata convert --coco`` (:func:`fastdata.convert_coco`); open it
+    """A store written by :func:`fastdata.convert_coco`; open it
     with :func:`fastdata.open_dataset`. ``ds[i]`` equals ``CocoDetection(IMAGE_DIR, ANNOTATIONS)[i]``
     (or its transforms-v2 wrapper's with ``target_format="v2"``)."""
 
@@ -143,7 +143,7 @@ class CocoStoreDataset(SampleDataset):
         """Open the store's metadata.
 
         Args:
-            path: a store directory written by ``fastdata convert --coco``.
+            path: a store directory written by :func:`fastdata.convert_coco`.
             transform: applied to the image (torchvision ``VisionDataset`` semantics).
             target_transform: applied to the target.
             transforms: applied as ``transforms(image, target)``; exclusive with the two above.

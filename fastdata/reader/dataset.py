@@ -680,7 +680,7 @@ class StoreDataset(Dataset):
         fmt = FORMAT_NAMES[int(self._formats[index])]
         return CorruptRecordError(
             f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
-            f"{fmt} image ({type(err).__name__}: {err}); run 'fastdata verify --decode' on the store",
+            f"{fmt} image ({type(err).__name__}: {err}); verify the store with decode=True",
             store=self.root, shard=self._shard_files[shard], index=index)
 
     def _run_decoder(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None):

@@ -22,7 +22,7 @@ def open_dataset(path: str | os.PathLike | StoreLocation, **kwargs) -> StoreData
     (:class:`StoreDataset` for another registered backend); a general store (version 2,
     what :func:`fastdata.write` writes) as a :class:`fastdata.reader.samples.SampleDataset`,
     whose items are dicts of its fields; a store converted from COCO (``fastdata convert
-    --coco``) as a :class:`fastdata.reader.coco.CocoStoreDataset`, whose items are
+    coco``) as a :class:`fastdata.reader.coco.CocoStoreDataset`, whose items are
     ``CocoDetection``'s ``(image, annotations)`` (``target_format="v2"``: torchvision's
     transforms-v2 targets)."""
     store = path if isinstance(path, StoreLocation) else locate_store(

@@ -248,7 +248,7 @@ class SampleDataset(StoreDataset):
             shard, local = self.locate(index)
             raise CorruptRecordError(
                 f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
-                f"{fmt} image field {name!r} ({type(err).__name__}: {err}); run 'fastdata verify --decode'",
+                f"{fmt} image field {name!r} ({type(err).__name__}: {err}); verify the store with decode=True",
                 store=self.root, shard=self._shard_files[shard], index=index) from err
 
     def _as_output(self, value: Any):

@@ -80,7 +80,7 @@ def _decode_jpeg(data: Buffer, size: tuple[int, int], factor: int, fast: bool = 
 
 def _pil_decode(data: Buffer) -> np.ndarray:
     """Every non-JPEG-fast-path decode of the "RGB" pipeline: HxWx3 uint8 RGB, as torchvision's
-    pil_loader gives it. A raw-native record (a binary 8-bit PPM, ``convert --storage raw|mixed``)
+    pil_loader gives it. A raw-native record (a binary 8-bit PPM, ``convert(storage="raw"|"mixed")``)
     is not decoded at all: its pixels are a read-only view of ``data``
     (:func:`fastdata.common.imageio.ppm_pixels`; its header checked against the bytes), which the
     crops and resizes below take as any decoded image, so the same crop box and the same resize

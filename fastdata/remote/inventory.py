@@ -168,7 +168,7 @@ def clear_cache(url: str | None = None, cache_dir: str | None = None) -> tuple[i
         tuple[int, int]: (shards removed, shards kept because in use).
     """
     cache = ShardCache(cache_dir)
-    if not os.path.isdir(cache.root):  # nothing cached; a mistyped --cache-dir is not created
+    if not os.path.isdir(cache.root):  # nothing cached; a mistyped cache_dir is not created
         return 0, 0
     if url is None:
         return cache.clear()

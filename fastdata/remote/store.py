@@ -14,7 +14,7 @@ again after the LRU closed it) checks the file against its recorded identity, by
 ``stat`` just before the reader opens it and one just after (:meth:`StoreLocation.check_shard`),
 and the manifest by a ``stat`` (its checksum is read only when the ``stat`` changed:
 :meth:`StoreLocation.check_current`). A store rewritten under an open dataset (``convert
---overwrite`` deletes the manifest first and publishes the new one last) raises
+overwrite=True`` deletes the manifest first and publishes the new one last) raises
 :class:`~fastdata.errors.StoreChangedError` ("<store> was rewritten since it was opened;
 open it again"), never a mix of the new shards with the old index. A remote store's cache
 is keyed by its manifest checksum, so cached shards are always the opened version; a
@@ -81,7 +81,7 @@ _KEPT_SHARD_KEYS = ("name", "first_index", "count", "bytes", "xxh")
 
 def extends(later: Mapping[str, Any], earlier: Mapping[str, Any]) -> bool:
     """Whether manifest ``later`` is ``earlier`` with shards appended (``fastdata convert
-    --append``): the same backend, and ``earlier``'s shards first, each unchanged. A dataset
+    append=True``): the same backend, and ``earlier``'s shards first, each unchanged. A dataset
     opened on ``earlier`` reads on in that version (its shards are never rewritten by an append)."""
     old, new = earlier["shards"], later["shards"]
     return (later["backend"] == earlier["backend"] and len(new) >= len(old)
@@ -228,7 +228,7 @@ class RemoteStore(StoreLocation):
                 staging = bool(self.location.listing(".fastdata-staging"))
             if staging:
                 raise IncompleteStoreError(f"{self.root}: no {MANIFEST_NAME}: an unfinished conversion (finish it "
-                                           "with fastdata convert SRC DST --resume)") from None
+                                           "by converting its source again with resume=True)") from None
             raise FormatError(f"{self.root}: not a fastdata store: no {MANIFEST_NAME} there") from None
         self._raw_manifest = raw
         return parse_manifest(raw, where=self.location.child(MANIFEST_NAME))

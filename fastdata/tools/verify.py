@@ -187,7 +187,7 @@ class VerifyReport:
     ``status`` says which kind of result it is: ``"ok"``, ``"damaged"`` (a store
     whose files or records are damaged), ``"not_a_store"`` (no ``manifest.json``
     and no unfinished conversion) or ``"unfinished"`` (an interrupted conversion:
-    finish it with ``--resume``). Only ``"damaged"`` means damage.
+    finish it with ``resume=True``). Only ``"damaged"`` means damage.
     """
 
     store: str
@@ -515,8 +515,8 @@ def _is_store_candidate(store: str, report: VerifyReport) -> bool:
             report.refuse(UNFINISHED, "unfinished fastdata.write(): finish it by calling it again with resume=True "
                                       "(map-style samples), or start over with overwrite=True")
             return False
-        report.refuse(UNFINISHED, f"unfinished conversion: finish it with fastdata convert {shlex.quote(source)} "
-                                  f"{shlex.quote(store)} --resume")
+        report.refuse(UNFINISHED, f"unfinished conversion: finish it by converting {shlex.quote(source)} to "
+                                  f"{shlex.quote(store)} again with resume=True")
         return False
     report.refuse(NOT_A_STORE, f"not a fastdata store: no {MANIFEST_NAME}")
     return False
@@ -743,5 +743,5 @@ def _scratch_root(scratch_dir: str | None) -> str:
         os.makedirs(root, exist_ok=True)
     except OSError as err:
         raise RemoteStoreError(f"cannot create {root} to download shards into while verifying ({err.strerror}); "
-                               "choose another folder with --cache-dir") from None
+                               "choose another folder with scratch_dir") from None
     return root

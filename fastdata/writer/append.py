@@ -1,11 +1,11 @@
 """Appending to a published store: what :class:`~fastdata.writer.session.WriteSession` does
-differently with ``append=True`` (``fastdata convert SRC STORE --append``).
+differently with ``append=True`` (``convert(src, store, append=True)``).
 
 An append is an ordinary write session whose shards are numbered after the store's and whose
 publish starts from the store's manifest (:class:`~fastdata.writer.pipeline.PublishedBase`):
 
 * **Compatible or refused, before anything is written.** The backend and storage mode are the
-  store's (options not given again are taken from it, as ``--resume`` does; different ones are
+  store's (options not given again are taken from it, as ``resume=True`` does; different ones are
   an error naming each), a general store's schema must be the same (the differences are
   listed), and the class names of the new samples map onto the store's class indices: a name
   the store lacks is an error unless ``add_classes`` appends it at the end of the table (the
@@ -14,8 +14,8 @@ publish starts from the store's manifest (:class:`~fastdata.writer.pipeline.Publ
   the old manifest does not list, and ``.fastdata-staging``), the new version's store index
   file gets a new name (``index-00001.fdi``, ...), and the new ``manifest.json`` replaces the old
   one atomically, last. A SIGKILL at any moment leaves the old manifest, which lists only the
-  old, untouched shards: the store reads and verifies as before, and ``--append --resume``
-  finishes the append (a new ``--append`` without ``--resume`` discards the unfinished one).
+  old, untouched shards: the store reads and verifies as before, and ``append=True resume=True``
+  finishes the append (a new ``append=True`` without ``resume=True`` discards the unfinished one).
 * **Readers keep their version.** Nothing the old manifest lists is rewritten, so a dataset
   opened before the append reads on in the version it opened (its location accepts a newer
   manifest that only adds shards: :func:`fastdata.remote.store.extends`), and one opened after
@@ -58,14 +58,14 @@ def open_base(dst: str) -> PublishedBase:
     """The published store at ``dst`` an append adds to (its manifest and store index entries).
 
     Raises:
-        AppendError: no store there, or an unfinished first conversion (finish it with ``--resume``).
+        AppendError: no store there, or an unfinished first conversion (finish it with ``resume=True``).
     """
     if not os.path.exists(os.path.join(dst, MANIFEST_NAME)):
         if os.path.isdir(dst) and check_dir(os.path.join(dst, STAGING_DIR)):
             raise AppendError(f"{dst} holds an unfinished conversion, not a published store: finish it with "
-                              "--resume (without --append) before appending to it")
+                              "resume=True (without append=True) before appending to it")
         raise AppendError(f"{dst}: no fastdata store to append to (no {MANIFEST_NAME}); convert into it "
-                          "without --append first")
+                          "without append=True first")
     try:
         manifest = read_manifest(dst)
     except IncompleteStoreError as err:

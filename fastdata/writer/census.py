@@ -74,12 +74,12 @@ def census_notes(census: dict[str, dict[str, int]], image_modes: dict[str, str],
                      "above)")
     deep = [kind for kind in census["kinds"] if kind != NOT_RECORDED_KIND and not kind.startswith("uint8 ")]
     if deep and storage.mode.keeps_files_as_given and "PNG" in census["formats"]:
-        notes.append("images deeper than 8 bits stored as PNG decode at zlib's pace: --lossless tiff (lossless="
-                     "'tiff') keeps the same pixels in a zstd TIFF that decodes about 2.5x faster")
+        notes.append("images deeper than 8 bits stored as PNG decode at zlib's pace: lossless='tiff' keeps the "
+                     "same pixels in a zstd TIFF that decodes about 2.5x faster")
     if deep and not image_modes:
         notes.append(f"{listing({k: census['kinds'][k] for k in deep})} images are read as 8-bit RGB by default "
                      "(ImageFolder's convert('RGB'), with a warning): open the store with image_mode='unchanged' "
-                     "(or convert with --image-mode unchanged) to read them as stored")
+                     "(or convert with image_mode='unchanged') to read them as stored")
     for name, mode in image_modes.items():
         notes.append(f"default read mode of {name!r}: {mode!r} (recorded in the manifest's image_modes; "
                      "image_mode= of a reader overrides it)")

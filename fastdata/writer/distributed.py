@@ -1,6 +1,6 @@
 """The ranks a write runs on: one process, or every rank of a ``torch.distributed`` job (gloo; no GPU needed).
 
-``torchrun --nnodes N --nproc-per-node P -m fastdata convert SRC DST`` (or
+``fastdata convert`` launched by torchrun on N nodes of P processes each (or
 ``fastdata.convert`` called inside an initialised process group) runs the one write
 session (:mod:`fastdata.writer.session`) on every rank, as a :class:`RankGroup`; a run
 outside torchrun is the same session on a group of one, whose collectives are trivial:
@@ -17,7 +17,7 @@ outside torchrun is the same session on a group of one, whose collectives are tr
    otherwise rank 0 publishes the manifest after all ranks are done, and sends it to the others.
 
 The result is identical to a single-machine conversion with the same options,
-because the plan does not depend on who converts which shard. ``--resume``
+because the plan does not depend on who converts which shard. ``resume=True``
 works across ranks: each rank keeps its finished shards, and options not given
 again take the values the interrupted run recorded (rank 0 compares them). DST must be on a
 filesystem all ranks share (NFS is fine for writing shard files; do not *read*

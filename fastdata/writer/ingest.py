@@ -185,7 +185,7 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
 def capped_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     """``(width, height)`` scaled so that the longer side is ``max_side`` (each side
     ``max(1, round(side * max_side / longer))``), or unchanged when it is already at most that:
-    the size ``--max-side`` re-encoding and ``--storage raw|mixed`` store an image at."""
+    the size ``max_side`` re-encoding and ``storage="raw"|"mixed"`` store an image at."""
     longer = max(width, height)
     if longer <= max_side:
         return width, height
@@ -194,10 +194,10 @@ def capped_size(width: int, height: int, max_side: int) -> tuple[int, int]:
 
 
 def raw_native_rgb(rgb: np.ndarray, max_side: int) -> np.ndarray:
-    """The pixels ``--storage raw|mixed`` stores of an image decoded to 8-bit RGB (``rgb``,
+    """The pixels ``storage="raw"|"mixed"`` stores of an image decoded to 8-bit RGB (``rgb``,
     HxWx3 uint8): as they are when the longer side is at most ``max_side``, else
     ``Image.fromarray(rgb).resize(capped_size(...), LANCZOS, reducing_gap=3.0)``, the resize of
-    ``--max-side`` re-encoding."""
+    ``max_side`` re-encoding."""
     size = capped_size(rgb.shape[1], rgb.shape[0], max_side)
     if size == (rgb.shape[1], rgb.shape[0]):
         return rgb
@@ -205,7 +205,7 @@ def raw_native_rgb(rgb: np.ndarray, max_side: int) -> np.ndarray:
 
 
 def raw_native_sample(path: bytes, relpath: bytes, label: int, data: bytes, max_side: int) -> IngestedSample:
-    """One image as ``--storage raw|mixed`` stores its raw share: a binary PPM
+    """One image as ``storage="raw"|"mixed"`` stores its raw share: a binary PPM
     (:func:`fastdata.common.imageio.encode_ppm`) of its pixels in read mode ``"RGB"``
     (:func:`fastdata.common.imageio.decode_image`: pixel-identical to ``Image.open(f).convert("RGB")``,
     what ImageFolder's loader gives: gray, palette, CMYK, 16-bit and alpha images become 8-bit RGB),
@@ -214,13 +214,13 @@ def raw_native_sample(path: bytes, relpath: bytes, label: int, data: bytes, max_
 
     Raises:
         Rejected: the input is not a usable image, or has no 8-bit RGB form (a DICOM, a TIFF of
-            more than 4 bands: stored as they are without ``--storage``).
+            more than 4 bands: stored as they are without ``storage``).
     """
     try:
         rgb = decode_image(data, "RGB")
     except ImageModeError:
         raise Rejected("the image has no 8-bit RGB form (a DICOM, or a TIFF of more than 4 bands or of several "
-                       "bands over 8 bits); --storage raw|mixed stores RGB pixels: convert it without --storage "
+                       "bands over 8 bits); storage='raw'|'mixed' stores RGB pixels: convert it without storage= "
                        "to keep it as it is") from None
     except ImageDecodeError as err:
         raise Rejected(str(err)) from None
@@ -274,7 +274,7 @@ def _pillow_mode(data: bytes) -> str | None:
 
 
 def lossless_sample(path: bytes, relpath: bytes, label: int, data: bytes) -> IngestedSample:
-    """The lossless storage mode (``convert --lossless tiff``): a validated image re-encoded as a
+    """The lossless storage mode (``convert(lossless="tiff")``): a validated image re-encoded as a
     zstd TIFF of its unchanged pixels, checked bit-exact (both decoded ``"unchanged"``) before it
     is stored; JPEG, WebP and DICOM files (:data:`LOSSLESS_KEEPS`) and images whose pixels need a
     palette or colour space (:data:`LOSSLESS_PILLOW_MODES`) are stored as they are.

@@ -6,7 +6,7 @@ plus a new manifest and store index file:
 
 * **No record is decoded, re-encoded or even read.** Each shard file is hard-linked into the
   output (no extra disk; the files are never modified in place by fastdata: appends add shards,
-  ``--overwrite`` unlinks them), or copied where a link is impossible (another filesystem, or
+  ``overwrite=True`` unlinks them), or copied where a link is impossible (another filesystem, or
   ``link=False``). The shards' index entries are carried from each input's store index file.
 * **Order.** ``C[i]`` is the concatenation of the inputs in the order given: input 1's samples,
   then input 2's, and so on.

@@ -3,7 +3,7 @@
 Workflow for one destination (the caller holds the store lock):
 
 1. The plan (``plan.py``) splits the input into shards; ``.fastdata-staging/plan.json``
-   records its fingerprint so ``--resume`` can refuse a changed source.
+   records its fingerprint so ``resume=True`` can refuse a changed source.
 2. A pool of worker processes reads, validates and encodes chunks of inputs.
    What the inputs are is a :class:`ChunkSource`, which each input kind of
    :mod:`fastdata.writer.sources` provides (image folders and ``path,label`` lists,
@@ -193,7 +193,7 @@ def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None
         if previous != fingerprint:
             raise ResumeMismatchError(
                 f"{dst}: cannot resume: the source files or options differ from the interrupted run "
-                "(a file was added, removed or changed, or an option differs); rerun with --overwrite to start over"
+                "(a file was added, removed or changed, or an option differs); rerun with overwrite=True to start over"
             )
         try:
             return ensure_dir(staging_path(dst))
@@ -219,7 +219,7 @@ def io_error(err: Exception, where: str) -> ConversionError:
         free = ""
     return ConversionError(
         f"I/O error while writing {path}: {getattr(err, 'strerror', None) or err}{free}; "
-        "nothing incomplete was published: fix the cause (e.g. free disk space) and rerun with --resume"
+        "nothing incomplete was published: fix the cause (e.g. free disk space) and rerun with resume=True"
     )
 
 
@@ -380,7 +380,7 @@ class ChunkSource(abc.ABC):
         """The name input ``i`` is reported under (rejected.tsv, warnings)."""
 
     def input_path(self, i: int) -> str:
-        """Where input ``i`` is, for the message that stops a ``--strict`` run (default: its name)."""
+        """Where input ``i`` is, for the message that stops a ``strict=True`` run (default: its name)."""
         return self.input_name(i)
 
     def runs_in_main_first(self, chunk: Chunk) -> bool:
@@ -597,7 +597,8 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
                     where = source.input_path(a + offset)
                     raise RejectedInputError(
                         f"{where}: {item} "
-                        "(--strict stops at the first unusable input; without it such files are skipped and reported)")
+                        "(strict=True stops at the first unusable input; without it such files are skipped and "
+                        "reported)")
                 shard.rejected.append([rel, item])
             shard.add(samples)
             shard.input_bytes += read_bytes
@@ -645,7 +646,7 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
         raise ConversionError(
             f"a conversion worker died unexpectedly (killed, or out of memory?) "
             f"{f'while reading {current_files}' if current_files else 'while starting'}; "
-            "finished shards are kept: rerun the same command with --resume."
+            "finished shards are kept: rerun the same command with resume=True."
             + ("" if mainless else " (Calling fastdata.convert or write from a script whose samples need it, e.g. a "
                "Dataset class defined there? Workers then import your main module: put the call under "
                "`if __name__ == \"__main__\":`.)")
@@ -828,7 +829,7 @@ def _tsv_field(text: str) -> str:
 
 
 def store_entries(dst: str) -> list[str]:
-    """Names in ``dst`` that a conversion may create (and ``--overwrite`` may delete)."""
+    """Names in ``dst`` that a conversion may create (and ``overwrite=True`` may delete)."""
     names = []
     for name in os.listdir(dst):
         if (name in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR) or name.startswith("shard-")
@@ -850,7 +851,7 @@ def check_store_entries(dst: str) -> None:
 
 
 def clear_store(dst: str) -> None:
-    """Delete a previous store's files (``--overwrite``); refuses on foreign files.
+    """Delete a previous store's files (``overwrite=True``); refuses on foreign files.
 
     Only what a conversion made is deleted: regular files of the store's names, and the
     staging folder when it carries the converter's marker (see :func:`remove_staging`);

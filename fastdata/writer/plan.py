@@ -18,7 +18,7 @@ from fastdata.format.backends.base import StorageSpec
 
 
 class Listing(Protocol):
-    """What planning and ``--resume`` read of a folder or ``path,label`` list scan
+    """What planning and ``resume=True`` read of a folder or ``path,label`` list scan
     (a :class:`fastdata.writer.sources.folder.SourceScan`)."""
 
     classes: list[str]
@@ -76,7 +76,7 @@ def plan_shards(sizes: np.ndarray, shard_size: int) -> list[ShardPlan]:
 
 def plan_fingerprint(scan: Listing, backend: str, storage: StorageSpec, shard_size: int) -> str:
     """A hash of everything that determines the store's content, used to refuse
-    a ``--resume`` whose source or options differ from the interrupted run."""
+    a ``resume=True`` whose source or options differ from the interrupted run."""
     h = xxhash.xxh3_128()
     h.update(repr((backend, storage.to_json(), shard_size, scan.classes)).encode())
     for rel in scan.relpaths:

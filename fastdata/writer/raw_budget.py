@@ -1,11 +1,11 @@
-"""``convert --storage raw|mixed --raw-budget SIZE``: keeping images as decoded pixels within a
+"""``convert(storage="raw"|"mixed", raw_budget=SIZE)``: keeping images as decoded pixels within a
 disk budget.
 
 Decoded pixels skip the JPEG decode at load time but take several times the disk. A mixed store
 with a budget keeps as pixels the images whose decode costs the most per extra byte they take,
 as many as the budget holds; the others keep their original bytes. The choice is made in the
 conversion's plan, before anything is written, from each image's header (its size) and its file
-size, so it is a function of the source alone: a ``--resume``, another rank or a rerun picks the
+size, so it is a function of the source alone: a ``resume=True``, another rank or a rerun picks the
 same images, and a budget the images cannot fit in is refused before any writing.
 
 **Decode cost.** libjpeg-turbo's decode time grows with the pixels and, much more per unit, with
@@ -103,27 +103,27 @@ def choose_raw(storage: StorageSpec, file_sizes: np.ndarray, widths: np.ndarray,
             even all as their original bytes in mode ``'mixed'``), naming the sizes and what to do.
     """
     budget = storage.raw_budget
-    assert budget is not None and storage.max_side is not None, "choose_raw needs a raw budget and --max-side"
+    assert budget is not None and storage.max_side is not None, "choose_raw needs a raw budget and max_side"
     files = np.maximum(file_sizes, 0).astype(np.int64)
     readable = (widths > 0) & (heights > 0)
     raw = raw_record_bytes(widths, heights, storage.max_side) if raw_bytes is None else raw_bytes
     allowance = RECORD_ALLOWANCE * len(files) + WRITE_ALLOWANCE + used
     # an append cannot raise the store's budget: the way out is a new store of both sources
     held = f" beside the store's {format_size(used)}" if used else ""
-    way_out = ("convert the store's sources and these together into a new store with a larger --raw-budget" if used
+    way_out = ("convert the store's sources and these together into a new store with a larger raw_budget" if used
                else "raise the budget")
     if storage.mode.holds_only_native_size_pixels:
         total = int(np.where(readable, raw, files).sum()) + allowance
         if total > budget:
-            raise ValueError(f"{source}: --storage raw --max-side {storage.max_side} stores these {len(files):,} "
-                             f"images as about {format_size(total - used)} of pixels{held}, over --raw-budget "
-                             f"{exact_size(budget)}: {way_out}, lower --max-side, or use --storage mixed "
-                             "--raw-budget to keep as many as fit as pixels and the rest as their original bytes")
+            raise ValueError(f"{source}: storage='raw' max_side={storage.max_side} stores these {len(files):,} "
+                             f"images as about {format_size(total - used)} of pixels{held}, over "
+                             f"raw_budget={exact_size(budget)!r}: {way_out}, lower max_side, or use storage='mixed' "
+                             "with raw_budget to keep as many as fit as pixels and the rest as their original bytes")
         return np.ones(len(files), dtype=bool)
     base = int(files.sum()) + allowance
     if base > budget:
         raise ValueError(f"{source}: its {len(files):,} images take {format_size(base - used)} as they are{held}, "
-                         f"over --raw-budget {exact_size(budget)} before any is stored as pixels: {way_out} (a "
+                         f"over raw_budget={exact_size(budget)!r} before any is stored as pixels: {way_out} (a "
                          "mixed store is at least as large as one of the original files)")
     priority = np.where(readable, decode_priority(widths, heights, files, raw), -np.inf)
     order = np.lexsort((np.arange(len(files)), -priority))  # highest priority first, then input order

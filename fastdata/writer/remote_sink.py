@@ -183,7 +183,7 @@ def upload_checked(location: RemoteLocation, local_path: str, name: str) -> None
     fs.invalidate_cache(path)
     info = location.call(f"checking {location.child(name)}", lambda: fs.info(path))
     damaged = (f"{location.child(name)}: the uploaded object does not match {local_path}: {{}}; the upload was "
-               "damaged on the way, nothing was published: rerun with --resume (resume=True) to upload it again")
+               "damaged on the way, nothing was published: rerun with resume=True to upload it again")
     remote_size = int(info.get("size") or 0)
     if remote_size != size:
         raise RemoteStoreError(damaged.format(f"it holds {remote_size} bytes, the file {size}"))
@@ -260,7 +260,7 @@ class RemoteLock:
         raise StoreLockedError(
             f"{self.location.url} is being written by pid {pid} on {host} (its lock object {self.url} was "
             f"renewed {age:.0f} s ago); wait for that run to finish, or, if it is dead, delete {self.url} "
-            f"(or wait {LOCK_STALE_S / 3600:g} hour after its last renewal) and rerun with --resume")
+            f"(or wait {LOCK_STALE_S / 3600:g} hour after its last renewal) and rerun with resume=True")
 
     def write(self) -> None:
         """Take or renew the lock (one PUT of host, pid, job and time)."""
@@ -291,14 +291,14 @@ def check_destination(location: RemoteLocation, *, resume: bool, overwrite: bool
     if append:
         if not published:
             raise StoreExistsError(f"{what}: no published fastdata store to append to" + (
-                " (it holds an unfinished conversion: finish it with --resume first)" if objects else ""))
+                " (it holds an unfinished conversion: finish it with resume=True first)" if objects else ""))
         return objects
     if not (resume or overwrite) and set(objects) - {LOCK_NAME}:
         if published:
-            raise StoreExistsError(f"{what} already holds a fastdata store; pass --overwrite (overwrite=True) to "
+            raise StoreExistsError(f"{what} already holds a fastdata store; pass overwrite=True to "
                                    "replace it or choose another destination")
-        raise StoreExistsError(f"{what} holds an unfinished conversion; pass --resume (resume=True) to finish it "
-                               "or --overwrite (overwrite=True) to start again")
+        raise StoreExistsError(f"{what} holds an unfinished conversion; pass resume=True to finish it "
+                               "or overwrite=True to start again")
     if overwrite and clear and objects:
         if published:
             location.remove([MANIFEST_NAME])
@@ -521,7 +521,7 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
             its check. StoreExistsError: as for a local destination.
     """
     if resume and overwrite:
-        raise ValueError("--resume and --overwrite are exclusive")
+        raise ValueError("resume=True and overwrite=True are exclusive")
     check_url_path(url)
     location = RemoteLocation(url, storage_options or {})
     location._writable()

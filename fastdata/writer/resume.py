@@ -1,8 +1,8 @@
-"""What ``--resume`` knows about the interrupted run.
+"""What ``resume=True`` knows about the interrupted run.
 
 A conversion records, in its staging folder, the options that decide the
 store's content (backend, storage mode, shard size, strict) and the source
-listing it planned from (relative paths, sizes, labels, classes). ``--resume``
+listing it planned from (relative paths, sizes, labels, classes). ``resume=True``
 then reuses the recorded options for every option not given again, and when
 the source or a given option differs it can say exactly what differs
 ("shard size: was 4 MiB, now 1 GiB", "3 files added under n0144/") instead of
@@ -62,7 +62,7 @@ class RunOptions:
     def describe(self) -> str:
         """``shard size 4 MiB (4,194,304 bytes), storage original, lmdb`` (for messages)."""
         return (f"{self.backend}, shard size {self.shard_size}, storage {describe_storage(self.storage)}"
-                + (", --strict" if self.strict else ""))
+                + (", strict=True" if self.strict else ""))
 
 
 @dataclass
@@ -176,7 +176,7 @@ def option_differences(recorded: RunOptions, now: RunOptions) -> list[str]:
     if recorded.storage != now.storage:
         diffs.append(f"storage: was {describe_storage(recorded.storage)}, now {describe_storage(now.storage)}")
     if recorded.strict != now.strict:
-        diffs.append(f"--strict: was {'on' if recorded.strict else 'off'}, now {'on' if now.strict else 'off'}")
+        diffs.append(f"strict: was {'on' if recorded.strict else 'off'}, now {'on' if now.strict else 'off'}")
     return diffs
 
 

@@ -14,7 +14,7 @@ the rest, in this order:
 5. rank 0 checks the destination (a file, foreign files, a complete store, an unfinished
    conversion), takes the lock, clears it for ``overwrite``, compares a resume with the
    recorded run (the source names the differences), prepares staging, records the run's
-   options for a later ``--resume`` and removes an interrupted run's temporaries;
+   options for a later ``resume=True`` and removes an interrupted run's temporaries;
 6. every rank loads the shards it finished before (``resume``) and writes the others
    through the pipeline (:func:`fastdata.writer.pipeline.run_shards`) behind a progress bar;
 7. rank 0 checks every planned shard is finished and publishes the manifest (its
@@ -87,10 +87,10 @@ def check_destination(dst: str, resume: bool, overwrite: bool) -> None:
     if resume or overwrite or not ours:
         return
     if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
-        raise StoreExistsError(f"{dst} already holds a fastdata store; pass --overwrite to replace it, --append "
+        raise StoreExistsError(f"{dst} already holds a fastdata store; pass overwrite=True to replace it, append=True "
                                "to add to it, or choose another destination")
-    raise StoreExistsError(f"{dst} holds an unfinished conversion; pass --resume to finish it "
-                           "or --overwrite to start again")
+    raise StoreExistsError(f"{dst} holds an unfinished conversion; pass resume=True to finish it "
+                           "or overwrite=True to start again")
 
 
 def _identities(path: str) -> list[tuple[tuple[int, int], str]]:
@@ -201,11 +201,11 @@ class WriteSession:
         """
         o, source = self.options, self.source
         if o.resume and o.overwrite:
-            raise ValueError("resume and overwrite (--resume, --overwrite) are exclusive")
+            raise ValueError("resume=True and overwrite=True are exclusive")
         if o.append and o.overwrite:
-            raise ValueError("append and overwrite (--append, --overwrite) are exclusive")
+            raise ValueError("append=True and overwrite=True are exclusive")
         if o.add_classes and not o.append:
-            raise ValueError("add_classes (--add-classes) applies to an append (--append) only")
+            raise ValueError("add_classes=True applies to an append (append=True) only")
         if o.resume and source.resume_refusal:
             raise ValueError(source.resume_refusal)
         group = current_group()
@@ -274,7 +274,7 @@ class WriteSession:
             counts = group.on_every_rank(
                 lambda: self._write_shards(dst, run, plans, workers, writer_options),
                 failed=lambda text: f"distributed conversion failed: {text} (finished shards are kept: rerun with "
-                                    "--resume)")
+                                    "resume=True)")
             manifest = group.on_rank0(lambda: self._publish(dst, run, plans, fingerprint),
                                       failed=lambda err: f"rank 0 could not publish the store: {error_text(err)}")
         report.notes = source.report_notes()
@@ -324,7 +324,7 @@ class WriteSession:
                 return self._already_published(dst, fingerprint)
         lock.record_token(prepare_staging(dst, fingerprint, resume, source.staging_source))
         if recorded is None or recorded.fingerprint != fingerprint:
-            source.record(dst, run, fingerprint)  # what a later --resume reuses and compares against
+            source.record(dst, run, fingerprint)  # what a later resume=True reuses and compares against
         remove_temporaries(dst)
         return None
 
@@ -351,7 +351,7 @@ class WriteSession:
         manifest = read_manifest(dst)
         if manifest["options"].get("fingerprint") != fingerprint:
             raise ResumeMismatchError(f"{dst} is a complete store {self.source.made_from}; "
-                                      f"use {self.source.overwrite_flag} to replace it")
+                                      "use overwrite=True to replace it")
         remove_staging(dst)
         remove_temporaries(dst)
         return manifest["num_samples"]
@@ -384,7 +384,7 @@ class WriteSession:
                                            first_shard=first).values()))
         missing = sorted({p.shard_id + first for p in plans or []} - {r.shard_id for r in results})
         if missing:
-            raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with {source.resume_flag}")
+            raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with resume=True")
         source.finish_results(dst, run.backend, results)
         if self.base is not None:
             options, extra = append.manifest_parts(self.base, source, self.input_fingerprint,

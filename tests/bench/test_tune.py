@@ -231,7 +231,7 @@ def test_zero_workers_only_when_asked_and_measurably_faster():
     default = tune(fast_main, fast_main.probe, 8000 * MiB, batch_size=64, max_workers=2, log=lines.append)
     assert default.settings.workers >= 1
     assert Settings(0, 64) not in fast_main.measured  # not even measured: it cannot be recommended
-    assert any("--allow-no-workers" in n for n in default.notes)
+    assert any("allow_no_workers=True" in n for n in default.notes)
     asked = tune(fast_main, fast_main.probe, 8000 * MiB, batch_size=64, max_workers=2, allow_no_workers=True,
                  log=quiet)
     assert asked.settings.workers == 0
@@ -246,13 +246,13 @@ def test_effective_batch_size_says_it_replaces_batch_size():
     lines: list[str] = []
     result = tune(target, target.probe, 8000 * MiB, batch_size=64, effective_batch_size=256, max_workers=2,
                   log=lines.append)
-    said = [n for n in result.notes if "--effective-batch-size 256" in n]
-    assert said and "--batch-size 64 is not used" in said[0]
+    said = [n for n in result.notes if "effective_batch_size=256" in n]
+    assert said and "batch_size=64 is not used" in said[0]
     assert said[0] in lines  # on screen as it happens, not only in the result
     assert result.settings.batch_size == 256
     # without --batch-size there is nothing to replace, but the batch choice is still explained
     quiet_notes = tune(target, target.probe, 8000 * MiB, effective_batch_size=256, max_workers=2, log=quiet).notes
-    assert any("--effective-batch-size 256" in n and "not used" not in n for n in quiet_notes)
+    assert any("effective_batch_size=256" in n and "not used" not in n for n in quiet_notes)
 
 
 # ----------------------------------------------------------------- real stores

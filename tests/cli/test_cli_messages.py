@@ -197,7 +197,7 @@ def test_verify_on_an_unfinished_conversion_says_how_to_finish_it(src, tmp_path,
     monkeypatch.undo()
     assert main(["verify", str(dst)]) == EXIT_UNFINISHED == 4
     err = capsys.readouterr().err
-    assert f"unfinished conversion: finish it with fastdata convert {src} {dst} --resume" in err
+    assert f"unfinished conversion: finish it by converting {src} to {dst} again with --resume" in err
     assert "DAMAGED" not in err
     assert verify(str(dst)).status == "unfinished"
     # and the command it prints works

@@ -180,7 +180,7 @@ def test_existing_store_and_overwrite(s3, small_tree, jpeg_tree, tmp_path, monke
     _, bucket = s3
     url = f"{bucket}/ow.lmdb"
     fastdata.convert(small_tree, url, shard_size="20kB", progress=False, workers=1)
-    with pytest.raises(StoreExistsError, match=f"{url} already holds a fastdata store; pass --overwrite"):
+    with pytest.raises(StoreExistsError, match=f"{url} already holds a fastdata store; pass overwrite=True"):
         fastdata.convert(small_tree, url, progress=False, workers=1)
     other = jpeg_tree(tmp_path / "other", classes={"a": 2, "b": 1})
     removed: list[list[str]] = []
@@ -237,7 +237,7 @@ def test_killed_upload_resumes_without_reuploading(s3, jpeg_tree, tmp_path, coun
     assert "manifest.json" not in listing
     with pytest.raises(IncompleteStoreError, match="unfinished conversion"):
         fastdata.open_dataset(url)
-    with pytest.raises(StoreExistsError, match="unfinished conversion; pass --resume"):
+    with pytest.raises(StoreExistsError, match="unfinished conversion; pass resume=True"):
         fastdata.convert(src, url, progress=False)
     kept = sorted(n[len(STAGING_DIR) + 1:-5] for n in listing if n.startswith(f"{STAGING_DIR}/shard-")
                   and n.endswith(".json"))

@@ -93,7 +93,7 @@ def test_new_classes_are_refused_unless_added_at_the_end(weeks, tmp_path):
     store = tmp_path / "s.lmdb"
     fastdata.convert(weeks["w1"], store, workers=0, progress=False)
     kept = snapshot(store)
-    with pytest.raises(FastdataError, match=r"class\(es\) 'd' are not among the store's 3 classes.*--add-classes"):
+    with pytest.raises(FastdataError, match=r"class\(es\) 'd' are not among the store's 3 classes.*add_classes=True"):
         fastdata.convert(weeks["w3"], store, workers=0, progress=False, append=True)
     assert snapshot(store) == kept and not (store / STAGING_DIR).exists()
     fastdata.convert(weeks["w3"], store, workers=0, progress=False, append=True, add_classes=True)
@@ -114,13 +114,13 @@ def test_incompatible_appends_are_refused_with_nothing_changed(weeks, tmp_path):
     cases = [
         (dict(max_side=8), r"storage: the store keeps original, the append asks for re-encode"),
         (dict(format="hdf5"), r"backend: the store is lmdb, the append asks for hdf5"),
-        (dict(overwrite=True), r"append and overwrite .* are exclusive"),
+        (dict(overwrite=True), r"append=True and overwrite=True are exclusive"),
     ]
     for options, message in cases:
         with pytest.raises((FastdataError, ValueError), match=message):
             fastdata.convert(weeks["w2"], store, workers=0, progress=False, append=True, **options)
         assert snapshot(store) == kept
-    with pytest.raises(ValueError, match=r"add_classes .* applies to an append"):
+    with pytest.raises(ValueError, match=r"add_classes=True applies to an append \(append=True\)"):
         fastdata.convert(weeks["w2"], tmp_path / "other.lmdb", workers=0, progress=False, add_classes=True)
     with StoreLock(str(store)), pytest.raises(StoreLockedError):
         fastdata.convert(weeks["w2"], store, workers=0, progress=False, append=True)
@@ -136,7 +136,7 @@ def test_incompatible_appends_are_refused_with_nothing_changed(weeks, tmp_path):
     # an unfinished first conversion is finished with --resume, not appended to
     unfinished = tmp_path / "u.lmdb"
     (unfinished / STAGING_DIR).mkdir(parents=True)
-    with pytest.raises(FastdataError, match="unfinished conversion, not a published store: finish it with --resume"):
+    with pytest.raises(FastdataError, match="unfinished conversion, not a published store: finish it with resume=True"):
         fastdata.convert(weeks["w2"], unfinished, workers=0, progress=False, append=True)
 
 

@@ -320,11 +320,11 @@ def test_sigkill_then_resume_keeps_finished_shards_and_equals_clean_run(tmp_path
     assert helpers and not orphans, f"processes outlived the killed converter: {orphans}"
     assert finished and half_written
     assert not (dst / "manifest.json").exists()  # nothing reads as a finished store
-    with pytest.raises(IncompleteStoreError, match="--resume"):
+    with pytest.raises(IncompleteStoreError, match="resume=True"):
         read_manifest(str(dst))
     kept = {name: ((dst / name).stat().st_ino, (dst / name).stat().st_mtime_ns) for name in finished}
     # without --resume (or --overwrite) the half-done store is an error that says what to do
-    with pytest.raises(StoreExistsError, match="--resume"):
+    with pytest.raises(StoreExistsError, match="resume=True"):
         fastdata.convert(str(root), str(dst), workers=1, shard_size=shard_size)
 
     # the resume through the CLI in this process: only the killed run needed a process of its own
@@ -355,7 +355,7 @@ def test_resume_refuses_a_changed_source(tmp_path):
     # resume of a complete store with the same inputs: nothing to do
     assert fastdata.convert(str(root), str(dst), workers=1, resume=True, progress=False).already_complete
     make_jpeg(root / "a" / "new.jpg", size=(16, 16), seed=99)
-    with pytest.raises(ResumeMismatchError, match="--overwrite"):
+    with pytest.raises(ResumeMismatchError, match="overwrite=True"):
         fastdata.convert(str(root), str(dst), workers=1, resume=True, progress=False)
 
 

@@ -115,7 +115,7 @@ def test_the_summary_points_deep_pngs_at_lossless_and_unchanged(tmp_path):
     for i in range(2):
         write_png16(root / f"a/{i}.png", (12, 10), seed=i)
     plain = fastdata.convert(root, tmp_path / "plain.lmdb", workers=0, progress=False).summary()
-    assert "--lossless tiff" in plain and "image_mode='unchanged'" in plain
+    assert "lossless='tiff' keeps the same pixels" in plain and "image_mode='unchanged'" in plain
     tuned = fastdata.convert(root, tmp_path / "tuned.lmdb", workers=0, progress=False, lossless="tiff",
                              image_mode="unchanged").summary()
     assert "decodes about 2.5x faster" not in tuned and "read as 8-bit RGB by default" not in tuned

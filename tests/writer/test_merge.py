@@ -129,7 +129,7 @@ def test_incompatible_inputs_and_destinations_are_refused(stores, tmp_path):
     with StoreLock(str(paths["B"])), pytest.raises(StoreLockedError):
         fastdata.merge([paths["A"], paths["B"]], tmp_path / "never.lmdb")
     fastdata.merge([paths["A"], paths["B"]], tmp_path / "C.lmdb")
-    with pytest.raises(StoreExistsError, match="already holds a fastdata store; pass --overwrite"):
+    with pytest.raises(StoreExistsError, match="already holds a fastdata store; pass overwrite=True"):
         fastdata.merge([paths["A"], paths["B"]], tmp_path / "C.lmdb")
     fastdata.merge([paths["B"], paths["A"]], tmp_path / "C.lmdb", overwrite=True)
     assert fastdata.open_dataset(tmp_path / "C.lmdb").targets.tolist()[:5] == [1, 1, 2, 2, 2]

@@ -290,7 +290,7 @@ def test_image_column_names_a_column_of_paths_or_bytes(tmp_path):
     assert main(["convert", str(tmp_path / "list.parquet"), str(dst), "--image-column", "file", "--quiet"]) == 0
     assert [r["file"] for r in general_records(dst)] == [png(i) for i in range(3)]
     assert [r["path"] for r in general_records(dst)] == [f"imgs/{i}.png".encode() for i in range(3)]
-    with pytest.raises(SourceError, match=r"no column 'picture' \(--image-column\); the columns are file, y"):
+    with pytest.raises(SourceError, match=r"no column 'picture' \(image_column\); the columns are file, y"):
         fastdata.convert(tmp_path / "list.parquet", tmp_path / "o2.lmdb", image_column="picture")
 
 

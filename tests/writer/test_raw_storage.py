@@ -202,13 +202,13 @@ def test_raw_budget_that_cannot_hold_the_images_is_refused_before_writing(tmp_pa
     root = _budget_tree(tmp_path / "src")
     rels = sorted(str(p.relative_to(root)) for p in root.rglob("*.jpg"))
     _, raw_bytes, files = _priorities(root, rels)
-    with pytest.raises(ValueError, match=r"take .* as they are, over --raw-budget 1 kB"):
+    with pytest.raises(ValueError, match=r"take .* as they are, over raw_budget='1 kB'"):
         fastdata.convert(root, tmp_path / "m.lmdb", storage="mixed", raw_budget="1kB", max_side=MAX_SIDE,
                          workers=0, progress=False)
     assert not (tmp_path / "m.lmdb").exists()
     # --storage raw: all pixels or nothing; a budget just under what they take is refused, at it accepted
     need = int(raw_bytes.sum()) + 4096 * len(rels) + (256 << 10)  # the documented allowances
-    with pytest.raises(ValueError, match=r"--storage raw --max-side 64 stores these 8 images .* over --raw-budget"):
+    with pytest.raises(ValueError, match=r"storage='raw' max_side=64 stores these 8 images .* over raw_budget="):
         fastdata.convert(root, tmp_path / "r.lmdb", storage="raw", raw_budget=need - 1, max_side=MAX_SIDE, workers=0,
                          progress=False)
     assert not (tmp_path / "r.lmdb").exists()
@@ -245,7 +245,7 @@ def test_an_append_plans_against_what_the_budget_still_holds(tmp_path):
     assert len(records) == 8 and {rec["fmt"] for rec in records[4:]} == {"JPEG"}  # the budget was spent
     assert sum(s["bytes"] for s in read_manifest(str(dst))["shards"]) <= budget
     third = make_tree(tmp_path / "s3", classes={"cat": 40}, size=(120, 90), seed=9)
-    with pytest.raises(ValueError, match="beside the store's .* into a new store with a larger --raw-budget"):
+    with pytest.raises(ValueError, match="beside the store's .* into a new store with a larger raw_budget"):
         fastdata.convert(third, dst, append=True, workers=0, progress=False)
     assert len(v1_records(dst)) == 8
 

@@ -307,7 +307,7 @@ def test_fault_at_nth_operation_then_resume(source, reference, tmp_path, monkeyp
         assert faults.failed_at, f"{case}: the fault never fired"
         cause = CAUSES[code]
         assert cause in message, f"{case}: the cause is not named: {message}"
-        assert dst in message and "--resume" in message, f"{case}: {message}"
+        assert dst in message and "resume=True" in message, f"{case}: {message}"
         assert not os.path.exists(os.path.join(dst, MANIFEST_NAME)), f"{case}: a manifest was published"
 
         with monkeypatch.context() as mp:

@@ -179,7 +179,7 @@ def test_list_with_label_volumes_keeps_columns_and_rejects_bad_rows_naming_the_f
 
 def test_strict_stops_at_the_first_bad_volume_naming_it(tmp_path, seg_list):
     root, _ = seg_list
-    with pytest.raises(RejectedInputError, match=r"mismatch\.nii.*--strict"):
+    with pytest.raises(RejectedInputError, match=r"mismatch\.nii.*strict=True"):
         fastdata.convert(root / "train.csv", tmp_path / "s.lmdb", strict=True, workers=0, progress=False)
     assert not (tmp_path / "s.lmdb" / "manifest.json").exists()
 
@@ -322,8 +322,8 @@ def test_cli_converts_a_nifti_folder_end_to_end(tmp_path, capsys, nifti_classes)
 @pytest.mark.parametrize("extra, expect", [
     (["--max-pixels", "2G"], "--max-pixels applies to TIFF images"),
     (["--chunks", "16,16,16,16,16"], "names 5 sides, but the volumes have 3 axes"),
-    (["--chunks", "16,x,16"], "--chunks takes positive integers"),
-    (["--chunks", "0,16,16"], "--chunks takes positive integers"),
+    (["--chunks", "16,x,16"], "--chunks SIDES takes positive integers"),
+    (["--chunks", "0,16,16"], "--chunks SIDES takes positive integers"),
     (["--lossless", "tiff"], "do(es) not apply to chunked arrays"),
 ])
 def test_cli_volume_option_errors_are_one_line(tmp_path, capsys, nifti_classes, extra, expect):
@@ -435,13 +435,13 @@ def test_pixel_limit_names_the_option_and_max_pixels_lifts_it_explicitly(tmp_pat
     plain = fastdata.convert(root, tmp_path / "p.lmdb", workers=0, progress=False)
     assert [p for p, _ in plain.rejected_items] == ["x/big.tif"]
     assert "decompression bomb" in plain.rejected_items[0][1]
-    assert "--chunks 512,512 and --max-pixels" in plain.summary()
-    with pytest.raises(RejectedInputError, match="--max-pixels"):
+    assert "chunks=512,512 and max_pixels=N" in plain.summary()
+    with pytest.raises(RejectedInputError, match="max_pixels"):
         fastdata.convert(root, tmp_path / "q.lmdb", strict=True, workers=0, progress=False)
     # chunked, but the limit still holds without --max-pixels
     limited = fastdata.convert(root, tmp_path / "c.lmdb", chunks="256,256", workers=0, progress=False)
     assert [p for p, _ in limited.rejected_items] == ["x/big.tif"]
-    assert "--max-pixels" in limited.rejected_items[0][1] and "300,000 pixels" in limited.rejected_items[0][1]
+    assert "max_pixels=N" in limited.rejected_items[0][1] and "300,000 pixels" in limited.rejected_items[0][1]
     lifted = fastdata.convert(root, tmp_path / "l.lmdb", chunks="256,256", max_pixels="1M", workers=0,
                               progress=False)
     assert lifted.rejected == 0

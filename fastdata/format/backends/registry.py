@@ -3,7 +3,7 @@
 A backend is a name, the destination suffixes that select it, and three modules:
 its shard writer class, its shard reader class and its ``spec`` module (the
 documented on-disk layout). Everything that needs to know the backends (the
-writer pipeline, ``convert``'s backend choice, the CLI's ``--format`` choices,
+writer pipeline, ``convert``'s backend choice, the ``format=`` choices,
 shard file names, manifest validation, ``open_dataset``, ``verify``) asks this
 registry, so adding a backend is one :func:`register_backend` call (see
 docs/FORMAT.md, "Adding a backend").
@@ -30,7 +30,7 @@ def _load(target: str):
 @dataclass(frozen=True)
 class Backend:
     """A storage backend: ``suffixes[0]`` is its shard files' suffix; a destination
-    ending in any of ``suffixes`` selects it; ``aliases`` are extra ``--format`` names."""
+    ending in any of ``suffixes`` selects it; ``aliases`` are extra ``format=`` names."""
 
     name: str
     suffixes: tuple[str, ...]
@@ -91,7 +91,7 @@ def reader_class(backend: str) -> type[ShardReader]:
 
 
 def format_choices() -> list[str]:
-    """Every name ``--format`` accepts (names, then aliases)."""
+    """Every name ``format=`` accepts (names, then aliases)."""
     return [b.name for b in BACKENDS.values()] + [a for b in BACKENDS.values() for a in b.aliases]
 
 

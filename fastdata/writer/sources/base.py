@@ -35,9 +35,6 @@ class WriteSource(abc.ABC):
     unit: str = "images"
     #: the progress bar's label
     progress_label: str = "convert"
-    #: how the user resumes / overwrites, in messages ("--resume" for the CLI's inputs, "resume=True" from Python)
-    resume_flag: str = "--resume"
-    overwrite_flag: str = "--overwrite"
     #: how a published store made from other inputs is described ("<dst> is a complete store <made_from>; ...")
     made_from: str = "made from different inputs or options"
     #: whether ``resume`` takes the content options not given again from the interrupted run's record
@@ -52,7 +49,7 @@ class WriteSource(abc.ABC):
     #: keyword arguments for :func:`fastdata.writer.options.resolve_options` that pick the storage
     #: mode (``max_side``, ``quality``, ``raw``): only for inputs whose images may be re-encoded
     storage_request: dict[str, Any] = {}
-    #: bytes a raw budget (``--raw-budget``) already holds before this write: the store's shards when
+    #: bytes a raw budget (``raw_budget``) already holds before this write: the store's shards when
     #: appending to it (set by the session before :meth:`plan`)
     raw_budget_used: int = 0
     #: recorded in ``plan.json`` next to the fingerprint by :func:`~fastdata.writer.pipeline.prepare_staging`
@@ -145,9 +142,9 @@ def refuse_changed_resume(dst: str, recorded: RecordedRun | None, run: RunOption
     what = "; ".join(option_differences(recorded.options, run) or [changed])
     if recorded.complete:
         raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
-                                  "use --overwrite to replace it")
-    raise ResumeMismatchError(f"cannot resume {dst}: {what}. Leave out differing options (--resume reuses the "
-                              f"recorded ones: {recorded.options.describe()}), or start over with --overwrite")
+                                  "use overwrite=True to replace it")
+    raise ResumeMismatchError(f"cannot resume {dst}: {what}. Leave out differing options (resume=True reuses the "
+                              f"recorded ones: {recorded.options.describe()}), or start over with overwrite=True")
 
 
 def record_run(dst: str, source: str, run: RunOptions, fingerprint: str) -> None:

@@ -32,7 +32,7 @@ A file that cannot be used at all (not JSON, not an object, no ``images`` list, 
 annotation without a required key or with one of the wrong type) raises one
 :class:`~fastdata.errors.SourceError` naming the file and the entry's position.
 
-:class:`CocoInput` is the write source of ``fastdata convert --coco ANNOTATIONS.json IMAGE_DIR DST``
+:class:`CocoInput` is the write source of :func:`fastdata.convert_coco` (annotations, image dir, dst)
 (:func:`fastdata.convert_coco`): one sample per image of the annotation file, in
 ``CocoDetection``'s order, images without annotations included, each holding the fields of
 :data:`COCO_SCHEMA`:
@@ -645,7 +645,7 @@ COCO_SCHEMA = Schema.of({
     "annotations": JSON(),
     "image_info": JSON(),
 })
-#: problems named in a --strict error (the rest are counted)
+#: problems named in a strict=True error (the rest are counted)
 _STRICT_LISTED = 5
 
 
@@ -690,7 +690,7 @@ def _strict_error(ann_file: str, problems: list[Problem]) -> RejectedInputError:
     listed = "; ".join(f"{where}: {why}" for where, why in problems[:_STRICT_LISTED])
     more = f" (and {len(problems) - _STRICT_LISTED} more)" if len(problems) > _STRICT_LISTED else ""
     return RejectedInputError(
-        f"{ann_file}: {len(problems)} problem(s) with the COCO data: {listed}{more}. --strict stops at any of "
+        f"{ann_file}: {len(problems)} problem(s) with the COCO data: {listed}{more}. strict=True stops at any of "
         "them; without it, missing or unusable images are skipped and reported, and the rest are warnings")
 
 

@@ -1,5 +1,5 @@
 """A class-folder tree of DICOM files whose chosen tags are kept as fields (``convert
---dicom-tags``): a general (layout version 2) store.
+dicom_tags``): a general (layout version 2) store.
 
 Without ``dicom_tags`` a DICOM folder converts as any image folder does (a classification
 store, :class:`~fastdata.writer.sources.folder.FolderInput`). With them, the folder is scanned
@@ -50,16 +50,16 @@ def parse_dicom_tags(tags: str | Sequence[str]) -> list[str]:
     """
     names = [t.strip() for t in tags.split(",")] if isinstance(tags, str) else [str(t).strip() for t in tags]
     if not names or any(not n for n in names):
-        raise ValueError(f"--dicom-tags takes a comma-separated list of DICOM keywords (e.g. "
+        raise ValueError(f"dicom_tags takes a comma-separated list of DICOM keywords (e.g. "
                          f"RescaleSlope,PixelSpacing), got {tags!r}")
     if len(names) > MAX_DICOM_TAGS:
-        raise ValueError(f"--dicom-tags: at most {MAX_DICOM_TAGS} tags, got {len(names)}")
+        raise ValueError(f"dicom_tags: at most {MAX_DICOM_TAGS} tags, got {len(names)}")
     for n in names:
         if n in ("image", "label") or not n.isidentifier():
-            raise ValueError(f"--dicom-tags: {n!r} is not a DICOM keyword (an identifier such as RescaleSlope, "
+            raise ValueError(f"dicom_tags: {n!r} is not a DICOM keyword (an identifier such as RescaleSlope, "
                              "not image or label)")
     if len(set(names)) != len(names):
-        raise ValueError(f"--dicom-tags: a tag is named twice in {','.join(names)}")
+        raise ValueError(f"dicom_tags: a tag is named twice in {','.join(names)}")
     return names
 
 
@@ -124,18 +124,17 @@ def dicom_schema(tags: list[str], image_mode: str | None) -> Schema:
         return Schema((("image", Image(mode=image_mode or "unchanged")), ("label", Int()),
                        *((t, JSON()) for t in tags)))
     except SchemaError as err:
-        raise ValueError(f"--dicom-tags: {err}") from None
+        raise ValueError(f"dicom_tags: {err}") from None
 
 
 class DicomFolderInput(MapInput):
     """A class-folder tree of DICOM files with ``tags`` kept as fields (see the module docstring)."""
 
-    resume_flag, overwrite_flag = "--resume", "--overwrite"
     made_from = "made from different inputs or options"
 
     def __init__(self, src: str, tags: str | Sequence[str], image_mode: str | None = None):
         self.tags = parse_dicom_tags(tags)
-        mode = None if image_mode is None else check_mode(image_mode, "image_mode (--image-mode)")
+        mode = None if image_mode is None else check_mode(image_mode, "image_mode")
         super().__init__([], dicom_schema(self.tags, mode))
         self.recorded_source = os.path.abspath(src)
         self.src = src
@@ -143,7 +142,7 @@ class DicomFolderInput(MapInput):
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         if not os.path.isdir(self.src):
-            raise SourceError(f"{self.src}: --dicom-tags applies to a folder of class folders of DICOM files")
+            raise SourceError(f"{self.src}: dicom_tags applies to a folder of class folders of DICOM files")
         found = self.folder = scan_folder(self.src)
         if not found.classes:
             raise SourceError(f"{self.src}: no class folders found (expected SRC/<class>/<DICOM files>)")

@@ -79,7 +79,7 @@ class SourceScan:
     #: (path, problem) pairs the caller reports as warnings: unreadable directories,
     #: symlink loops, empty class folders, class folders named like splits
     walk_problems: list[tuple[str, str]] = field(default_factory=list)
-    #: with ``--raw-budget``, set by the plan (:func:`fastdata.writer.raw_budget.plan_raw`): whether
+    #: with ``raw_budget``, set by the plan (:func:`fastdata.writer.raw_budget.plan_raw`): whether
     #: each input is stored as pixels, and the bytes it will take in the store
     raw: np.ndarray | None = None
     stored_sizes: np.ndarray | None = None
@@ -397,10 +397,10 @@ def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptio
     what = "; ".join(diffs + changes) or "the inputs differ"
     if recorded.complete:
         raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
-                                  "use --overwrite to replace it")
-    hint = (" Leave out the differing options: --resume reuses the recorded ones "
+                                  "use overwrite=True to replace it")
+    hint = (" Leave out the differing options: resume=True reuses the recorded ones "
             f"({recorded.options.describe()})." if diffs else "")
-    raise ResumeMismatchError(f"cannot resume {dst}: {what}.{hint} Or start over with --overwrite "
+    raise ResumeMismatchError(f"cannot resume {dst}: {what}.{hint} Or start over with overwrite=True "
                               "(this discards the finished shards)")
 
 
@@ -419,7 +419,7 @@ class FolderInput(WriteSource):
         self.src = src
         self.storage_request = {"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless,
                                 "storage": storage, "raw_fraction": raw_fraction, "raw_budget": raw_budget}
-        self.image_mode = None if image_mode is None else check_mode(image_mode, "image_mode (--image-mode)")
+        self.image_mode = None if image_mode is None else check_mode(image_mode, "image_mode")
         self.scan: SourceScan | None = None
         self.storage = StorageSpec()
         #: the manifest's IMAGE_MODES_KEY entry, set by :meth:`finish_results`
@@ -476,7 +476,7 @@ class FolderInput(WriteSource):
         if new and not add_classes:
             shown = ", ".join(repr(n) for n in new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
             raise SourceError(f"{self.src}: class(es) {shown} are not among the store's {len(store_classes)} "
-                              "classes; pass --add-classes (add_classes=True) to append them at the end of its "
+                              "classes; pass add_classes=True to append them at the end of its "
                               "class table (its order is then no longer ImageFolder's sorted order), or fix the "
                               "folder names")
         table = list(store_classes) + new

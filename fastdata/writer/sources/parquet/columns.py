@@ -326,7 +326,7 @@ def make_layout(schema: pa.Schema, features: Mapping[str, Any] | None, image_col
     """
     missing = [c for c in image_columns if c not in schema.names]
     if missing:
-        raise SourceError(f"{where}: no column {missing[0]!r} (--image-column); the columns are "
+        raise SourceError(f"{where}: no column {missing[0]!r} (image_column); the columns are "
                           f"{', '.join(schema.names)}")
     if len(set(schema.names)) != len(schema.names):
         raise SourceError(f"{where}: two columns share a name ({', '.join(schema.names)})")

@@ -114,7 +114,7 @@ def check_row_counts(path: str, groups: tuple[int, ...], before: int = 0) -> int
 
     Raises:
         SourceError: a count out of range, naming the file and row group (the footer is damaged
-            or crafted: no conversion of it can succeed, ``--resume`` included).
+            or crafted: no conversion of it can succeed, ``resume=True`` included).
     """
     total = 0
     for g, rows in enumerate(groups):

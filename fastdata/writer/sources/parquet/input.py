@@ -3,7 +3,7 @@ what a ``datasets.Dataset`` shares with them (:class:`ArrowInput`; the Dataset i
 :class:`fastdata.writer.sources.hf.DatasetInput`).
 
 Parquet: the plan is made from the files' footers alone; a shard holds whole row groups (a
-row group is a plan unit, so ``--resume`` keeps or rewrites whole ones), about ``shard_size``
+row group is a plan unit, so ``resume=True`` keeps or rewrites whole ones), about ``shard_size``
 bytes of them. The workers open the files themselves and read their chunk's rows a page at
 a time (:func:`encode_parquet_chunk`): a worker keeps one open row group cursor, which moves
 forward to the next chunk it is given in that row group, so memory stays a chunk's rows
@@ -13,7 +13,7 @@ their decompression, not their image decoding.)
 
 Every row is encoded by :func:`encode_rows`: its image bytes stored as they are, each fully
 decoded once to be validated (an unusable image rejects the row, reported in
-``rejected.tsv``; ``--strict`` stops at it), the other values checked against the schema
+``rejected.tsv``; ``strict=True`` stops at it), the other values checked against the schema
 (:mod:`~fastdata.writer.sources.parquet.columns`).
 """
 
@@ -111,7 +111,7 @@ class _Cursor:
         if meta.num_row_groups != len(info.row_groups) or meta.row_group(group).num_rows != info.row_groups[group]:
             self.file.close()
             raise SourceError(f"{info.path} changed since the conversion started (its row groups differ); "
-                              "convert it again with --overwrite")
+                              "convert it again with overwrite=True")
         # every column (each is a field): names are not given, since a name with a dot such as
         # "image.path" would also select the nested field "path" of a column "image"
         self.batches = self.file.iter_batches(batch_size=max(1, batch_rows), row_groups=[group], use_threads=False)
@@ -339,7 +339,7 @@ class ParquetInput(ArrowInput):
 
     def fingerprint(self, run: RunOptions) -> str:
         """A hash of what decides the store's content: backend, shard size, the layout, and every
-        file's path, size, modification time and row groups, for ``--resume``."""
+        file's path, size, modification time and row groups, for ``resume=True``."""
         rows = self._rows()
         h = xxhash.xxh3_128()
         h.update(json.dumps([run.backend, run.shard_size.bytes, rows.layout.to_json(),
@@ -350,12 +350,12 @@ class ParquetInput(ArrowInput):
         return ParquetChunks(self._rows(), self.units, chunk_size)
 
     def options_text(self, run: RunOptions) -> str:
-        return f"{run.backend}, shard size {run.shard_size}" + (", --strict" if run.strict else "")
+        return f"{run.backend}, shard size {run.shard_size}" + (", strict=True" if run.strict else "")
 
     def check_resume(self, dst: str, recorded: RecordedRun | None, run: RunOptions, fingerprint: str) -> None:
         """Refuse a resume whose options or Parquet files differ from the interrupted run's, naming the options."""
         refuse_changed_resume(dst, recorded, run, fingerprint, f"the Parquet files {self.src} changed")
 
     def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
-        """What a later ``--resume`` reuses (the options) and compares against (the fingerprint)."""
+        """What a later ``resume=True`` reuses (the options) and compares against (the fingerprint)."""
         record_run(dst, self.recorded_source, run, fingerprint)

@@ -1,4 +1,4 @@
-"""The values of a list file: a CSV cell (or an inline ``--schema`` default) as the JSON-like
+"""The values of a list file: a CSV cell (or an inline ``schema`` default) as the JSON-like
 value its kind takes, class labels as text, and the kind of an undeclared field inferred from
 the values it holds (rules: :mod:`fastdata.writer.sources.table.reader`)."""
 

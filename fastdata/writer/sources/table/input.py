@@ -36,7 +36,7 @@ _TABLE: TableSource | None = None
 
 
 def is_general_list(src: str, schema) -> bool:
-    """Whether ``src`` becomes a general (layout version 2) store: a ``--schema`` was
+    """Whether ``src`` becomes a general (layout version 2) store: a ``schema`` was
     given, or ``src`` is a JSONL file or a CSV/TSV whose header names more than
     ``path,label`` (:func:`fastdata.writer.sources.table.reader.is_table_list`)."""
     if schema is not None:
@@ -153,7 +153,7 @@ class TableInput(WriteSource):
 
     def fingerprint(self, run: RunOptions) -> str:
         """A hash of what decides a list store's content (the list file's bytes, its schema
-        and class tables, the image sizes, backend and shard size), for ``--resume``."""
+        and class tables, the image sizes, backend and shard size), for ``resume=True``."""
         table = self._table()
         h = xxhash.xxh3_128()
         h.update(json.dumps([run.backend, run.shard_size.bytes, table.schema.to_json(), table.class_tables]).encode())
@@ -171,7 +171,7 @@ class TableInput(WriteSource):
         refuse_changed_resume(dst, recorded, run, fingerprint, f"the list {self.src} or its image files changed")
 
     def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
-        """What a later ``--resume`` reuses (the options) and compares against (the fingerprint)."""
+        """What a later ``resume=True`` reuses (the options) and compares against (the fingerprint)."""
         record_run(dst, os.path.abspath(self.src), run, fingerprint)
 
     def classes(self) -> list[str]:

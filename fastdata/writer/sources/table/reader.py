@@ -50,7 +50,7 @@ the manifest's ``classes``.
 default. Every bad row is reported at once (up to 20, with line numbers) in one
 :class:`~fastdata.errors.SourceError`; image files that do not exist are not an
 error here but listed in ``TableSource.problems`` (the writer rejects them as it
-rejects unreadable images, ``--strict`` stopping).
+rejects unreadable images, ``strict=True`` stopping).
 
 **Memory.** The file is read twice (once to infer kinds and class tables, once to
 store values), one row at a time; values are kept as numpy columns (numbers), or
@@ -182,7 +182,7 @@ class TableSource:
 
 def is_table_list(list_file: str | os.PathLike, schema: Any = None) -> bool:
     """True when ``list_file`` needs :func:`scan_table` rather than the classification
-    reader :func:`fastdata.writer.sources.folder.scan_list`: a JSONL file, a ``--schema``, or a
+    reader :func:`fastdata.writer.sources.folder.scan_list`: a JSONL file, a ``schema``, or a
     CSV/TSV whose header names columns other than exactly ``path`` and ``label``."""
     name = os.fspath(list_file).lower()
     if name.endswith(JSONL_SUFFIXES) or schema is not None:
@@ -332,11 +332,11 @@ class _Reader:
             raise SourceError(f"{self.list_file}: the list names no image files")
         specs = [Spec(IMAGE_FIELD, PATH_KEY, "image", Image())]
         if PATH_KEY in declared or IMAGE_FIELD in declared and not isinstance(declared[IMAGE_FIELD].kind, Image):
-            raise SchemaError(f"--schema: '{PATH_KEY}' is the image file of each row and always becomes the image "
+            raise SchemaError(f"schema: '{PATH_KEY}' is the image file of each row and always becomes the image "
                               f"field '{IMAGE_FIELD}'; declare only the other fields")
         for name in declared:
             if name not in evidence and name != IMAGE_FIELD:
-                raise SourceError(f"{self.list_file}: --schema declares {name!r}, which no row has "
+                raise SourceError(f"{self.list_file}: schema declares {name!r}, which no row has "
                                   f"(the list's fields: {', '.join(self.keys) or 'none'})")
         for key in self.keys:
             specs.append(self._spec(key, declared.get(key), evidence[key]))
@@ -525,7 +525,7 @@ def _absent_message(raw: Any, spec: Spec) -> str:
     if spec.role == "image":
         return "no image path"
     what = "missing" if raw is MISSING else "empty" if raw == "" else "null"
-    return f"{what} value (fill it in, or declare a default: --schema '{spec.key}:KIND=DEFAULT')"
+    return f"{what} value (fill it in, or declare a default: schema '{spec.key}:KIND=DEFAULT')"
 
 
 def _store_path(value: Any) -> str:

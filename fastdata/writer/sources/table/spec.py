@@ -1,4 +1,4 @@
-"""The ``--schema`` grammar (:data:`SPEC_GRAMMAR`): fields declared by kind, with optional
+"""The ``schema`` grammar (:data:`SPEC_GRAMMAR`): fields declared by kind, with optional
 defaults, read by :func:`parse_schema` from an inline spec, a JSON file or a loaded JSON value;
 and :class:`Spec`, how one key or column of a list becomes one field."""
 
@@ -29,7 +29,7 @@ MISSING = object()
 
 @dataclass(frozen=True)
 class Declared:
-    """A field declared with ``--schema``: its kind (a :class:`~fastdata.format.fields.Field`,
+    """A field declared with ``schema``: its kind (a :class:`~fastdata.format.fields.Field`,
     or ``"class"``/``"multilabel"``) and an optional default for missing values
     (a JSON-like value, as a JSONL row would hold it)."""
 
@@ -100,9 +100,9 @@ def _parse_inline(spec: str) -> dict[str, Declared]:
     for item in _split_top_level(spec):
         name, colon, rest = item.partition(":")
         name = name.strip()
-        where = f"--schema field {name!r}"
+        where = f"schema field {name!r}"
         if not colon or not name:
-            raise SchemaError(f"--schema: {item.strip()!r} is not NAME:KIND; the grammar is:\n{SPEC_GRAMMAR}")
+            raise SchemaError(f"schema: {item.strip()!r} is not NAME:KIND; the grammar is:\n{SPEC_GRAMMAR}")
         kind_text, eq, default_text = rest.partition("=")
         kind = _kind_from_text(kind_text, where)
         default = MISSING
@@ -125,7 +125,7 @@ def _default_from_text(text: str, kind: Field | str, where: str) -> Any:
 
 def _add_declared(out: dict[str, Declared], name: str, declared: Declared) -> None:
     if name in out:
-        raise SchemaError(f"--schema: field {name!r} is declared twice")
+        raise SchemaError(f"schema: field {name!r} is declared twice")
     out[name] = declared
 
 
@@ -169,7 +169,7 @@ def _parse_json_schema(obj: Any, where: str) -> dict[str, Declared]:
 
 
 def parse_schema(spec: str | os.PathLike | Mapping | list | None) -> dict[str, Declared]:
-    """Declared fields from ``--schema``: an inline spec (grammar:
+    """Declared fields from ``schema``: an inline spec (grammar:
     :data:`SPEC_GRAMMAR`), the path of a JSON file (``*.json``, or any existing
     file), or an already loaded JSON value. Fields not declared are inferred.
 
@@ -183,16 +183,16 @@ def parse_schema(spec: str | os.PathLike | Mapping | list | None) -> dict[str, D
     if spec is None:
         return {}
     if isinstance(spec, Mapping | list):
-        return _parse_json_schema(spec, "--schema")
+        return _parse_json_schema(spec, "schema")
     text = os.fspath(spec)
     if text.lower().endswith(".json") or os.path.isfile(text):
         try:
             with open(text, encoding="utf-8") as fh:
                 obj = json.load(fh)
         except FileNotFoundError:
-            raise SourceError(f"--schema file not found: {text}") from None
+            raise SourceError(f"schema file not found: {text}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise SourceError(f"--schema file {text} is not JSON: {err}") from None
+            raise SourceError(f"schema file {text} is not JSON: {err}") from None
         return _parse_json_schema(obj, text)
     return _parse_inline(text)
 

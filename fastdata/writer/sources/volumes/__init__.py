@@ -1,15 +1,15 @@
 """NIfTI volumes and large TIFF images as chunked samples (``fastdata convert`` of a NIfTI
-folder, a volume list or a Decathlon ``dataset.json``; ``--chunks``/``--max-pixels`` for a
+folder, a volume list or a Decathlon ``dataset.json``; ``chunks``/``max_pixels`` for a
 folder of TIFF images): general (layout version 2) stores whose arrays are
 :class:`~fastdata.format.fields.Chunked` fields, read region by region afterwards
 (``fastdata.open_dataset(dst)[i]["image"][10:74, ...]``, :class:`fastdata.PatchDataset`).
 
 Usage::
 
-    fastdata convert scans/ ct.lmdb                       # a folder of .nii/.nii.gz files
-    fastdata convert train.csv seg.h5 --chunks 96,96,96   # rows image,label (label volumes), other columns kept
-    fastdata convert Task02_Heart/dataset.json heart.lmdb # Medical Segmentation Decathlon: its "training" list
-    fastdata convert slides/ wsi.lmdb --chunks 512,512 --max-pixels 2G   # TIFFs read tile by tile
+    fastdata.convert("scans/", "ct.lmdb")                    # a folder of .nii/.nii.gz files
+    fastdata.convert("train.csv", "seg.h5", chunks=(96, 96, 96))  # rows image,label (label volumes), more kept
+    fastdata.convert("Task02_Heart/dataset.json", "heart.lmdb")   # Medical Segmentation Decathlon: "training"
+    fastdata.convert("slides/", "wsi.lmdb", chunks=(512, 512), max_pixels="2G")  # TIFFs read tile by tile
 
     fastdata.convert("scans/", "ct.lmdb", chunks=(64, 64, 64), codec="blosc-zstd")  # smaller, slower to read
     ds = fastdata.open_dataset("ct.lmdb"); ds[0]["image"][0:64, 0:64, 0:64]   # reads only 1 chunk
@@ -55,7 +55,7 @@ Each sample holds
   ``ds.relpath(i)``, which ``PatchDataset(output="monai")`` puts in each MetaTensor's
   ``filename_or_obj``. It is the record's, not a field: stores of every version have it.
 
-Chunks: ``--chunks 48,48,48`` (the default for 3-D volumes, chosen for 96^3 patches:
+Chunks: ``chunks=(48, 48, 48)`` (the default for 3-D volumes, chosen for 96^3 patches:
 :data:`~fastdata.writer.sources.volumes.nifti.VOLUME_CHUNK`; 256,256 for 2-D ones); axes beyond
 the ones given are chunked by 1 (a 4-D volume's 4th axis: one time point per chunk). A label
 volume is chunked like its image on the spatial axes, so a patch of both reads the same chunks.
@@ -79,16 +79,16 @@ Reading, in the worker processes (the samples are map-style: each worker opens i
   memory; measured on a 512x512x200 int16 volume, 100 MB: worker peak RSS 253 MB through
   nibabel, 171 MB this way, against 93 MB for the same volume as ``.nii``). For volumes too
   large for that times the workers, ``gunzip`` them first (``.nii`` is read slab by slab) or
-  pass fewer ``--workers``.
+  pass fewer ``workers``.
 
 Bad inputs: a file nibabel cannot read (not NIfTI, truncated, corrupt gzip), a label volume
 whose shape differs from its image's on the spatial axes (both files are named), a volume of
 another number of axes or of a dtype the store's does not hold exactly, are rejected
-(``rejected.tsv``, the summary) or, with ``--strict``, stop the run naming the file.
+(``rejected.tsv``, the summary) or, with ``strict=True``, stop the run naming the file.
 
 **TIFF images** (tifffile, the ``images`` extra; zarr is not needed): a folder of TIFF files
 (``.tif``, ``.tiff``, ``.svs``, ...; class subfolders give ``label`` as for NIfTI) converted with
-``--chunks H,W`` and/or ``--max-pixels N``: each image becomes ``image``, ``Chunked`` of shape
+``chunks=H,W`` and/or ``max_pixels=N``: each image becomes ``image``, ``Chunked`` of shape
 (H, W, C), or (H, W) when every image has one band (a one-band image in a store of colour ones
 is (H, W, 1)). Chunks default to 512x512 (all bands in each chunk). An image is read tile by
 tile (or strip by strip) with tifffile's own segment reader and decoder
@@ -102,8 +102,8 @@ stack of same-sized pages is rejected.
 
 Such images are what the decompression-bomb limit (:func:`fastdata.common.imageio.pixel_limit`)
 refuses when converted as ordinary images; it still holds here, per image, on the pixel
-count (H x W), unless ``--max-pixels`` gives another limit explicitly (``2G`` = 2,000,000,000
-pixels). An image over the limit is rejected with a reason naming ``--max-pixels``. Tiles or
+count (H x W), unless ``max_pixels`` gives another limit explicitly (``2G`` = 2,000,000,000
+pixels). An image over the limit is rejected with a reason naming ``max_pixels``. Tiles or
 strips that decode to more than 256 MiB each (a one-strip image) are rejected: they cannot be
 read piece by piece.
 

@@ -1,6 +1,6 @@
 """What the NIfTI and TIFF readers share: their optional libraries imported with a clear
 message, a file's name as a message prefix, native dtypes, the chunk shape and ``Chunked``
-field of the ``--chunks``/``--codec`` options, and a sample's values opened with the files to close."""
+field of the ``chunks``/``codec`` options, and a sample's values opened with the files to close."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def chunk_shape(ndim: int, given: tuple[int, ...] | None, default: tuple[int, ..
     axes after those given."""
     sides = given if given is not None else default[:ndim]
     if len(sides) > ndim:
-        raise ValueError(f"--chunks {','.join(map(str, sides))} names {len(sides)} sides, but the {what} have "
+        raise ValueError(f"chunks={','.join(map(str, sides))} names {len(sides)} sides, but the {what} have "
                          f"{ndim} axes")
     return tuple(sides) + (1,) * (ndim - len(sides))
 
@@ -53,7 +53,7 @@ def chunked_field(dtype: np.dtype, chunks: tuple[int, ...], codec: str | None) -
     try:
         return Chunked(dtype, chunks, codec=codec)
     except SchemaError as err:
-        raise ValueError(f"--chunks/--codec: {err}") from None
+        raise ValueError(f"chunks/codec: {err}") from None
 
 
 class OpenedSample:

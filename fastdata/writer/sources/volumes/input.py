@@ -45,8 +45,7 @@ __all__ = ["BOMB_HINT", "FileChunks", "TiffImageInput", "VolumeInput", "chunked_
 
 #: what a refusal by the decompression-bomb limit of an ordinary image conversion adds
 BOMB_HINT = ("to store large TIFF images (whole slides, satellite scenes) as chunked arrays read tile by tile, "
-             "convert their folder with --chunks 512,512 and --max-pixels N (e.g. 2G; chunks=, max_pixels= in "
-             "Python)")
+             "convert their folder with chunks=512,512 and max_pixels=N (e.g. 2G)")
 
 
 # --------------------------------------------------------------------------- options
@@ -56,7 +55,7 @@ def parse_chunks(spec: str | Sequence[int]) -> tuple[int, ...]:
     """``"64,64,64"`` or ``(64, 64, 64)`` -> the chunk sides, checked (positive integers).
 
     Raises:
-        ValueError: naming ``--chunks`` and the bad entry.
+        ValueError: naming ``chunks`` and the bad entry.
     """
     parts = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
     sides = []
@@ -68,7 +67,7 @@ def parse_chunks(spec: str | Sequence[int]) -> tuple[int, ...]:
         else:
             sides.append(0)
     if not sides or any(s <= 0 for s in sides):
-        raise ValueError(f"--chunks takes positive integers separated by commas (e.g. 64,64,64 or 512,512), "
+        raise ValueError(f"chunks=SIDES takes positive integers separated by commas (e.g. 64,64,64 or 512,512), "
                          f"got {spec!r}")
     return tuple(sides)
 
@@ -77,12 +76,12 @@ def parse_max_pixels(spec: int | str) -> int:
     """``"2G"``, ``"500M"``, ``400000000`` -> a pixel count (k/M/G decimal, as sizes are).
 
     Raises:
-        ValueError: naming ``--max-pixels``.
+        ValueError: naming ``max_pixels``.
     """
     try:
         return parse_size(spec)
     except ValueError:
-        raise ValueError(f"--max-pixels takes a pixel count such as 2G (2,000,000,000), 500M or 400000000, "
+        raise ValueError(f"max_pixels takes a pixel count such as 2G (2,000,000,000), 500M or 400000000, "
                          f"got {spec!r}") from None
 
 
@@ -134,7 +133,7 @@ def encode_files(schema: Schema, start: int, stop: int, items: list | None, stri
                  spill_dir: str | None):
     """Worker entry point: samples ``start .. stop-1`` of this worker's samples as
     :class:`EncodedSample` objects or rejection reasons (the pipeline stops at the first under
-    ``--strict``); see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value."""
+    ``strict=True``); see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value."""
     samples = _SAMPLES
     assert samples is not None, "set_samples runs in each worker first"
     results = [encode_file(samples, schema, i, chunk_dir) for i in range(start, stop)]
@@ -166,7 +165,6 @@ class _FilesInput(MapInput):
     """What both sources share: a scan, the layout from the files' headers, a probe of a few files
     for the shard size, one file per worker task."""
 
-    resume_flag, overwrite_flag = "--resume", "--overwrite"
     made_from = "made from different inputs or options"
 
     def __init__(self, src: str, chunks: tuple[int, ...] | None, codec: str | None):
@@ -214,7 +212,7 @@ class _FilesInput(MapInput):
         return self.scan
 
     def fingerprint(self, run: RunOptions) -> str:
-        """What identifies the conversion for ``--resume``: backend, shard size, schema, metadata and
+        """What identifies the conversion for ``resume=True``: backend, shard size, schema, metadata and
         every file's path, size and modification time. (Not the probe's encoded records, as
         :meth:`MapInput.fingerprint` hashes: Blosc's output bytes are not always the same from one
         run to the next for the same chunk, and the files' listing says more about a change.)"""
@@ -304,7 +302,7 @@ class TiffImageInput(_FilesInput):
     def _scan_source(self) -> FileScan:
         require_tifffile()
         if not os.path.isdir(self.src):
-            raise SourceError(f"{self.src}: --chunks/--max-pixels store the TIFF images of a folder (class "
+            raise SourceError(f"{self.src}: chunks/max_pixels store the TIFF images of a folder (class "
                               "subfolders give labels) or NIfTI volumes; this is not a folder")
         return scan_file_folder(self.src, tuple(dict.fromkeys(TIFF_SUFFIXES + IMG_EXTENSIONS)), "TIFF/image")
 
@@ -315,7 +313,7 @@ class TiffImageInput(_FilesInput):
             fields.append(("label", Int()))
         limit = self.max_pixels if self.max_pixels is not None else pixel_limit()
         self.notes = [f"image: {layout.dtype.name} {'HxWxC' if layout.ndim == 3 else 'HxW'} arrays read tile by tile; "
-                      f"pixel limit {limit:,} per image" + (" (--max-pixels)" if self.max_pixels is not None else "")]
+                      f"pixel limit {limit:,} per image" + (" (max_pixels)" if self.max_pixels is not None else "")]
         return TiffSamples(scan, layout, self.max_pixels), Schema(tuple(fields))
 
 
@@ -334,11 +332,11 @@ def chunked_input(src: str, *, chunks: str | Sequence[int] | None = None, codec:
     pixels = None if max_pixels is None else parse_max_pixels(max_pixels)
     if is_volume_source(src):
         if pixels is not None:
-            raise ValueError("--max-pixels applies to TIFF images; NIfTI volumes are read slab by slab without it")
+            raise ValueError("max_pixels applies to TIFF images; NIfTI volumes are read slab by slab without it")
         return VolumeInput(src, sides, codec)
     if os.path.isdir(src) and (sides is not None or pixels is not None):
         if sides is not None and len(sides) not in (2, 3):
-            raise ValueError(f"--chunks for images takes 2 sides (rows,columns; every band in each chunk) or 3 "
+            raise ValueError(f"chunks for images takes 2 sides (rows,columns; every band in each chunk) or 3 "
                              f"(rows,columns,bands), got {len(sides)}")
         return TiffImageInput(src, sides, codec, pixels)
     return None

@@ -21,7 +21,7 @@ from fastdata.writer.sources.volumes.scan import FileScan, ScannedSamples
 __all__ = ["IMAGE_CHUNKS", "ImageLayout", "MAX_SEGMENT_BYTES", "READ_BUFFER_BYTES", "TIFF_SUFFIXES", "TiffRegions",
            "TiffSamples", "image_layout", "open_tiff", "require_tifffile"]
 
-#: TIFF-based file names a ``--chunks`` image folder takes (other images there are rejected)
+#: TIFF-based file names a ``chunks`` image folder takes (other images there are rejected)
 TIFF_SUFFIXES = (".tif", ".tiff", ".svs", ".btf", ".tf2", ".tf8", ".ndpi", ".scn")
 #: chunk sides (rows, columns) of a TIFF image
 IMAGE_CHUNKS = (512, 512)
@@ -153,7 +153,7 @@ def open_tiff(path: bytes, name: str, max_pixels: int | None) -> tuple[Any, Any,
     tiles or strips of at most :data:`MAX_SEGMENT_BYTES` each. The caller closes the file.
 
     Raises:
-        RejectedInputError: naming the problem (and ``--max-pixels`` for too many pixels).
+        RejectedInputError: naming the problem (and ``max_pixels`` for too many pixels).
         MissingExtraError: tifffile, or imagecodecs for a compressed TIFF, is not installed.
     """
     tifffile = require_tifffile()
@@ -162,7 +162,7 @@ def open_tiff(path: bytes, name: str, max_pixels: int | None) -> tuple[Any, Any,
     except FileNotFoundError:
         raise RejectedInputError(f"{named(name)}file not found") from None
     except Exception as err:  # noqa: BLE001 - TiffFileError, ValueError, struct.error, ...
-        raise RejectedInputError(f"{named(name)}not a readable TIFF file ({type(err).__name__}: {err}); --chunks "
+        raise RejectedInputError(f"{named(name)}not a readable TIFF file ({type(err).__name__}: {err}); chunks "
                                  "stores TIFF images, read tile by tile") from None
     try:
         try:
@@ -184,12 +184,12 @@ def open_tiff(path: bytes, name: str, max_pixels: int | None) -> tuple[Any, Any,
         height, width, channels = _tiff_geometry(page)
         limit = pixel_limit() if max_pixels is None else max_pixels
         if height * width > limit:
-            given = ("--max-pixels" if max_pixels is not None
+            given = ("max_pixels" if max_pixels is not None
                      else "the decompression-bomb limit, PIL.Image.MAX_IMAGE_PIXELS")
             raise RejectedInputError(
                 f"{named(name)}{width}x{height} image ({height * width:,} pixels) is over the limit of {limit:,} "
-                f"pixels ({given}): pass --max-pixels N (max_pixels=N) to allow larger images, e.g. --max-pixels "
-                f"{_suggest_pixels(height * width)}")
+                f"pixels ({given}): pass max_pixels=N to allow larger images, e.g. "
+                f"max_pixels={_suggest_pixels(height * width)!r}")
         segment = math.prod(int(c) for c in page.chunks) * np.dtype(dtype).itemsize
         if segment > MAX_SEGMENT_BYTES:
             raise RejectedInputError(f"{named(name)}its tiles/strips of {list(page.chunks)} decode to {segment:,} "
@@ -202,7 +202,7 @@ def open_tiff(path: bytes, name: str, max_pixels: int | None) -> tuple[Any, Any,
 
 
 def _suggest_pixels(pixels: int) -> str:
-    """A round ``--max-pixels`` value above ``pixels`` (``2G``, ``500M``)."""
+    """A round ``max_pixels`` value above ``pixels`` (``2G``, ``500M``)."""
     for unit, factor in (("M", 10**6), ("G", 10**9)):
         for mantissa in (1, 2, 5, 10, 20, 50, 100, 200, 500):
             if mantissa * factor >= pixels:

@@ -25,7 +25,7 @@ data); the workers read each member's bytes at its offset. Nothing is ever extra
 member named with an absolute path or ``..`` only gives a key, links and other non-file
 members are skipped (counted in a warning), and a member whose header claims more bytes than
 the file holds rejects its sample (reported). A sample that lacks one of the fields, or
-whose value does not parse, is rejected and reported (``--strict`` stops at the first), and so
+whose value does not parse, is rejected and reported (``strict=True`` stops at the first), and so
 is one over a limit: a member over ``MAX_MEMBER_BYTES``, members over ``MAX_SAMPLE_BYTES``
 together, a JSON member over ``MAX_JSON_MEMBER_BYTES`` (or holding more containers than
 :mod:`fastdata.common.bounded` allows), a ``.npy`` header declaring other than the bytes that

@@ -44,7 +44,7 @@ def encode_tar_chunk(layout: TarLayout, path: str, size: int, name: str, samples
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size != size:
-                raise SourceError(f"{path} changed since the conversion started; convert it again with --overwrite")
+                raise SourceError(f"{path} changed since the conversion started; convert it again with overwrite=True")
             for key, bad, members in samples:
                 if bad is not None:
                     results.append(bad)
@@ -170,7 +170,7 @@ class TarInput(WriteSource):
         return TarChunks(scan, layout, chunk_size)
 
     def options_text(self, run: RunOptions) -> str:
-        return f"{run.backend}, shard size {run.shard_size}" + (", --strict" if run.strict else "")
+        return f"{run.backend}, shard size {run.shard_size}" + (", strict=True" if run.strict else "")
 
     def manifest_extra(self) -> dict[str, Any]:
         return {"metadata": {"webdataset": {"files": self._scanned()[0].names}}}
@@ -186,5 +186,5 @@ class TarInput(WriteSource):
         refuse_changed_resume(dst, recorded, run, fingerprint, f"the tar files {self.src} changed")
 
     def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
-        """What a later ``--resume`` reuses (the options) and compares against (the fingerprint)."""
+        """What a later ``resume=True`` reuses (the options) and compares against (the fingerprint)."""
         record_run(dst, self.recorded_source, run, fingerprint)
