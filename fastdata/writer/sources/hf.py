@@ -97,7 +97,6 @@ class DatasetInput(ArrowInput):
     :func:`fastdata.write` takes it."""
 
     progress_label = "write"
-    resume_flag, overwrite_flag = "resume=True", "overwrite=True"
     made_from = "written from other samples or options"
     reuses_recorded_options = False
     staging_source = WRITE_SOURCE
