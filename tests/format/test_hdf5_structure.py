@@ -196,10 +196,28 @@ def test_shape_must_follow_the_count(shard):
     _refused(path, storage, schema, count, CorruptRecordError, "'relpath_offsets' has shape", f"({count + 1},)")
 
 
-def test_the_payload_must_be_contiguous(shard):
-    path, storage, schema, count = shard()
-    _replace(path, "images", lambda f, n, d: f.create_dataset(n, data=d, chunks=(1024,)))
-    _refused(path, storage, schema, count, CorruptRecordError, "payload dataset 'images' is not contiguous")
+@pytest.mark.parametrize("kind, name", [("v1", "images"), ("raw", "pixels")])
+def test_a_chunked_version1_payload_reads_as_the_first_writer_stored_it(shard, kind, name):
+    """fastdata 0.1.0 stored a classification shard's payload chunked (later writers: contiguous,
+    mapped): its records read the same through h5py; a chunked payload that is compressed is not."""
+    path, storage, schema, count = shard(kind)
+    _, records = read(path, storage, schema, count)
+    rows = max(1, count // 3) if name == "pixels" else 1024
+    data = _replace(path, name, lambda f, n, d: f.create_dataset(n, data=d, chunks=(rows, *d.shape[1:])))
+    assert read(path, storage, schema, count)[1] == records
+    if name == "pixels":  # the batched raw path too
+        with HDF5ShardReader(path, storage, schema=schema, expected_count=count) as reader:
+            out = np.zeros_like(data)
+            reader.get_raw_batch(np.arange(count)[::-1].copy(), out)
+            assert np.array_equal(out, data[::-1])
+    _replace(path, name, lambda f, n, d: f.create_dataset(n, data=d, chunks=(rows, *d.shape[1:]), compression="gzip"))
+    _refused(path, storage, schema, count, UnsafeStoreError, "compressed")
+
+
+def test_a_general_stores_payload_must_be_contiguous(shard):
+    path, storage, schema, count = shard("v2")
+    _replace(path, "records", lambda f, n, d: f.create_dataset(n, data=d, chunks=(1024,)))
+    _refused(path, storage, schema, count, CorruptRecordError, "payload dataset 'records' is not contiguous")
 
 
 def test_the_count_must_be_the_manifests(shard):

@@ -37,14 +37,16 @@ class HDF5ShardReader(ShardReader):
     reading the index through h5py the reader maps the payload's byte range
     read-only (``MADV_RANDOM``: no readahead for random access) and slices
     samples out of the mapping directly. Each process makes its own mapping
-    (readers are created lazily per process by the datasets).
+    (readers are created lazily per process by the datasets). (Classification shards of the
+    first writer, fastdata 0.1.0, hold a chunked payload: read through h5py instead.)
 
     Nothing is read before it is checked (``structure.py``): the path must be a regular
     file (never a FIFO or device) before h5py opens it; every link in the file must be a
     hard link and no dataset may use external storage or a virtual layout (checked on
     open, over the whole file); each dataset's dtype, shape (from the shard's count, which
     must be the manifest's when ``expected_count`` is given) and stored bytes are checked
-    before it is read; the payload is contiguous and lies within the file."""
+    before it is read; the payload lies within the file (contiguous, or chunked unfiltered and
+    fully stored in a first-writer classification shard)."""
 
     #: diagnose(): the handles held here are reopened per process (see the datasets)
     __fastdata_fork_safe__ = True
@@ -123,14 +125,18 @@ class HDF5ShardReader(ShardReader):
                       if name not in OPTIONAL_INDEX_ARRAYS or name in self._datasets}
             arrays = v1_index_arrays(arrays.get, count, self.path)
             offsets: np.ndarray | None
+            # (contiguous=False: the first writer, fastdata 0.1.0, stored the payload chunked; read
+            # through h5py below, the checks of a chunked dataset applied: unfiltered, fully stored)
             if self.storage.mode.holds_fixed_size_pixels:
                 h, w = self.storage.raw_hw()
+                payload_name = spec.PIXELS
                 data = structure.check_dataset(self._datasets, spec.PIXELS, "u1", (count, h, w, 3),
-                                               self._stat.st_size, self.path, contiguous=True)
+                                               self._stat.st_size, self.path)
                 offsets = None
             else:
+                payload_name = spec.IMAGES
                 data = structure.check_dataset(self._datasets, spec.IMAGES, "u1", structure.flat,
-                                               self._stat.st_size, self.path, contiguous=True)
+                                               self._stat.st_size, self.path)
                 offsets = self._array(spec.OFFSETS, "<i8", (count + 1,))
         except (KeyError, OSError, ValueError, TypeError) as err:
             raise CorruptRecordError(f"{self.path}: shard index unreadable ({err})", shard=self.path) from None
@@ -139,6 +145,10 @@ class HDF5ShardReader(ShardReader):
         if offsets is not None and (offsets[0] != 0 or np.any(np.diff(offsets) != index.nbytes)
                                     or offsets[-1] != data.nbytes):
             raise CorruptRecordError(f"{self.path}: image offsets are inconsistent", shard=self.path)
+        if data.nbytes and data.offset is None:  # a version-1 store of the first writer: chunked payload
+            self._payload = _ChunkedPayload(f[payload_name], self.path)  # type: ignore[assignment]
+            self._offsets, self._checksums = offsets, index.checksums
+            return index
         self._adopt_payload(index, offsets, data.offset, data.nbytes)
         return index
 
@@ -315,9 +325,12 @@ class HDF5ShardReader(ShardReader):
         payload, checksums = self._loaded()
         idx = np.asarray(local_indices, dtype=np.int64)
         h, w = self.storage.raw_hw()
-        pixels = payload.reshape(-1, h, w, 3)
         order = np.argsort(idx, kind="stable")
-        out[order] = pixels[idx[order]]
+        if isinstance(payload, _ChunkedPayload):
+            for j in order.tolist():
+                out[j] = payload.row(int(idx[j])).reshape(h, w, 3)
+        else:
+            out[order] = payload.reshape(-1, h, w, 3)[idx[order]]
         for j, i in enumerate(idx.tolist()):
             if checksum(out[j]) != int(checksums[i]):
                 raise CorruptRecordError(f"{self.path} record {i}: image checksum mismatch (the record is damaged)",
@@ -341,3 +354,26 @@ class HDF5ShardReader(ShardReader):
                 f.close()
             except Exception:  # closing a damaged file can raise; nothing left to release
                 pass
+
+
+class _ChunkedPayload:
+    """The payload dataset of a version-1 shard written by fastdata 0.1.0, which stored it chunked
+    (every later writer stores it contiguous, and readers map it). Records are read through h5py,
+    a byte range (or a pixel row) at a time, through the file's bounded chunk cache: sliced as the
+    mapped payload is, ``payload[a:b]`` giving the bytes ``a`` to ``b`` as a uint8 array."""
+
+    def __init__(self, dataset, path: str):
+        self._dataset, self._path = dataset, path
+        self._row = int(np.prod(dataset.shape[1:], dtype=np.int64)) if dataset.ndim > 1 else 1
+
+    def row(self, i: int) -> np.ndarray:
+        """Row ``i`` of a pixel dataset ``[n, H, W, 3]``, flat."""
+        return np.asarray(self._dataset[i], dtype=np.uint8).reshape(-1)
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        a, b = int(span.start), int(span.stop)
+        if self._dataset.ndim == 1:
+            return np.asarray(self._dataset[a:b], dtype=np.uint8)
+        if a % self._row or b - a != self._row:
+            raise ValueError(f"{self._path}: bytes {a}..{b} are not one pixel row of {self._row}")
+        return self.row(a // self._row)
