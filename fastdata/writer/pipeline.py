@@ -21,7 +21,7 @@ Workflow for one destination (the caller holds the store lock):
 4. Publishing gathers the sidecars in shard order, writes ``rejected.tsv`` and
    finally ``manifest.json`` (atomic rename + directory fsync), then removes staging.
 
-A :class:`ShardSink` installed with :func:`shard_sink` also receives each finished
+A :class:`ShardSink`, passed as an argument (``sink=``), also receives each finished
 shard, decides which shards an earlier run finished, and publishes after the local
 manifest is written: a URL destination uploads through one (:mod:`fastdata.writer.remote_sink`).
 """
@@ -32,7 +32,6 @@ import abc
 import collections
 import concurrent.futures as cf
 import contextlib
-import contextvars
 import itertools
 import json
 import multiprocessing
@@ -123,8 +122,8 @@ class PipelineStats:
 
 class ShardSink(Protocol):
     """Where finished shards go besides the local destination directory (e.g. a remote store:
-    :class:`fastdata.writer.remote_sink.RemoteDestination`). Installed with :func:`shard_sink`, it
-    is called by :func:`run_shards`, :func:`load_finished` and :func:`publish`."""
+    :class:`fastdata.writer.remote_sink.RemoteDestination`). Passed as ``sink=`` to :func:`run_shards`,
+    :func:`load_finished` and :func:`publish`, which call it."""
 
     def start(self, dst: str) -> None:
         """The pipeline is about to write shards into ``dst`` (its staging plan is written)."""
@@ -146,17 +145,6 @@ class ShardSink(Protocol):
         """``dst`` now holds the store index, rejected.tsv and manifest.json: make them visible."""
 
 
-_SINK: contextvars.ContextVar[ShardSink | None] = contextvars.ContextVar("fastdata_shard_sink", default=None)
-
-
-@contextlib.contextmanager
-def shard_sink(sink: ShardSink) -> Iterator[ShardSink]:
-    """Send the finished shards of the pipeline runs in this block to ``sink`` as well."""
-    token = _SINK.set(sink)
-    try:
-        yield sink
-    finally:
-        _SINK.reset(token)
 
 
 def staging_path(dst: str, *parts: str) -> str:
@@ -237,13 +225,11 @@ def remove_temporaries(dst: str) -> None:
 
 
 def load_finished(dst: str, backend: str, plans: list[ShardPlan], verify_files: bool = True,
-                  first_shard: int = 0) -> dict[int, ShardResult]:
+                  first_shard: int = 0, sink: ShardSink | None = None) -> dict[int, ShardResult]:
     """Shards whose sidecar exists and whose file still matches it (size, and the
     whole-file checksum unless ``verify_files`` is False: for shards this run just wrote),
     keyed by shard number (a plan's ``shard_id`` plus ``first_shard``: an append numbers its
-    shards after the store's). With a :func:`shard_sink` installed, the sink decides (e.g. the
-    remote objects)."""
-    sink = _SINK.get()
+    shards after the store's). With a ``sink``, the sink decides (e.g. the remote objects)."""
     if sink is not None:
         return sink.load_finished(dst, backend, [ShardPlan(p.shard_id + first_shard, p.start, p.stop)
                                                  for p in plans])
@@ -511,6 +497,7 @@ def run_shards(
     schema: Schema | None = None,
     num_classes: int = 0,
     first_shard: int = 0,
+    sink: ShardSink | None = None,
 ) -> PipelineStats:
     """Write the shards ``plans`` (None: those ``source`` makes as it goes) that ``source`` feeds into ``dst``.
 
@@ -521,22 +508,23 @@ def run_shards(
     :class:`ConversionError` on a dead worker or an I/O error, :class:`RejectedInputError`
     in strict mode, and any error a worker raises (e.g. a
     :class:`~fastdata.format.fields.SchemaError`) as it is. Plan ``k`` is written as shard
-    ``first_shard + k`` (an append numbers its shards after the store's).
+    ``first_shard + k`` (an append numbers its shards after the store's). ``sink``, when given, is
+    told of each finished shard (:class:`ShardSink`: e.g. an upload to a URL).
     """
     if plans is not None and not plans:
         return PipelineStats()  # nothing left to write (a resume of finished shards): no pool to start
     if workers == 0:
         with source.in_this_process():
             return _run_shards(dst, backend, source, plans, storage, 0, strict, writer_options, on_progress, schema,
-                               num_classes, first_shard)
+                               num_classes, first_shard, sink)
     return _run_shards(dst, backend, source, plans, storage, workers, strict, writer_options, on_progress, schema,
-                       num_classes, first_shard)
+                       num_classes, first_shard, sink)
 
 
 def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPlan] | None, storage: StorageSpec,
                 workers: int, strict: bool, writer_options: dict,
                 on_progress: Callable[[int, int, int], None] | None, schema: Schema | None,
-                num_classes: int, first_shard: int = 0) -> PipelineStats:
+                num_classes: int, first_shard: int = 0, sink: ShardSink | None = None) -> PipelineStats:
     stats = PipelineStats()
     window = max(2, workers * 4)
     spill_dir = staging_path(dst)
@@ -556,7 +544,6 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
         spill_to = spill_dir
     mainless = is_mainless(ctx)
     inflight: collections.deque = collections.deque()
-    sink = _SINK.get()
     if sink is not None:
         sink.start(dst)
     source_chunks = source.chunks(plans)
@@ -717,7 +704,7 @@ class PublishedBase:
 
 def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[str, str]], storage: StorageSpec,
             results: list[ShardResult], options: dict, schema: Schema | None = None, extra: dict | None = None,
-            base: PublishedBase | None = None) -> dict:
+            base: PublishedBase | None = None, sink: ShardSink | None = None) -> dict:
     """Write ``rejected.tsv``, the store index file and then ``manifest.json`` (last); remove staging.
 
     ``schema`` None publishes a classification store (layout version 1) of ``classes``; a
@@ -787,7 +774,6 @@ def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[s
     for older in range(generation - 1):  # (the previous version's stays: a reader may be opening it)
         with contextlib.suppress(OSError, FastdataError):
             remove_file(os.path.join(dst, store_index_name(older)))
-    sink = _SINK.get()
     if sink is not None:
         sink.publish(dst)
     try:

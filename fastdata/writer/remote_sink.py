@@ -2,8 +2,8 @@
 
 ``fastdata.convert(src, "s3://bucket/train.lmdb")`` (and ``convert_table``, ``write``,
 ``convert_coco``, the CLI's ``convert``) runs the ordinary local pipeline into a local
-staging directory and installs a :class:`RemoteDestination` as its shard sink
-(:func:`fastdata.writer.pipeline.shard_sink`):
+staging directory and gives it a :class:`RemoteDestination` as its shard sink
+(:class:`fastdata.writer.pipeline.ShardSink`, an argument of the pipeline's functions):
 
 * **Staging**: ``staging_dir`` if given, else ``default_cache_dir()/uploads/<sha1(url)[:16]>/``,
   holding ``<store name>/`` (e.g. ``train.lmdb/``, so the suffix still picks the backend);
@@ -71,7 +71,7 @@ from fastdata.remote.cache import default_cache_dir
 from fastdata.remote.location import RemoteLocation
 from fastdata.writer.lock import raise_if_locked
 from fastdata.writer.owned import check_dir, make_dir, remove_dir, remove_file
-from fastdata.writer.pipeline import ShardResult, check_store_entries, shard_sink, staging_made
+from fastdata.writer.pipeline import ShardResult, ShardSink, check_store_entries, staging_made
 
 #: finished shards that may wait for (or be in) upload before the pipeline blocks
 MAX_WAITING = 2
@@ -509,11 +509,11 @@ class RemoteDestination:
 
 
 def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_dir: str | os.PathLike | None, *,
-                 resume: bool, overwrite: bool, run: Callable[[str], Any], rank: int | None = None,
+                 resume: bool, overwrite: bool, run: Callable[[str, ShardSink], Any], rank: int | None = None,
                  append: bool = False) -> Any:
-    """Run a conversion into ``url``: ``run(local_dir)`` is the local conversion (called with
-    ``overwrite`` off: the remote store is cleared here), with a :class:`RemoteDestination`
-    installed as its shard sink. Returns ``run``'s report with ``dst`` set to the URL.
+    """Run a conversion into ``url``: ``run(local_dir, sink)`` is the local conversion (called with
+    ``overwrite`` off: the remote store is cleared here), which passes ``sink``, a
+    :class:`RemoteDestination`, to the pipeline as its shard sink. Returns ``run``'s report with ``dst`` set to the URL.
     ``rank``: this process's rank in a torchrun job (rank 0 clears and publishes), None outside one.
 
     Raises:
@@ -534,8 +534,7 @@ def write_to_url(url: str, storage_options: Mapping[str, Any] | None, staging_di
     try:
         if not rank:
             lock.write()
-        with shard_sink(sink):
-            report = run(local)
+        report = run(local, sink)
     except FastdataError as err:
         _name_the_url(err, local, location.url)
         raise

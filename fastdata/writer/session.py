@@ -54,6 +54,7 @@ from fastdata.writer.pipeline import (
     remove_staging,
     remove_temporaries,
     run_shards,
+    ShardSink,
     store_entries,
 )
 from fastdata.writer.plan import ShardPlan
@@ -187,6 +188,8 @@ class WriteSession:
         self.base: PublishedBase | None = None
         #: the input's own fingerprint (an append's fingerprint also names the store version)
         self.input_fingerprint = ""
+        #: where finished shards go besides the local directory (a URL destination's uploads), or None
+        self.sink: ShardSink | None = None
 
     def run(self) -> ConvertReport:
         """Write the store; see the module docstring for the steps.
@@ -218,13 +221,17 @@ class WriteSession:
                 raise ValueError(f"{self.dst}: an append into a URL runs in one process, not under torchrun")
             rank = self.group.rank if self.group.world_size > 1 else None
             return write_to_url(self.dst, o.storage_options, o.staging_dir, resume=o.resume, overwrite=o.overwrite,
-                                rank=rank, run=lambda local: self._write(local, overwrite=False), append=o.append)
+                                rank=rank, run=lambda local, sink: self._write(local, overwrite=False, sink=sink),
+                                append=o.append)
         if o.storage_options or o.staging_dir is not None:
             raise ValueError(f"{self.dst}: storage_options and staging_dir apply to a URL destination only "
                              "(s3://, gs://, az://), not to a local path")
         return self._write(self.dst, overwrite=o.overwrite)
 
-    def _write(self, dst: str, overwrite: bool) -> ConvertReport:
+    def _write(self, dst: str, overwrite: bool, sink: ShardSink | None = None) -> ConvertReport:
+        """Write the store into the local directory ``dst``; ``sink``: where finished shards go as
+        well (a URL destination's uploads), given to every pipeline call of this write."""
+        self.sink = sink
         o, source, group = self.options, self.source, self.group
         check_local_path(dst, "destination", must_exist=False)
         if group.world_size == 1:  # (ranks: rank 0 checks it while preparing, so that all ranks stop together)
@@ -363,7 +370,8 @@ class WriteSession:
         source, group, o = self.source, self.group, self.options
         mine = shards_for_rank(plans, group.rank, group.world_size) if plans is not None else None
         first = self.first_shard
-        finished = load_finished(dst, run.backend, mine, first_shard=first) if o.resume and mine is not None else {}
+        finished = (load_finished(dst, run.backend, mine, first_shard=first, sink=self.sink)
+                    if o.resume and mine is not None else {})
         todo = [p for p in mine if p.shard_id + first not in finished] if mine is not None else None
         label = source.progress_label if group.world_size == 1 else f"rank {group.rank}"
         with ProgressBar(sum(p.stop - p.start for p in todo) if todo is not None else 0, o.progress,
@@ -371,7 +379,8 @@ class WriteSession:
             stats = run_shards(dst=dst, backend=run.backend, source=source.chunks(run, o.task_size), plans=todo,
                                storage=run.storage, workers=workers, strict=run.strict, writer_options=writer_options,
                                on_progress=bar.update_counts, schema=source.schema,
-                               num_classes=len(source.classes()) if source.schema is None else 0, first_shard=first)
+                               num_classes=len(source.classes()) if source.schema is None else 0, first_shard=first,
+                               sink=self.sink)
         self._results = list(finished.values()) + stats.results
         return stats.input_bytes + sum(r.input_bytes for r in finished.values()), len(finished)
 
@@ -381,7 +390,7 @@ class WriteSession:
         first = self.first_shard
         results = (self._results if self.group.world_size == 1  # (the other ranks' shards: from their sidecars)
                    else list(load_finished(dst, run.backend, plans or [], verify_files=False,
-                                           first_shard=first).values()))
+                                           first_shard=first, sink=self.sink).values()))
         missing = sorted({p.shard_id + first for p in plans or []} - {r.shard_id for r in results})
         if missing:
             raise FastdataError(f"{dst}: shard(s) {missing} did not finish; rerun with resume=True")
@@ -391,13 +400,13 @@ class WriteSession:
                                                    sum(r.count for r in results), len(results))
             return publish(dst=dst, backend=run.backend, classes=source.classes() or self.base.manifest["classes"],
                            remarks=source.remarks(), storage=run.storage, results=results, options=options,
-                           schema=source.schema, extra=extra, base=self.base)
+                           schema=source.schema, extra=extra, base=self.base, sink=self.sink)
         options = {"source": source.recorded_source, "shard_size": run.shard_size.bytes,
                    "shard_size_unit": run.shard_size.unit, "strict": run.strict, "fingerprint": fingerprint,
                    **source.manifest_options()}
         return publish(dst=dst, backend=run.backend, classes=source.classes(), remarks=source.remarks(),
                        storage=run.storage, results=results, options=options, schema=source.schema,
-                       extra=source.manifest_extra())
+                       extra=source.manifest_extra(), sink=self.sink)
 
     @property
     def first_shard(self) -> int:
