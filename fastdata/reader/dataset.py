@@ -234,7 +234,8 @@ class StoreDataset(Dataset):
         #: the read mode of each image field (see ``image_mode=``)
         self.image_modes: dict[str, str] = self._resolve_modes(image_mode, manifest)
         self._warn_if_reduced(chosen=self.image_modes if isinstance(image_mode, str) else (image_mode or {}))
-        self._source = (manifest.get("options") or {}).get("source")
+        #: ``(first sample, source)`` of each conversion that wrote the shards: the first, then each append
+        self._sources = _source_spans(manifest)
         self._shards = ShardHandles(store, self.backend, self.storage, schema=self._schema, max_open=max_open_shards,
                                     readahead=wants_readahead(manifest) if readahead is None else bool(readahead))
         store.slim()
@@ -292,23 +293,20 @@ class StoreDataset(Dataset):
         it only if it was built before they started).
         """
         if self._samples is None:
-            base = self._source_base()
-            self._samples = [(os.path.join(base, self.relpath(i)) if base else self.relpath(i), int(t))
-                             for i, t in enumerate(self.targets.tolist())]
+            targets = self.targets.tolist()
+            ends = [start for start, _ in self._sources[1:]] + [len(targets)]
+            samples: list[tuple[str, int]] = []
+            for (start, source), end in zip(self._sources, ends, strict=True):  # an append's records: its source
+                base = _source_base(source)
+                samples += [(os.path.join(base, self.relpath(i)) if base else self.relpath(i), int(targets[i]))
+                            for i in range(start, end)]
+            self._samples = samples
         return self._samples
 
     @property
     def imgs(self) -> list[tuple[str, int]]:
         """Alias of :attr:`samples`, as in ImageFolder."""
         return self.samples
-
-    def _source_base(self) -> str | None:
-        source = self._source
-        if not source:
-            return None
-        if source.lower().endswith((".csv", ".tsv", ".jsonl", ".ndjson")):  # a list: paths relative to its folder
-            return os.path.dirname(source)
-        return source
 
     def extra_repr(self) -> str:
         """Lines :meth:`__repr__` adds after the root, as torchvision's ``extra_repr``."""
@@ -965,3 +963,32 @@ class HDF5ImageDataset(StoreDataset):
     """A fastdata HDF5 store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
 
     backend = "hdf5"
+
+
+def _source_base(source: str | None) -> str | None:
+    """The folder a conversion's stored paths are relative to: its source folder, or a list's folder."""
+    if not isinstance(source, str) or not source:
+        return None
+    if source.lower().endswith((".csv", ".tsv", ".jsonl", ".ndjson")):  # a list: paths relative to its folder
+        return os.path.dirname(source)
+    return source
+
+
+def _source_spans(manifest: dict) -> list[tuple[int, str | None]]:
+    """``(first sample, source)`` of the conversion that wrote each run of shards: the store's own,
+    then each append's (``options.appends``, in order, each naming how many shards it added). A
+    list that does not add up to the store's shards is ignored (every record: the first source)."""
+    options = manifest.get("options") or {}
+    spans: list[tuple[int, str | None]] = [(0, options.get("source"))]
+    appends, shards = options.get("appends"), manifest["shards"]
+    if not isinstance(appends, list) or not appends or not all(isinstance(a, dict) for a in appends):
+        return spans
+    counts = [a.get("shards") for a in appends]
+    if not all(type(c) is int and c >= 0 for c in counts) or sum(counts) > len(shards):
+        return spans
+    k = len(shards) - sum(counts)
+    for append, count in zip(appends, counts, strict=True):
+        if count:
+            spans.append((int(shards[k]["first_index"]), append.get("source")))
+        k += count
+    return spans

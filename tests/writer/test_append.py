@@ -67,6 +67,12 @@ def test_append_adds_shards_maps_classes_by_name_and_keeps_old_readers(weeks, tm
 
     after = fastdata.open_dataset(store, output="numpy")
     assert len(after) == 16 and after.targets.tolist()[11:] == [1, 1, 1, 2, 2]
+    # samples name each record's own file: the appended ones under the append's source (they were
+    # joined with the first conversion's folder: other files, or none)
+    expected_paths = [str(weeks[w] / c / f) for w in ("w1", "w2") for c in sorted(os.listdir(weeks[w]))
+                      for f in sorted(os.listdir(weeks[w] / c))]
+    assert [path for path, _ in after.samples] == expected_paths
+    assert all(os.path.isfile(path) for path, _ in after.samples)
     # the dataset opened before reads on in its own version: its length, and its shards, also
     # after reopening them (a worker's copy; a closed handle) past the newer manifest
     assert len(before) == 11
