@@ -72,29 +72,50 @@ def run_bounded(fn: Callable, *args: Any, env: dict[str, str] | None = None, gro
         finally:
             os._exit(0)
     os.close(w)
-    os.set_blocking(r, False)
-    data, deadline = b"", time.monotonic() + timeout
-    while True:
-        try:
-            while chunk := os.read(r, 1 << 16):
-                data += chunk
-        except BlockingIOError:
-            pass
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(r)
-            return {"outcome": "timeout", "message": f"still running after {timeout} s"}
-        time.sleep(0.005)
-    try:
-        while chunk := os.read(r, 1 << 16):
-            data += chunk
-    except BlockingIOError:
-        pass
-    os.close(r)
+    data, status = wait_for_child(pid, r, timeout)
+    if status is None:
+        return {"outcome": "timeout", "message": f"still running after {timeout} s"}
     if os.WIFSIGNALED(status):
         return {"outcome": "signal", "message": signal.Signals(os.WTERMSIG(status)).name}
     return pickle.loads(data) if data else {"outcome": "untyped_error", "message": "no result"}
+
+
+def _drain(fd: int) -> bytes:
+    """What the non-blocking pipe ``fd`` holds now."""
+    out = b""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            out += chunk
+    except BlockingIOError:
+        pass
+    return out
+
+
+def wait_for_child(pid: int, r: int, timeout: float, group: bool = False) -> tuple[bytes, int | None]:
+    """Read the pipe ``r`` of the forked child ``pid`` until the child exits (read as it writes, so
+    a result larger than the pipe's buffer never blocks it), then close ``r``.
+
+    Returns:
+        ``(bytes read, wait status)``; the status is None when the child was still running after
+        ``timeout`` seconds and was killed with SIGKILL (with ``group``, its process group first).
+    """
+    os.set_blocking(r, False)
+    data, status, deadline = b"", None, time.monotonic() + timeout
+    while True:
+        data += _drain(r)
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = st
+            break
+        if time.monotonic() > deadline:
+            for target in ((-pid, pid) if group else (pid,)):
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+    data += _drain(r)
+    os.close(r)
+    return data, status

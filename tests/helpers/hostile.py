@@ -46,6 +46,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from helpers.bounded import wait_for_child
 from helpers.images import TESTS_DIR, make_tree
 
 #: what a hostile store may cost a reader beyond a reader's own baseline
@@ -491,7 +492,29 @@ def empty_lists_json(n: int) -> bytes:
 
 # -- a loopback HTTP server (read-only stores, redirects) ---------------------------------------
 
-class HTTPStoreServer:
+class LoopbackServer:
+    """An HTTP server on 127.0.0.1 (a free port) answering with ``handler`` (a
+    ``BaseHTTPRequestHandler`` class), one thread per request, served from a daemon thread."""
+
+    def __init__(self, handler) -> None:
+        import http.server
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        # polled every 50 ms: shutdown() waits for the loop's next poll, 0.5 s by default (at every test's end)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class HTTPStoreServer(LoopbackServer):
     """Serves the folder ``root`` over http://127.0.0.1 with Range support; ``redirect_to``
     (a base URL) makes every GET/HEAD answer 302 to the same path there."""
 
@@ -535,18 +558,7 @@ class HTTPStoreServer:
                 self.end_headers()
                 return io.BytesIO(data)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        # polled every 50 ms: shutdown() waits for the loop's next poll, 0.5 s by default (at every test's end)
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 # -- the operations a harness child runs -------------------------------------------------------
@@ -787,40 +799,12 @@ def zygote_main() -> None:
             os.close(r)
             _child(request, w, log_path)
         os.close(w)
-        os.set_blocking(r, False)
-        deadline = time.monotonic() + request.get("timeout", TIMEOUT)
-        data, status, timed_out = b"", None, False
-        while True:
-            try:
-                while chunk := os.read(r, 1 << 16):
-                    data += chunk
-            except BlockingIOError:
-                pass
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = st
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                for target in (-pid, pid):
-                    try:
-                        os.kill(target, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                _, status = os.waitpid(pid, 0)
-                break
-            time.sleep(0.01)
-        try:
-            while chunk := os.read(r, 1 << 16):
-                data += chunk
-        except BlockingIOError:
-            pass
-        os.close(r)
+        data, status = wait_for_child(pid, r, request.get("timeout", TIMEOUT), group=True)
         try:  # reap the child's own children (a converter's workers), if any were left
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        if timed_out:
+        if status is None:
             result = {"outcome": "timeout", "message": f"still running after {request.get('timeout', TIMEOUT)} s"}
         elif os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -30,7 +29,7 @@ pytestmark = pytest.mark.timeout(60)
 Action = tuple
 
 
-class ReplyServer:
+class ReplyServer(H.LoopbackServer):
     """Serves ``root`` at http://127.0.0.1:<port>/; ``behave(method, path)`` picks each reply's
     :data:`Action` (default: the file). ``requests`` lists every (method, path) it received."""
 
@@ -99,18 +98,7 @@ class ReplyServer:
                 except OSError:  # the client hung up (what the fix makes it do)
                     return
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture(scope="module")

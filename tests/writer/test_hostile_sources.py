@@ -15,15 +15,14 @@ import importlib.util
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.bounded import vm_size, wait_for_child
 
 #: the memory a case may use beyond the zygote's
 GROWTH = 1 << 30
@@ -32,14 +31,6 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 # -- the zygote ---------------------------------------------------------------------------------
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) << 10
-    return 0
-
 
 def _zygote_main(module_path: str, warm_dir: str) -> None:
     """In the zygote: import this module and fastdata, convert a small tar once, then per request line
@@ -72,7 +63,7 @@ def _zygote_main(module_path: str, warm_dir: str) -> None:
             os.close(r)
             os.setpgid(0, 0)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            limit = _vm_size() + GROWTH
+            limit = vm_size() + GROWTH
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
             try:
                 result = getattr(module, request["case"])(**request["args"])
@@ -81,21 +72,7 @@ def _zygote_main(module_path: str, warm_dir: str) -> None:
             os.write(w, json.dumps(result, default=str).encode())
             os._exit(0)
         os.close(w)
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                status = None
-                break
-            time.sleep(0.005)
-        data = b""
-        while chunk := os.read(r, 1 << 16):
-            data += chunk
-        os.close(r)
+        data, status = wait_for_child(pid, r, TIMEOUT, group=True)
         if status is None:
             result = {"outcome": "timeout"}
         elif data:

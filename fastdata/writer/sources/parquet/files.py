@@ -14,6 +14,7 @@ to :data:`~fastdata.writer.sources.parquet.columns.MAX_CLASS_NAMES` names and
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,15 +249,26 @@ def _sidecar_refused(path: str, err: Exception) -> SourceError:
                        "convert again")
 
 
-def _features_of_info_json(path: str, notes: list[str]) -> dict[str, Any] | None:
+def _read_sidecar(path: str, read: Callable[[str], bytes], notes: list[str]) -> bytes | None:
+    """``read(path)``: None when the sidecar is missing, or unreadable (a line in ``notes``).
+
+    Raises:
+        SourceError: it is not a regular file, or larger than its limit (see :func:`_sidecar_refused`).
+    """
     try:
-        raw = read_regular(path, MAX_SIDECAR_BYTES, "dataset_info.json")
+        return read(path)
     except FileNotFoundError:
         return None
     except UnsafeStoreError as err:
         raise _sidecar_refused(path, err) from None
     except OSError as err:
         notes.append(f"{path}: not read ({err.strerror or err}); no class names from it")
+        return None
+
+
+def _features_of_info_json(path: str, notes: list[str]) -> dict[str, Any] | None:
+    raw = _read_sidecar(path, lambda p: read_regular(p, MAX_SIDECAR_BYTES, "dataset_info.json"), notes)
+    if raw is None:
         return None
     try:
         info = json_loads_bounded(raw)
@@ -293,14 +305,8 @@ def _read_card(path: str) -> bytes:
 def _features_of_card(path: str, notes: list[str]) -> dict[str, Any] | None:
     """A dataset card's YAML ``dataset_info.features`` (a list of ``{name, dtype}``) in the
     features form: class labels as ``ClassLabel`` with their names, images as ``Image``."""
-    try:
-        data = _read_card(path)
-    except FileNotFoundError:
-        return None
-    except UnsafeStoreError as err:
-        raise _sidecar_refused(path, err) from None
-    except OSError as err:
-        notes.append(f"{path}: not read ({err.strerror or err}); no class names from it")
+    data = _read_sidecar(path, _read_card, notes)
+    if data is None:
         return None
     if not data.startswith(b"---"):
         return None
