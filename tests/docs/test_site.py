@@ -81,6 +81,43 @@ def test_control_a_name_left_out_of_the_reference_is_found(site):
         "WriteOptionsNotYetWritten"]
 
 
+#: a Sphinx role as the docstrings write it and as mkdocstrings would show it unrewritten (":class:" then code)
+_ROLE_TEXT = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):")
+
+
+def test_the_reference_shows_no_sphinx_role_as_text(site):
+    """The docstrings' roles (:class:`fastdata.X`, :func:`...`) are rewritten by docs/griffe_roles.py:
+    none is left as text, a role naming a documented object links to its entry, and one naming an
+    internal helper is plain code, no link."""
+    html = (site / "reference" / "index.html").read_text()
+    assert _ROLE_TEXT.findall(html) == []
+    # :func:`fastdata.loader` (in DistributedShardSampler's docstring), :meth:`load_state_dict` (a member)
+    assert re.search(r'<a class="autorefs[^"]*"[^>]*href="#fastdata\.loader"><code>fastdata\.loader</code></a>', html)
+    assert re.search(r'href="#fastdata\.DistributedShardSampler\.load_state_dict"><code>load_state_dict</code></a>',
+                     html)
+    # :mod:`fastdata.writer.remote_sink` is not on the site: code with its path as a tooltip, no link
+    assert '<span title="fastdata.writer.remote_sink"><code>fastdata.writer.remote_sink</code></span>' in html
+    assert "<autoref" not in html
+
+
+def test_control_a_role_left_unrewritten_is_found():
+    """The check above finds a role that mkdocstrings would print as text, and the rewriting turns
+    each form into code (shortened with ``~``, titled with ``Title <target>``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("griffe_roles", DOCS / "griffe_roles.py")
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    assert _ROLE_TEXT.findall("see :class:<code>fastdata.X</code> and :meth:<code>get</code>") == [":class:", ":meth:"]
+    assert roles.parse_role("fastdata.loader") == ("fastdata.loader", "fastdata.loader")
+    assert roles.parse_role("~fastdata.writer.options.WriteOptions") == ("WriteOptions",
+                                                                         "fastdata.writer.options.WriteOptions")
+    assert roles.parse_role("ImageStorage <fastdata.sources.ImageStorage>") == ("ImageStorage",
+                                                                               "fastdata.sources.ImageStorage")
+    text = "a :class:`~a.B`, :py:func:`c` and :unknown:`d`"
+    assert roles.ROLE.sub(lambda m: f"[{roles.parse_role(m['body'])[0]}]", text) == "a [B], [c] and :unknown:`d`"
+
+
 @pytest.mark.slow  # a second build (seconds): the control of the strict build, nightly
 def test_control_a_broken_link_fails_the_strict_build(tmp_path):
     """A copy of the docs with a link to a page that does not exist does not build."""
