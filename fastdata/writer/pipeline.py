@@ -471,6 +471,16 @@ def _start_in_background(executor: cf.ProcessPoolExecutor) -> threading.Thread:
     return thread
 
 
+#: What makes the worker pool of :func:`run_shards` (``executor_factory=``): called with the
+#: keywords of :class:`concurrent.futures.ProcessPoolExecutor` (``max_workers``, ``mp_context``,
+#: ``initializer``, ``initargs``), it returns the executor the chunks are submitted to. A
+#: :class:`~concurrent.futures.ProcessPoolExecutor` (or a subclass) is started in the background
+#: and stopped as the default pool is; any other executor is shut down without waiting. The
+#: argument exists so that a caller (or a test counting or failing pools) supplies its own pool
+#: without replacing ``concurrent.futures.ProcessPoolExecutor`` for the whole process.
+ExecutorFactory = Callable[..., cf.Executor]
+
+
 class _InProcess:
     """An executor that runs each task at once in this process (``workers=0``)."""
 
@@ -498,6 +508,7 @@ def run_shards(
     num_classes: int = 0,
     first_shard: int = 0,
     sink: ShardSink | None = None,
+    executor_factory: ExecutorFactory | None = None,
 ) -> PipelineStats:
     """Write the shards ``plans`` (None: those ``source`` makes as it goes) that ``source`` feeds into ``dst``.
 
@@ -510,6 +521,8 @@ def run_shards(
     :class:`~fastdata.format.fields.SchemaError`) as it is. Plan ``k`` is written as shard
     ``first_shard + k`` (an append numbers its shards after the store's). ``sink``, when given, is
     told of each finished shard (:class:`ShardSink`: e.g. an upload to a URL).
+    ``executor_factory`` makes the worker pool when ``workers > 0`` (see :data:`ExecutorFactory`;
+    None: :class:`concurrent.futures.ProcessPoolExecutor`); ``workers=0`` never calls it.
     """
     if plans is not None and not plans:
         return PipelineStats()  # nothing left to write (a resume of finished shards): no pool to start
@@ -518,13 +531,14 @@ def run_shards(
             return _run_shards(dst, backend, source, plans, storage, 0, strict, writer_options, on_progress, schema,
                                num_classes, first_shard, sink)
     return _run_shards(dst, backend, source, plans, storage, workers, strict, writer_options, on_progress, schema,
-                       num_classes, first_shard, sink)
+                       num_classes, first_shard, sink, executor_factory)
 
 
 def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPlan] | None, storage: StorageSpec,
                 workers: int, strict: bool, writer_options: dict,
                 on_progress: Callable[[int, int, int], None] | None, schema: Schema | None,
-                num_classes: int, first_shard: int = 0, sink: ShardSink | None = None) -> PipelineStats:
+                num_classes: int, first_shard: int = 0, sink: ShardSink | None = None,
+                executor_factory: ExecutorFactory | None = None) -> PipelineStats:
     stats = PipelineStats()
     window = max(2, workers * 4)
     spill_dir = staging_path(dst)
@@ -532,15 +546,16 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
     open_shards: dict[int, _ShardInProgress] = {}
     io_errors: tuple[type[Exception], ...] = (OSError, *writer_class(backend).io_errors)
     ctx = _mp_context()
-    executor: cf.ProcessPoolExecutor | _InProcess
+    executor: cf.Executor | _InProcess
     if workers == 0:
         executor, spill_to = _InProcess(), None
     else:
         # children that skip re-running the caller's script when nothing sent to them needs it:
         # a fastdata.write/convert at a script's top level then works without the __main__ guard
         ctx = pool_context(ctx, (source.worker, source.worker_init))
-        executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                                          initargs=(os.getpid(), source.worker_init))
+        make_pool = executor_factory if executor_factory is not None else cf.ProcessPoolExecutor
+        executor = make_pool(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(os.getpid(), source.worker_init))
         spill_to = spill_dir
     mainless = is_mainless(ctx)
     inflight: collections.deque = collections.deque()
@@ -652,6 +667,8 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
             starting.join(timeout=10)
         if isinstance(executor, cf.ProcessPoolExecutor):
             _stop_pool(executor)
+        elif isinstance(executor, cf.Executor):  # a factory's other executor: its own shutdown, not waiting
+            executor.shutdown(wait=False, cancel_futures=True)
     return stats
 
 

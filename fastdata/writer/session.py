@@ -46,6 +46,7 @@ from fastdata.writer.options import WriteOptions, resolve_options, resolve_worke
 from fastdata.writer.pipeline import (
     check_store_entries,
     clear_store,
+    ExecutorFactory,
     load_finished,
     prepare_staging,
     PublishedBase,
@@ -175,12 +176,20 @@ class WriteSession:
         source (WriteSource): the input.
         dst (str | os.PathLike): the destination directory, or a URL (``s3://``, ``gs://``, ``az://``).
         options (WriteOptions): how to write.
+        executor_factory (ExecutorFactory | None): makes the worker pool when ``options.workers``
+            asks for worker processes, given to :func:`~fastdata.writer.pipeline.run_shards`
+            (see :data:`~fastdata.writer.pipeline.ExecutorFactory`); None: a
+            :class:`concurrent.futures.ProcessPoolExecutor`.
     """
 
-    def __init__(self, source: WriteSource, dst: str | os.PathLike, options: WriteOptions):
+    def __init__(self, source: WriteSource, dst: str | os.PathLike, options: WriteOptions, *,
+                 executor_factory: ExecutorFactory | None = None):
         self.source = source
         self.dst = os.fspath(dst)
         self.options = options
+        #: what makes the pipeline's worker pool (None: the process pool); an argument, so that a
+        #: caller supplies its own pool without replacing the standard library's class
+        self.executor_factory = executor_factory
         self.group = RankGroup()
         #: this rank's shard results (those kept from an interrupted run first)
         self._results: list = []
@@ -380,7 +389,7 @@ class WriteSession:
                                storage=run.storage, workers=workers, strict=run.strict, writer_options=writer_options,
                                on_progress=bar.update_counts, schema=source.schema,
                                num_classes=len(source.classes()) if source.schema is None else 0, first_shard=first,
-                               sink=self.sink)
+                               sink=self.sink, executor_factory=self.executor_factory)
         self._results = list(finished.values()) + stats.results
         return stats.input_bytes + sum(r.input_bytes for r in finished.values()), len(finished)
 

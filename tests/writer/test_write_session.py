@@ -27,6 +27,7 @@ from fastdata.writer.plan import ShardPlan
 from fastdata.writer.report import ProgressBar
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.session import WriteOptions, WriteSession
+from fastdata.writer.sources.public import Coco, ImageFolder, Samples, Source, Table
 from fastdata.writer.sources.base import WriteSource
 
 
@@ -61,11 +62,25 @@ def run_entry_point(kind: str, inputs: dict[str, Path], dst: Path, workers: int)
     return fastdata.convert_coco(inputs["ann_file"], inputs["image_dir"], dst, **options)
 
 
+def entry_point_source(kind: str, inputs: dict[str, Path]) -> Source:
+    """The source object the entry point ``kind`` of :func:`run_entry_point` builds and writes
+    (``Source.write``), for a write given an ``executor_factory``."""
+    if kind in ("folder", "list"):
+        return ImageFolder(inputs["tree" if kind == "folder" else "list"])
+    if kind == "table":
+        return Table(inputs["table"])
+    if kind in ("map", "iterable"):
+        return Samples([sample(i) for i in range(12)] if kind == "map" else (sample(i) for i in range(12)), SCHEMA)
+    assert kind == "coco"
+    return Coco(inputs["ann_file"], inputs["image_dir"])
+
+
 @pytest.fixture
-def pools(monkeypatch) -> dict[str, int]:
-    """Counts the worker pools started, and the most child processes alive when a chunk is written
+def pools(monkeypatch) -> dict:
+    """Counts the worker pools started by ``pools["factory"]`` (an ``executor_factory``: a
+    ProcessPoolExecutor subclass), and the most child processes alive when a chunk is written
     that were not alive before (earlier tests may leave long-lived helpers, e.g. a forkserver)."""
-    seen = {"pools": 0, "children": 0}
+    seen: dict = {"pools": 0, "children": 0}
     already = {p.pid for p in multiprocessing.active_children()}
 
     class CountingPool(cf.ProcessPoolExecutor):
@@ -80,17 +95,25 @@ def pools(monkeypatch) -> dict[str, int]:
         seen["children"] = max(seen["children"], len(new))
         real_update(self, *args)
 
-    monkeypatch.setattr(cf, "ProcessPoolExecutor", CountingPool)  # the pipeline's pool factory
     monkeypatch.setattr(ProgressBar, "update_counts", update_counts)
+    seen["factory"] = CountingPool  # given to the write as its executor_factory
     return seen
 
 
 @pytest.mark.parametrize("kind", ["folder", "list", "table", "map", "iterable", "coco"])
 def test_workers_0_runs_everything_in_this_process_for_every_entry_point(inputs, tmp_path, pools, kind):
+    # the entry point itself: no worker process is alive while it writes
     in_process = run_entry_point(kind, inputs, tmp_path / "zero.lmdb", workers=0)
-    assert pools == {"pools": 0, "children": 0}, "workers=0 started a worker process"
-    # control: workers=1 starts a pool (of one worker process)
-    pooled = run_entry_point(kind, inputs, tmp_path / "one.lmdb", workers=1)
+    assert pools["children"] == 0, "workers=0 started a worker process"
+    # the source that entry point writes, given a counting pool factory: workers=0 never makes a pool
+    source = entry_point_source(kind, inputs)
+    source.write(tmp_path / "zero-again.lmdb", WriteOptions(workers=0, shard_size="6kB", progress=False),
+                 executor_factory=pools["factory"])
+    assert (pools["pools"], pools["children"]) == (0, 0), "workers=0 started a worker pool"
+    # control: workers=1 starts a pool (of one worker process), from the factory it is given
+    pooled = entry_point_source(kind, inputs).write(
+        tmp_path / "one.lmdb", WriteOptions(workers=1, shard_size="6kB", progress=False),
+        executor_factory=pools["factory"])
     assert pools["pools"] == 1
     # and both write the same store
     m0, m1 = read_manifest(in_process.dst), read_manifest(pooled.dst)
@@ -212,3 +235,27 @@ def test_a_new_input_plugs_in_as_a_source_alone(tmp_path, workers):
     # in process: overwriting is the session's, not the workers' (a second pool would only cost start-up)
     replaced = WriteSession(NumbersInput(12), dst, WriteOptions(workers=0, overwrite=True, progress=False)).run()
     assert replaced.images == 11 and not os.path.exists(dst / ".fastdata-staging")
+
+
+def test_the_worker_pool_is_whatever_the_executor_factory_makes(tmp_path):
+    """``executor_factory`` (WriteSession, run_shards) makes the pool: it is called with the process
+    pool's keywords, and an executor that is not a process pool (threads here) writes the same store
+    and is shut down at the end."""
+    made: list[tuple[dict, cf.ThreadPoolExecutor]] = []
+
+    def threads(**keywords) -> cf.ThreadPoolExecutor:
+        pool = cf.ThreadPoolExecutor(keywords["max_workers"])
+        made.append((keywords, pool))
+        return pool
+
+    ref = WriteSession(NumbersInput(35), tmp_path / "ref.lmdb", WriteOptions(workers=0, progress=False)).run()
+    report = WriteSession(NumbersInput(35), tmp_path / "threads.lmdb", WriteOptions(workers=2, progress=False),
+                          executor_factory=threads).run()
+    assert len(made) == 1
+    keywords, pool = made[0]
+    assert keywords["max_workers"] == 2 and {"mp_context", "initializer", "initargs"} <= set(keywords)
+    with pytest.raises(RuntimeError, match="after shutdown"):  # shut down by the pipeline
+        pool.submit(int)
+    assert (report.images, report.rejected, report.shards) == (ref.images, ref.rejected, ref.shards) == (30, 5, 4)
+    xxh = [[s["xxh"] for s in read_manifest(str(r.dst))["shards"]] for r in (ref, report)]
+    assert xxh[0] == xxh[1]

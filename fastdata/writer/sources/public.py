@@ -27,6 +27,7 @@ from fastdata.format.backends.base import MIN_RAW_MAX_SIDE
 from fastdata.format.chunk_codecs import CHUNK_CODECS
 from fastdata.format.fields import Schema
 from fastdata.writer.options import LOSSLESS_CODECS, WriteOptions, parse_raw_budget, parse_raw_shape, storage_spec
+from fastdata.writer.pipeline import ExecutorFactory
 from fastdata.writer.remote_sink import refuse_remote_source
 from fastdata.writer.report import ConvertReport
 from fastdata.writer.session import WriteSession
@@ -297,15 +298,24 @@ class Source(abc.ABC):
             FastdataError, ValueError: the input is not of this kind or cannot be read.
         """
 
-    def write(self, dst: str | os.PathLike, options: WriteOptions) -> ConvertReport:
+    def write(self, dst: str | os.PathLike, options: WriteOptions, *,
+              executor_factory: ExecutorFactory | None = None) -> ConvertReport:
         """Write this input into ``dst`` with ``options`` (what :func:`fastdata.convert` does).
+
+        Args:
+            dst (str | os.PathLike): the destination, as for :func:`fastdata.convert`.
+            options (WriteOptions): the write's options.
+            executor_factory (ExecutorFactory | None): makes the worker pool when ``options.workers``
+                asks for worker processes (:data:`fastdata.writer.pipeline.ExecutorFactory`, given to
+                :class:`~fastdata.writer.session.WriteSession`); None: a
+                :class:`concurrent.futures.ProcessPoolExecutor`.
 
         Returns:
             ConvertReport: what was written.
         """
         if options.strict is None and self.default_strict is not None:
             options = replace(options, strict=self.default_strict)
-        return WriteSession(self.write_source(), dst, options).run()
+        return WriteSession(self.write_source(), dst, options, executor_factory=executor_factory).run()
 
 
 class ImageFolder(Source):
@@ -344,11 +354,12 @@ class ImageFolder(Source):
         return FolderInput(self.path, image_mode=self.image_mode,
                            **(self.storage.keywords() if self.storage is not None else {}))
 
-    def write(self, dst: str | os.PathLike, options: WriteOptions) -> ConvertReport:
+    def write(self, dst: str | os.PathLike, options: WriteOptions, *,
+              executor_factory: ExecutorFactory | None = None) -> ConvertReport:
         """As :meth:`Source.write`; an image refused by the decompression-bomb limit says how
         to store large TIFF images instead (:class:`Volumes`)."""
         try:
-            report = super().write(dst, options)
+            report = super().write(dst, options, executor_factory=executor_factory)
         except RejectedInputError as err:
             if "decompression bomb" in str(err):
                 raise RejectedInputError(f"{err}; {BOMB_HINT}") from None
