@@ -9,7 +9,11 @@ for ``--flag`` text there):
   ``--raw-budget SIZE``);
 * a parameter alone by its name when the name has an underscore: ``max_side`` (``--max-side``). A
   name without one (``resume``, ``strict``) is an English word too, so alone it stays as written:
-  write ``resume=True`` where the CLI should show the flag.
+  write ``resume=True`` where the CLI should show the flag. It is read as a parameter, and shown as
+  the running command's flag, only where a message uses it as one: as the subject of a check that
+  opens the message or a clause (``chunks must be ...``, ``workers must be 0 ...``, ``raw shape
+  must ...``, ``chunks for images takes 2 sides``), in a list of parameters joined by slashes
+  (``chunks/codec/max_pixels apply to ...``), or alone in parentheses (``a Table (schema)``).
 
 :func:`cli_spelling` derives the translation from the argparse parser (each option's ``dest`` and
 its option string), so a new option needs nothing here; the CLI applies it where it prints an error,
@@ -65,6 +69,16 @@ def cli_spelling(parser: argparse.ArgumentParser,
     keyword = re.compile(rf"(?<![\w.'\"/\\-])(?P<name>{names})={_VALUE}")
     bare = re.compile(rf"(?<![\w.'\"/\\=-])(?P<name>{'|'.join(re.escape(d) for d in actions if '_' in d) or '(?!)'})"
                       r"(?![\w=(/\\]|\.\w)")
+    # names without an underscore (English words too), where a message uses them as parameters:
+    # only the running command's own options (a message about another command's --size is not this one's)
+    own = {action.dest for owner, action in _options(parser) if command is None or owner is command}
+    plain = "|".join(sorted((re.escape(d) for d in actions if "_" not in d and d in own), key=len, reverse=True))
+    plain = plain or "(?!)"
+    subject = re.compile(rf"(?:^|(?<=: )|(?<=; ))(?P<name>{plain})"
+                         rf"(?=(?: shape| for \w+)? (?:must|takes|take|applies|apply|needs|need)\b)", re.M)
+    listable = "|".join(sorted((re.escape(d) for d in actions if "_" in d or d in own), key=len, reverse=True))
+    listed = re.compile(rf"(?<![\w.'\"/\\=-])(?P<names>(?:{listable})(?:/(?:{listable}))+)(?![\w/\\]|\.\w)")
+    parenthesized = re.compile(rf"(?<=\()(?P<name>{plain})(?=\))")
 
     def keyword_as_flag(match: re.Match) -> str:
         action, value = actions[match["name"]], match["value"]
@@ -78,9 +92,15 @@ def cli_spelling(parser: argparse.ArgumentParser,
             value = shlex.quote(value[1:-1])
         return f"{flag} {value}"
 
+    def flag_of(match: re.Match) -> str:
+        return _flag(actions[match["name"]])
+
     def spell(text: str) -> str:
         text = keyword.sub(keyword_as_flag, text)
-        return bare.sub(lambda match: _flag(actions[match["name"]]), text)
+        text = listed.sub(lambda match: "/".join(_flag(actions[name]) for name in match["names"].split("/")), text)
+        text = subject.sub(flag_of, text)
+        text = parenthesized.sub(flag_of, text)
+        return bare.sub(flag_of, text)
 
     return spell
 

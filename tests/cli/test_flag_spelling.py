@@ -104,3 +104,60 @@ def test_the_spelling_comes_from_the_parser_not_a_table():
     assert cli_spelling(parser, other)("tile_edge=64") == "--edge-of-tile 64"  # the running command decides
     # control: a parser without the option leaves the parameter as it is
     assert cli_spelling(argparse.ArgumentParser())("tile_edge=64 with dry=True") == "tile_edge=64 with dry=True"
+
+
+# -- parameters named alone, without an underscore (English words too) --------------------------------
+
+def _one_line(shown: str) -> str:
+    """The CLI's error: one line, no traceback."""
+    lines = shown.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastdata: error: "), shown
+    return lines[0]
+
+
+@pytest.mark.parametrize(("call", "argv", "said", "shown"), [
+    (lambda src, dst: fastdata.convert(src, dst, chunks=(4,), progress=False), ["--chunks", "4"],
+     "chunks for images takes 2 sides", "--chunks for images takes 2 sides"),
+    (lambda src, dst: fastdata.convert(src, dst, codec="zstd", progress=False), ["--codec", "zstd"],
+     ": chunks/codec/max_pixels apply to NIfTI volumes", ": --chunks/--codec/--max-pixels apply to NIfTI volumes"),
+    (lambda src, dst: fastdata.convert(fastdata.sources.Table(src, schema="label:int"), dst), ["--schema", "label:int"],
+     "a Table (schema) is a JSONL/CSV/TSV list file", "a Table (--schema) is a JSONL/CSV/TSV list file"),
+    (lambda src, dst: fastdata.convert(fastdata.sources.ImageFolder(src), dst, fastdata.WriteOptions(workers=-3)),
+     ["--workers", "-3"], "workers must be 0 (no worker processes", "--workers must be 0 (no worker processes"),
+    (lambda src, dst: fastdata.convert(src, dst, raw="bad", progress=False), ["--raw", "bad"],
+     "raw shape must look like HxW", "--raw shape must look like HxW"),
+], ids=["chunks", "codec", "schema", "workers", "raw"])
+def test_a_parameter_named_alone_is_its_flag_on_the_command_line(src, tmp_path, capsys, call, argv, said, shown):
+    """From Python the error names the parameter; from the CLI, in one line and a non-zero exit, the flag."""
+    dst = str(tmp_path / "s.lmdb")
+    message = _python_error(lambda: call(src, dst))
+    assert said in message and "--" not in message, message
+    line = _one_line(_cli_error(["convert", src, dst, *argv, "--quiet"], capsys))
+    assert shown in line, line
+    assert said not in line.replace(shown, ""), line  # the parameter's spelling is not left beside the flag
+
+
+@pytest.mark.parametrize(("library", "cli"), [
+    ("codec must be one of 'zstd', 'raw'", "--codec must be one of 'zstd', 'raw'"),
+    ("x.nii: chunks must be a chunk shape", "x.nii: --chunks must be a chunk shape"),
+    ("quality must be within 1..100; storage needs max_side=N",
+     "--quality must be within 1..100; --storage needs --max-side N"),
+    ("chunks/codec apply to volumes", "--chunks/--codec apply to volumes"),
+    ("a Table (schema)", "a Table (--schema)"),
+])
+def test_the_convert_command_spells_bare_parameters_as_its_flags(convert_spelling, library, cli):
+    assert convert_spelling(library) == cli
+
+
+@pytest.mark.parametrize("text", [
+    "size must be positive",  # convert has no --size (synth does): another command's parameter
+    "schema field 'x': cannot read kind 'y'",  # a noun, not the subject of a check
+    "the store's format must be 2",  # not where a message or clause opens
+    "a raw chunk of 10 bytes",
+    "declare Image(mode=...) in schema for a default read mode",
+    "(storage mode)",  # not alone in the parentheses
+    "data/chunks/codec.bin is missing",  # a path
+    "no chunks must be lost",
+])
+def test_bare_words_that_are_not_parameters_are_left_alone(convert_spelling, text):
+    assert convert_spelling(text) == text
