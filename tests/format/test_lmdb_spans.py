@@ -64,6 +64,17 @@ def test_classification_store_records_spans(tmp_path):
     assert sum(_check_spans(p, spec.RECORDS_DB, spec.RECORD_SPANS_KEY) for p in _shards(store)) == 12
 
 
+def _replace_spans(path: str, key: bytes, spans: np.ndarray) -> None:
+    """Overwrite the span table ``key`` of the shard ``path``'s index with ``spans`` (as a damaged
+    or crafted shard would hold them)."""
+    env = lmdb.open(path, subdir=False, max_dbs=3, lock=False)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key, spans.astype("<u8").tobytes(), db=env.open_db(spec.INDEX_DB, txn=txn, create=False))
+    finally:
+        env.close()
+
+
 def test_wrong_spans_are_only_advice(tmp_path, monkeypatch):
     """Spans pointing past the file or at the wrong place change nothing that is read."""
     store = tmp_path / "s.lmdb"
@@ -72,15 +83,19 @@ def test_wrong_spans_are_only_advice(tmp_path, monkeypatch):
     fastdata.write([{"ct": v} for v in vols], store, {"ct": Chunked("uint16", (8, 8, 8))}, workers=0,
                    progress=False)
     bogus = np.array([[1 << 62, 1 << 40]] * 40 + [[0, 5]] * 41, dtype="<u8")  # past the file, or wrong
-    monkeypatch.setattr(lmdb_reader.LMDBShardReader, "_spans_of", lambda self, key: bogus)
-    calls = []
+    (shard,) = _shards(store)
+    _replace_spans(shard, spec.RECORD_SPANS_KEY, bogus[38:41])  # 3 records, 81 chunks: as many rows each
+    _replace_spans(shard, spec.CHUNK_SPANS_KEY, bogus)
+    calls: list[np.ndarray] = []
     real = lmdb_reader.advise_spans
     monkeypatch.setattr(lmdb_reader, "advise_spans",
-                        lambda fd, spans, size: calls.append(len(spans)) or real(fd, spans, size))
+                        lambda fd, spans, size: calls.append(np.array(spans)) or real(fd, spans, size))
     ds = fastdata.open_dataset(store)
     for i, v in enumerate(vols):
         assert np.array_equal(ds[i]["ct"][...], v)
-    assert calls  # the bogus spans were advised (clamped to the file), and changed nothing read
+    # the bogus spans were advised (clamped to the file), and changed nothing read
+    advised = np.concatenate(calls)
+    assert ((advised == [1 << 62, 1 << 40]).all(axis=1).any() and (advised == [0, 5]).all(axis=1).any())
     ds.close()
 
 

@@ -11,7 +11,7 @@ from helpers.volumes import volume
 import fastdata
 from fastdata.errors import CorruptRecordError
 from fastdata.fields import Chunked, Int
-from fastdata.reader.chunked import ChunkedArray
+from fastdata.format.backends.lmdb.reader import LMDBShardReader
 
 SCHEMA = {"ct": Chunked("uint16", (16, 16, 16)), "mask": Chunked("uint8", (16, 16, 16)), "label": Int()}
 SHAPES = [(48, 40, 36), (33, 50, 20), (40, 40, 40), (20, 64, 24)]
@@ -80,13 +80,13 @@ def test_weighted_patches_are_centred_on_foreground(stores):
 def test_a_patch_reads_only_the_chunks_it_covers(stores, monkeypatch):
     paths, _ = stores
     fetched: list[int] = []
-    original = ChunkedArray._read
+    original = LMDBShardReader.read_chunks
 
-    def counting(self, chunks, consume):
+    def counting(self, first, table, chunks, where, consume):  # the shard reader's one read of a batch
         fetched.append(len(chunks))
-        return original(self, chunks, consume)
+        return original(self, first, table, chunks, where, consume)
 
-    monkeypatch.setattr(ChunkedArray, "_read", counting)
+    monkeypatch.setattr(LMDBShardReader, "read_chunks", counting)
     ds = fastdata.PatchDataset(fastdata.open_dataset(paths[".lmdb"]), PATCH, fields=("ct",),
                                patches_per_sample=5, seed=4)
     for p in range(len(ds)):
