@@ -39,9 +39,12 @@ Buffer = bytes | bytearray | memoryview
 Box = tuple[int, int, int, int]  # top, left, height, width in source pixels
 
 _DCT_FACTORS = (8, 4, 2)  # libjpeg-turbo scales 1/8, 1/4, 1/2; largest first
-# A DCT-scaled decode must keep this many pixels per output pixel (each side), so that
-# the antialiased resize after it, not the DCT's block averaging, shapes the result.
-_DCT_HEADROOM = 2
+#: How many pixels per output pixel (each side) a DCT-scaled JPEG decode must keep: the
+#: transforms decode at 1/f only where the scaled image (or crop box) keeps this many, so that
+#: the antialiased resize after it, not the DCT's block averaging, shapes the result (with 1,
+#: crops differ from torchvision's by more than one level on average). Read at each call: public
+#: so that its effect can be measured (a test lowers it) without replacing the transforms' code.
+DCT_HEADROOM = 2
 
 
 # --------------------------------------------------------------------------- decoding
@@ -163,7 +166,11 @@ def _aa_bilinear_out_op():
         return None
 
 
-_AA_BILINEAR_OUT = _aa_bilinear_out_op()
+#: aten's out= variant of antialiased bilinear that the resizes write through
+#: (:func:`_aa_bilinear_out_op`), or None where this torch lacks it: then they call
+#: ``torch.nn.functional.interpolate`` and copy, the same pixels. Read at each call: public so
+#: that the fallback can be exercised (set it to None) on a torch that has the op.
+AA_BILINEAR_OUT = _aa_bilinear_out_op()
 
 
 def _resize(src: np.ndarray, out_hw: tuple[int, int], out: np.ndarray | None = None) -> np.ndarray:
@@ -202,8 +209,8 @@ def _resize(src: np.ndarray, out_hw: tuple[int, int], out: np.ndarray | None = N
         src = src.copy()
     src_t = torch.from_numpy(src).permute(2, 0, 1).unsqueeze(0)
     dst_t = torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0)
-    if _AA_BILINEAR_OUT is not None:
-        _AA_BILINEAR_OUT(src_t, [oh, ow], False, None, None, out=dst_t)
+    if AA_BILINEAR_OUT is not None:
+        AA_BILINEAR_OUT(src_t, [oh, ow], False, None, None, out=dst_t)
     else:
         dst_t.copy_(torch.nn.functional.interpolate(src_t, size=(oh, ow), mode="bilinear", antialias=True))
     return out
@@ -236,8 +243,8 @@ def _resize_float(src: np.ndarray, out_hw: tuple[int, int], out: np.ndarray | No
     src_t = torch.from_numpy(src.astype(compute)).permute(2, 0, 1).unsqueeze(0)
     dst = out if out.dtype == compute else np.empty(shape, compute)
     dst_t = torch.from_numpy(dst).permute(2, 0, 1).unsqueeze(0)
-    if _AA_BILINEAR_OUT is not None:
-        _AA_BILINEAR_OUT(src_t, [oh, ow], False, None, None, out=dst_t)
+    if AA_BILINEAR_OUT is not None:
+        AA_BILINEAR_OUT(src_t, [oh, ow], False, None, None, out=dst_t)
     else:
         dst_t.copy_(torch.nn.functional.interpolate(src_t, size=(oh, ow), mode="bilinear", antialias=True))
     if dst is not out:
@@ -272,16 +279,16 @@ def _resize_window(img: np.ndarray, window: tuple[float, float, float, float], o
 
 
 def _box_factor(box: Box, out_hw: tuple[int, int]) -> int:
-    """Largest DCT factor at which the crop box keeps ``_DCT_HEADROOM`` pixels per output pixel."""
+    """Largest DCT factor at which the crop box keeps ``DCT_HEADROOM`` pixels per output pixel."""
     _, _, h, w = box
     for f in _DCT_FACTORS:
-        if h >= _DCT_HEADROOM * f * out_hw[0] and w >= _DCT_HEADROOM * f * out_hw[1]:
+        if h >= DCT_HEADROOM * f * out_hw[0] and w >= DCT_HEADROOM * f * out_hw[1]:
             return f
     return 1
 
 
 def _whole_factor(size: tuple[int, int], target_hw: tuple[int, int]) -> int:
-    """Largest DCT factor whose scaled image keeps ``_DCT_HEADROOM`` pixels per target pixel.
+    """Largest DCT factor whose scaled image keeps ``DCT_HEADROOM`` pixels per target pixel.
 
     Only factors dividing both sides: otherwise the last scaled row/column stands for a
     partial block and the whole image would come out stretched by up to one scaled pixel.
@@ -289,7 +296,7 @@ def _whole_factor(size: tuple[int, int], target_hw: tuple[int, int]) -> int:
     h, w = size
     for f in _DCT_FACTORS:
         exact = h % f == 0 and w % f == 0
-        if exact and h // f >= _DCT_HEADROOM * target_hw[0] and w // f >= _DCT_HEADROOM * target_hw[1]:
+        if exact and h // f >= DCT_HEADROOM * target_hw[0] and w // f >= DCT_HEADROOM * target_hw[1]:
             return f
     return 1
 

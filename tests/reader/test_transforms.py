@@ -160,7 +160,7 @@ def test_plain_jpegs_take_the_simplejpeg_path(kind, images, monkeypatch):
     def no_pillow(data):
         raise AssertionError("Pillow fallback used")
 
-    monkeypatch.setattr(T, "_pil_decode", no_pillow)
+    monkeypatch.setattr(T, "decode_rgb_array", no_pillow)  # what every Pillow decode of "RGB" goes through
     assert T.full_decode(images[kind]).ndim == 3
     assert T.RandomResizedCrop(32)(images[kind]).shape == (32, 32, 3)
 
@@ -288,16 +288,22 @@ def test_crop_fallback_is_torchvision_centre_crop(height, width, expected):
 
 @pytest.fixture
 def factors(monkeypatch):
-    """Record every (factor, decoded shape) the transforms decode a JPEG at."""
-    seen: list[tuple[int, tuple[int, ...]]] = []
-    real = T._decode_jpeg
+    """Record every (factor, decoded shape) the transforms decode a JPEG at (through simplejpeg,
+    their JPEG decoder: ``min_factor`` is the DCT scale 1/factor; None: the decode failed)."""
+    seen: list[tuple[int, tuple[int, ...] | None]] = []
+    real = simplejpeg.decode_jpeg
 
-    def spy(data, size, factor, *args):
-        img = real(data, size, factor, *args)
-        seen.append((factor, None if img is None else img.shape))
+    def spy(data, *args, **kwargs):
+        factor = kwargs.get("min_factor", 1)
+        try:
+            img = real(data, *args, **kwargs)
+        except Exception:
+            seen.append((factor, None))
+            raise
+        seen.append((factor, img.shape))
         return img
 
-    monkeypatch.setattr(T, "_decode_jpeg", spy)
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", spy)
     return seen
 
 
@@ -409,19 +415,40 @@ def test_fused_transforms_match_torchvision_within_one_level(synth_photos, kind,
 def test_control_dct_scaling_without_headroom_misses_the_bound(synth_photos, kind, monkeypatch):
     # Decoding at 1/f whenever the scaled image merely covers the output (no headroom)
     # lets the DCT's block averaging set the filter: the comparison above catches it.
-    monkeypatch.setattr(T, "_DCT_HEADROOM", 1)
+    monkeypatch.setattr(T, "DCT_HEADROOM", 1)
     assert max(_mads_against_torchvision(synth_photos, kind, 64, 72)) > 1.0
 
 
-def test_control_snapping_the_crop_to_scaled_pixels_misses_the_bound(synth_photos, monkeypatch):
+def _snapped_crop(data: bytes, crop: int, seed: int) -> tuple[np.ndarray, int]:
+    """``RandomResizedCrop(crop)(data, default_rng(seed))`` as it would be if the JPEG decoded
+    at 1/f were cropped at whole scaled pixels (the box divided by f, rounded) instead of
+    resampled over the exact window; and f (1: no scaled decode, the transform's own output).
+    The same box, factor (``DCT_HEADROOM``), decoder and resize as the transform's."""
+    t = T.RandomResizedCrop(crop)
+    height, width = simplejpeg.decode_jpeg_header(data)[:2]
+    top, left, h, w = t.get_params(height, width, np.random.default_rng(seed))
+    factor = next((f for f in (8, 4, 2) if min(h, w) >= T.DCT_HEADROOM * f * crop), 1)
+    if factor == 1:
+        return t(data, np.random.default_rng(seed)), 1
+    scaled = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // factor),
+                                    min_width=-(-width // factor), min_factor=factor)
+    top, left, h, w = (int(round(v / factor)) for v in (top, left, h, w))
+    # the snapped crop, resized by the transforms' own resize (a PNG of it: decoded losslessly)
+    return T.Resize((crop, crop))(_encode(Image.fromarray(scaled[top : top + h, left : left + w]), "PNG")), factor
+
+
+def test_control_snapping_the_crop_to_scaled_pixels_misses_the_bound(synth_photos):
     # Cropping the scaled image at whole pixels instead of the exact window moves the
     # crop edges by up to f/2 source pixels: measurably off torchvision's crop.
-    def snapped(img, window, out_hw, out=None):
-        top, left, h, w = (int(round(v)) for v in window)
-        return T._resize(img[top : top + h, left : left + w], out_hw, out)
-
-    monkeypatch.setattr(T, "_resize_window", snapped)
-    assert max(_mads_against_torchvision(synth_photos, "rrc", 32, 36)) > 1.0
+    mads, factors = [], []
+    for i, data in enumerate(synth_photos):
+        h, w = T.full_decode(data).shape[:2]
+        box = T.RandomResizedCrop(32).get_params(h, w, np.random.default_rng(i))
+        snapped, factor = _snapped_crop(data, 32, i)
+        mads.append(_mad(snapped, _tv_reference("rrc", data, 32, 36, box)))
+        factors.append(factor)
+    assert max(factors) > 1, "no crop took a DCT-scaled decode: nothing was snapped"
+    assert max(mads) > 1.0
 
 
 def test_dct_scaled_crop_keeps_full_decode_sharpness(large_jpeg):
@@ -458,7 +485,7 @@ def test_resize_fallback_without_the_aten_out_op_gives_the_same_pixels(images, l
     cases = [(images["jpeg420"], T.RandomResizedCrop(224)), (large_jpeg, T.RandomResizedCrop(96)),
              (images["png"], T.CenterCrop(224, resize=256)), (images["jpeg444"], T.Resize((300, 100)))]
     fast = [t(d, np.random.default_rng(1)) for d, t in cases]
-    monkeypatch.setattr(T, "_AA_BILINEAR_OUT", None)
+    monkeypatch.setattr(T, "AA_BILINEAR_OUT", None)  # the fallback: F.interpolate, then a copy
     for (data, t), expected in zip(cases, fast, strict=False):
         np.testing.assert_array_equal(t(data, np.random.default_rng(1)), expected)
 
