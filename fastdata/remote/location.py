@@ -222,8 +222,14 @@ def _credential_env() -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CREDENTIAL_ENV_PREFIXES)))
 
 
-def _backoff(attempt: int) -> None:
-    """Sleep before retry ``attempt + 1``: 0.25 s doubling up to 8 s, jittered by +-50 %."""
+def backoff(attempt: int) -> None:
+    """Sleep before retry ``attempt + 1`` of :meth:`RemoteLocation.call`: 0.25 s doubling up to
+    8 s, jittered by +-50 %.
+
+    A module-level hook: :meth:`RemoteLocation.call` looks it up at each retry, so a caller may
+    replace it (a test records the retries instead of sleeping through them) without touching
+    the retry loop itself.
+    """
     time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + random.random()))
 
 
@@ -421,7 +427,7 @@ class RemoteLocation:
                     raise RemoteStoreError(f"{what}: {type(err).__name__}: {err} "
                                            f"(after {attempt + 1} attempt{'s' if attempt else ''}); check the "
                                            "endpoint, credentials and network, then rerun") from err
-                _backoff(attempt)
+                backoff(attempt)
         raise AssertionError("unreachable")
 
     def _stalled_too_long(self, started: float) -> bool:

@@ -129,35 +129,42 @@ class _WrappedFile:
         return getattr(self._fh, name)
 
 
-class _HookedFile(_WrappedFile):
-    """A file object of the remote filesystem that calls ``hook`` once, after its first block."""
+class _HookedAsyncFile:
+    """An async file object of the remote filesystem (what its ``open_async`` gives) that calls
+    ``hook`` once, after its first read; everything else goes to ``f``."""
 
-    def __init__(self, fh, hook):
-        super().__init__(fh)
-        self._hook, self._reads = hook, 0
+    def __init__(self, f, hook):
+        self._f, self._hook, self._reads = f, hook, 0
 
-    def read(self, n=-1):
-        data = self._fh.read(n)
+    async def read(self, n=-1):
+        data = await self._f.read(n)
         self._reads += 1
         if self._reads == 1:
             self._hook()
         return data
 
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
-def hook_first_shard_block(monkeypatch, hook) -> None:
-    """Run ``hook`` once, in the downloading thread, after the first read of the first shard
-    download (at most 256 KiB; the rest is still on the server)."""
+
+def hook_first_shard_block(monkeypatch, url: str, hook) -> None:
+    """Run ``hook`` once, after the first read of the first shard download of the store at ``url``
+    (at most 256 KiB; the rest is still on the server), where that read ends: in the filesystem's
+    event loop. An s3 object is read as one streamed GET through the filesystem's ``open_async``
+    (fsspec's public call), which is wrapped on the filesystem this process reads ``url`` with
+    (:meth:`RemoteLocation.filesystem`: one per process, options and environment)."""
     monkeypatch.setattr(location_module, "BLOCK", 256 << 10)
     done = []
-    orig_open_read = RemoteLocation._open_read
+    fs = RemoteLocation(url).filesystem()
+    real_open = fs.open_async
 
-    def open_read(self, fs, path):
-        fh = orig_open_read(self, fs, path)
+    async def open_async(path, mode="rb", **kwargs):
+        f = await real_open(path, mode, **kwargs)
         if "shard-" in path and not done:
             done.append(path)
-            return _HookedFile(fh, hook)
-        return fh
-    monkeypatch.setattr(RemoteLocation, "_open_read", open_read)
+            return _HookedAsyncFile(f, hook)
+        return f
+    monkeypatch.setattr(fs, "open_async", open_async)
 
 
 def test_a_connection_dropped_mid_download_is_retried_within_the_one_download(s3, tmp_path, monkeypatch):
@@ -167,11 +174,11 @@ def test_a_connection_dropped_mid_download_is_retried_within_the_one_download(s3
     _, bucket = s3
     ds, local = _big_remote_store(bucket, tmp_path, monkeypatch, retries=2)
     backoffs: list[int] = []
-    monkeypatch.setattr(location_module, "_backoff", backoffs.append)
+    monkeypatch.setattr(location_module, "backoff", backoffs.append)  # the retries' pauses, recorded
 
     def drop():
         raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer (injected)")
-    hook_first_shard_block(monkeypatch, drop)
+    hook_first_shard_block(monkeypatch, f"{bucket}/big.lmdb", drop)
     downloads = count_downloads(monkeypatch)
     got = samples(ds)
     assert backoffs == [0], "the dropped connection was not retried (or not dropped)"
@@ -214,7 +221,7 @@ def test_server_killed_mid_download_and_back_within_the_retries(lone_s3, tmp_pat
         server.kill()
         threading.Thread(target=lambda: (server.start(timeout=150), restarted.set()), daemon=True).start()
         _reset_by_dying_server()
-    hook_first_shard_block(monkeypatch, kill_then_restart)
+    hook_first_shard_block(monkeypatch, f"{bucket}/big.lmdb", kill_then_restart)
     downloads = count_downloads(monkeypatch)
     got = samples(ds)
     assert restarted.is_set(), "the read finished without the server having been down"
@@ -230,7 +237,7 @@ def _kill_mid_download_and_fail(server, bucket, tmp_path, monkeypatch):
     def kill():
         server.kill()
         _reset_by_dying_server()
-    hook_first_shard_block(monkeypatch, kill)
+    hook_first_shard_block(monkeypatch, f"{bucket}/big.lmdb", kill)
     t0 = time.monotonic()
     with pytest.raises(RemoteStoreError) as info:
         ds[0]
@@ -245,7 +252,7 @@ def test_server_killed_mid_download_and_gone_is_one_clear_error(lone_s3, tmp_pat
     server, bucket = lone_s3
     # the retries' sleeps (1.5 s of them), recorded instead of slept: a server that is gone stays gone
     backoffs: list[int] = []
-    monkeypatch.setattr(location_module, "_backoff", backoffs.append)
+    monkeypatch.setattr(location_module, "backoff", backoffs.append)
     _kill_mid_download_and_fail(server, bucket, tmp_path, monkeypatch)
     assert backoffs and set(backoffs) == {0, 1}, backoffs  # each failed read was retried twice, then given up
 
@@ -423,7 +430,7 @@ def test_enospc_while_downloading_is_a_prompt_cache_full_error(s3, tmp_path, mon
         return FullDisk(fh)
     monkeypatch.setattr(location_module, "open", open_full, raising=False)
     backoffs: list[int] = []  # the retry loop's sleeps, recorded instead of slept
-    monkeypatch.setattr(location_module, "_backoff", backoffs.append)
+    monkeypatch.setattr(location_module, "backoff", backoffs.append)
     with pytest.raises(CacheFullError) as info:
         ds[0]
     assert backoffs == [] and len(attempts) == 1, f"a full local disk was retried like a network error: {attempts}"
