@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 
+from fastdata.common import portable
 from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError
 from fastdata.format.backends.registry import backend_for_path
@@ -100,10 +101,7 @@ class BenchConfig:
 
 def available_cores() -> int:
     """Cores this process may run on (CPU affinity where the OS has it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+    return portable.available_cores()
 
 
 def target_kind(path: str, store_options: dict | None = None) -> str:

@@ -34,7 +34,6 @@ its checkpoints and restores by itself.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
+from fastdata.common import portable
 from fastdata.reader.batching import collate
 from fastdata.reader.seeding import EpochIndex, seed_worker
 
@@ -56,11 +56,7 @@ _TAG_ORDER = 0x5EED_0D0E
 
 def default_num_workers() -> int:
     """Cores this process may use, capped at 8 (beyond that, measure with ``fastdata tune``)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    return max(0, min(8, cores))
+    return max(0, min(8, portable.available_cores()))
 
 
 def _keeps_epoch(sampler: Any) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata.common.portable import preadinto
 from fastdata.format.chunks import (
     MAX_CHUNKS,
     MAX_STORED_CHUNK_BYTES,
@@ -79,7 +80,7 @@ class _MemmapSlabs:
             view = memoryview(data)
             done = 0
             while done < size:
-                got = os.preadv(fd, [view[done:]], self.offset + start * self.row + done)
+                got = preadinto(fd, view[done:], self.offset + start * self.row + done)
                 if got <= 0:
                     raise OSError(f"{self.path}: ends before the memmap's {self.shape} {self.dtype} values")
                 done += got

@@ -1,6 +1,7 @@
 """A per-destination lock so two converters never write the same store.
 
-``flock`` on ``DST/.fastdata.lock``. The kernel drops the lock when its holder
+A file lock on ``DST/.fastdata.lock`` (``flock``; ``msvcrt.locking`` where there is no
+``fcntl``: :mod:`fastdata.common.portable`). The OS drops the lock when its holder
 dies (SIGKILL, OOM kill), so a lock left by a killed converter is *stale* by
 construction: the next converter takes it over and reports the dead holder's
 pid. The file is unlinked on release; acquiring checks that the locked inode is
@@ -15,11 +16,11 @@ a file of someone else's that happens to bear the name is refused, never truncat
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import stat
 
+from fastdata.common import portable
 from fastdata.errors import StoreLockedError, UnsafeStoreError
 from fastdata.format.names import LOCK_NAME
 from fastdata.writer.owned import describe_kind
@@ -42,7 +43,7 @@ def _close_in_child() -> None:
     _held_fds.clear()
 
 
-os.register_at_fork(after_in_child=_close_in_child)
+portable.at_fork_in_child(_close_in_child)
 
 
 class StoreLock:
@@ -58,14 +59,14 @@ class StoreLock:
         while True:
             fd = _open_lock(self.path, os.O_RDWR | os.O_CREAT)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_pid(fd)
-                os.close(fd)
-                raise StoreLockedError(_locked_message(os.path.dirname(self.path), holder)) from None
+                taken = portable.lock(fd)
             except BaseException:
                 os.close(fd)
                 raise
+            if not taken:
+                holder = _read_pid(fd)
+                os.close(fd)
+                raise StoreLockedError(_locked_message(os.path.dirname(self.path), holder))
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
@@ -82,7 +83,7 @@ class StoreLock:
             if previous and previous != os.getpid():
                 self.stale_pid = previous
             os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            portable.pwrite(fd, str(os.getpid()).encode(), 0)
             self._fd = fd
             _held_fds.add(fd)
             return self
@@ -91,7 +92,7 @@ class StoreLock:
         """Write the run's staging marker token after the pid (what a later look at the lock
         can match against the staging folder's marker)."""
         if self._fd is not None:
-            os.pwrite(self._fd, f"{os.getpid()}\n{token}\n".encode(), 0)
+            portable.pwrite(self._fd, f"{os.getpid()}\n{token}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd is None:
@@ -101,6 +102,12 @@ class StoreLock:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+        except PermissionError:
+            if portable.LOCKING != "msvcrt":
+                raise
+            # Windows removes no open file: the file stays, emptied, so that the next converter
+            # finds no pid in it (a pid there would read as a dead holder's stale lock)
+            os.ftruncate(self._fd, 0)
         _held_fds.discard(self._fd)
         os.close(self._fd)
         self._fd = None
@@ -140,7 +147,7 @@ def _open_lock(path: str, flags: int) -> int:
 def _check_ours(path: str, fd: int) -> None:
     """Refuse to rewrite a lock file that holds something other than a pid (and token)."""
     st = os.fstat(fd)
-    head = os.pread(fd, _LOCK_LIMIT + 1, 0)
+    head = portable.pread(fd, _LOCK_LIMIT + 1, 0)
     if st.st_size > _LOCK_LIMIT or not _LOCK_TEXT.match(head):
         raise UnsafeStoreError(f"{path} holds {st.st_size} bytes that are not a fastdata lock (a pid); refusing "
                                "to overwrite a file fastdata did not write: remove it if it is not yours")
@@ -148,7 +155,7 @@ def _check_ours(path: str, fd: int) -> None:
 
 def _read_pid(fd: int) -> int | None:
     try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip().split("\n", 1)[0].strip()
+        text = portable.pread(fd, 32, 0).decode("ascii", "replace").strip().split("\n", 1)[0].strip()
         return int(text) if text else None
     except (OSError, ValueError):
         return None
@@ -168,11 +175,8 @@ def raise_if_locked(store_dir: str) -> None:
     except OSError:  # no lock file (or no directory): nobody is writing
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreLockedError(_locked_message(store_dir, _read_pid(fd))) from None
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        if portable.locked_elsewhere(fd):
+            raise StoreLockedError(_locked_message(store_dir, _read_pid(fd)))
     finally:
         os.close(fd)
 

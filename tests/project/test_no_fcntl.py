@@ -1,6 +1,8 @@
-"""``import fastdata`` and the readers work where ``fcntl`` is missing (it is POSIX-only: only
-the writer's lock and the remote shard cache's flock need it), and a plain ``import fastdata``
-loads neither the writer nor torch, h5py or lmdb (the facade is lazy).
+"""``import fastdata`` and the readers work where ``fcntl`` is missing (it is POSIX-only: the
+writer's lock takes ``msvcrt`` instead, through ``fastdata.common.portable``, and the remote shard
+cache needs flock's shared locks), and a plain ``import fastdata`` loads neither the writer nor
+torch, h5py or lmdb (the facade is lazy). The writer without fcntl runs in the Windows proxy
+(``tests/platform``).
 
 Each check runs in a fresh interpreter whose first meta-path finder refuses ``fcntl``, as on
 a platform without it; a control shows the blocker does block.
@@ -45,7 +47,7 @@ def _run_blocked(code: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_control_the_blocker_makes_fcntl_imports_fail():
     result = _run_blocked("""
-        import fastdata.writer.lock
+        import fcntl
     """)
     assert result.returncode != 0, result.stdout
     assert "No module named 'fcntl' (blocked by the test)" in result.stderr, result.stderr

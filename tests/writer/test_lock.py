@@ -14,9 +14,9 @@ from helpers.procs import cli_in_process
 from helpers.images import make_tree
 
 import fastdata
+from fastdata.common import portable
 from fastdata.errors import StoreLockedError
 from fastdata.format.names import LOCK_NAME
-from fastdata.writer import lock as lock_module
 from fastdata.writer.lock import StoreLock
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,18 +169,18 @@ def test_release_between_open_and_flock_does_not_hand_out_two_locks(tmp_path, mo
     the new file at the path too."""
     store = str(tmp_path)
     first = StoreLock(store).acquire()
-    real_flock = lock_module.fcntl.flock
+    real_lock = portable.lock
     calls = []
 
-    def flock(fd, op):
+    def lock(fd, **kwargs):
         calls.append(fd)
         if len(calls) == 1:
             first.release()  # unlink + close: the contender's fd now names a dead inode
-        return real_flock(fd, op)
+        return real_lock(fd, **kwargs)
 
-    monkeypatch.setattr(lock_module.fcntl, "flock", flock)
+    monkeypatch.setattr(portable, "lock", lock)
     second = StoreLock(store).acquire()
-    monkeypatch.setattr(lock_module.fcntl, "flock", real_flock)
+    monkeypatch.setattr(portable, "lock", real_lock)
     assert len(calls) == 2, "the contender must retry on the file now at the path"
     assert os.fstat(second._fd).st_ino == os.stat(second.path).st_ino
     with pytest.raises(StoreLockedError):

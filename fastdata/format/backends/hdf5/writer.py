@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import h5py
 import numpy as np
 
+from fastdata.common import portable
 from fastdata.common.fileio import fsync_file
 from fastdata.common.writeback import Writeback
 from fastdata.format.backends.base import ShardWriter, StorageSpec
@@ -229,12 +230,7 @@ class HDF5ShardWriter(ShardWriter):
             done = 0
             while done < self.chunk_bytes:
                 step = min(self.chunk_bytes - done, 64 << 20)
-                try:
-                    copied = os.copy_file_range(src, dst.fileno(), step, done, offset + done)
-                except OSError as err:
-                    if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    copied = os.pwrite(dst.fileno(), os.pread(src, step, done), offset + done)
+                copied = portable.copy_range(src, dst.fileno(), step, done, offset + done)
                 if copied <= 0:
                     raise OSError(errno.EIO, f"copying the chunks into {self.path} stopped at byte {done}")
                 done += copied

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastdata.common import portable
 from fastdata.errors import UnsafeStoreError
 
 MAGIC = 0xBEEFC0DE
@@ -155,7 +156,7 @@ class _Checker:
 
     # -- meta pages -------------------------------------------------------------------------------
     def _meta(self, page: int, offset: int) -> Meta:
-        raw = os.pread(self.fd, META_END, offset)
+        raw = portable.pread(self.fd, META_END, offset)
         if len(raw) < META_END:
             raise _Refused(f"the file is {self.size} bytes, too short for LMDB's meta page {page}")
         flags = struct.unpack_from("<H", raw, 10)[0]
@@ -215,7 +216,7 @@ class _Checker:
                     break
         for run in runs:
             a, b = int(run[0]), int(run[-1]) + 1
-            got = os.preadv(self.fd, [view[a * psize:b * psize]], int(pgnos[a]) * psize)
+            got = portable.preadinto(self.fd, view[a * psize:b * psize], int(pgnos[a]) * psize)
             if got != (b - a) * psize:
                 raise _Refused(f"page {int(pgnos[a]) + got // psize} could not be read (the file is "
                                f"{self.size} bytes: truncated while it was checked?)")
@@ -394,7 +395,7 @@ class _Checker:
         two values (or a value and a tree page) share a page."""
         psize = self.psize
         for start, npages in ov.tolist():
-            raw = os.pread(self.fd, PAGE_HEADER, start * psize)
+            raw = portable.pread(self.fd, PAGE_HEADER, start * psize)
             if len(raw) < PAGE_HEADER:
                 raise _Refused(f"overflow page {start} could not be read (truncated while it was checked?)")
             pgno, _pad, flags, pages = struct.unpack("<QHHI", raw)

@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import lmdb
 import msgpack
 import numpy as np
 
+from fastdata.common import portable
 from fastdata.common.fileio import fsync_file
 from fastdata.common.writeback import Writeback
 from fastdata.format.backends.base import ShardWriter, StorageSpec
 from fastdata.format.backends.lmdb import spec
 from fastdata.format.chunks import PendingChunks
 from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex, encode_record
-
-
-def _mappings_of(path: str) -> list[tuple[int, int, int]]:
-    """``(start, end, file offset)`` of this process's mappings of ``path`` (Linux /proc)."""
-    real = os.path.realpath(path)
-    out = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].rstrip("\n") == real:
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                out.append((start, end, int(parts[2], 16)))
-    return out
 
 
 def _address_in(mappings: list[tuple[int, int, int]], view) -> int | None:
@@ -41,7 +28,8 @@ def _spans_of_keys(env, db, path: str, keys: list[bytes]) -> np.ndarray | None:
     """``[len(keys), 2]`` uint64: the file offset and length of the value under each of ``keys`` in
     ``db``, as it lies in the finished file ``path`` (read back through LMDB's map, whose pages the
     write just left in the page cache; an empty value: ``(0, 0)``, nothing to read ahead); None
-    where that cannot be learned (no ``/proc/self/maps``, a key missing, a value outside the map).
+    where that cannot be learned (the OS lists no mappings with their offsets:
+    :func:`~fastdata.common.portable.file_mappings`; a key missing, a value outside the map).
 
     py-lmdb does not expose the map's address, so the address of each value (a buffer into the
     map) is located in this process's mappings of the file."""
@@ -49,7 +37,7 @@ def _spans_of_keys(env, db, path: str, keys: list[bytes]) -> np.ndarray | None:
     if not keys:
         return out
     try:
-        mappings = _mappings_of(path)
+        mappings = portable.file_mappings(path)
     except OSError:
         return None
     try:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata.common import portable
 from fastdata.common.bounded import json_loads_bounded
 from fastdata.errors import SourceError
 from fastdata.format.fields import (
@@ -212,7 +213,7 @@ class TarLayout:
 def read_at(fd: int, offset: int, size: int) -> bytes:
     parts, done = [], 0
     while done < size:
-        piece = os.pread(fd, size - done, offset + done)
+        piece = portable.pread(fd, size - done, offset + done)
         if not piece:
             raise OSError(f"the file ends {size - done:,} bytes short of a member")
         parts.append(piece)
