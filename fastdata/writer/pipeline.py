@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastdata._version import __version__
+from fastdata.common import portable
 from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write, file_checksum, fsync_dir, read_regular
 from fastdata.common.units import format_size
 from fastdata.errors import ConversionError, FastdataError, RejectedInputError, ResumeMismatchError
@@ -389,12 +390,9 @@ class ChunkSource(abc.ABC):
 
 
 def _single_threaded() -> bool:
-    """True when this process has exactly one OS thread (Linux; counts native
-    threads too, e.g. a torch or OpenMP pool, which ``threading`` cannot see)."""
-    try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return False
+    """True when this process has exactly one OS thread (counts native threads too, e.g. a
+    torch or OpenMP pool, which ``threading`` cannot see); False where that is unknown."""
+    return portable.native_thread_count() == 1
 
 
 def _mp_context():
