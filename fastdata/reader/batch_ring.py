@@ -116,6 +116,43 @@ _worker_ring: WorkerRing | None = None
 _ring_unavailable = False
 
 
+def set_enabled(enabled: bool) -> None:
+    """Let this process send batches through a ring (the default where the OS has memfd), or not.
+
+    Off, this process makes no ring and closes the one it has (batches it sends travel pickled,
+    as they do where there is no memfd); DataLoader workers forked from it afterwards inherit
+    the setting, spawned ones start with the default. On again, the next batch makes a new ring
+    where memfd exists.
+
+    Args:
+        enabled (bool): whether to use rings from now on.
+    """
+    global _ring_unavailable
+    drop_ring()
+    _ring_unavailable = not enabled
+
+
+def ring_enabled() -> bool:
+    """Whether this process may still send batches through a ring (False once turned off with
+    :func:`set_enabled`, or once making a ring failed: no memfd, or no shared memory).
+
+    Returns:
+        bool: whether a ring is used or may still be made.
+    """
+    return not _ring_unavailable
+
+
+def drop_ring() -> None:
+    """Close and forget this process's ring, if it has one; the next batch makes a new one, which
+    the main process has not mapped yet (so that batch travels pickled and announces the ring).
+    Batches that still view the old ring's slots keep its memory alive."""
+    global _worker_ring
+    ring = current_ring()
+    _worker_ring = None
+    if ring is not None:
+        ring.close()
+
+
 def current_ring() -> WorkerRing | None:
     """This worker's ring if it has one (None in the main process)."""
     ring = _worker_ring
@@ -171,7 +208,7 @@ def worker_ring(nbytes: int, headroom: float = 1.0) -> WorkerRing | None:
     return _worker_ring
 
 
-class _AttachedRing:
+class AttachedRing:
     """A worker's ring as mapped in the main process."""
 
     def __init__(self, pid: int, fd: int, inode: int):
@@ -201,12 +238,12 @@ class _AttachedRing:
 
 #: batches this (main) process received through a ring / by value (for tests and diagnosis)
 received = {"ring": 0, "by_value": 0}
-_attached: dict[tuple[int, int], _AttachedRing] = {}
+_attached: dict[tuple[int, int], AttachedRing] = {}
 _failed: set[tuple[int, int]] = set()
 _attached_by = os.getpid()
 
 
-def attach(pid: int, fd: int, inode: int) -> _AttachedRing | None:
+def attach(pid: int, fd: int, inode: int) -> AttachedRing | None:
     """Map a worker's ring in this (the main) process, once; None if it cannot be."""
     global _attached_by
     if _attached_by != os.getpid():  # forked: the parent's rings are not ours to use
@@ -218,7 +255,7 @@ def attach(pid: int, fd: int, inode: int) -> _AttachedRing | None:
     if ring is not None or key in _failed:
         return ring
     try:
-        ring = _AttachedRing(pid, fd, inode)
+        ring = AttachedRing(pid, fd, inode)
     except (OSError, ValueError):
         _failed.add(key)
         return None

@@ -80,14 +80,14 @@ def test_batches_travel_through_the_ring_and_held_ones_stay_intact(raw_stores, s
 def test_control_freeing_slots_early_is_caught(raw_stores, monkeypatch):
     """Break the protocol (a slot is freed as soon as it is received) and the
     held-batch check above sees batches overwritten."""
-    original = batch_ring._AttachedRing.take
+    original = batch_ring.AttachedRing.take
 
     def take_and_free(self, slot, nbytes):
         arr = original(self, slot, nbytes)
         self.map[1 + slot] = 0
         return arr
 
-    monkeypatch.setattr(batch_ring._AttachedRing, "take", take_and_free)
+    monkeypatch.setattr(batch_ring.AttachedRing, "take", take_and_free)
     ds = fastdata.open_dataset(raw_stores[".lmdb"], output="tensor")
     images_truth, _ = _truth(ds)
     _images, _labels, held = _held_epoch(_loader(ds))

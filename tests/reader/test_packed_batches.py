@@ -133,9 +133,9 @@ def test_images_are_decoded_into_ring_slots_that_come_back_epoch_after_epoch(tmp
     assert per_epoch[0] >= 10 and per_epoch[1] >= 18 and per_epoch[2] >= 18, per_epoch
 
 
-def test_a_lent_slot_is_freed_by_the_worker_unless_it_was_sent(monkeypatch):
+def test_a_lent_slot_is_freed_by_the_worker_unless_it_was_sent():
     from fastdata.reader import batch_ring
-    monkeypatch.setattr(batch_ring, "_worker_ring", None)
+    batch_ring.drop_ring()
     assert batch_ring.lend(1000) is None  # a new ring: not mapped by the main process yet
     ring = batch_ring.current_ring()
     assert ring is not None
@@ -153,8 +153,8 @@ def test_a_lent_slot_is_freed_by_the_worker_unless_it_was_sent(monkeypatch):
     del kept, tensor, args
     assert states()[:2] == [1, 0]  # sent: only the main process frees it
     assert ring.sent == set()
-    monkeypatch.setattr(batch_ring, "_worker_ring", None)
-    ring.close()
+    batch_ring.drop_ring()
+    assert batch_ring.current_ring() is None
 
 
 def test_a_foreign_collate_gets_the_same_images(tmp_path):
@@ -223,13 +223,14 @@ def _fixed_store(tmp_path, n=32):
 
 
 @pytest.mark.parametrize("ring", [True, False], ids=["ring", "control"])
-def test_fixed_shape_dict_fields_are_stacked_into_ring_slots(tmp_path, ring, monkeypatch):
+def test_fixed_shape_dict_fields_are_stacked_into_ring_slots(tmp_path, ring, request):
     """Fields of one shape and dtype are stacked into one slot of the worker's ring (only the slot
     number crosses the queue; slots come back once a batch is gone); without a ring the same
     batches arrive as before (control: no batch through the ring)."""
     from fastdata.reader import batch_ring
     if not ring:
-        monkeypatch.setattr(batch_ring, "_ring_unavailable", True)  # inherited by the forked workers
+        batch_ring.set_enabled(False)  # inherited by the forked workers
+        request.addfinalizer(lambda: batch_ring.set_enabled(True))
     ds = fastdata.open_dataset(_fixed_store(tmp_path), output="tensor")
     want = [fastdata.collate(ds.__getitems__(list(range(b, b + 4)))) for b in range(0, 32, 4)]
     loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=fastdata.collate, persistent_workers=True,
