@@ -1,0 +1,125 @@
+"""A proxy of macOS or Windows on Linux: removes, before anything else is imported, what
+that system lacks, so that fastdata's portable paths run here. Python imports this module
+at start-up when its folder is on PYTHONPATH; ``FASTDATA_PROXY_SYSTEM`` picks the system
+(``macos`` or ``windows``; unset: nothing changes). Every process started from the proxy
+(spawned DataLoader and converter workers, ``python -m fastdata`` subprocesses) inherits
+both variables, so it is a proxy too.
+
+macos: no ``os.memfd_create``, ``os.posix_fadvise``, ``os.sched_getaffinity``,
+``os.copy_file_range``, and no ``/proc`` for fastdata's own reads (libraries such as psutil
+keep theirs: on macOS they use the system's own calls instead).
+
+windows: the same, plus no ``fcntl`` or ``resource`` module, no ``os.pread``/``os.preadv``/
+``os.pwrite``, and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
+torch registers an at-fork hook at import everywhere but on ``sys.platform == "win32"``). Windows
+has ``msvcrt`` (byte-range locks the OS drops with their holder); Linux does not, so the
+proxy provides ``msvcrt.locking`` over ``flock`` (one exclusive lock per open file, as
+Windows keeps one per handle), captured before ``fcntl`` is hidden.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import sys
+import types
+
+SYSTEM = os.environ.get("FASTDATA_PROXY_SYSTEM", "")
+
+#: what each proxy removes from os, for the test's report
+REMOVED_OS = {
+    "macos": ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range"),
+    "windows": ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range",
+                "pread", "preadv", "pwrite", "pwritev"),
+}
+
+
+def _from_fastdata() -> bool:
+    """Whether the call being checked was made by fastdata's own code (two frames up: the
+    caller of the patched function)."""
+    frame = sys._getframe(2)
+    return str(frame.f_globals.get("__name__", "")).startswith("fastdata")
+
+
+def _is_proc(path) -> bool:
+    if isinstance(path, int):
+        return False
+    try:
+        text = os.fsdecode(path)
+    except TypeError:
+        return False
+    return text == "/proc" or text.startswith("/proc/")
+
+
+def _hide_proc() -> None:
+    """fastdata's reads of /proc fail as they would where there is none."""
+
+    def guard(original):
+        def patched(path, *args, **kwargs):
+            if _is_proc(path) and _from_fastdata():
+                raise FileNotFoundError(errno.ENOENT, f"no /proc on the {SYSTEM} proxy", os.fsdecode(path))
+            return original(path, *args, **kwargs)
+
+        patched.__wrapped__ = original  # type: ignore[attr-defined]
+        return patched
+
+    builtins.open = guard(builtins.open)
+    os.open = guard(os.open)
+    os.listdir = guard(os.listdir)
+    os.scandir = guard(os.scandir)
+
+
+def _stand_in_msvcrt(flock, lock_ex: int, lock_nb: int, lock_un: int) -> types.ModuleType:
+    module = types.ModuleType("msvcrt", "stand-in for Windows' msvcrt (locking only), over flock")
+    module.LK_UNLCK, module.LK_LOCK, module.LK_NBLCK, module.LK_RLCK, module.LK_NBRLCK = 0, 1, 2, 3, 4
+
+    def locking(fd: int, mode: int, nbytes: int) -> None:
+        if mode == module.LK_UNLCK:
+            flock(fd, lock_un)
+            return
+        try:
+            flock(fd, lock_ex | (lock_nb if mode in (module.LK_NBLCK, module.LK_NBRLCK) else 0))
+        except BlockingIOError:
+            # what msvcrt.locking raises for a range another handle holds
+            raise PermissionError(errno.EACCES, "Permission denied") from None
+
+    module.locking = locking
+    return module
+
+
+def _spawn_only() -> None:
+    import multiprocessing
+    import multiprocessing.context as context
+
+    for method in ("fork", "forkserver"):
+        context._concrete_contexts.pop(method, None)
+    spawn = context._concrete_contexts["spawn"]
+    context._default_context._actual_context = spawn
+    context.DefaultContext.get_all_start_methods = lambda self: ["spawn"]
+    multiprocessing.get_all_start_methods = lambda: ["spawn"]
+
+
+def install(system: str) -> None:
+    for name in REMOVED_OS[system]:
+        if hasattr(os, name):
+            delattr(os, name)
+    _hide_proc()
+    import multiprocessing
+
+    # spawn: the default on both systems (macOS keeps fork and forkserver beside it)
+    multiprocessing.set_start_method("spawn", force=True)
+    if system == "windows":
+        import fcntl
+        import subprocess  # noqa: F401  # before msvcrt appears: subprocess takes its presence for Windows
+
+        import psutil  # noqa: F401  # before resource goes: psutil's Linux build imports it (its Windows one does not)
+
+        sys.modules["msvcrt"] = _stand_in_msvcrt(fcntl.flock, fcntl.LOCK_EX, fcntl.LOCK_NB, fcntl.LOCK_UN)
+        for module in ("fcntl", "resource"):
+            sys.modules[module] = None  # type: ignore[assignment]  # import fails: ModuleNotFoundError
+        _spawn_only()
+
+
+if SYSTEM:
+    install(SYSTEM)

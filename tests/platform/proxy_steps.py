@@ -1,0 +1,236 @@
+"""The steps a user takes, run inside a platform proxy (``proxy_site/sitecustomize.py``):
+``python proxy_steps.py WORKDIR`` converts, verifies, appends, overwrites, locks, opens, reads
+and loads a small image folder with each backend and prints one JSON object: per backend,
+per step, ``{"ok": true, ...what it found}`` or ``{"ok": false, "error": ...}``. A step
+that fails does not stop the next ones (each starts from what the earlier ones left, so a
+failure early may fail later steps too). The test beside this file asserts on the results.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+
+import numpy as np  # noqa: E402
+from helpers.images import make_tree  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import fastdata  # noqa: E402
+
+BACKENDS = ("lmdb", "hdf5")
+CLASSES = {"cat": 5, "dog": 4}
+APPENDED = {"cat": 2, "dog": 1}
+SIZE = (24, 16)
+
+
+def _truth(root: str) -> dict[str, tuple[int, np.ndarray]]:
+    """relpath -> (label, RGB pixels as Pillow decodes the source)."""
+    out = {}
+    classes = sorted(os.listdir(root))
+    for label, cls in enumerate(classes):
+        for name in sorted(os.listdir(os.path.join(root, cls))):
+            with Image.open(os.path.join(root, cls, name)) as im:
+                out[f"{cls}/{name}"] = (label, np.asarray(im.convert("RGB")))
+    return out
+
+
+def _hold_lock(store: str, ready, release) -> None:
+    """Child: take the store's lock; on ``release`` either let go (not set) or die holding it."""
+    from fastdata.writer.lock import StoreLock
+
+    lock = StoreLock(store).acquire()
+    ready.set()
+    release.wait(60)
+    os._exit(0)  # dies holding the lock: the OS must drop it
+    lock.release()
+
+
+def step_convert_cli(ctx: dict) -> dict:
+    args = [sys.executable, "-m", "fastdata", "convert", ctx["src"], ctx["dst"], "--format", ctx["backend"],
+            "--workers", "2", "--shard-size", "4k", "--quiet"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    if run.returncode:
+        raise RuntimeError(f"exit {run.returncode}: {run.stderr[-2000:]}")
+    info = fastdata.info(ctx["dst"])
+    return {"samples": info["num_samples"], "shards": len(info["shards"]), "classes": info["classes"]}
+
+
+def step_verify(ctx: dict) -> dict:
+    report = fastdata.verify(ctx["dst"], decode=True)
+    return {"verified": bool(report.ok), "problems": [str(p) for p in getattr(report, "problems", [])][:3]}
+
+
+def step_append(ctx: dict) -> dict:
+    report = fastdata.convert(ctx["more"], ctx["dst"], format=ctx["backend"], append=True, workers=0,
+                              shard_size="4k", progress=False)
+    return {"appended": report.images, "samples": fastdata.info(ctx["dst"])["num_samples"]}
+
+
+def step_overwrite(ctx: dict) -> dict:
+    report = fastdata.convert(ctx["src"], ctx["dst"], format=ctx["backend"], overwrite=True, workers=0,
+                              shard_size="4k", progress=False)
+    return {"images": report.images, "samples": fastdata.info(ctx["dst"])["num_samples"],
+            "verified": bool(fastdata.verify(ctx["dst"]).ok)}
+
+
+def step_lock(ctx: dict) -> dict:
+    """A live converter's lock refuses a second one; a dead one's is taken over, naming it."""
+    spawn = multiprocessing.get_context("spawn")
+    ready, release = spawn.Event(), spawn.Event()
+    holder = spawn.Process(target=_hold_lock, args=(ctx["dst"], ready, release))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.wait(0.05):
+            if not holder.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the lock holder did not take the lock (exit code {holder.exitcode})")
+        try:
+            fastdata.convert(ctx["src"], ctx["dst"], format=ctx["backend"], overwrite=True, workers=0,
+                             progress=False)
+            refused = ""
+        except fastdata.errors.StoreLockedError as err:
+            refused = str(err)
+    finally:
+        release.set()
+        holder.join(60)
+    report = fastdata.convert(ctx["src"], ctx["dst"], format=ctx["backend"], overwrite=True, workers=0,
+                              shard_size="4k", progress=False)
+    return {"refused_live": f"pid {holder.pid}" in refused,
+            "took_over_dead": any(f"pid {holder.pid}" in w for w in report.warnings),
+            "samples": fastdata.info(ctx["dst"])["num_samples"]}
+
+
+def step_volumes(ctx: dict) -> dict:
+    """Chunked volumes from memmaps (read with positioned reads; HDF5 copies its chunks into place):
+    the store gives back every voxel."""
+    from helpers.volumes import SCHEMA, open_memmap, volume, write_memmaps
+
+    folder = os.path.join(os.path.dirname(ctx["dst"]), f"volumes-{ctx['backend']}")
+    os.makedirs(folder)
+    paths = write_memmaps(folder, 3)
+    dst = os.path.join(folder, f"vols.{ctx['backend']}")
+    fastdata.write([{"ct": open_memmap(p, i), "label": i} for i, p in enumerate(paths)], dst, SCHEMA, workers=0,
+                   progress=False)
+    ds = fastdata.open_dataset(dst)
+    try:
+        same = sum(np.array_equal(np.asarray(ds[i]["ct"]), volume(i)) for i in range(len(ds)))
+    finally:
+        ds.close()
+    return {"volumes": len(paths), "voxels_equal": int(same)}
+
+
+def step_open_read(ctx: dict) -> dict:
+    truth = ctx["truth"]
+    names = sorted(truth)
+    ds = fastdata.open_dataset(ctx["dst"])
+    try:
+        labels, same = [], 0
+        for i in range(len(ds)):
+            image, label = ds[i]
+            pixels = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image)
+            labels.append(int(label))
+            same += int(np.array_equal(pixels, truth[names[i]][1]))
+    finally:
+        ds.close()
+    return {"samples": len(labels), "labels_match": labels == [truth[n][0] for n in names],
+            "pixels_equal": same}
+
+
+def loader_epoch(stores: dict[str, str], truth: dict) -> dict:
+    """One epoch of a 2-worker loader (spawn) over every backend's store at once (one ConcatDataset:
+    the workers start once, not once per backend); per backend, what arrived."""
+    import torch
+
+    from fastdata.reader import batch_ring
+
+    names = sorted(truth)
+    datasets = [fastdata.open_dataset(stores[b], output="tensor") for b in BACKENDS]
+    try:
+        want = [(b, i, ds[i][0]) for b, ds in zip(BACKENDS, datasets, strict=True) for i in range(len(ds))]
+        loader = fastdata.loader(torch.utils.data.ConcatDataset(datasets), batch_size=4, num_workers=2,
+                                 shuffle=False, multiprocessing_context=multiprocessing.get_context("spawn"))
+        got: dict = {b: {"samples": 0, "labels": [], "pixels_equal": 0} for b in BACKENDS}
+        seen = 0
+        for images, targets in loader:
+            for image, target in zip(images, targets, strict=True):
+                backend, _i, pixels = want[seen]
+                got[backend]["samples"] += 1
+                got[backend]["labels"].append(int(target))
+                got[backend]["pixels_equal"] += int(torch.equal(image, pixels))
+                seen += 1
+    finally:
+        for ds in datasets:
+            ds.close()
+    for backend in BACKENDS:
+        got[backend]["labels_match"] = got[backend].pop("labels") == [truth[n][0] for n in names]
+    return {**got, "ring_batches": batch_ring.received["ring"]}
+
+
+STEPS = [step_convert_cli, step_verify, step_append, step_overwrite, step_lock, step_volumes, step_open_read]
+
+
+def proxy_check() -> dict:
+    """What this process lacks, seen from inside (the test checks the proxy is what it says)."""
+    import importlib
+
+    from fastdata.common import portable
+
+    try:
+        importlib.import_module("fcntl")
+        fcntl_importable = True
+    except ImportError:
+        fcntl_importable = False
+    try:
+        multiprocessing.get_context("fork")
+        fork = True
+    except ValueError:
+        fork = False
+    try:
+        portable.file_mappings(sys.executable)
+        proc_readable = True
+    except OSError:
+        proc_readable = False
+    names = ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range", "pread", "preadv", "pwrite")
+    return {"os_missing": [n for n in names if not hasattr(os, n)], "fcntl_importable": fcntl_importable,
+            "fork_context": fork, "start_methods": multiprocessing.get_all_start_methods(),
+            "proc_readable_by_fastdata": proc_readable, "native_threads": portable.native_thread_count(),
+            "cores": portable.available_cores()}
+
+
+def _run(results: dict, name: str, step, *args) -> None:
+    t0 = time.monotonic()
+    try:
+        results[name] = {"ok": True, **step(*args)}
+    except BaseException as err:  # noqa: B036  # every failure is a result to report
+        results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}", "where": traceback.format_exc()[-1500:]}
+    results[name]["seconds"] = round(time.monotonic() - t0, 2)
+
+
+def main(work: str) -> dict:
+    from fastdata.common import portable
+
+    src = make_tree(os.path.join(work, "src"), classes=CLASSES, size=SIZE)
+    more = make_tree(os.path.join(work, "more"), classes=APPENDED, size=SIZE, seed=1)
+    truth = _truth(src)
+    out: dict = {"system": os.environ.get("FASTDATA_PROXY_SYSTEM", ""), "start": multiprocessing.get_start_method(),
+                 "locking": portable.LOCKING, "pread": portable.HAS_PREAD, "proxy": proxy_check()}
+    stores = {}
+    for backend in BACKENDS:
+        stores[backend] = os.path.join(work, f"store.{backend}")
+        ctx = {"backend": backend, "src": src, "more": more, "truth": truth, "dst": stores[backend]}
+        results = out[backend] = {}
+        for step in STEPS:
+            _run(results, step.__name__[5:], step, ctx)
+    _run(out, "loader", loader_epoch, stores, truth)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

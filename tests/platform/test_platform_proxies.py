@@ -1,0 +1,115 @@
+"""fastdata on proxies of macOS and Windows (issue 38): a fresh interpreter from which
+``proxy_site/sitecustomize.py`` removes, before anything is imported, what that system lacks
+(macOS: memfd, posix_fadvise, sched_getaffinity, copy_file_range, /proc for fastdata's reads;
+Windows: also fcntl, resource, pread/preadv/pwrite, fork and forkserver), runs the steps of
+``proxy_steps.py`` on both backends: convert (CLI, 2 spawned workers), verify, append, convert
+again with overwrite, a live converter's lock refused and a dead one's taken over, chunked
+volumes from memmaps, open and read every sample, and one epoch of a 2-worker spawn loader.
+
+The two proxies run at once, one subprocess each (~15 s of CPU apiece, most of it spawned
+workers importing torch). Linux's own paths are what every other test runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ("macos", "windows")
+BACKENDS = ("lmdb", "hdf5")
+STEPS = ("convert_cli", "verify", "append", "overwrite", "lock", "volumes", "open_read")
+#: samples of the source tree and of the appended one (proxy_steps.CLASSES, APPENDED)
+SAMPLES, APPENDED = 9, 3
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def proxies(tmp_path_factory) -> dict[str, dict]:
+    """Each proxy's report (proxy_steps.py's JSON), both run at the same time."""
+    procs = {}
+    for system in SYSTEMS:
+        work = tmp_path_factory.mktemp(f"proxy-{system}")
+        env = dict(os.environ, FASTDATA_PROXY_SYSTEM=system,
+                   PYTHONPATH=os.pathsep.join([str(HERE / "proxy_site"), os.environ.get("PYTHONPATH", "")]))
+        procs[system] = subprocess.Popen([sys.executable, str(HERE / "proxy_steps.py"), str(work)], env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {}
+    for system, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=200)
+        assert proc.returncode == 0, f"{system} proxy exited {proc.returncode}: {stderr[-3000:]}"
+        out[system] = json.loads(stdout)
+    return out
+
+
+def _ok(result: dict) -> dict:
+    assert result["ok"], f"{result['error']}\n{result.get('where', '')}"
+    return result
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_the_proxy_lacks_what_its_system_lacks(proxies, system):
+    proxy = proxies[system]["proxy"]
+    linux_only = ["memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range"]
+    assert proxy["proc_readable_by_fastdata"] is False
+    assert proxy["native_threads"] >= 1 and proxy["cores"] >= 1  # psutil / os.cpu_count instead of /proc
+    assert proxies[system]["start"] == "spawn"
+    if system == "macos":
+        assert proxy["os_missing"] == linux_only
+        assert proxy["fcntl_importable"] and proxy["fork_context"]
+        assert proxies[system]["locking"] == "flock" and proxies[system]["pread"]
+    else:
+        assert proxy["os_missing"] == [*linux_only, "pread", "preadv", "pwrite"]
+        assert not proxy["fcntl_importable"] and not proxy["fork_context"]
+        assert proxy["start_methods"] == ["spawn"]
+        assert proxies[system]["locking"] == "msvcrt" and not proxies[system]["pread"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_convert_verify_append_overwrite(proxies, system, backend):
+    steps = proxies[system][backend]
+    converted = _ok(steps["convert_cli"])
+    assert converted["samples"] == SAMPLES and converted["shards"] > 1  # 2 spawned workers, several shards
+    assert [(c["name"], c["count"]) for c in converted["classes"]] == [("cat", 5), ("dog", 4)]
+    assert _ok(steps["verify"])["verified"]
+    appended = _ok(steps["append"])
+    assert appended["appended"] == APPENDED and appended["samples"] == SAMPLES + APPENDED
+    overwritten = _ok(steps["overwrite"])
+    assert overwritten["images"] == overwritten["samples"] == SAMPLES and overwritten["verified"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_store_lock_refuses_a_live_converter_and_takes_over_a_dead_ones(proxies, system, backend):
+    lock = _ok(proxies[system][backend]["lock"])
+    assert lock["refused_live"] and lock["took_over_dead"] and lock["samples"] == SAMPLES
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_chunked_volumes_from_memmaps_round_trip(proxies, system, backend):
+    volumes = _ok(proxies[system][backend]["volumes"])
+    assert volumes["voxels_equal"] == volumes["volumes"] == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_open_and_read_every_sample(proxies, system, backend):
+    read = _ok(proxies[system][backend]["open_read"])
+    assert read["samples"] == read["pixels_equal"] == SAMPLES and read["labels_match"]
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_a_two_worker_spawn_loader_yields_every_sample_once(proxies, system):
+    loader = _ok(proxies[system]["loader"])
+    for backend in BACKENDS:
+        got = loader[backend]
+        assert got["samples"] == got["pixels_equal"] == SAMPLES and got["labels_match"], (backend, got)
+    assert loader["ring_batches"] == 0  # no memfd: every batch travelled pickled
