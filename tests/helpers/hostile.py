@@ -27,6 +27,7 @@ benign content, the control proving the store is sound apart from its one attack
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -40,13 +41,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import msgpack
 import numpy as np
 import xxhash
 
-from helpers.bounded import wait_for_child
+from helpers.bounded import vm_size, wait_for_child
 from helpers.images import TESTS_DIR, make_tree
 
 #: what a hostile store may cost a reader beyond a reader's own baseline
@@ -756,11 +758,13 @@ def _child(request: dict, result_fd: int, log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if request.get("limit"):
-        resource.setrlimit(resource.RLIMIT_AS, (request["limit"], request["limit"]))
+    limit = vm_size() + request["growth"] if request.get("growth") else request.get("limit")
+    if limit:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     start = time.monotonic()
     try:
-        result = OPS[request["op"]](**request["args"])
+        op = OPS.get(request["op"]) or getattr(_CASES, request["op"])
+        result = op(**request["args"])
     except BaseException as err:  # noqa: BLE001 - every failure is an outcome
         result = _classify(err)
     result["elapsed"] = round(time.monotonic() - start, 3)
@@ -774,8 +778,26 @@ def _child(request: dict, result_fd: int, log_path: str) -> None:
     os._exit(0)
 
 
-def zygote_main() -> None:
-    """The zygote: import everything once, then per request line fork a child and answer one line."""
+#: the module of a harness's own cases (``Harness(cases=...)``), loaded in the zygote
+_CASES: ModuleType | None = None
+
+
+def _load_cases(path: str, workdir: str) -> ModuleType:
+    """Import the test module at ``path`` in the zygote, under a name of its own, and run its
+    ``zygote_setup(workdir)`` (imports and a warm-up, inherited by every child) if it has one."""
+    spec = importlib.util.spec_from_file_location(f"hostile_cases_{Path(path).stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if hasattr(module, "zygote_setup"):
+        module.zygote_setup(workdir)
+    return module
+
+
+def zygote_main(cases: str | None = None, workdir: str | None = None) -> None:
+    """The zygote: import everything once, then per request line fork a child and answer one line.
+    ``cases``: the path of a test module whose ``case_*`` functions run beside :data:`OPS`."""
+    global _CASES
     import h5py  # noqa: F401 - imported once here, inherited by every child
     import lmdb  # noqa: F401
     import torch  # noqa: F401
@@ -788,6 +810,8 @@ def zygote_main() -> None:
     fastdata.open_dataset  # noqa: B018 - resolve the lazy names before forking
     out = sys.stdout
     sys.stdout = sys.stderr
+    if cases is not None:
+        _CASES = _load_cases(cases, workdir or ".")
     out.write(json.dumps({"ready": True, "vm_size": _vm_peak()}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -823,16 +847,22 @@ def zygote_main() -> None:
 
 
 class Harness:
-    """One zygote process; :meth:`run` runs one operation in a fresh fork of it."""
+    """One zygote process; :meth:`run` runs one operation in a fresh fork of it.
 
-    def __init__(self, workdir: str | os.PathLike, env: dict[str, str] | None = None):
+    ``cases``: the path of a test module (``__file__``) whose ``case_*`` functions :meth:`run` may
+    name beside :data:`OPS`; the zygote imports it once and calls its ``zygote_setup(workdir)``, if
+    any, before the first fork."""
+
+    def __init__(self, workdir: str | os.PathLike, env: dict[str, str] | None = None,
+                 cases: str | os.PathLike | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {CANARY_ENV: CANARY, **os.environ, **(env or {})}  # first: /proc/self/environ's first bytes hold it
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")])
-        code = "from helpers.hostile import zygote_main; zygote_main()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, text=True, bufsize=1)
+        code = "import sys; from helpers.hostile import zygote_main; zygote_main(*sys.argv[1:])"
+        argv = [str(cases), str(self.workdir)] if cases is not None else []
+        self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
         ready = json.loads(self.proc.stdout.readline())
         assert ready.get("ready"), ready
         self.baseline = 0
@@ -849,13 +879,17 @@ class Harness:
         self.baseline = max(peaks)
         self.limit = self.baseline + MEMORY_GROWTH
 
-    def run(self, op: str, *, timeout: float = TIMEOUT, limit: int | None = None, **args) -> dict:
-        """Run ``OPS[op](**args)`` in a fresh child; the result dict has ``outcome`` and, where it
-        applies, ``type``, ``message``, ``elapsed`` (s), ``vm_peak`` and ``growth`` (bytes above
-        the baseline)."""
+    def run(self, op: str, *, timeout: float = TIMEOUT, limit: int | None = None, growth: int | None = None,
+            **args) -> dict:
+        """Run ``OPS[op](**args)`` (or the cases module's ``op``) in a fresh child; the result dict
+        has ``outcome`` and, where it applies, ``type``, ``message``, ``elapsed`` (s), ``vm_peak``
+        and ``growth`` (bytes above the baseline). The child's address space is bounded by
+        ``limit`` (bytes; default: the calibrated one, 0: none) or, given ``growth``, by the
+        zygote's own size + ``growth``. Path arguments are passed as strings."""
         self._n += 1
+        args = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in args.items()}
         request = {"op": op, "args": args, "timeout": timeout, "limit": self.limit if limit is None else limit,
-                   "log": str(self.workdir / f"case-{self._n}.log")}
+                   "growth": growth, "log": str(self.workdir / f"case-{self._n}.log")}
         started = time.monotonic()
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()

@@ -3,44 +3,35 @@
 and never pull a file from outside the source into the store. Each attack has a control: the
 benign version of the same file converts.
 
-The attacks run in a fresh fork of one zygote process (:class:`_Zygote`: fastdata imported and
-one small conversion done once), under ``RLIMIT_AS`` = the zygote's address space +
-:data:`GROWTH` and a timeout: without the fixes the memory attacks end in a MemoryError there
-instead of costing GiBs. The tars declare GiBs in sparse files (a few KiB on disk).
+The attacks run in a fresh fork of one zygote process (:class:`helpers.hostile.Harness`, given
+this module's ``case_*`` functions; :func:`zygote_setup`: fastdata imported and one small
+conversion done once), under ``RLIMIT_AS`` = the zygote's address space + :data:`GROWTH` and a
+timeout: without the fixes the memory attacks end in a MemoryError there instead of costing GiBs.
+The tars declare GiBs in sparse files (a few KiB on disk).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.bounded import vm_size, wait_for_child
+from helpers.hostile import Harness
 
 #: the memory a case may use beyond the zygote's
 GROWTH = 1 << 30
 TIMEOUT = 30.0
-TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 # -- the zygote ---------------------------------------------------------------------------------
 
-def _zygote_main(module_path: str, warm_dir: str) -> None:
-    """In the zygote: import this module and fastdata, convert a small tar once, then per request line
-    fork a child that runs one ``case_*`` function under RLIMIT_AS and answers one JSON line."""
-    import resource
-
-    spec = importlib.util.spec_from_file_location("hostile_sources_cases", module_path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def zygote_setup(workdir: str) -> None:
+    """In the harness's zygote, once: the imports the cases need and one small conversion, inherited
+    by every child (so a child's growth is the case's own)."""
     import nibabel  # noqa: F401 - imported once, inherited by every child
     import pycocotools.mask  # noqa: F401
 
@@ -48,85 +39,32 @@ def _zygote_main(module_path: str, warm_dir: str) -> None:
     import fastdata.reader.targets  # noqa: F401
     import fastdata.writer.sources.volumes.nifti  # noqa: F401
 
-    write_tar(Path(warm_dir) / "warm.tar", [("a.jpg", jpeg(0)), ("a.cls", b"0"), ("a.json", b"{}")])
-    fastdata.convert(os.path.join(warm_dir, "warm.tar"), os.path.join(warm_dir, "warm.lmdb"), workers=0,
+    write_tar(Path(workdir) / "warm.tar", [("a.jpg", jpeg(0)), ("a.cls", b"0"), ("a.json", b"{}")])
+    fastdata.convert(os.path.join(workdir, "warm.tar"), os.path.join(workdir, "warm.lmdb"), workers=0,
                      progress=False)
-    out = sys.stdout
-    sys.stdout = sys.stderr
-    out.write(json.dumps({"ready": True}) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            os.setpgid(0, 0)
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            limit = vm_size() + GROWTH
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            try:
-                result = getattr(module, request["case"])(**request["args"])
-            except BaseException as err:  # noqa: BLE001 - every failure is an outcome
-                result = _classify(err)
-            os.write(w, json.dumps(result, default=str).encode())
-            os._exit(0)
-        os.close(w)
-        data, status = wait_for_child(pid, r, TIMEOUT, group=True)
-        if status is None:
-            result = {"outcome": "timeout"}
-        elif data:
-            result = json.loads(data)
-        else:
-            result = {"outcome": "died", "status": status}
-        out.write(json.dumps(result) + "\n")
-        out.flush()
 
 
-def _classify(err: BaseException) -> dict:
-    from fastdata.errors import FastdataError
-
-    outcome = "memory" if isinstance(err, MemoryError) else "typed" if isinstance(err, FastdataError) else "untyped"
-    return {"outcome": outcome, "type": type(err).__name__, "message": str(err)[:2000]}
+#: what the harness adds to a case's own result
+_HARNESS_KEYS = ("elapsed", "vm_peak", "growth", "log_tail")
 
 
-class _Zygote:
-    def __init__(self, warm_dir: Path):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
-        code = ("import sys, importlib.util; spec = importlib.util.spec_from_file_location('z', sys.argv[1]); "
-                "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-                "m._zygote_main(sys.argv[1], sys.argv[2])")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, __file__, str(warm_dir)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
-        assert self.proc.stdout is not None and self.proc.stdin is not None
-        ready = self.proc.stdout.readline()
-        assert ready and json.loads(ready).get("ready"), "the zygote did not start"
+class _Cases:
+    """The cases below, each run by :class:`helpers.hostile.Harness` in a fresh fork of its zygote
+    under ``RLIMIT_AS`` = the zygote's size + :data:`GROWTH` and :data:`TIMEOUT`."""
+
+    def __init__(self, harness: Harness):
+        self.harness = harness
 
     def run(self, case: str, **args) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"case": case, "args": {k: str(v) if isinstance(v, Path) else v
-                                                                 for k, v in args.items()}}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "the zygote died"
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        result = self.harness.run(case, timeout=TIMEOUT, growth=GROWTH, **args)
+        return {k: v for k, v in result.items() if k not in _HARNESS_KEYS}
 
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
-    z = _Zygote(tmp_path_factory.mktemp("zygote"))
-    yield z
-    z.close()
+    harness = Harness(tmp_path_factory.mktemp("zygote"), cases=__file__)
+    yield _Cases(harness)
+    harness.close()
 
 
 # -- the cases (run in the zygote's children) ----------------------------------------------------
@@ -206,7 +144,7 @@ def test_an_extended_header_of_gibs_is_refused_before_it_is_read(zygote, tmp_pat
     write_sparse_tar(src, [("././@PaxHeader" if kind == tarfile.XHDTYPE else "././@LongLink", kind, 3 << 29)])
     assert os.stat(src).st_size > 1 << 30
     result = zygote.run("case_convert", src=src, dst=tmp_path / "out.lmdb")
-    assert result["outcome"] == "typed" and result["type"] == "SourceError", _outcome(result)
+    assert result["outcome"] == "typed_error" and result["type"] == "SourceError", _outcome(result)
     assert str(src) in result["message"] and "byte 0" in result["message"]
     assert "1,048,576 byte limit for a tar extended header" in result["message"]
 
@@ -229,7 +167,7 @@ def test_a_sample_whose_members_hold_gibs_is_rejected_and_the_conversion_goes_on
     [(name, reason)] = result["rejected"]
     assert name == "big.tar a" and "byte limit for one sample" in reason
     strict = zygote.run("case_convert", src=src, dst=tmp_path / "strict.lmdb", strict=True)
-    assert strict["outcome"] == "typed" and "limit for one sample" in strict["message"], _outcome(strict)
+    assert strict["outcome"] == "typed_error" and "limit for one sample" in strict["message"], _outcome(strict)
 
 
 def _json_tar(path, bad_json: bytes) -> None:
@@ -330,7 +268,7 @@ def test_a_coco_image_with_an_unusable_rle_or_too_many_annotations_is_rejected(z
     assert name == "1.jpg" and reason in why, why
     strict = zygote.run("case_convert", src=ann_file, dst=tmp_path / "strict.lmdb", coco_images=image_dir,
                         strict=True)
-    assert strict["outcome"] == "typed" and reason in strict["message"], _outcome(strict)
+    assert strict["outcome"] == "typed_error" and reason in strict["message"], _outcome(strict)
 
 
 def test_control_coco_rles_convert(zygote, tmp_path):
@@ -411,5 +349,5 @@ def test_a_decathlon_path_outside_its_folder_is_refused_naming_the_entry(zygote,
     if how == "control":
         assert result == {"outcome": "ok", "images": 2, "rejected": []}, _outcome(result)
         return
-    assert result["outcome"] == "typed" and result["type"] == "SourceError", _outcome(result)
+    assert result["outcome"] == "typed_error" and result["type"] == "SourceError", _outcome(result)
     assert f"training entry 1: image path {image!r} resolves outside" in result["message"], result["message"]
