@@ -44,14 +44,11 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from fastdata.common import portable
 from fastdata.common.fileio import atomic_write, fsync_dir
 from fastdata.common.units import format_size, parse_size
 from fastdata.errors import CacheFullError, CorruptRecordError, RemoteStoreError
 
-try:
-    import fcntl
-except ImportError:  # no flock on this platform: local stores still read (every reader imports this
-    fcntl = None  # type: ignore[assignment]  # module); a remote store's cache says it cannot run
 
 SPACE_LOCK = ".space.lock"
 SHARDS, LOCKS, PINS = "shards", "locks", "pins"
@@ -129,10 +126,11 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextmanager
-def _flocked(path: str, mode: int) -> Iterator[int]:
+def _flocked(path: str) -> Iterator[int]:
+    """``path`` locked exclusively (waiting for it) while the block runs."""
     fd = _open_lock_fd(path)
     try:
-        fcntl.flock(fd, mode)
+        portable.lock(fd, wait=True)
         yield fd
     finally:
         _close_lock_fd(fd)  # closing releases the lock
@@ -155,11 +153,12 @@ def _try_exclusive(path: str) -> int | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
+        if portable.lock(fd):
+            return fd
     except OSError:
-        _close_lock_fd(fd)
-        return None
+        pass
+    _close_lock_fd(fd)
+    return None
 
 
 class Pin:
@@ -207,9 +206,9 @@ class ShardCache:
     """
 
     def __init__(self, root: str | None = None, limit: int | str | None = None, wait_s: float | None = None):
-        if fcntl is None:
-            raise RemoteStoreError("the remote shard cache needs flock (the fcntl module), which this platform "
-                                   "lacks: copy the store to a local disk and open it there")
+        if not portable.SHARED_LOCKS:  # pins are shared locks: msvcrt (Windows) has none
+            raise RemoteStoreError("the remote shard cache needs shared file locks (flock, the fcntl module), "
+                                   "which this platform lacks: copy the store to a local disk and open it there")
         self.root = os.path.abspath(root or default_cache_dir())
         self.limit = resolve_limit(limit)
         self.wait_s = float(os.environ.get("FASTDATA_CACHE_WAIT_S", DEFAULT_WAIT_S)) if wait_s is None else wait_s
@@ -291,16 +290,13 @@ class ShardCache:
         Under a limit, ``on_wait`` runs before blocking behind another process's download: that
         download may need the room of this process's idle pins, and would wait for them while
         this process waits for it (two DataLoader workers reading the same shards in turn)."""
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if portable.lock(fd):
             return True
-        except BlockingIOError:
-            if not wait:
-                return False
+        if not wait:
+            return False
         if on_wait is not None and self.limit is not None:
             on_wait()
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return True
+        return portable.lock(fd, wait=True)
 
     def _hold_pin(self, pin_path: str) -> int:
         """An fd holding a shared lock on ``pin_path`` (while it is open, eviction skips the shard)."""
@@ -308,7 +304,7 @@ class ShardCache:
             fd = _open_lock_file(pin_path)
         except OSError as err:
             raise self._os_error(err, pin_path) from None
-        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while an evictor holds it exclusively
+        portable.lock(fd, shared=True, wait=True)  # waits while an evictor holds it exclusively
         return fd
 
     def _pin(self, pin_path: str, final: str, size: int) -> Pin | None:
@@ -364,7 +360,7 @@ class ShardCache:
         """Make room for ``size`` bytes and preallocate ``part`` (so every process counts it)."""
         deadline = time.monotonic() + self.wait_s
         while True:
-            with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK), fcntl.LOCK_EX):
+            with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK)):
                 if self.limit is None or self._make_room(size, keep):
                     self._preallocate(part, size)
                     return True
@@ -468,7 +464,7 @@ class ShardCache:
         """Delete unpinned shards (of ``key``, or all); returns (shards removed, shards kept because in use).
         A store directory left with no shards is removed."""
         removed = kept = 0
-        with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK), fcntl.LOCK_EX):
+        with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK)):
             for shard in self.shards(key):
                 if self._evict(shard):
                     removed += 1

@@ -205,15 +205,13 @@ class _Checker:
         view = out.data.cast("B")
         breaks = np.flatnonzero(np.diff(pgnos) != 1) + 1
         runs = np.split(np.arange(len(pgnos)), breaks)
-        if len(runs) > 1 and hasattr(os, "posix_fadvise"):
+        if len(runs) > 1:
             # pages scattered over the file (the leaf pages of a tails database lie between the
             # records' overflow pages): ask for all of them first, so that a cold shard is read with
             # a deep queue instead of one synchronous read a page (0.68 -> 0.08 s per GiB of ~63 KB records)
             for run in runs:
-                try:
-                    os.posix_fadvise(self.fd, int(pgnos[run[0]]) * psize, len(run) * psize, os.POSIX_FADV_WILLNEED)
-                except OSError:  # advice only
-                    break
+                if not portable.advise_willneed(self.fd, int(pgnos[run[0]]) * psize, len(run) * psize):
+                    break  # advice only: refused, or no posix_fadvise here (macOS, Windows)
         for run in runs:
             a, b = int(run[0]), int(run[-1]) + 1
             got = portable.preadinto(self.fd, view[a * psize:b * psize], int(pgnos[a]) * psize)
