@@ -34,7 +34,7 @@ import pytest
 
 import fastdata
 from fastdata.errors import ConversionError
-from fastdata.format.names import MANIFEST_NAME
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
 from fastdata.writer import pipeline
 
 NIGHTLY = os.environ.get("FASTDATA_NIGHTLY") == "1"
@@ -162,14 +162,14 @@ def install(monkeypatch, op: str, faults: Faults) -> None:
     elif op == "hdf5-write":
         from fastdata.format.backends.hdf5 import writer as hdf5_writer
 
-        real_write = hdf5_writer._os_write
+        real_write = hdf5_writer.file_write
 
-        def os_write(fh, view):  # every write libhdf5 makes through its file object
+        def file_write(fh, view):  # every write libhdf5 makes through its file object
             if faults.hit(fh.name):
                 raise faults.oserror()
             return real_write(fh, view)
 
-        monkeypatch.setattr(hdf5_writer, "_os_write", os_write)
+        monkeypatch.setattr(hdf5_writer, "file_write", file_write)
     elif op == "hdf5-payload":
         from fastdata.format.backends.hdf5 import writer as hdf5_writer
 
@@ -200,26 +200,45 @@ def install(monkeypatch, op: str, faults: Faults) -> None:
         raise ValueError(op)
 
 
+def _shard_files(dst: str) -> dict[str, tuple[int, int]]:
+    """The shard files in ``dst``: name -> (inode, mtime in ns)."""
+    if not os.path.isdir(dst):
+        return {}
+    out = {}
+    for name in os.listdir(dst):
+        if name.startswith("shard-") and name.endswith(SUFFIXES):
+            st = os.stat(os.path.join(dst, name))
+            out[name] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
 class ShardLog:
-    """Which shards finished (sidecar written) and which were started, per run."""
+    """Which shards a run into ``dst`` finished and which it wrote, seen from outside the pipeline.
 
-    def __init__(self, monkeypatch):
+    A shard is finished once its result sidecar (``.fastdata-staging/<shard>.json``, the proof it
+    is complete) is written: the last step of finishing it, so a write that returns is a shard
+    that finished. A shard was written by the run when its file is a new one afterwards (a shard
+    kept by a resume is never touched; one written goes through a new file renamed into place).
+    Make it just before the run; ``started`` is read after it."""
+
+    def __init__(self, monkeypatch, dst: str):
         self.finished: list[str] = []
-        self.started: list[str] = []
-        real_init, real_finish = pipeline._ShardInProgress.__init__, pipeline._ShardInProgress.finish
-        log = self
+        self._dst, self._before = dst, _shard_files(dst)
+        staging = os.path.join(dst, STAGING_DIR)
+        real_atomic_write = pipeline.atomic_write
 
-        def init(self, *args, **kwargs):
-            real_init(self, *args, **kwargs)
-            log.started.append(self.name)
+        def atomic_write(path, data, *args, **kwargs):
+            real_atomic_write(path, data, *args, **kwargs)
+            name = os.path.basename(path)
+            if os.path.dirname(path) == staging and name.startswith("shard-") and name.endswith(".json"):
+                self.finished.append(name[: -len(".json")])
 
-        def finish(self, dst):
-            result = real_finish(self, dst)
-            log.finished.append(self.name)
-            return result
+        monkeypatch.setattr(pipeline, "atomic_write", atomic_write)
 
-        monkeypatch.setattr(pipeline._ShardInProgress, "__init__", init)
-        monkeypatch.setattr(pipeline._ShardInProgress, "finish", finish)
+    @property
+    def started(self) -> list[str]:
+        """The shards whose files the run wrote (new, or replaced)."""
+        return [name for name, ident in _shard_files(self._dst).items() if self._before.get(name) != ident]
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -300,7 +319,7 @@ def test_fault_at_nth_operation_then_resume(source, reference, tmp_path, monkeyp
         with monkeypatch.context() as mp:
             faults = Faults(dst, nth, code)
             install(mp, op, faults)
-            log = ShardLog(mp)
+            log = ShardLog(mp, dst)
             with pytest.raises(ConversionError) as exc:
                 _convert(source, dst)
         message = str(exc.value)
@@ -311,7 +330,7 @@ def test_fault_at_nth_operation_then_resume(source, reference, tmp_path, monkeyp
         assert not os.path.exists(os.path.join(dst, MANIFEST_NAME)), f"{case}: a manifest was published"
 
         with monkeypatch.context() as mp:
-            again = ShardLog(mp)
+            again = ShardLog(mp, dst)
             report = _convert(source, dst, resume=True)
         # nothing that finished is redone; everything that did not finish is rewritten
         assert sorted(again.started) == sorted(set(ref["shards"]) - set(log.finished)), case
@@ -347,7 +366,7 @@ def test_eio_from_fsync_of_a_shard_means_it_is_rewritten(source, reference, tmp_
     assert not os.path.exists(os.path.join(staging, failed + ".json"))
     assert not os.path.exists(os.path.join(dst, failed))
     with monkeypatch.context() as mp:
-        log = ShardLog(mp)
+        log = ShardLog(mp, dst)
         _convert(source, dst, resume=True)
     assert failed in log.started
     assert fastdata.verify(dst).ok

@@ -21,8 +21,12 @@ from fastdata.format.chunks import PendingChunks
 from fastdata.format.record import IndexBuilder, SampleIndex, SampleIndexBuilder, ShardIndex
 
 
-def _os_write(fh: io.FileIO, view: memoryview) -> int | None:
-    """One write of libhdf5's through its file object (a seam for fault-injection tests)."""
+def file_write(fh: io.FileIO, view: memoryview) -> int | None:
+    """One write of libhdf5's through its file object: ``io.FileIO.write``.
+
+    A module-level hook, looked up at each write: a fault-injection test replaces it to make
+    the writes of one shard fail (ENOSPC, EIO) without replacing the file class itself.
+    """
     return io.FileIO.write(fh, view)
 
 
@@ -43,7 +47,7 @@ class _SwallowingFile(io.FileIO):
         size = len(view)
         while view and self.error is None:
             try:
-                written = _os_write(self, view)
+                written = file_write(self, view)
             except OSError as err:
                 self.error = err
                 break
