@@ -80,14 +80,14 @@ def test_local_staging_holds_at_most_the_bound_of_shards(s3, small_tree, tmp_pat
     _, bucket = s3
     url = f"{bucket}/bounded.lmdb"
     # uploads are slow here: the converter runs ahead until it blocks on the bound
-    real = publish_mod._put
+    real = publish_mod.upload_checked  # (count_uploads' count, then the upload)
 
-    def slow_put(*args, **kwargs):
+    def slow_upload(*args, **kwargs):
         import time
+        real(*args, **kwargs)
         time.sleep(0.05)  # a slow network, not synchronisation: the bound must hold whatever the speed
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(publish_mod, "_put", slow_put)
+    monkeypatch.setattr(publish_mod, "upload_checked", slow_upload)
     fastdata.convert(small_tree, url, shard_size="8kB", progress=False, workers=0)
     shard_uploads = [(n, k) for n, k in count_uploads if n.startswith("shard-")]
     assert len(shard_uploads) >= 6
@@ -138,17 +138,20 @@ def test_no_manifest_is_visible_before_the_last_upload(s3, small_tree, monkeypat
 def test_a_damaged_upload_is_caught_and_nothing_is_published(s3, small_tree, monkeypatch, tmp_path, damage):
     _, bucket = s3
     url = f"{bucket}/damaged.lmdb"
-    real = publish_mod._put
+    # the damage happens on the way: in the PUT itself, below fastdata's upload and its check
+    # (the filesystem the converter uploads with is this one: RemoteLocation.filesystem is one a process)
+    fs = RemoteLocation(url).filesystem()
+    real = fs.put_file
 
-    def damaging(location, local_path, name, part):
-        if not name.startswith("shard-00001"):
-            return real(location, local_path, name, part)
+    def damaging(local_path, path, **kwargs):
+        if not os.path.basename(path).startswith("shard-00001"):
+            return real(local_path, path, **kwargs)
         data = Path(local_path).read_bytes()
         bad = tmp_path / "bad"
         bad.write_bytes(data[:-100] if damage == "truncated" else data[:-1] + bytes([data[-1] ^ 1]))
-        return real(location, str(bad), name, part)
+        return real(str(bad), path, **kwargs)
 
-    monkeypatch.setattr(publish_mod, "_put", damaging)
+    monkeypatch.setattr(fs, "put_file", damaging)
     with pytest.raises(RemoteStoreError, match=r"shard-00001\.lmdb: the uploaded object does not match") as err:
         fastdata.convert(small_tree, url, shard_size="20kB", progress=False, workers=1)
     assert ("bytes" if damage == "truncated" else "ETag") in str(err.value)
@@ -157,7 +160,7 @@ def test_a_damaged_upload_is_caught_and_nothing_is_published(s3, small_tree, mon
     with pytest.raises(IncompleteStoreError, match="unfinished conversion"):
         fastdata.open_dataset(url)
     # the next run re-uploads it and publishes
-    monkeypatch.setattr(publish_mod, "_put", real)
+    monkeypatch.setattr(fs, "put_file", real)
     fastdata.convert(small_tree, url, progress=False, workers=1, resume=True)
     assert len(fastdata.open_dataset(url)) == 24
 
@@ -257,17 +260,17 @@ def test_killed_upload_resumes_without_reuploading(s3, jpeg_tree, tmp_path, coun
 def test_resume_with_other_options_is_refused(s3, small_tree, monkeypatch):
     _, bucket = s3
     url = f"{bucket}/opts.lmdb"
-    real = publish_mod._put
+    real = publish_mod.upload_checked
 
-    def failing(location, local_path, name, part):
+    def failing(location, local_path, name):
         if name.startswith("shard-00001"):
             raise RemoteStoreError("simulated network failure")
-        return real(location, local_path, name, part)
+        return real(location, local_path, name)
 
-    monkeypatch.setattr(publish_mod, "_put", failing)
+    monkeypatch.setattr(publish_mod, "upload_checked", failing)
     with pytest.raises(RemoteStoreError, match="simulated"):
         fastdata.convert(small_tree, url, shard_size="20kB", progress=False, workers=1)
-    monkeypatch.setattr(publish_mod, "_put", real)
+    monkeypatch.setattr(publish_mod, "upload_checked", real)
     with pytest.raises(ResumeMismatchError, match=f"cannot resume {url}: shard size"):
         fastdata.convert(small_tree, url, shard_size="40kB", progress=False, workers=1, resume=True)
     report = fastdata.convert(small_tree, url, progress=False, workers=1, resume=True)
