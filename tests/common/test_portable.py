@@ -1,0 +1,155 @@
+"""fastdata.common.portable in this process: each facility's Linux path and the portable path
+beside it give the same results (the portable paths taken by hiding the facility, as on macOS
+or Windows; the whole library on such a proxy runs in ``tests/platform``)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import psutil
+import pytest
+
+from fastdata.common import portable
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    fd = os.open(path, os.O_RDWR)
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture(params=["os", "seek"])
+def reads(request, monkeypatch):
+    """The OS's positioned calls, or lseek + read/write (no pread/preadv/pwrite: Windows)."""
+    if request.param == "seek":
+        monkeypatch.setattr(portable, "HAS_PREAD", False)
+        monkeypatch.delattr(os, "preadv", raising=False)
+    return request.param
+
+
+def test_positioned_reads_and_writes(data_file, reads):
+    assert portable.pread(data_file, 10, 250) == bytes([250, 251, 252, 253, 254, 255, 0, 1, 2, 3])
+    assert portable.pread(data_file, 100, 256 * 64 - 4) == bytes([252, 253, 254, 255])  # short at the end
+    buf = bytearray(6)
+    assert portable.preadinto(data_file, memoryview(buf)[1:5], 3) == 4 and buf == bytes([0, 3, 4, 5, 6, 0])
+    assert portable.preadinto(data_file, memoryview(buf), 1 << 20) == 0  # past the end
+    assert portable.pwrite(data_file, b"xyz", 5) == 3
+    assert portable.pread(data_file, 5, 4) == b"\x04xyz\x08"
+
+
+def test_reads_from_threads_sharing_a_descriptor_never_mix_offsets(data_file, reads):
+    wrong = []
+
+    def read(start):
+        for k in range(200):
+            offset = (start * 37 + k * 11) % 16000
+            if portable.pread(data_file, 4, offset) != bytes((offset + i) % 256 for i in range(4)):
+                wrong.append(offset)
+
+    threads = [threading.Thread(target=read, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
+@pytest.mark.parametrize("how", ["kernel", "refused", "missing"])
+def test_copy_range(tmp_path, data_file, monkeypatch, how):
+    if how == "refused":  # another file system: the kernel refuses, the copy goes on here
+        def refuse(*args):
+            raise OSError(errno.EXDEV, "cross-device")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    elif how == "missing":
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    with open(tmp_path / "dst.bin", "w+b") as dst:
+        dst.write(b"\0" * 20)
+        dst.flush()
+        assert portable.copy_range(data_file, dst.fileno(), 8, 100, 4) == 8
+        assert portable.copy_range(data_file, dst.fileno(), 8, 256 * 64, 12) == 0  # at the end of the source
+        dst.seek(0)
+        assert dst.read() == b"\0" * 4 + bytes(range(100, 108)) + b"\0" * 8
+
+
+def test_cores_and_threads_without_sched_getaffinity_or_proc(monkeypatch):
+    cores, threads = portable.available_cores(), portable.native_thread_count()
+    assert cores == len(os.sched_getaffinity(0)) and threads == len(os.listdir("/proc/self/task"))
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert portable.available_cores() == cores  # psutil's affinity (Windows)
+    monkeypatch.delattr(psutil.Process, "cpu_affinity")
+    assert portable.available_cores() == os.cpu_count()  # macOS: psutil has no affinity either
+
+    real_listdir = os.listdir
+
+    def listdir(path="."):
+        if str(path).startswith("/proc"):
+            raise FileNotFoundError(errno.ENOENT, "no /proc", path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    assert portable.native_thread_count() == threads  # psutil's count
+
+
+def test_file_mappings_name_this_processes_maps_of_a_file(tmp_path):
+    import mmap
+
+    path = tmp_path / "m.bin"
+    path.write_bytes(b"x" * mmap.PAGESIZE * 2)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert m[0] == ord("x")
+        (start, end, offset), *_ = portable.file_mappings(str(path))
+        assert end - start == mmap.PAGESIZE * 2 and offset == 0
+
+
+class _Msvcrt:
+    """msvcrt.locking as Windows behaves for one handle per lock (over flock here)."""
+
+    LK_UNLCK, LK_NBLCK = 0, 2
+
+    def __init__(self, flock):
+        self.flock, self.calls = flock, []
+
+    def locking(self, fd, mode, nbytes):
+        import fcntl
+
+        self.calls.append((os.lseek(fd, 0, os.SEEK_CUR), mode, nbytes))
+        if mode == self.LK_UNLCK:
+            self.flock(fd, fcntl.LOCK_UN)
+            return
+        try:
+            self.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PermissionError(errno.EACCES, "Permission denied") from None
+
+
+@pytest.mark.parametrize("locking", ["flock", "msvcrt"])
+def test_locks_exclude_other_descriptors_and_go_with_them(tmp_path, monkeypatch, locking):
+    import fcntl
+
+    if locking == "msvcrt":
+        stand_in = _Msvcrt(fcntl.flock)
+        monkeypatch.setattr(portable, "LOCKING", "msvcrt")
+        monkeypatch.setattr(portable, "msvcrt", stand_in)
+    path = tmp_path / "lock"
+    path.write_bytes(b"1234\n")
+    a, b = os.open(path, os.O_RDWR), os.open(path, os.O_RDONLY)
+    try:
+        assert portable.lock(a) and not portable.lock(b) and portable.locked_elsewhere(b)
+        assert portable.pread(b, 8, 0) == b"1234\n"  # the content stays readable: the locked byte lies far past it
+        portable.unlock(a)
+        assert not portable.locked_elsewhere(b) and portable.lock(b, shared=True)
+        assert portable.lock(a, shared=True) is (locking == "flock")  # msvcrt: no shared locks, so exclusive
+        os.close(b)
+        b = os.open(path, os.O_RDONLY)
+        assert portable.lock(a, wait=True) and not portable.lock(b)  # closing b released its lock
+    finally:
+        os.close(a)
+        os.close(b)
+    if locking == "msvcrt":
+        assert {(at, n) for at, _mode, n in stand_in.calls} == {(1 << 30, 1)}
