@@ -23,6 +23,8 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import psutil
@@ -99,7 +101,10 @@ def _snapshot_figures(snap) -> dict:
     }
 
 
-def _loader(cfg, dataset, sampler):
+def make_loader(cfg, dataset, sampler):
+    """The DataLoader a run of ``cfg`` iterates: ``cfg``'s batch size, workers, pinning, prefetch,
+    persistent workers and start method over ``dataset`` in ``sampler``'s order (the default
+    ``loader_factory`` of :func:`measure`)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -150,8 +155,15 @@ class _Cuda:
         }
 
 
-def measure(cfg) -> dict:
+def measure(cfg, *, loader_factory: Callable[[Any, Any, SubsetShuffle], Iterable] | None = None) -> dict:
     """Run one configuration here and return its figures (see ``report.FIELDS``).
+
+    Args:
+        cfg (BenchConfig): the configuration.
+        loader_factory (Callable | None): makes what each epoch iterates from ``(cfg, dataset,
+            sampler)``, batches of ``(images, labels)``; None: :func:`make_loader`'s DataLoader. An
+            argument so that a caller can wrap the loader (a test times its batches on a clock of
+            its own) without replacing the runner's function.
 
     Raises whatever the dataset or DataLoader raises; :func:`main` turns that
     into a failed result.
@@ -178,7 +190,7 @@ def measure(cfg) -> dict:
     dataset = target.dataset
     if cfg.cold and cfg.workers and cfg.persistent_workers and cfg.kind != "folder":
         dataset = CloseAfterFetch(target.dataset)
-    loader = _loader(cfg, dataset, SubsetShuffle(subset, cfg.seed))
+    loader = (loader_factory or make_loader)(cfg, dataset, SubsetShuffle(subset, cfg.seed))
     cuda = _Cuda(cfg.pin_memory)
     files = target.files() if cfg.cold else []
     cores = available_cores()

@@ -226,7 +226,8 @@ class _FakeClock:
         self.now += seconds
 
     def loader(self, real):
-        """Wrap ``runner._loader``: each batch its DataLoader yields costs ``load_s``."""
+        """Wrap the loader factory ``real`` (``runner.make_loader``): each batch its DataLoader
+        yields costs ``load_s``; the result is :func:`measure`'s ``loader_factory``."""
         clock = self
 
         class Timed:
@@ -259,8 +260,8 @@ def test_step_ms_measures_the_data_wait_fraction(data, monkeypatch):
     # a fake clock: the formulas
     clock = _FakeClock(load_s=0.010)
     monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep))
-    monkeypatch.setattr(runner, "_loader", clock.loader(runner._loader))
-    busy, stepped = measure(cfg), measure(stepped_cfg)
+    timed = clock.loader(runner.make_loader)
+    busy, stepped = measure(cfg, loader_factory=timed), measure(stepped_cfg, loader_factory=timed)
     # no step: the loop does nothing but wait for data
     assert busy["data_wait_fraction"] == pytest.approx(1.0)
     assert busy["epoch_s"] == pytest.approx([3 * 0.010] * 2)
