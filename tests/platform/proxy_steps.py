@@ -27,6 +27,8 @@ import fastdata  # noqa: E402
 BACKENDS = ("lmdb", "hdf5")
 CLASSES = {"cat": 5, "dog": 4}
 APPENDED = {"cat": 2, "dog": 1}
+#: the source of the interrupted conversion: one shard per image (shard size 1k), 40 shards
+MANY = {"a": 20, "b": 20}
 SIZE = (24, 16)
 
 
@@ -107,6 +109,34 @@ def step_lock(ctx: dict) -> dict:
             "samples": fastdata.info(ctx["dst"])["num_samples"]}
 
 
+def step_resume(ctx: dict) -> dict:
+    """A CLI conversion killed (SIGKILL; TerminateProcess on Windows) once its first shard is
+    finished, then resumed: its lock is taken over and its finished shards kept."""
+    from fastdata.format.names import STAGING_DIR
+
+    dst = ctx["dst"] + "-resumed"
+    args = [sys.executable, "-m", "fastdata", "convert", ctx["many"], dst, "--format", ctx["backend"],
+            "--workers", "0", "--shard-size", "1k", "--quiet"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    staging, deadline = os.path.join(dst, STAGING_DIR), time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            names = os.listdir(staging)
+        except FileNotFoundError:
+            names = []
+        if any(n.endswith(".json") and n != "plan.json" for n in names):  # a finished shard's sidecar
+            break
+        time.sleep(0.002)
+    killed = proc.poll() is None
+    proc.kill()
+    proc.communicate(timeout=60)
+    report = fastdata.convert(ctx["many"], dst, format=ctx["backend"], resume=True, workers=0, shard_size="1k",
+                              progress=False)
+    return {"killed_mid_run": killed, "resumed_shards": report.resumed_shards,
+            "took_over": any(f"pid {proc.pid}" in w for w in report.warnings),
+            "samples": fastdata.info(dst)["num_samples"], "verified": bool(fastdata.verify(dst).ok)}
+
+
 def step_volumes(ctx: dict) -> dict:
     """Chunked volumes from memmaps (read with positioned reads; HDF5 copies its chunks into place):
     the store gives back every voxel."""
@@ -173,7 +203,8 @@ def loader_epoch(stores: dict[str, str], truth: dict) -> dict:
     return {**got, "ring_batches": batch_ring.received["ring"]}
 
 
-STEPS = [step_convert_cli, step_verify, step_append, step_overwrite, step_lock, step_volumes, step_open_read]
+STEPS = [step_convert_cli, step_verify, step_append, step_overwrite, step_lock, step_resume, step_volumes,
+         step_open_read]
 
 
 def proxy_check() -> dict:
@@ -218,13 +249,14 @@ def main(work: str) -> dict:
 
     src = make_tree(os.path.join(work, "src"), classes=CLASSES, size=SIZE)
     more = make_tree(os.path.join(work, "more"), classes=APPENDED, size=SIZE, seed=1)
+    many = make_tree(os.path.join(work, "many"), classes=MANY, size=SIZE, seed=2)
     truth = _truth(src)
     out: dict = {"system": os.environ.get("FASTDATA_PROXY_SYSTEM", ""), "start": multiprocessing.get_start_method(),
                  "locking": portable.LOCKING, "pread": portable.HAS_PREAD, "proxy": proxy_check()}
     stores = {}
     for backend in BACKENDS:
         stores[backend] = os.path.join(work, f"store.{backend}")
-        ctx = {"backend": backend, "src": src, "more": more, "truth": truth, "dst": stores[backend]}
+        ctx = {"backend": backend, "src": src, "more": more, "many": many, "truth": truth, "dst": stores[backend]}
         results = out[backend] = {}
         for step in STEPS:
             _run(results, step.__name__[5:], step, ctx)

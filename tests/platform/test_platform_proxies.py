@@ -3,8 +3,8 @@
 (macOS: memfd, posix_fadvise, sched_getaffinity, copy_file_range, /proc for fastdata's reads;
 Windows: also fcntl, resource, pread/preadv/pwrite, fork and forkserver), runs the steps of
 ``proxy_steps.py`` on both backends: convert (CLI, 2 spawned workers), verify, append, convert
-again with overwrite, a live converter's lock refused and a dead one's taken over, chunked
-volumes from memmaps, open and read every sample, and one epoch of a 2-worker spawn loader.
+again with overwrite, a live converter's lock refused and a dead one's taken over, a killed
+conversion resumed, chunked volumes from memmaps, open and read every sample, and one epoch of a 2-worker spawn loader.
 
 The two proxies run at once, one subprocess each (~15 s of CPU apiece, most of it spawned
 workers importing torch). Linux's own paths are what every other test runs.
@@ -23,7 +23,6 @@ import pytest
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("macos", "windows")
 BACKENDS = ("lmdb", "hdf5")
-STEPS = ("convert_cli", "verify", "append", "overwrite", "lock", "volumes", "open_read")
 #: samples of the source tree and of the appended one (proxy_steps.CLASSES, APPENDED)
 SAMPLES, APPENDED = 9, 3
 
@@ -90,6 +89,17 @@ def test_convert_verify_append_overwrite(proxies, system, backend):
 def test_store_lock_refuses_a_live_converter_and_takes_over_a_dead_ones(proxies, system, backend):
     lock = _ok(proxies[system][backend]["lock"])
     assert lock["refused_live"] and lock["took_over_dead"] and lock["samples"] == SAMPLES
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_a_killed_conversion_resumes(proxies, system, backend):
+    resumed = _ok(proxies[system][backend]["resume"])
+    assert resumed["samples"] == 40 and resumed["verified"]
+    # killed once its first shard was finished (it could only have finished first, all 40 shards,
+    # had the poller not run for the whole conversion)
+    if resumed["killed_mid_run"]:
+        assert resumed["resumed_shards"] >= 1 and resumed["took_over"], resumed
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
