@@ -65,7 +65,7 @@ def _unfinished(tree, dst, monkeypatch) -> None:
     def fail(*a, **k):
         raise fastdata.errors.ConversionError("interrupted (test)")
     with monkeypatch.context() as mp:
-        mp.setattr(session.WriteSession, "_publish", fail)
+        mp.setattr(session, "publish", fail)  # the pipeline's publish, as the session calls it
         with pytest.raises(fastdata.errors.ConversionError):
             _convert(tree, dst)
 
@@ -279,7 +279,7 @@ def test_the_marker_survives_resume(tree, tmp_path, monkeypatch):
     assert token
     _unfinished_resume = pytest.raises(fastdata.errors.ConversionError)
     with monkeypatch.context() as mp:
-        mp.setattr(session.WriteSession, "_publish", lambda *a, **k: (_ for _ in ()).throw(
+        mp.setattr(session, "publish", lambda *a, **k: (_ for _ in ()).throw(
             fastdata.errors.ConversionError("interrupted again (test)")))
         with _unfinished_resume:
             _convert(tree, dst, resume=True)
