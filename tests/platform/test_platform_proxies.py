@@ -36,7 +36,7 @@ def proxies(tmp_path_factory) -> dict[str, dict]:
     for system in SYSTEMS:
         work = tmp_path_factory.mktemp(f"proxy-{system}")
         env = dict(os.environ, FASTDATA_PROXY_SYSTEM=system,
-                   PYTHONPATH=os.pathsep.join([str(HERE / "proxy_site"), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join(p for p in (str(HERE / "proxy_site"), os.environ.get("PYTHONPATH")) if p))
         procs[system] = subprocess.Popen([sys.executable, str(HERE / "proxy_steps.py"), str(work)], env=env,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = {}
