@@ -1,5 +1,10 @@
 """Map-style Datasets over fastdata stores, correct under any DataLoader setting.
 
+:class:`StoreDataset` reads every store through one record model (:mod:`fastdata.format.legacy`
+presents an image-classification store as a general one of schema ``{image, label}``);
+:class:`ImageFolderDataset` (``LMDBImageDataset``, ``HDF5ImageDataset``) is the thin layer that
+gives ImageFolder's ``(image, target)`` items, ``classes``, ``targets`` and ``samples``.
+
 Rules this module follows (how LMDB, HDF5 and the DataLoader behave under fork/spawn):
 
 * The constructor reads the manifest and each shard's small index into numpy
@@ -42,14 +47,29 @@ from torch.utils.data import Dataset
 
 from fastdata.common.callers import user_stacklevel
 from fastdata.common.imageio import decoded_bytes_limit, pixel_limit
-from fastdata.common.imagemodes import IMAGE_MODES, MODE_CHANNELS, check_mode
+from fastdata.common.imagemodes import MODE_CHANNELS, check_mode
 from fastdata.errors import CorruptRecordError, FastdataError, FormatError, ImageModeError, StoreChangedError
-from fastdata.format.manifest import is_classification, label_map_of
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
-from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_CODES, IMAGE_DTYPE_NAMES, NOT_RECORDED
+from fastdata.format.chunks import ChunkTable, check_shape
+from fastdata.format.fields import Chunked, Float, Image, Int, NDArray, Ragged
+from fastdata.format.legacy import NBYTES, PATH_OFFSETS, PATHS, record_model
+from fastdata.format.manifest import target_field
+from fastdata.format.record import (
+    FIELD_PREFIX,
+    FORMAT_NAMES,
+    IMAGE_DTYPE_CODES,
+    IMAGE_DTYPE_NAMES,
+    IMAGE_META,
+    NOT_RECORDED,
+    chunk_first_key,
+    chunk_shape_key,
+    index_layout,
+)
+from fastdata.reader import batch_ring
 from fastdata.reader import transforms as fd_transforms
-from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, build_batch
+from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, aligned, build_batch, new_segment
+from fastdata.reader.chunked import ChunkedArray
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.overrides import each_sample, overrides_getitem
 from fastdata.reader.seeding import epoch_of, sample_rng
@@ -58,7 +78,7 @@ from fastdata.reader.subset import StoreSubset, code_names, read_only
 from fastdata.remote.store import StoreLocation, locate_store
 
 OUTPUTS = ("pil", "numpy", "tensor")
-#: what :meth:`StoreDataset.column` reads from a classification store's index
+#: the columns of :class:`ImageFolderDataset` (ImageFolder-like stores), in this order
 CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "format", "nbytes")
 
 
@@ -124,46 +144,54 @@ def _is_fastdata_decoder(decode: Callable) -> bool:
 
 
 class StoreDataset(Dataset):
-    """Shared implementation; use :class:`LMDBImageDataset`, :class:`HDF5ImageDataset`
-    or :func:`open_dataset`."""
+    """Any fastdata store as a map-style Dataset; :func:`fastdata.open_dataset` opens each store
+    with the presentation it was written for.
+
+    ``ds[i]`` is a dict of the stored fields in schema order: image fields decoded per
+    ``output`` (``"pil"``, ``"numpy"`` HWC, ``"tensor"`` CHW), ints and floats as Python scalars,
+    fixed-shape and ragged arrays as numpy arrays (tensors with ``output="tensor"``), strings and
+    JSON values as written, chunked fields as lazy :class:`~fastdata.reader.chunked.ChunkedArray`
+    objects that read a region's chunks when indexed. ``transform`` receives that dict. An
+    image-classification store reads as ``{"image": ..., "label": int}``
+    (:class:`ImageFolderDataset` gives ImageFolder's ``(image, target)`` instead).
+    """
 
     backend: str = ""
-    #: the schema shard readers are opened with: None for classification (version-1) stores
-    _schema = None
+    #: applied to the target by the presentations that have one (ImageFolder's, CocoDetection's)
+    target_transform: Callable | None = None
 
     def __init__(
         self,
         path: str | os.PathLike | StoreLocation,
         transform: Callable | None = None,
-        target_transform: Callable | None = None,
         output: str = "pil",
         decode: Callable | None = None,
         *,
         on_error: str = "raise",
         readahead: bool | None = None,
         seed: int | None = None,
+        image_mode: str | Mapping[str, str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | None = None,
         cache_limit: int | str | None = None,
         max_open_shards: int | None = None,
-        image_mode: str | Mapping[str, str] | None = None,
     ):
         """Open the store's metadata.
 
         Args:
-            path: a store directory written by ``fastdata convert``, or its URL
-                (``s3://bucket/train.lmdb``, ``gs://``, ``az://``, ``https://``): a remote
-                store's shards are downloaded whole on first use into a shared local
-                cache, checked against the manifest's checksums (see :mod:`fastdata.remote`).
-            transform: applied to the image after decoding (torchvision-style).
-            target_transform: applied to the integer label.
+            path: a store directory written by fastdata, or its URL (``s3://bucket/train.lmdb``,
+                ``gs://``, ``az://``, ``https://``): a remote store's shards are downloaded whole
+                on first use into a shared local cache, checked against the manifest's checksums
+                (see :mod:`fastdata.remote`).
+            transform: called with each sample (after decoding); its result is returned.
             output: ``"pil"`` (a PIL image), ``"numpy"`` (HWC array; HxW for a one-channel
-                image outside ``"RGB"`` mode) or ``"tensor"`` (CHW ``torch.Tensor``), in the
-                image mode's dtype (uint8 except ``"unchanged"``).
-            decode: a decode-time transform (``fastdata.reader.transforms``) mapping
-                encoded bytes to an HWC uint8 array; ``None`` = full decode. Any
-                other callable ``decode(bytes) -> array`` is user code: its
-                exceptions propagate unchanged.
+                image outside ``"RGB"`` mode) or ``"tensor"`` (CHW ``torch.Tensor``, and array
+                fields as tensors), in the image mode's dtype (uint8 except ``"unchanged"``).
+            decode: a decode-time transform (``fastdata.reader.transforms``) mapping encoded
+                bytes to an HWC uint8 array; ``None`` = full decode. Any other callable
+                ``decode(bytes) -> array`` is user code: its exceptions propagate unchanged.
+                Refused when the schema holds anything but images and index scalars, since a
+                fused crop would move the image but not, e.g., its boxes.
             on_error: ``"raise"`` (default) or ``"skip"``: replace a damaged record
                 (checksum failure, or stored bytes fastdata's decoders cannot decode)
                 by the next readable sample, warn, and count it in :attr:`skipped`.
@@ -177,6 +205,16 @@ class StoreDataset(Dataset):
             seed: seed of the per-sample random streams of ``decode`` transforms
                 (see :meth:`set_epoch`); ``None`` = ``torch.initial_seed()`` of the
                 process creating the dataset (``fastdata.loader(seed=...)`` overrides it).
+            image_mode: how images are decoded (see :mod:`fastdata.common.imagemodes`): ``"RGB"``
+                (ImageFolder's ``convert("RGB")``: 8-bit RGB, a 16-bit image reduced as Pillow does),
+                ``"L"``, ``"RGBA"``, or ``"unchanged"`` (the stored dtype and channels: uint16,
+                float32, 1-N channels). A str applies to every image field, a dict maps field
+                names to modes. None: the store's recorded default (a general store's
+                ``Image(mode=...)``), else ``"RGB"`` for the field named ``image`` and
+                ``"unchanged"`` for any other image field (a mask comes back as stored). Reading a
+                store of images deeper than 8 bits or of more than 4 bands in a default Pillow mode
+                warns once (:class:`ImagesReducedWarning`; CMYK and alpha do not count, as for
+                ImageFolder).
             storage_options: fsspec options of a remote store (endpoint, credentials...);
                 the standard environment variables (``AWS_ENDPOINT_URL``...) work too.
             cache_dir: cache directory of a remote store's shards (default
@@ -186,14 +224,6 @@ class StoreDataset(Dataset):
                 the least recently used one is closed beyond it. None = all for a local
                 store, 4 for a remote one (fewer under a ``cache_limit`` that could not hold
                 4 of the largest shards for every DataLoader worker and local rank; at least 1).
-            image_mode: how images are decoded (see :mod:`fastdata.common.imagemodes`): ``"RGB"``
-                (ImageFolder's ``convert("RGB")``: 8-bit RGB, a 16-bit image reduced as Pillow does),
-                ``"L"``, ``"RGBA"``, or ``"unchanged"`` (the stored dtype and channels: uint16,
-                float32, 1-N channels). A str applies to every image field, a dict maps field
-                names to modes. None: the store's recorded default, else ``"RGB"`` for the field
-                named ``image`` and ``"unchanged"`` for any other image field. Reading a store of
-                images deeper than 8 bits or of more than 4 bands in a default Pillow mode warns once
-                (:class:`ImagesReducedWarning`; CMYK and alpha do not count, as for ImageFolder).
         """
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
@@ -213,7 +243,6 @@ class StoreDataset(Dataset):
         if decode is not None and self.storage.mode.holds_fixed_size_pixels:
             raise ValueError(f"{self.root} stores raw pixels; decode-time transforms need encoded images")
         self.transform = transform
-        self.target_transform = target_transform
         self.output = output
         self.decode = decode
         # fastdata's own decoders: their failures on stored bytes mean a damaged record
@@ -226,17 +255,28 @@ class StoreDataset(Dataset):
         #: epoch of the per-sample crop streams; None until set_epoch: unkeyed per-process streams
         self.epoch: int | None = None
         self.on_error = on_error
+        # how this store's shards and records are read into the one model: chosen once, here
+        self._records = record_model(manifest, self.root)
+        #: the fields every sample has (an image-classification store: ``image`` and ``label``)
+        self.schema = self._records.schema
+        self._ragged_fields = tuple(name for name, f in self.schema if isinstance(f, Ragged))
+        others = [name for name, f in self.schema if not isinstance(f, Image | Int | Float)]
+        if decode is not None and others:
+            raise ValueError(
+                f"{self.root}: decode= is refused for a store with fields {', '.join(others)}: a fused crop "
+                "would move the image but not its boxes: use transform= with torchvision.transforms.v2")
         self.classes: list[str] = list(manifest["classes"])
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._shard_files: tuple[str, ...] = tuple(s["name"] for s in manifest["shards"])
         self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
         self._load_index(manifest)
         #: the read mode of each image field (see ``image_mode=``)
-        self.image_modes: dict[str, str] = self._resolve_modes(image_mode, manifest)
+        self.image_modes: dict[str, str] = self._resolve_modes(image_mode)
         self._warn_if_reduced(chosen=self.image_modes if isinstance(image_mode, str) else (image_mode or {}))
         #: ``(first sample, source)`` of each conversion that wrote the shards: the first, then each append
         self._sources = _source_spans(manifest)
-        self._shards = ShardHandles(store, self.backend, self.storage, schema=self._schema, max_open=max_open_shards,
+        self._shards = ShardHandles(store, self.backend, self.storage, schema=self._records.reader_schema,
+                                    max_open=max_open_shards,
                                     readahead=wants_readahead(manifest) if readahead is None else bool(readahead))
         store.slim()
         self._samples: list[tuple[str, int]] | None = None
@@ -308,8 +348,7 @@ class StoreDataset(Dataset):
         """Alias of :attr:`samples`, as in ImageFolder."""
         return self.samples
 
-    def extra_repr(self) -> str:
-        """Lines :meth:`__repr__` adds after the root, as torchvision's ``extra_repr``."""
+    def _repr_lines(self) -> list[str]:
         lines = [f"Backend: {self.backend}", f"Output: {self.output}"]
         if any(mode != "RGB" for mode in self.image_modes.values()):
             lines.append("Image mode: " + ", ".join(f"{k}={v}" for k, v in self.image_modes.items()))
@@ -317,7 +356,11 @@ class StoreDataset(Dataset):
             lines.append(f"Decode: {self.decode!r}")
         if self.on_error != "raise":
             lines.append(f"On error: {self.on_error}")
-        return "\n".join(lines)
+        return lines
+
+    def extra_repr(self) -> str:
+        """Lines :meth:`__repr__` adds after the root, as torchvision's ``extra_repr``."""
+        return "\n".join(self._repr_lines() + ["Fields: " + ", ".join(f"{n} ({f.kind})" for n, f in self.schema)])
 
     def __repr__(self) -> str:
         """torchvision's ``VisionDataset`` layout: name, size, root, extras, transforms."""
@@ -329,73 +372,58 @@ class StoreDataset(Dataset):
 
     # -- metadata ---------------------------------------------------------------------------
     def _load_index(self, manifest: dict) -> None:
-        if not is_classification(manifest):
-            raise FormatError(f"{self.root} is a general store (layout version {manifest['version']}, fields "
-                              f"{', '.join(f['name'] for f in manifest.get('schema', []))}): open it with "
-                              "fastdata.open_dataset(), which returns a SampleDataset")
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("labels", "formats", "nbytes", "widths", "heights",
-                                                              "dtypes", "channels")}
+        """Every shard's index, concatenated into :attr:`index_arrays` (keyed as a general
+        index, whatever the store's record model), the stored paths, and the targets."""
+        parts: dict[str, list[np.ndarray]] = {}
         paths, path_offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
-        indexes = self._store.shard_indexes(reader_class(self.backend), self.storage, None)
+        indexes = self._store.shard_indexes(reader_class(self.backend), self.storage, self._records.reader_schema)
         for shard, index in zip(manifest["shards"], indexes, strict=True):
             if len(index) != shard["count"]:
                 raise CorruptRecordError(f"{self.root}/{shard['name']}: holds {len(index)} records, the manifest "
                                          f"says {shard['count']}; run 'fastdata verify'", store=self.root,
                                          shard=shard["name"])
-            for key in parts:
-                parts[key].append(getattr(index, key))
-            label_map = label_map_of(shard)
-            if label_map is not None:  # a merged store's shard: its stored labels index its own store's classes
-                if len(index) and int(index.labels.max()) >= len(label_map):
-                    raise CorruptRecordError(f"{self.root}/{shard['name']}: a label is outside the shard's label_map "
-                                             f"of {len(label_map)} classes; run 'fastdata verify'", store=self.root,
-                                             shard=shard["name"])
-                parts["labels"][-1] = np.asarray(label_map, dtype=np.int64)[index.labels]
-            paths.append(index.relpaths)
-            path_offsets.append(index.relpath_offsets[1:] + base)
-            base += len(index.relpaths)
-        cat = lambda arrs, dt: np.concatenate(arrs).astype(dt) if arrs else np.zeros(0, dtype=dt)  # noqa: E731
+            arrays = self._records.shard_arrays(index, shard, self.root)
+            for key, arr in arrays.items():
+                if key not in (PATHS, PATH_OFFSETS):
+                    parts.setdefault(key, []).append(arr)
+            paths.append(arrays[PATHS])
+            path_offsets.append(arrays[PATH_OFFSETS][1:] + base)
+            base += len(arrays[PATHS])
+        self._count = int(manifest["num_samples"])
+        #: index-resident arrays by key (``fields/<name>``, ``fields/<image>.format``, ...)
+        self.index_arrays = {key: np.concatenate(arrs) for key, arrs in parts.items()}
+        if not parts:  # a store without shards: its fields' arrays, empty
+            self.index_arrays = {key: np.zeros((0, *shape), dtype=dtype) for key, (dtype, shape)
+                                 in index_layout(self.schema).items() if key.startswith(FIELD_PREFIX)}
+        if any(len(arr) != self._count for arr in self.index_arrays.values()):
+            raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",
+                                     store=self.root)
+        self._relpaths = np.concatenate(paths).astype(np.uint8) if paths else np.zeros(0, dtype=np.uint8)
+        self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+        #: field name -> class names, for each class field (``classes`` is the targets' table)
+        self.class_tables: dict[str, list[str]] = self._records.class_tables
+        target = target_field(self.schema, self.class_tables)
+        #: the class field whose indices are :attr:`targets` (None: the store has none)
+        self.target_field = target
         #: ImageFolder's ``targets`` (one label per sample, same values) as a read-only int64 numpy array, not a
         #: list: indexable, iterable and ``len()`` alike, but a list of Python ints would be copied into every
         #: forked DataLoader worker page by page as reference counts touch it. Not a list in that ``==`` compares
-        #: elementwise, ``+`` adds, there is no ``.count``/``.index``, and JSON needs ``targets.tolist()``. Read-only
-        #: because ``ds[i]`` reads its label here: a write would change the labels (ImageFolder's would not)
-        self.targets = read_only(cat(parts["labels"], np.int64))
-        if len(self.targets) != manifest["num_samples"] or (
-                len(self.targets) and int(self.targets.max()) >= len(self.classes)):
-            raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",
-                                     store=self.root)
-        self._formats = cat(parts["formats"], np.uint8)
-        self._nbytes = cat(parts["nbytes"], np.int64)
-        widths, heights = cat(parts["widths"], np.int32), cat(parts["heights"], np.int32)
-        # kept for column("width") / column("height"): subsets and splits by size without a read
-        self._widths, self._heights = widths, heights
+        #: elementwise, ``+`` adds, there is no ``.count``/``.index``, and JSON needs ``targets.tolist()``. Empty
+        #: when the store has no single-label class field
+        self.targets = read_only(self.index_arrays[FIELD_PREFIX + target].astype(np.int64) if target is not None
+                                 else np.zeros(0, dtype=np.int64))
+        self._records.check_targets(self.targets, manifest, self.root)
         #: per image field: (dtype codes, channel counts) from the index (0: not recorded, an older store)
-        self._pixel_meta = {"image": (cat(parts["dtypes"], np.uint8), cat(parts["channels"], np.uint16))}
-        self._check_raw_sizes(self._nbytes)
-        #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None
-        self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
-            (widths == widths[0]).all() and (heights == heights[0]).all()) else None
-        self._relpaths = cat(paths, np.uint8)
-        self._relpath_offsets = np.concatenate(path_offsets).astype(np.int64)
+        self._pixel_meta = {name: (self.index_arrays[f"{FIELD_PREFIX}{name}.dtype"],
+                                   self.index_arrays[f"{FIELD_PREFIX}{name}.channels"])
+                            for name in self.schema.image_fields()}
+        #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None; set by the
+        #: presentations whose batches stack images (:class:`ImageFolderDataset`)
+        self.uniform_shape: tuple[int, int] | None = None
 
-    def _image_field_names(self) -> tuple[str, ...]:
-        return ("image",)
-
-    def _default_mode(self, name: str, manifest: dict) -> str:
-        """A classification store's recorded default (manifest ``image_modes``), else ``"RGB"``."""
-        recorded = manifest.get("image_modes")
-        if recorded is None:
-            return "RGB"
-        mode = recorded.get(name, "RGB") if isinstance(recorded, dict) else None
-        if mode not in IMAGE_MODES:
-            raise FormatError(f"{self.root}: the manifest's image_modes {recorded!r:.80} is not a map of image "
-                              f"field -> one of {', '.join(IMAGE_MODES)}")
-        return mode
-
-    def _resolve_modes(self, image_mode: str | Mapping[str, str] | None, manifest: dict) -> dict[str, str]:
-        names = self._image_field_names()
-        modes = {name: self._default_mode(name, manifest) for name in names}
+    def _resolve_modes(self, image_mode: str | Mapping[str, str] | None) -> dict[str, str]:
+        names = self.schema.image_fields()
+        modes = {name: self._records.default_mode(name, self.root) for name in names}
         if isinstance(image_mode, str):
             check_mode(image_mode)
             return dict.fromkeys(names, image_mode)
@@ -488,25 +516,84 @@ class StoreDataset(Dataset):
             f"size an image may have (1 to {pixel_limit():,} pixels: larger is refused as a decompression "
             "bomb); nothing was allocated for it", store=self.root, shard=name, index=i)
 
-    def _check_raw_sizes(self, nbytes: np.ndarray) -> None:
-        """A raw store: every record exactly H x W x 3 bytes of ``raw_shape`` (the index's ``nbytes``,
-        read from the shard), checked before a batch is allocated from ``raw_shape``; the manifest's
-        own check bounds ``raw_shape`` (at most a record's limit, and no more than the shards hold)."""
-        if not self.storage.mode.holds_fixed_size_pixels:
-            return
-        h, w = self.storage.raw_hw()
-        bad = np.flatnonzero(nbytes != h * w * 3)
-        if len(bad):
-            i = int(bad[0])
-            shard, local = self.locate(i)
-            name = self._shard_files[shard]
-            raise CorruptRecordError(
-                f"{self.root}: shard {name} record {local} (sample {i}) holds {int(nbytes[i])} bytes, but the "
-                f"manifest's raw_shape {h}x{w} needs {h * w * 3}; the store is damaged (run 'fastdata verify')",
-                store=self.root, shard=name, index=i)
-
     def __len__(self) -> int:
-        return len(self.targets)
+        return self._count
+
+    # -- index columns and subsets ----------------------------------------------------------
+    def _column_keys(self) -> dict[str, str]:
+        """Column name -> its key in :attr:`index_arrays`: every index-resident field by name,
+        ``<image>.format|width|height|dtype|channels`` per image field, ``<chunked>.shape`` per
+        chunked field; with one image field also its metadata without the prefix, and
+        ``label`` for the class field, unless a field already has that name; then the record
+        model's own (an image-classification store's ``nbytes``)."""
+        keys = {name: FIELD_PREFIX + name for name in self.schema.index_fields()}
+        images = self.schema.image_fields()
+        for name in images:
+            keys.update({f"{name}.{meta}": f"{FIELD_PREFIX}{name}.{meta}" for meta in IMAGE_META})
+        for name in self.schema.chunked_fields():
+            keys[f"{name}.shape"] = chunk_shape_key(name)
+        if len(images) == 1:
+            for meta in IMAGE_META:
+                keys.setdefault(meta, f"{FIELD_PREFIX}{images[0]}.{meta}")
+        if self.target_field is not None:
+            keys.setdefault("label", FIELD_PREFIX + self.target_field)
+        for name, key in self._records.extra_columns.items():
+            keys.setdefault(name, key)
+        return {name: key for name, key in keys.items() if key in self.index_arrays}
+
+    def columns(self) -> tuple[str, ...]:
+        """The names :meth:`column` accepts for this store (see there)."""
+        return tuple(self._column_keys())
+
+    def column(self, name: str) -> np.ndarray:
+        """One value per sample of an index-resident field, without reading a record.
+
+        Names: every field the index holds (ints, floats, small fixed-shape arrays: ``(n, *shape)``
+        rows), the class field included; per image field ``<image>.width``, ``.height``,
+        ``.channels`` (0: not recorded), ``.dtype`` (the numpy dtype name of the stored pixels,
+        ``""``: not recorded) and ``.format`` (``"JPEG"``, ``"PNG"``...); per chunked field
+        ``<field>.shape`` (``(n, ndim)``). With a single image field also ``width``, ``height``,
+        ``channels``, ``dtype``, ``format``; with a class field also ``label`` (unless a field
+        has that name); an image-classification store also ``nbytes`` (int64, the stored image's
+        size). Names, not the index's 1-byte codes: ``ds.column("dtype") == "uint16"`` needs no
+        code table, and the array is built only when asked for.
+
+        Args:
+            name (str): a column name (:meth:`columns` lists them).
+
+        Returns:
+            np.ndarray: ``len(self)`` values (rows of a fixed-shape field), read-only.
+
+        Raises:
+            KeyError: no such column; the message lists the available ones.
+        """
+        array = self._column(name) if isinstance(name, str) else None
+        if array is None:
+            raise KeyError(f"{self.root} has no column {name!r}; its columns are: {', '.join(self.columns())}")
+        return read_only(array)
+
+    def _column(self, name: str) -> np.ndarray | None:
+        """The array of column ``name`` (may share memory with the index), None when unknown."""
+        key = self._column_keys().get(name)
+        if key is None:
+            return None
+        array = self.index_arrays[key]
+        field, _, meta = key[len(FIELD_PREFIX):].partition(".")
+        if key.startswith(FIELD_PREFIX) and field in self.schema.image_fields() and meta in ("dtype", "format"):
+            return code_names(array, IMAGE_DTYPE_NAMES if meta == "dtype" else FORMAT_NAMES)  # codes -> names
+        return array
+
+    def array_shapes(self, name: str) -> np.ndarray:
+        """Every sample's shape of chunked field ``name``, ``(len(self), ndim)`` int64, from the
+        index (no record is read): what a patch sampler needs to place patches.
+
+        Raises:
+            KeyError: ``name`` is not a chunked field of this store.
+        """
+        if name not in self.schema or not isinstance(self.schema[name], Chunked):
+            raise KeyError(f"{name!r} is not a chunked field of {self.root} (chunked fields: "
+                           f"{', '.join(self.schema.chunked_fields()) or 'none'})")
+        return self.index_arrays[chunk_shape_key(name)]
 
     def relpath(self, index: int) -> str:
         """Source path of sample ``index`` relative to the converted root."""
@@ -537,52 +624,6 @@ class StoreDataset(Dataset):
         """(shard number, index within that shard) of a global sample index."""
         shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
         return shard, index - int(self.shard_starts[shard])
-
-    # -- index columns and subsets ----------------------------------------------------------
-    def columns(self) -> tuple[str, ...]:
-        """The names :meth:`column` accepts for this store.
-
-        Returns:
-            tuple[str, ...]: for a classification store ``label``, ``width``, ``height``,
-            ``channels``, ``dtype``, ``format`` and ``nbytes``.
-        """
-        return CLASSIFICATION_COLUMNS
-
-    def column(self, name: str) -> np.ndarray:
-        """One value per sample of a field the index holds, without reading a record.
-
-        Classification stores: ``"label"`` (int64, equal to :attr:`targets`), ``"width"`` and
-        ``"height"`` (int32, of the image as stored), ``"channels"`` (uint16, the stored channel
-        count), ``"dtype"`` (the numpy dtype name of the stored pixels, e.g. ``"uint8"``, as a
-        str array), ``"format"`` (the stored format's name, ``"JPEG"``, ``"PNG"``, ``"RAW"``...)
-        and ``"nbytes"`` (int64, the stored record's size). ``channels`` 0 and ``dtype`` ``""``
-        mean "not recorded" (a store written before fastdata recorded them). Names, not the
-        index's 1-byte codes: ``ds.column("dtype") == "uint16"`` needs no code table, and the
-        array is built only when asked for. General stores: see :meth:`SampleDataset.column`.
-
-        Args:
-            name (str): a column name (:meth:`columns` lists them).
-
-        Returns:
-            np.ndarray: ``len(self)`` values (rows of a fixed-shape field), read-only.
-
-        Raises:
-            KeyError: no such column; the message lists the available ones.
-        """
-        array = self._column(name) if isinstance(name, str) else None
-        if array is None:
-            raise KeyError(f"{self.root} has no column {name!r}; its columns are: {', '.join(self.columns())}")
-        return read_only(array)
-
-    def _column(self, name: str) -> np.ndarray | None:
-        """The array of column ``name`` (may share memory with the index), None when unknown."""
-        codes, channels = self._pixel_meta["image"]
-        arrays = {"label": lambda: self.targets, "width": lambda: self._widths, "height": lambda: self._heights,
-                  "channels": lambda: channels, "nbytes": lambda: self._nbytes,
-                  "dtype": lambda: code_names(codes, IMAGE_DTYPE_NAMES),
-                  "format": lambda: code_names(self._formats, FORMAT_NAMES)}
-        get = arrays.get(name)
-        return None if get is None else get()
 
     def subset(self, indices: Sequence[int] | np.ndarray) -> StoreSubset:
         """A view of this dataset over ``indices`` (see :class:`fastdata.reader.subset.StoreSubset`).
@@ -673,93 +714,122 @@ class StoreDataset(Dataset):
             f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}) is damaged: {err}; "
             "run 'fastdata verify' on the store", store=self.root, shard=self._shard_files[shard], index=index)
 
-    def _undecodable(self, index: int, err: Exception) -> CorruptRecordError:
+    def _where(self, index: int) -> str:
         shard, local = self.locate(index)
-        fmt = FORMAT_NAMES[int(self._formats[index])]
-        return CorruptRecordError(
-            f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): cannot decode "
-            f"{fmt} image ({type(err).__name__}: {err}); verify the store with decode=True",
-            store=self.root, shard=self._shard_files[shard], index=index)
+        return f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index})"
 
-    def _run_decoder(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None):
-        """Decode stored ``data`` of sample ``index`` into ``out`` [H,W,C] or a new image."""
-        fmt = FORMAT_NAMES[int(self._formats[index])]
-        mode = self.image_modes["image"]
+    def _decode_image(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None,
+                      into: np.ndarray | None = None):
+        """Image field ``name`` of sample ``index`` decoded per ``output``/``decode`` (straight into
+        ``into``, an HWC array, when given); fastdata's own decoders' failures become
+        :class:`CorruptRecordError` (a user's decode callable's propagate unchanged)."""
+        if not self._decode_is_ours:
+            return self._run_decoder(data, fmt, index, name, epoch, into)
+        try:
+            return self._run_decoder(data, fmt, index, name, epoch, into)
+        except ImageModeError as err:  # sound bytes the read mode cannot give: not damage, never skipped
+            raise ImageModeError(f"{self._where(index)} image field {name!r}: {err}") from None
+        except FastdataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
+            shard, _ = self.locate(index)
+            raise CorruptRecordError(
+                f"{self._where(index)}: cannot decode {fmt} image field {name!r} ({type(err).__name__}: {err}); "
+                "verify the store with decode=True", store=self.root, shard=self._shard_files[shard],
+                index=index) from err
+
+    def _run_decoder(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None,
+                     into: np.ndarray | None):
+        mode = self.image_modes[name]
+        raw_shape = self.storage.raw_shape  # (H, W) of a store of fixed-size pixels, else None
         if self.decode is None:
-            if out is not None:
-                decode_numpy_into(data, fmt, out, self.storage.raw_shape, mode)
-                return out
+            if into is not None:
+                decode_numpy_into(data, fmt, into, raw_shape, mode)
+                return into
             if self.output == "pil":
-                return decode_pil(data, fmt, self.storage.raw_shape, mode)
-            return decode_numpy(data, fmt, self.storage.raw_shape, mode)
+                return decode_pil(data, fmt, raw_shape, mode)
+            return decode_numpy(data, fmt, raw_shape, mode)
         # fastdata's transforms take the read mode; RGB is their default (a user's own
         # DecodeTransform subclass written before modes existed keeps working in RGB mode)
         moded = {} if mode == "RGB" or not self._decode_is_ours else {"mode": mode}
         if self._decode_takes_rng:
             transform: fd_transforms.DecodeTransform = self.decode  # type: ignore[assignment]
             rng = None if epoch is None else sample_rng(self.seed, epoch, index)
-            if out is not None:
-                transform.decode_into(data, out, rng, **moded)
-                return out
-            return squeezed(transform(data, rng, **moded), mode)
-        if out is not None and hasattr(self.decode, "decode_into"):
-            self.decode.decode_into(data, out, **moded)
-            return out
-        array = squeezed(self.decode(data, **moded), mode)
-        if out is not None:
-            out[...] = array
-            return out
-        return array
+            if into is not None:
+                transform.decode_into(data, into, rng, **moded)
+                return into
+            image = transform(data, rng, **moded)
+        elif into is not None and hasattr(self.decode, "decode_into"):
+            self.decode.decode_into(data, into, **moded)
+            return into
+        else:
+            image = self.decode(data, **moded)
+        image = squeezed(image, mode)
+        if into is not None:
+            into[...] = image
+            return into
+        return pil_of(image) if self.output == "pil" else image
 
-    def _decode(self, data: bytes, index: int, epoch: int | None, out: np.ndarray | None = None):
-        """:meth:`_run_decoder`, with fastdata's own decoders' failures named as damage
-        (:class:`CorruptRecordError`) and a user's decode callable's left as they are."""
-        if not self._decode_is_ours:
-            return self._run_decoder(data, index, epoch, out)
-        try:
-            return self._run_decoder(data, index, epoch, out)
-        except ImageModeError as err:  # sound bytes the read mode cannot give: not damage, never skipped
-            shard, local = self.locate(index)
-            raise ImageModeError(f"{self.root}: shard {self._shard_files[shard]} record {local} (sample {index}): "
-                                 f"{err}") from None
-        except FastdataError:
-            raise
-        except Exception as err:  # noqa: BLE001 - decoders raise many types on damaged data
-            raise self._undecodable(index, err) from err
+    def _as_output(self, value: Any):
+        if self.output == "tensor":
+            if isinstance(value, np.ndarray):
+                return torch.from_numpy(np.array(value))  # a writable copy
+        return value
 
-    def _image(self, index: int, epoch: int | None):
-        """The decoded image of sample ``index`` before ``transform``; damage raises CorruptRecordError."""
-        return self._as_pil_if_asked(self._decode(self._raw_bytes(index), index, epoch))
+    def _build(self, data: bytes, index: int, epoch: int | None, slots: dict | None = None) -> dict:
+        """The sample dict of record ``data`` (sample ``index``), before ``transform``;
+        ``slots``: image field -> HWC tensor to decode that image into (see :meth:`_image_slots`)."""
+        where = self._where(index)
+        record = self._records.record_fields(data, where)
+        out: dict[str, Any] = {}
+        for name, field in self.schema:
+            if isinstance(field, Image):
+                fmt = FORMAT_NAMES[int(self.index_arrays[f"{FIELD_PREFIX}{name}.format"][index])]
+                slot = slots.get(name) if slots else None
+                if slot is not None:
+                    self._decode_image(record[name], fmt, index, name, epoch, into=slot.numpy())
+                    out[name] = slot.permute(2, 0, 1)
+                    continue
+                image = self._decode_image(record[name], fmt, index, name, epoch)
+                if self.output == "tensor" and isinstance(image, np.ndarray):
+                    image = to_tensor(np.ascontiguousarray(image))
+                out[name] = image
+            elif field.index_shape is not None:
+                value = self.index_arrays[FIELD_PREFIX + name][index]
+                out[name] = (field.decode(value, where) if not isinstance(field, NDArray)
+                             else self._as_output(np.array(value)))
+            elif isinstance(field, NDArray | Ragged):
+                out[name] = self._as_output(record[name])
+            elif isinstance(field, Chunked):
+                out[name] = self._chunked(name, field, record[name], index, f"{where} field {name!r}")
+            else:
+                out[name] = record[name]
+        return out
 
-    def _as_pil_if_asked(self, image):
-        if self.decode is not None and self.output == "pil":
-            return pil_of(image)
-        return image
+    def _chunked(self, name: str, field: Chunked, table: bytes, index: int, where: str) -> ChunkedArray:
+        """The lazy array of chunked field ``name`` of sample ``index`` (shape and table checked)."""
+        shape = check_shape(self.index_arrays[chunk_shape_key(name)][index], field.chunks, field.dtype.itemsize,
+                            where)
+        shard, _local = self.locate(index)
+        return ChunkedArray(self._shards, shard, int(self.index_arrays[chunk_first_key(name)][index]),
+                            ChunkTable.from_bytes(table, shape, field.chunks, where), field, where)
 
-    def _finish(self, image, index: int):
-        if self.output == "tensor" and isinstance(image, np.ndarray):
-            image = to_tensor(image)
-        if self.transform is not None:
-            image = self.transform(image)
-        target = int(self.targets[index])
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return image, target
+    def _finish_sample(self, sample: dict):
+        """What ``self[i]`` returns for the sample dict: ``transform(sample)`` (the presentations
+        override this: ImageFolder's ``(image, target)``, CocoDetection's)."""
+        return self.transform(sample) if self.transform is not None else sample
 
     def _load(self, epoch: int | None, index: int):
-        return self._finish(self._image(index, epoch), index)
-
-    def _load_into(self, out: np.ndarray, epoch: int | None, index: int) -> None:
-        self._decode(self._raw_bytes(index), index, epoch, out)
+        return self._finish_sample(self._build(self._raw_bytes(index), index, epoch))
 
     def __getitem__(self, index: int):
         epoch = epoch_of(index, self.epoch)
         index = self._check_index(index)
         try:
-            image = self._image(index, epoch)
+            sample = self._build(self._raw_bytes(index), index, epoch)
         except CorruptRecordError as err:
             return self._skip_to_next(index, err, functools.partial(self._load, epoch))[1]
-        return self._finish(image, index)
+        return self._finish_sample(sample)
 
     def replace_damaged(self, index: int, err: CorruptRecordError, load: Callable[[int], Any]) -> tuple[int, Any]:
         """What a dataset built on this one (e.g. :class:`fastdata.PatchDataset`, which finds a damaged
@@ -791,47 +861,81 @@ class StoreDataset(Dataset):
         raise CorruptRecordError(f"{self.root}: sample {index} and the 63 after it are all damaged; "
                                  "run 'fastdata verify'", store=self.root, index=index)
 
-    def __getitems__(self, indices: Sequence[int]):
+    def _image_slots(self, idx: np.ndarray) -> list[dict[str, torch.Tensor]] | None:
+        """In a DataLoader worker with ``output="tensor"`` and full decodes: one HWC
+        slot per image of the batch, all in one piece of shared memory sized from the
+        index's widths, heights, channels and dtypes (per the read mode), so that images are
+        decoded where they travel from (:class:`fastdata.reader.batching.PackedBatch` sends it
+        once). None otherwise (and when the index does not record what a mode needs)."""
+        if self.output != "tensor" or self.decode is not None or torch.utils.data.get_worker_info() is None:
+            return None
+        names = [name for name, field in self.schema if isinstance(field, Image)]
+        if not names or not len(idx):
+            return None
+        layouts = {}
+        for name in names:
+            layout = self._pixel_layout(name, idx)
+            if layout is None:
+                return None  # dtypes/channels differ or are not recorded: each image decoded on its own
+            layouts[name] = layout
+        shapes = [{name: (int(self.index_arrays[f"{FIELD_PREFIX}{name}.height"][i]),
+                          int(self.index_arrays[f"{FIELD_PREFIX}{name}.width"][i])) for name in names}
+                  for i in idx.tolist()]
+        limit, byte_limit = pixel_limit(), decoded_bytes_limit()
+        if any(not (h > 0 and w > 0 and h * w <= limit
+                    and h * w * layouts[name][0] * layouts[name][1].itemsize <= byte_limit)
+               for sample in shapes for name, (h, w) in sample.items()):
+            return None  # sizes no image may have: decoded one by one (where bombs are refused), nothing allocated
+        size = {name: channels * dtype.itemsize for name, (channels, dtype) in layouts.items()}
+        total = max(1, sum(aligned(h * w * size[name]) for sample in shapes for name, (h, w) in sample.items()))
+        # a slot of the worker's ring: shared memory already mapped and touched by earlier
+        # batches; a new segment (its creation and first-touch faults cost ~0.4 ms an image
+        # of 400x350) only until the main process has mapped the ring, or when it is full
+        lent = batch_ring.lend(total)
+        flat = torch.from_numpy(lent) if lent is not None else new_segment(total)
+        slots, offset = [], 0
+        for sample in shapes:
+            mine = {}
+            for name, (h, w) in sample.items():
+                channels, dtype = layouts[name]
+                nbytes = h * w * size[name]
+                torch_dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+                mine[name] = flat[offset:offset + nbytes].view(torch_dtype).view(h, w, channels)
+                offset += aligned(nbytes)
+            slots.append(mine)
+        return slots
+
+    def __getitems__(self, indices: Sequence[int]) -> Samples:
         """Fetch a whole batch (the DataLoader calls this with a batch of indices).
 
-        Storage is read shard by shard in key/offset order (one LMDB read
-        transaction per shard; contiguous HDF5 ranges merged), and samples come
-        back in the order asked. With a fixed output shape (raw stores, or a
-        ``decode`` transform with ``output_size``), ``output`` numpy/tensor and
-        no ``transform``, the images are decoded into one preallocated batch
-        array: a :class:`Batch`; otherwise a :class:`Samples` list. Both carry the
-        number of damaged samples replaced (``skips``) for :func:`collate`.
-
-        A subclass that overrides ``__getitem__`` (and not this) gets a :class:`Samples` of
-        ``self[i]`` for each index instead: its override is what the batch goes through
-        (:mod:`fastdata.reader.overrides`).
+        Storage is read shard by shard in key/offset order (one LMDB read transaction per
+        shard; contiguous HDF5 ranges merged), and samples come back in the order asked, as a
+        :class:`Samples` list that carries the number of damaged samples replaced (``skips``)
+        for :func:`collate`. A subclass that overrides ``__getitem__`` (and not this) gets a
+        :class:`Samples` of ``self[i]`` for each index instead: its override is what the batch
+        goes through (:mod:`fastdata.reader.overrides`).
         """
         epoch = epoch_of(indices, self.epoch)
         before = self._skips
         if overrides_getitem(type(self)):
             samples = each_sample(self, indices, epoch)
-            samples.skips, samples.token = self._skips - before, self._token
+            samples.skips, samples.token, samples.ragged = self._skips - before, self._token, self._ragged_fields
             return samples
         idx = self._check_indices(indices)
-        shape = self._fixed_shape()
-        layout = self._pixel_layout("image", idx) if shape is not None else None
-        out = (self._fixed_batch(idx, shape, layout, epoch) if shape is not None and layout is not None
-               else self._sample_list(idx, epoch))
-        out.skips, out.token = self._skips - before, self._token
-        return out
-
-    def _sample_list(self, idx: np.ndarray, epoch: int | None) -> Samples:
         out = Samples()
         load = functools.partial(self._load, epoch)
-        for i, data in zip(idx.tolist(), self._read_batch(idx), strict=False):
+        slots = self._image_slots(idx)
+        for k, (i, data) in enumerate(zip(idx.tolist(), self._read_batch(idx), strict=True)):
             try:
                 if isinstance(data, CorruptRecordError):
                     raise data
-                image = self._as_pil_if_asked(self._decode(data, i, epoch))
+                sample = self._build(data, i, epoch, slots[k] if slots else None)
             except CorruptRecordError as err:
                 out.append(self._skip_to_next(i, err, load)[1])
                 continue
-            out.append(self._finish(image, i))
+            out.append(self._finish_sample(sample))
+        out.skips, out.token = self._skips - before, self._token
+        out.ragged = self._ragged_fields
         return out
 
     def _read_batch(self, idx: np.ndarray) -> list:
@@ -867,11 +971,131 @@ class StoreDataset(Dataset):
                     data = self._named(err, shard, loc, int(idx[p]))
                 consume(p, data)
 
+
+class ImageFolderDataset(StoreDataset):
+    """A store of images and class labels read as ``torchvision.datasets.ImageFolder`` reads a
+    folder: ``ds[i]`` is ``(transform(image), target_transform(target))``, with ``classes``,
+    ``class_to_idx``, ``targets``, ``samples`` and ``imgs``. A thin layer over
+    :class:`StoreDataset` (its image field and class field); batches of one image size
+    (raw stores, a ``decode`` transform with ``output_size``, a store of equal sizes) are decoded
+    into one preallocated array (a :class:`Batch`). Use :class:`LMDBImageDataset`,
+    :class:`HDF5ImageDataset` or :func:`fastdata.open_dataset`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike | StoreLocation,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        output: str = "pil",
+        decode: Callable | None = None,
+        **options: Any,
+    ):
+        """Open the store's metadata.
+
+        Args:
+            path: a store of images and class labels (``fastdata convert`` of an image folder or
+                a path,label list), or its URL.
+            transform: applied to the image after decoding (torchvision-style).
+            target_transform: applied to the integer label.
+            output, decode: as :class:`StoreDataset`.
+            options: ``on_error``, ``readahead``, ``seed``, ``image_mode``, ``storage_options``,
+                ``cache_dir``, ``cache_limit``, ``max_open_shards``: as :class:`StoreDataset`.
+
+        Raises:
+            FormatError: the store has no image field or no single-label class field.
+        """
+        super().__init__(path, transform=transform, output=output, decode=decode, **options)
+        self.target_transform = target_transform
+
+    def _load_index(self, manifest: dict) -> None:
+        super()._load_index(manifest)
+        images = self.schema.image_fields()
+        name = "image" if "image" in images else (images[0] if len(images) == 1 else None)
+        if name is None or self.target_field is None:
+            raise FormatError(f"{self.root} holds fields {', '.join(n for n, _ in self.schema)}, not an image and a "
+                              "class label: open it with fastdata.open_dataset()")
+        #: the image field ``ds[i]`` gives
+        self._image_name = name
+        widths = self.index_arrays[f"{FIELD_PREFIX}{name}.width"]
+        heights = self.index_arrays[f"{FIELD_PREFIX}{name}.height"]
+        self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
+            (widths == widths[0]).all() and (heights == heights[0]).all()) else None
+        self._check_raw_sizes(self.index_arrays[NBYTES])
+
+    def columns(self) -> tuple[str, ...]:
+        """The names :meth:`column` accepts: ``label``, ``width``, ``height``, ``channels``, ``dtype``,
+        ``format`` and ``nbytes`` for a store converted from an image folder or list (see
+        :meth:`StoreDataset.column`)."""
+        keys = self._column_keys()
+        return tuple(name for name in CLASSIFICATION_COLUMNS if name in keys) + tuple(
+            name for name in keys if name not in CLASSIFICATION_COLUMNS and "." not in name)
+
+    def extra_repr(self) -> str:
+        return "\n".join(self._repr_lines())
+
+    def _finish_sample(self, sample: dict):
+        image = sample[self._image_name]
+        if self.transform is not None:
+            image = self.transform(image)
+        target = int(sample[self.target_field])
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+    def _image_slots(self, idx: np.ndarray) -> None:
+        return None  # (image, target) pairs travel as they are; fixed-size batches use one array instead
+
+    def __getitems__(self, indices: Sequence[int]):
+        """Fetch a whole batch (the DataLoader calls this with a batch of indices).
+
+        As :meth:`StoreDataset.__getitems__`; in addition, with a fixed output shape (raw stores,
+        a ``decode`` transform with ``output_size``, or a store whose images all have one size),
+        ``output`` numpy/tensor and no ``transform``, the images are decoded into one
+        preallocated batch array: a :class:`Batch` (with the targets), which carries ``skips`` too.
+        """
+        shape = None if overrides_getitem(type(self)) else self._fixed_shape()
+        if shape is not None:
+            idx = self._check_indices(indices)
+            layout = self._pixel_layout(self._image_name, idx)
+            if layout is not None:
+                epoch, before = epoch_of(indices, self.epoch), self._skips
+                out = self._fixed_batch(idx, shape, layout, epoch)
+                out.skips, out.token = self._skips - before, self._token
+                return out
+        return super().__getitems__(indices)
+
+    def _decode_into(self, data, index: int, epoch: int | None, out: np.ndarray) -> np.ndarray:
+        """Decode the image of record ``data`` (sample ``index``) into ``out`` [H,W,C]."""
+        name = self._image_name
+        image = self._records.record_fields(data, self._where(index))[name]
+        fmt = FORMAT_NAMES[int(self.index_arrays[f"{FIELD_PREFIX}{name}.format"][index])]
+        return self._decode_image(image, fmt, index, name, epoch, into=out)
+
+    def _load_into(self, out: np.ndarray, epoch: int | None, index: int) -> None:
+        self._decode_into(self._raw_bytes(index), index, epoch, out)
+
+    def _check_raw_sizes(self, nbytes: np.ndarray) -> None:
+        """A raw store: every record exactly H x W x 3 bytes of ``raw_shape`` (the index's ``nbytes``,
+        read from the shard), checked before a batch is allocated from ``raw_shape``; the manifest's
+        own check bounds ``raw_shape`` (at most a record's limit, and no more than the shards hold)."""
+        if not self.storage.mode.holds_fixed_size_pixels:
+            return
+        h, w = self.storage.raw_hw()
+        bad = np.flatnonzero(nbytes != h * w * 3)
+        if len(bad):
+            i = int(bad[0])
+            shard, local = self.locate(i)
+            name = self._shard_files[shard]
+            raise CorruptRecordError(
+                f"{self.root}: shard {name} record {local} (sample {i}) holds {int(nbytes[i])} bytes, but the "
+                f"manifest's raw_shape {h}x{w} needs {h * w * 3}; the store is damaged (run 'fastdata verify')",
+                store=self.root, shard=name, index=i)
+
     def _fixed_shape(self) -> tuple[int, int] | None:
         if self.transform is not None or self.output == "pil":
             return None
         if self.storage.mode.holds_fixed_size_pixels:
-            return self.storage.raw_hw() if self.image_modes["image"] in ("RGB", "unchanged") else None
+            return self.storage.raw_hw() if self.image_modes[self._image_name] in ("RGB", "unchanged") else None
         if self.decode is None:
             return self.uniform_shape
         size = getattr(self.decode, "output_size", None)
@@ -884,7 +1108,7 @@ class StoreDataset(Dataset):
             self._check_batch_shape(idx, shape, channels=channels, itemsize=dtype.itemsize)
         return build_batch(self.targets[idx], (*shape, channels), lambda arr: self._fill(idx, arr, epoch),
                            channels_first=self.output == "tensor", target_transform=self.target_transform,
-                           dtype=dtype, squeeze=self.image_modes["image"] != "RGB")
+                           dtype=dtype, squeeze=self.image_modes[self._image_name] != "RGB")
 
     def _fill(self, idx: np.ndarray, arr: np.ndarray, epoch: int | None) -> np.ndarray | None:
         """Write the pixels of samples ``idx`` into the batch array ``arr`` [n,H,W,3].
@@ -892,7 +1116,7 @@ class StoreDataset(Dataset):
         Returns the targets of the samples actually written when a damaged one was
         replaced (its substitute brings its own label), else None.
         """
-        if self.storage.mode.holds_fixed_size_pixels and self.image_modes["image"] in ("RGB", "unchanged"):
+        if self.storage.mode.holds_fixed_size_pixels and self.image_modes[self._image_name] in ("RGB", "unchanged"):
             return self._fill_raw(idx, arr)
         damaged: dict[int, CorruptRecordError] = {}
 
@@ -902,7 +1126,7 @@ class StoreDataset(Dataset):
                 damaged[j] = data
                 return
             try:
-                self._decode(data, int(idx[j]), epoch, arr[j])
+                self._decode_into(data, int(idx[j]), epoch, arr[j])
                 damaged.pop(j, None)  # (read again after a damaged neighbour: fine now)
             except CorruptRecordError as err:
                 damaged[j] = err
@@ -943,6 +1167,18 @@ class StoreDataset(Dataset):
         return decode_numpy(self._raw_bytes(index), "RAW", self.storage.raw_shape)
 
 
+class LMDBImageDataset(ImageFolderDataset):
+    """A fastdata LMDB store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
+
+    backend = "lmdb"
+
+
+class HDF5ImageDataset(ImageFolderDataset):
+    """A fastdata HDF5 store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
+
+    backend = "hdf5"
+
+
 def _standard_transform_repr(transform: Callable | None, target_transform: Callable | None) -> str:
     """torchvision's ``StandardTransform.__repr__``."""
     body = ["StandardTransform"]
@@ -951,18 +1187,6 @@ def _standard_transform_repr(transform: Callable | None, target_transform: Calla
             lines = repr(fn).splitlines()
             body += [head + lines[0]] + [" " * len(head) + line for line in lines[1:]]
     return "\n".join(body)
-
-
-class LMDBImageDataset(StoreDataset):
-    """A fastdata LMDB store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
-
-    backend = "lmdb"
-
-
-class HDF5ImageDataset(StoreDataset):
-    """A fastdata HDF5 store as a ``torch.utils.data.Dataset`` (drop-in for ImageFolder)."""
-
-    backend = "hdf5"
 
 
 def _source_base(source: str | None) -> str | None:

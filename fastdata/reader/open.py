@@ -9,7 +9,7 @@ import os
 
 from fastdata.format.manifest import is_classification
 from fastdata.reader.coco import CocoStoreDataset, is_coco_manifest
-from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset, StoreDataset
+from fastdata.reader.dataset import HDF5ImageDataset, ImageFolderDataset, LMDBImageDataset, StoreDataset
 from fastdata.reader.samples import SampleDataset
 from fastdata.remote.store import StoreLocation, locate_store
 
@@ -17,9 +17,10 @@ from fastdata.remote.store import StoreLocation, locate_store
 def open_dataset(path: str | os.PathLike | StoreLocation, **kwargs) -> StoreDataset:
     """Open a store with the Dataset class it needs (same keyword arguments as that class).
 
-    A classification store (layout version 1, what ``fastdata convert`` of an image
+    Every class reads through :class:`StoreDataset` (one record model); they differ in what
+    ``ds[i]`` is. A classification store (layout version 1, what ``fastdata convert`` of an image
     folder writes) opens as :class:`LMDBImageDataset` / :class:`HDF5ImageDataset`
-    (:class:`StoreDataset` for another registered backend); a general store (version 2,
+    (:class:`ImageFolderDataset` for another registered backend); a general store (version 2,
     what :func:`fastdata.write` writes) as a :class:`fastdata.reader.samples.SampleDataset`,
     whose items are dicts of its fields; a store converted from COCO (``fastdata convert
     coco``) as a :class:`fastdata.reader.coco.CocoStoreDataset`, whose items are
@@ -34,5 +35,5 @@ def open_dataset(path: str | os.PathLike | StoreLocation, **kwargs) -> StoreData
             return CocoStoreDataset(store, **kwargs)
 
         return SampleDataset(store, **kwargs)
-    cls = {"lmdb": LMDBImageDataset, "hdf5": HDF5ImageDataset}.get(manifest["backend"], StoreDataset)
+    cls = {"lmdb": LMDBImageDataset, "hdf5": HDF5ImageDataset}.get(manifest["backend"], ImageFolderDataset)
     return cls(store, **kwargs)
