@@ -22,12 +22,10 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 
-#: (file relative to tests/, private name patched) still allowed. ONLY patches that other work
-#: is removing right now (their tests or the code they patch are being changed by others); this
-#: list may only shrink (see test_the_allowlist_names_only_patches_that_still_occur).
-ALLOWED = {
-    ("reader/test_subset.py", "_shards"),
-}
+#: (file relative to tests/, private name patched) still allowed: none. An entry may be added only
+#: for a patch that work in progress is removing; the list may only shrink (see
+#: test_the_allowlist_names_only_patches_that_still_occur).
+ALLOWED: set[tuple[str, str]] = set()
 
 #: the calls that replace an attribute: the fixture's (and its ``context()``'s) and the builtins
 _MONKEYPATCH_CALLS = {"setattr", "delattr"}
