@@ -115,13 +115,14 @@ _THREADED = ("import threading, time\n"
 
 
 def test_the_documented_write_snippet_runs_as_a_script_without_the_main_guard(tmp_path):
-    """``fastdata.write(...)`` at a script's top level, with worker processes, as the sources guide shows it:
+    """A conversion of Python samples at a script's top level, with worker processes, as the sources guide
+    shows it (``fastdata.convert(Samples(...), ..., WriteOptions(workers=2))``):
     the workers do not run the script again (it ran once), and the store holds the sample."""
     from PIL import Image
 
     (tmp_path / "imgs").mkdir()
     Image.new("RGB", (40, 30), (200, 10, 10)).save(tmp_path / "imgs" / "0001.jpg")
-    snippet = _doc_block('fastdata.write(samples, "det.lmdb", workers=2)')
+    snippet = _doc_block('"det.lmdb", fastdata.WriteOptions(workers=2)')
     assert "__main__" not in snippet and "workers=2" in snippet
     proc = _run_script(tmp_path, "snippet.py", _THREADED + snippet + "\nprint('samples', len(ds), ds[0]['caption'])\n")
     assert proc.stdout.count("the script ran") == 1
