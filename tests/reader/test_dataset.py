@@ -466,15 +466,27 @@ def test_user_transform_errors_are_not_corrupt_records(sharded, on_error):
         assert ds.skipped == 0
 
 
-def _serve_garbage_for(ds, victim: int) -> None:
-    """Make sample ``victim``'s stored bytes undecodable but checksum-clean, as a
-    damaged-then-rechecksummed record would be."""
-    raw_bytes, read_each = ds._raw_bytes, ds._read_each
+@pytest.fixture(scope="module")
+def garbage_store(sharded, tmp_path_factory) -> str:
+    """A copy of the sharded LMDB store whose sample 5 holds bytes no decoder reads but whose
+    checksums agree (a record damaged, then re-checksummed): only the decode can find it."""
+    import shutil
+
+    import msgpack
+    from helpers.hostile import lmdb_record, replace_item
+
+    from fastdata.format.record import encode_record
+
+    store = str(tmp_path_factory.mktemp("garbage") / "g.lmdb")
+    shutil.copytree(sharded["lmdb"], store)
+    shard = next(s for s in reversed(read_manifest(store)["shards"]) if s["first_index"] <= 5)
+    local, path = 5 - shard["first_index"], os.path.join(store, shard["name"])
+    old = msgpack.unpackb(lmdb_record(path, local), raw=False)
     garbage = b"\xff\xd8\xff\xe0 not a jpeg at all" * 4
-    ds._raw_bytes = lambda i: garbage if i == victim else raw_bytes(i)
-    # every batch read (bytes or views) goes through _read_each
-    ds._read_each = lambda idx, consume, views: read_each(
-        idx, lambda j, d: consume(j, garbage if int(idx[j]) == victim else d), views)
+    record = encode_record(garbage, label=old["label"], width=old["w"], height=old["h"], fmt=old["fmt"],
+                           relpath=old["path"])
+    replace_item(store, "lmdb", path, local, record, checksummed=garbage)
+    return store
 
 
 class MyCrop(fastdata.transforms.RandomResizedCrop):
@@ -482,29 +494,26 @@ class MyCrop(fastdata.transforms.RandomResizedCrop):
 
 
 @pytest.mark.parametrize("decode", ["default", "rrc", "center", "full_decode"])
-def test_fastdata_decoders_failing_on_stored_bytes_mean_damage(sharded, decode):
+def test_fastdata_decoders_failing_on_stored_bytes_mean_damage(garbage_store, decode):
     make = {"default": lambda: None, "rrc": lambda: fastdata.transforms.RandomResizedCrop(8),
             "center": lambda: fastdata.transforms.CenterCrop(8), "full_decode": lambda: fastdata.transforms.full_decode}
     victim = 5
     for output in ("numpy", "tensor"):
-        ds = fastdata.open_dataset(sharded["lmdb"], output=output, decode=make[decode]())
-        _serve_garbage_for(ds, victim)
+        ds = fastdata.open_dataset(garbage_store, output=output, decode=make[decode]())
         with pytest.raises(CorruptRecordError, match=f"sample {victim}.*cannot decode") as info:
             ds[victim]
         assert info.value.index == victim
         with pytest.raises(CorruptRecordError):
             ds.__getitems__([4, victim, 6])
-        skipping = fastdata.open_dataset(sharded["lmdb"], output=output, decode=make[decode](), on_error="skip")
-        _serve_garbage_for(skipping, victim)
+        skipping = fastdata.open_dataset(garbage_store, output=output, decode=make[decode](), on_error="skip")
         with pytest.warns(RuntimeWarning, match=f"skipping damaged sample {victim}"):
             batch = skipping.__getitems__([4, victim, 6])
         assert [label for _, label in batch] == [int(skipping.targets[k]) for k in (4, 6, 6)]
         assert skipping.skipped == 1
 
 
-def test_user_subclass_of_a_fastdata_transform_is_user_code(sharded):
-    ds = fastdata.open_dataset(sharded["lmdb"], output="numpy", decode=MyCrop(8), on_error="skip")
-    _serve_garbage_for(ds, 5)
+def test_user_subclass_of_a_fastdata_transform_is_user_code(garbage_store):
+    ds = fastdata.open_dataset(garbage_store, output="numpy", decode=MyCrop(8), on_error="skip")
     with pytest.raises(Exception) as info:  # Pillow's own error, whatever its type
         ds[5]
     assert not isinstance(info.value, CorruptRecordError) and ds.skipped == 0
