@@ -8,6 +8,7 @@ import stat
 
 import xxhash
 
+from fastdata.common import portable
 from fastdata.errors import UnsafeStoreError
 
 #: atomic_write() names its temporary file "<target>.tmp-<pid>-<random>"
@@ -27,7 +28,8 @@ def atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}{ATOMIC_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     created = replaced = False
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | portable.O_NOFOLLOW | portable.OPEN_FLAGS,
+                     0o644)
         created = True
         try:
             view = memoryview(data)
@@ -98,7 +100,7 @@ def open_regular(path: str, what: str = "file") -> int:
         UnsafeStoreError: ``path`` is a FIFO, socket, device or directory.
         OSError: it cannot be opened (missing, permission denied, ...).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | portable.O_NONBLOCK | portable.OPEN_FLAGS)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -10,6 +10,7 @@ facility                where it exists (Linux)               elsewhere
 ======================  ====================================  =========================================
 positioned reads and    ``os.pread``, ``os.preadv``,          ``lseek`` then ``read``/``write``, one
 writes                  ``os.pwrite``                         call at a time per process (Windows)
+flush a file's data     ``os.fdatasync``                      ``os.fsync`` (macOS, Windows)
 in-kernel file copy     ``os.copy_file_range``                ``pread``/``pwrite`` in steps (macOS,
                                                               Windows)
 read-ahead advice       ``os.posix_fadvise``                  none: advice only (macOS, Windows)
@@ -21,6 +22,12 @@ file mappings           ``/proc/self/maps``                   none: :class:`OSEr
                                                               without what it would tell)
 file locks              ``fcntl.flock``                       ``msvcrt.locking`` on one byte far past
                                                               the file's content (Windows)
+open without following  ``O_NOFOLLOW``                        look (``lstat``) before opening, and check
+a symbolic link                                               the file opened is the one looked at
+                                                              (Windows)
+open flags              ``O_CLOEXEC``, ``O_NONBLOCK``         none needed: descriptors are not
+                                                              inherited (PEP 446), no file system path
+                                                              is a FIFO; ``O_BINARY`` added (Windows)
 at-fork hooks           ``os.register_at_fork``               nothing to do: no fork (Windows)
 ======================  ====================================  =========================================
 
@@ -36,6 +43,7 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -53,9 +61,9 @@ except ImportError:  # every system but Windows
     msvcrt = None
 
 __all__ = [
-    "HAS_PREAD", "LOCKING", "SHARED_LOCKS", "advise_willneed", "at_fork_in_child", "available_cores",
-    "copy_range", "file_mappings", "lock", "locked_elsewhere", "native_thread_count", "pread", "preadinto",
-    "pwrite", "unlock",
+    "HAS_PREAD", "LOCKING", "OPEN_FLAGS", "O_NOFOLLOW", "O_NONBLOCK", "SHARED_LOCKS", "advise_willneed",
+    "at_fork_in_child", "available_cores", "copy_range", "datasync", "file_mappings", "lock", "locked_elsewhere",
+    "native_thread_count", "open_nofollow", "pread", "preadinto", "pwrite", "set_blocking", "unlock",
 ]
 
 #: whether the OS reads and writes at an offset in one call (``os.pread``: every Unix)
@@ -64,6 +72,16 @@ HAS_PREAD = hasattr(os, "pread")
 LOCKING = "flock" if fcntl is not None else "msvcrt" if msvcrt is not None else "none"
 #: whether shared (reader) locks exist beside exclusive ones (flock has them, msvcrt does not)
 SHARED_LOCKS = LOCKING == "flock"
+
+#: what every ``os.open`` of fastdata adds: close-on-exec where the OS has it (elsewhere Python
+#: makes descriptors non-inheritable anyway, PEP 446) and binary mode where the OS has a text
+#: mode (Windows: without ``O_BINARY``, ``os.open`` translates line ends)
+OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+#: open a FIFO without blocking (0 on Windows, where no file system path is a pipe)
+O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+#: refuse a symbolic link as the last part of a path (0 where missing: :func:`open_nofollow` checks
+#: instead; ``O_CREAT | O_EXCL`` never follows one anyway, it fails on any existing name)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 # lseek + read is two calls: one at a time, so that threads sharing a descriptor never
 # read at each other's offset
@@ -156,6 +174,19 @@ def copy_range(src: int, dst: int, count: int, src_offset: int, dst_offset: int)
     return pwrite(dst, data, dst_offset) if data else 0
 
 
+def datasync(fd: int) -> None:
+    """Flush the data written to ``fd`` to the disk: ``os.fdatasync`` where the OS has it (not the
+    metadata a later read does not need), else ``os.fsync``.
+
+    Args:
+        fd (int): an open descriptor of the file.
+    """
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:
+        os.fsync(fd)
+
+
 def advise_willneed(fd: int, offset: int, length: int) -> bool:
     """Ask the OS to start reading ``length`` bytes at ``offset`` of ``fd`` into its page cache
     (``posix_fadvise(WILLNEED)``).
@@ -176,6 +207,60 @@ def advise_willneed(fd: int, offset: int, length: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# -- opening files --------------------------------------------------------------------------------
+def open_nofollow(path: str, flags: int, mode: int = 0o777) -> int:
+    """``os.open(path, flags, mode)`` that refuses a symbolic link at ``path`` as ``O_NOFOLLOW``
+    does (:class:`OSError` ``ELOOP``). Where the OS has no ``O_NOFOLLOW`` (Windows) it looks at
+    ``path`` first and refuses a link, then checks that the file it opened is the one it looked
+    at (or, where there was none, that no link appeared there), so a link swapped in between is
+    refused too.
+
+    Args:
+        path (str): the file.
+        flags (int): ``os.open`` flags (``O_NOFOLLOW`` is added here).
+        mode (int): permission bits of a file created (``O_CREAT``).
+
+    Returns:
+        int: the open descriptor.
+
+    Raises:
+        OSError: ``ELOOP`` for a symbolic link; what ``os.open`` raises otherwise.
+    """
+    if O_NOFOLLOW:
+        return os.open(path, flags | O_NOFOLLOW, mode)
+    try:
+        seen: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        seen = None  # created by this open (O_CREAT), or missing: os.open says which
+    if seen is not None and stat.S_ISLNK(seen.st_mode):
+        raise OSError(errno.ELOOP, "Too many levels of symbolic links (a link, not followed)", path)
+    fd = os.open(path, flags, mode)
+    try:
+        if seen is not None:
+            st = os.fstat(fd)
+            swapped = (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino)
+        else:
+            swapped = stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        swapped = True  # gone or replaced under us: not the file looked at
+    if swapped:
+        os.close(fd)
+        raise OSError(errno.ELOOP, "the file changed while it was opened (a link put in its place?)", path)
+    return fd
+
+
+def set_blocking(fd: int, blocking: bool) -> None:
+    """``os.set_blocking`` where the OS has it for files (nothing elsewhere: no descriptor was
+    opened non-blocking there, :data:`O_NONBLOCK` being 0).
+
+    Args:
+        fd (int): an open descriptor.
+        blocking (bool): whether reads and writes wait.
+    """
+    if O_NONBLOCK and hasattr(os, "set_blocking"):
+        os.set_blocking(fd, blocking)
 
 
 # -- this process ---------------------------------------------------------------------------------

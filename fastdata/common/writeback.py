@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import threading
 
+from fastdata.common import portable
+
 
 class Writeback:
     """Background ``fdatasync`` of ``path`` every ``every`` bytes written.
@@ -21,7 +23,7 @@ class Writeback:
     """
 
     def __init__(self, path: str, every: int = 64 << 20):
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.fd = os.open(path, os.O_RDONLY | portable.OPEN_FLAGS)
         self.every = every
         self.pending = 0
         self.error: OSError | None = None
@@ -38,7 +40,7 @@ class Writeback:
 
     def _sync(self) -> None:
         try:
-            os.fdatasync(self.fd)
+            portable.datasync(self.fd)
         except OSError as err:
             if self.error is None:
                 self.error = err

@@ -19,6 +19,7 @@ import tempfile
 import numpy as np
 from PIL import Image
 
+from fastdata.common import portable
 from fastdata.common.extensions import EXTENSION_FORMATS
 from fastdata.common.imageio import (
     ImageDecodeError,
@@ -51,7 +52,7 @@ def starts_like_jpeg(path: bytes) -> bool:
     marker (so only the JPEG decoder can open it under the image policy). Never
     blocks (FIFOs are opened non-blocking and refused); any error gives False."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | portable.O_NONBLOCK | portable.OPEN_FLAGS)
     except OSError:
         return False
     try:
@@ -71,7 +72,7 @@ def read_bytes(path: bytes) -> bytes:
 def _read_bytes(path: bytes) -> bytes:
     try:
         # O_NONBLOCK: opening a FIFO named *.jpg must not block the worker forever
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | portable.O_NONBLOCK | portable.OPEN_FLAGS)
         with open(fd, "rb") as fh:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

@@ -123,7 +123,7 @@ def _open_lock(path: str, flags: int) -> int:
     """Open the lock file without following a symlink or blocking on a FIFO; refuse anything
     but a regular file with a single link."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = portable.open_nofollow(path, flags | portable.O_NONBLOCK | portable.OPEN_FLAGS, 0o644)
     except OSError as err:
         if os.path.islink(path):
             raise UnsafeStoreError(f"{path} is a symbolic link, not a lock file made by fastdata; refusing to "
@@ -137,7 +137,7 @@ def _open_lock(path: str, flags: int) -> int:
         if st.st_nlink != 1:
             raise UnsafeStoreError(f"{path} has {st.st_nlink} hard links (a lock file fastdata made has one): it "
                                    "may be a link to a file elsewhere; refusing to write it: remove it")
-        os.set_blocking(fd, True)
+        portable.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

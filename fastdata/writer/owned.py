@@ -31,6 +31,7 @@ import shutil
 import stat
 from collections.abc import Callable, Mapping
 
+from fastdata.common import portable
 from fastdata.errors import UnsafeStoreError
 
 #: the marker file in a folder the converter made (and so may delete)
@@ -109,7 +110,7 @@ def create_file(path: str, mode: int = 0o644) -> int:
         FileExistsError: a regular file is already there.
     """
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | portable.O_NOFOLLOW | portable.OPEN_FLAGS, mode)
     except FileExistsError:
         check_file(path)  # a symlink / FIFO: say so
         raise
@@ -185,7 +186,8 @@ def read_marker(path: str) -> str | None:
     """The token of the marker in directory ``path``; None when there is no valid marker
     (missing, a symlink, not a regular file, not one fastdata wrote)."""
     try:
-        fd = os.open(os.path.join(path, MARKER_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = portable.open_nofollow(os.path.join(path, MARKER_NAME),
+                                    os.O_RDONLY | portable.O_NONBLOCK | portable.OPEN_FLAGS)
     except OSError:
         return None
     try:

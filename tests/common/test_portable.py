@@ -153,3 +153,79 @@ def test_locks_exclude_other_descriptors_and_go_with_them(tmp_path, monkeypatch,
         os.close(b)
     if locking == "msvcrt":
         assert {(at, n) for at, _mode, n in stand_in.calls} == {(1 << 30, 1)}
+
+
+@pytest.fixture(params=["O_NOFOLLOW", "look"])
+def nofollow(request, monkeypatch):
+    """The OS's O_NOFOLLOW, or the look-then-check path (no O_NOFOLLOW: Windows)."""
+    if request.param == "look":
+        monkeypatch.setattr(portable, "O_NOFOLLOW", 0)
+    return request.param
+
+
+def test_open_nofollow_refuses_a_link_and_opens_a_file(tmp_path, nofollow):
+    target = tmp_path / "target"
+    target.write_bytes(b"secret")
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError) as err:
+        portable.open_nofollow(str(tmp_path / "link"), os.O_RDONLY)
+    assert err.value.errno == errno.ELOOP
+    with pytest.raises(OSError):
+        portable.open_nofollow(str(tmp_path / "link"), os.O_RDWR | os.O_CREAT, 0o644)
+    assert target.read_bytes() == b"secret"
+    fd = portable.open_nofollow(str(target), os.O_RDONLY)
+    try:
+        assert os.read(fd, 6) == b"secret"
+    finally:
+        os.close(fd)
+    fd = portable.open_nofollow(str(tmp_path / "new"), os.O_RDWR | os.O_CREAT, 0o644)  # created
+    os.close(fd)
+    assert (tmp_path / "new").is_file()
+    with pytest.raises(FileNotFoundError):
+        portable.open_nofollow(str(tmp_path / "missing"), os.O_RDONLY)
+
+
+def test_open_nofollow_refuses_a_file_swapped_after_the_look(tmp_path, monkeypatch):
+    monkeypatch.setattr(portable, "O_NOFOLLOW", 0)
+    path, other = tmp_path / "file", tmp_path / "other"
+    path.write_bytes(b"mine")
+    other.write_bytes(b"theirs")
+    real_open = os.open
+
+    def swap_then_open(p, flags, mode=0o777):
+        os.replace(other, path)  # between the look and the open
+        return real_open(p, flags, mode)
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    with pytest.raises(OSError) as err:
+        portable.open_nofollow(str(path), os.O_RDONLY)
+    assert err.value.errno == errno.ELOOP
+
+
+def test_store_lock_refuses_a_link_without_o_nofollow(tmp_path, monkeypatch):
+    from fastdata.errors import UnsafeStoreError
+    from fastdata.format.names import LOCK_NAME
+    from fastdata.writer.lock import StoreLock
+
+    monkeypatch.setattr(portable, "O_NOFOLLOW", 0)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(UnsafeStoreError, match="symbolic link"):
+        StoreLock(str(tmp_path)).acquire()
+    assert victim.read_text() == "keep me"
+
+
+def test_datasync_without_fdatasync(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b"x")
+        portable.datasync(fd)
+        synced = []
+        monkeypatch.delattr(os, "fdatasync")
+        monkeypatch.setattr(os, "fsync", lambda f: synced.append(f))
+        portable.datasync(fd)  # macOS, Windows: fsync
+        assert synced == [fd]
+    finally:
+        os.close(fd)

@@ -6,11 +6,12 @@ at start-up when its folder is on PYTHONPATH; ``FASTDATA_PROXY_SYSTEM`` picks th
 both variables, so it is a proxy too.
 
 macos: no ``os.memfd_create``, ``os.posix_fadvise``, ``os.sched_getaffinity``,
-``os.copy_file_range``, and no ``/proc`` for fastdata's own reads (libraries such as psutil
-keep theirs: on macOS they use the system's own calls instead).
+``os.copy_file_range``, ``os.fdatasync``, and no ``/proc`` for fastdata's own reads (libraries
+such as psutil keep theirs: on macOS they use the system's own calls instead).
 
 windows: the same, plus no ``fcntl`` or ``resource`` module, no ``os.pread``/``os.preadv``/
-``os.pwrite``, and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
+``os.pwrite``, no ``O_NOFOLLOW``/``O_NONBLOCK``/``O_CLOEXEC`` or ``os.set_blocking`` (Python
+3.11 has it for pipes only there), and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
 torch registers an at-fork hook at import everywhere but on ``sys.platform == "win32"``). Windows
 has ``msvcrt`` (byte-range locks the OS drops with their holder); Linux does not, so the
 proxy provides ``msvcrt.locking`` over ``flock`` (one exclusive lock per open file, as
@@ -28,10 +29,11 @@ import types
 SYSTEM = os.environ.get("FASTDATA_PROXY_SYSTEM", "")
 
 #: what each proxy removes from os, for the test's report
+_MACOS = ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range", "fdatasync")
 REMOVED_OS = {
-    "macos": ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range"),
-    "windows": ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range",
-                "pread", "preadv", "pwrite", "pwritev"),
+    "macos": _MACOS,
+    "windows": (*_MACOS, "pread", "preadv", "pwrite", "pwritev", "O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC",
+                "set_blocking"),
 }
 
 

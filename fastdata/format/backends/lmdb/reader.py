@@ -9,6 +9,7 @@ import lmdb
 import msgpack
 import numpy as np
 
+from fastdata.common import portable
 from fastdata.common.fileio import open_regular
 from fastdata.errors import CorruptRecordError, FormatError, UnsafeStoreError
 from fastdata.format.backends.base import MappedPages, ShardReader, StorageSpec
@@ -375,7 +376,7 @@ class LMDBShardReader(ShardReader):
         wanted = [table[ids].reshape(-1, 2) for table in tables]  # (0, 0) rows: nothing to advise
         if self._advice_fd is None or self._advice_pid != os.getpid():
             try:
-                self._advice_fd, self._advice_pid = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC), os.getpid()
+                self._advice_fd, self._advice_pid = os.open(self.path, os.O_RDONLY | portable.OPEN_FLAGS), os.getpid()
             except OSError:
                 for key in keys:
                     self._spans[key] = False

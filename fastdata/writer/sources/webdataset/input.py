@@ -11,6 +11,7 @@ from typing import Any
 
 import xxhash
 
+from fastdata.common import portable
 from fastdata.common.imageio import ImageDecodeError, inspect_image
 from fastdata.errors import SourceError
 from fastdata.format.fields import SchemaError
@@ -41,7 +42,7 @@ def encode_tar_chunk(layout: TarLayout, path: str, size: int, name: str, samples
     results: list = []
     nbytes = 0
     if samples:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | portable.OPEN_FLAGS)
         try:
             if os.fstat(fd).st_size != size:
                 raise SourceError(f"{path} changed since the conversion started; convert it again with overwrite=True")

@@ -305,7 +305,7 @@ def _npy_field(scan: TarScan, code: int) -> Field | None:
     t = int(np.searchsorted(np.frombuffer(scan.first.tobytes(), dtype=np.int64), j, side="right")) - 1
     path = scan.files[scan.tar[t]]
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | portable.OPEN_FLAGS)
         try:
             array_ = _npy(read_at(fd, scan.member_offset[j], scan.member_size[j]))
         finally:
