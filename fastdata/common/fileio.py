@@ -53,16 +53,13 @@ def atomic_write(path: str, data: bytes) -> None:
 
 def fsync_file(path: str) -> None:
     """fsync a file by path (after a library that owns the handle closed it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    portable.fsync_path(path)
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory so a rename inside it survives power loss (a directory opens read-only too)."""
-    fsync_file(path)
+    """fsync a directory so a rename inside it survives power loss (where the OS has directory
+    descriptors: :func:`~fastdata.common.portable.fsync_dir`)."""
+    portable.fsync_dir(path)
 
 
 def file_checksum(path: str) -> str:

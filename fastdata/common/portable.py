@@ -11,6 +11,10 @@ facility                where it exists (Linux)               elsewhere
 positioned reads and    ``os.pread``, ``os.preadv``,          ``lseek`` then ``read``/``write``, one
 writes                  ``os.pwrite``                         call at a time per process (Windows)
 flush a file's data     ``os.fdatasync``                      ``os.fsync`` (macOS, Windows)
+flush a file by name    ``fsync`` of a read-only descriptor   reopened for writing where the OS
+                                                              refuses that (Windows: ``EBADF``)
+flush a directory       ``fsync`` of the directory            nothing: no directory descriptors
+                        (``O_DIRECTORY``)                     (Windows, whose NTFS journals renames)
 in-kernel file copy     ``os.copy_file_range``                ``pread``/``pwrite`` in steps (macOS,
                                                               Windows)
 read-ahead advice       ``os.posix_fadvise``                  none: advice only (macOS, Windows)
@@ -62,8 +66,9 @@ except ImportError:  # every system but Windows
 
 __all__ = [
     "HAS_PREAD", "LOCKING", "OPEN_FLAGS", "O_NOFOLLOW", "O_NONBLOCK", "SHARED_LOCKS", "advise_willneed",
-    "at_fork_in_child", "available_cores", "copy_range", "datasync", "file_mappings", "lock", "locked_elsewhere",
-    "native_thread_count", "open_nofollow", "pread", "preadinto", "pwrite", "set_blocking", "unlock",
+    "at_fork_in_child", "available_cores", "copy_range", "datasync", "file_mappings", "fsync_dir", "fsync_path",
+    "lock", "locked_elsewhere", "native_thread_count", "open_nofollow", "pread", "preadinto", "pwrite",
+    "set_blocking", "unlock",
 ]
 
 #: whether the OS reads and writes at an offset in one call (``os.pread``: every Unix)
@@ -185,6 +190,47 @@ def datasync(fd: int) -> None:
         os.fdatasync(fd)
     else:
         os.fsync(fd)
+
+
+def fsync_path(path: str) -> None:
+    """fsync the file at ``path`` (one a library that owned its handle has closed): through a
+    read-only descriptor, or, where the OS flushes only a descriptor open for writing (Windows
+    refuses the read-only one with ``EBADF``), through a read-write one.
+
+    Args:
+        path (str): a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+    try:
+        os.fsync(fd)
+        return
+    except OSError as err:
+        if err.errno != errno.EBADF:
+            raise
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDWR | OPEN_FLAGS)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync the directory ``path`` so that a rename inside it survives power loss, where the OS
+    opens directories (``O_DIRECTORY``: every Unix); nothing elsewhere (Windows opens no directory
+    descriptor, and NTFS journals the rename itself).
+
+    Args:
+        path (str): a directory.
+    """
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def advise_willneed(fd: int, offset: int, length: int) -> bool:

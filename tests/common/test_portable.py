@@ -229,3 +229,26 @@ def test_datasync_without_fdatasync(tmp_path, monkeypatch):
         assert synced == [fd]
     finally:
         os.close(fd)
+
+
+def test_fsync_by_name_and_of_a_directory_where_the_os_refuses_them(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    portable.fsync_path(str(path))
+    portable.fsync_dir(str(tmp_path))
+    real_fsync, modes = os.fsync, []
+
+    def windows_fsync(fd):  # FlushFileBuffers needs write access
+        import fcntl
+
+        modes.append(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE)
+        if modes[-1] == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", windows_fsync)
+    portable.fsync_path(str(path))
+    assert modes == [os.O_RDONLY, os.O_RDWR] and path.read_bytes() == b"x"
+    monkeypatch.delattr(os, "O_DIRECTORY")
+    portable.fsync_dir(str(tmp_path))  # no directory descriptors: nothing to do
+    assert len(modes) == 2

@@ -229,7 +229,7 @@ def proxy_check() -> dict:
     except OSError:
         proc_readable = False
     names = ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range", "fdatasync", "pread", "preadv",
-             "pwrite", "O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "set_blocking")
+             "pwrite", "O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_DIRECTORY", "set_blocking")
     return {"os_missing": [n for n in names if not hasattr(os, n)], "fcntl_importable": fcntl_importable,
             "fork_context": fork, "start_methods": multiprocessing.get_all_start_methods(),
             "proc_readable_by_fastdata": proc_readable, "native_threads": portable.native_thread_count(),

@@ -1,8 +1,9 @@
 """fastdata on proxies of macOS and Windows (issue 38): a fresh interpreter from which
 ``proxy_site/sitecustomize.py`` removes, before anything is imported, what that system lacks
 (macOS: memfd, posix_fadvise, sched_getaffinity, copy_file_range, fdatasync, /proc for fastdata's
-reads; Windows: also fcntl, resource, pread/preadv/pwrite, O_NOFOLLOW/O_NONBLOCK/O_CLOEXEC,
-set_blocking, fork and forkserver), runs the steps of
+reads; Windows: also fcntl, resource, pread/preadv/pwrite, O_NOFOLLOW/O_NONBLOCK/O_CLOEXEC/
+O_DIRECTORY, set_blocking, directory descriptors, fsync of read-only descriptors, fork and
+forkserver), runs the steps of
 ``proxy_steps.py`` on both backends: convert (CLI, 2 spawned workers), verify, append, convert
 again with overwrite, a live converter's lock refused and a dead one's taken over, a killed
 conversion resumed, chunked volumes from memmaps, open and read every sample, and one epoch of a 2-worker spawn loader.
@@ -66,7 +67,7 @@ def test_the_proxy_lacks_what_its_system_lacks(proxies, system):
         assert proxies[system]["locking"] == "flock" and proxies[system]["pread"]
     else:
         assert proxy["os_missing"] == [*linux_only, "pread", "preadv", "pwrite", "O_NOFOLLOW", "O_NONBLOCK",
-                                       "O_CLOEXEC", "set_blocking"]
+                                       "O_CLOEXEC", "O_DIRECTORY", "set_blocking"]
         assert not proxy["fcntl_importable"] and not proxy["fork_context"]
         assert proxy["start_methods"] == ["spawn"]
         assert proxies[system]["locking"] == "msvcrt" and not proxies[system]["pread"]

@@ -10,8 +10,10 @@ macos: no ``os.memfd_create``, ``os.posix_fadvise``, ``os.sched_getaffinity``,
 such as psutil keep theirs: on macOS they use the system's own calls instead).
 
 windows: the same, plus no ``fcntl`` or ``resource`` module, no ``os.pread``/``os.preadv``/
-``os.pwrite``, no ``O_NOFOLLOW``/``O_NONBLOCK``/``O_CLOEXEC`` or ``os.set_blocking`` (Python
-3.11 has it for pipes only there), and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
+``os.pwrite``, no ``O_NOFOLLOW``/``O_NONBLOCK``/``O_CLOEXEC``/``O_DIRECTORY`` or
+``os.set_blocking`` (Python 3.11 has it for pipes only there); fastdata's ``os.open`` of a
+directory fails (``PermissionError``) and its ``os.fsync`` of a read-only descriptor too
+(``EBADF``), as there; and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
 torch registers an at-fork hook at import everywhere but on ``sys.platform == "win32"``). Windows
 has ``msvcrt`` (byte-range locks the OS drops with their holder); Linux does not, so the
 proxy provides ``msvcrt.locking`` over ``flock`` (one exclusive lock per open file, as
@@ -33,7 +35,7 @@ _MACOS = ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range
 REMOVED_OS = {
     "macos": _MACOS,
     "windows": (*_MACOS, "pread", "preadv", "pwrite", "pwritev", "O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC",
-                "set_blocking"),
+                "O_DIRECTORY", "set_blocking"),
 }
 
 
@@ -54,18 +56,23 @@ def _is_proc(path) -> bool:
     return text == "/proc" or text.startswith("/proc/")
 
 
-def _hide_proc() -> None:
-    """fastdata's reads of /proc fail as they would where there is none."""
+def _hide_proc(no_directory_fds: bool) -> None:
+    """fastdata's reads of /proc fail as they would where there is none; with
+    ``no_directory_fds`` (Windows), so does its ``os.open`` of a directory."""
 
     def guard(original):
         def patched(path, *args, **kwargs):
             if _is_proc(path) and _from_fastdata():
                 raise FileNotFoundError(errno.ENOENT, f"no /proc on the {SYSTEM} proxy", os.fsdecode(path))
+            if (no_directory_fds and original is real_open and not isinstance(path, int) and os.path.isdir(path)
+                    and _from_fastdata()):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
             return original(path, *args, **kwargs)
 
         patched.__wrapped__ = original  # type: ignore[attr-defined]
         return patched
 
+    real_open = os.open
     builtins.open = guard(builtins.open)
     os.open = guard(os.open)
     os.listdir = guard(os.listdir)
@@ -90,6 +97,20 @@ def _stand_in_msvcrt(flock, lock_ex: int, lock_nb: int, lock_un: int) -> types.M
     return module
 
 
+def _fsync_needs_write_access(fcntl) -> None:
+    """fastdata's ``os.fsync`` of a descriptor open read-only fails as on Windows (whose
+    FlushFileBuffers needs write access): ``EBADF``."""
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        number = fd if isinstance(fd, int) else fd.fileno()
+        if fcntl.fcntl(number, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY and _from_fastdata():
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_fsync(fd)
+
+    os.fsync = fsync
+
+
 def _spawn_only() -> None:
     import multiprocessing
     import multiprocessing.context as context
@@ -106,7 +127,7 @@ def install(system: str) -> None:
     for name in REMOVED_OS[system]:
         if hasattr(os, name):
             delattr(os, name)
-    _hide_proc()
+    _hide_proc(no_directory_fds=system == "windows")
     import multiprocessing
 
     # spawn: the default on both systems (macOS keeps fork and forkserver beside it)
@@ -118,6 +139,7 @@ def install(system: str) -> None:
         import psutil  # noqa: F401  # before resource goes: psutil's Linux build imports it (its Windows one does not)
 
         sys.modules["msvcrt"] = _stand_in_msvcrt(fcntl.flock, fcntl.LOCK_EX, fcntl.LOCK_NB, fcntl.LOCK_UN)
+        _fsync_needs_write_access(fcntl)
         for module in ("fcntl", "resource"):
             sys.modules[module] = None  # type: ignore[assignment]  # import fails: ModuleNotFoundError
         _spawn_only()
