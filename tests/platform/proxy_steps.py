@@ -72,14 +72,15 @@ def step_verify(ctx: dict) -> dict:
 def step_append(ctx: dict) -> dict:
     report = fastdata.convert(ctx["more"], ctx["dst"], format=ctx["backend"], append=True, workers=0,
                               shard_size="4k", progress=False)
-    return {"appended": report.images, "samples": fastdata.info(ctx["dst"])["num_samples"]}
+    return {"appended": report.images, "samples": fastdata.info(ctx["dst"])["num_samples"],
+            "warnings": report.warnings}
 
 
 def step_overwrite(ctx: dict) -> dict:
     report = fastdata.convert(ctx["src"], ctx["dst"], format=ctx["backend"], overwrite=True, workers=0,
                               shard_size="4k", progress=False)
     return {"images": report.images, "samples": fastdata.info(ctx["dst"])["num_samples"],
-            "verified": bool(fastdata.verify(ctx["dst"]).ok)}
+            "verified": bool(fastdata.verify(ctx["dst"]).ok), "warnings": report.warnings}
 
 
 def step_lock(ctx: dict) -> dict:
@@ -228,12 +229,21 @@ def proxy_check() -> dict:
         proc_readable = True
     except OSError:
         proc_readable = False
+    import tempfile
+
+    from fastdata.format.names import LOCK_NAME
+    from fastdata.writer.lock import StoreLock
+
+    with tempfile.TemporaryDirectory() as folder:
+        StoreLock(folder).acquire().release()
+        lock_file = os.path.join(folder, LOCK_NAME)
+        lock_left = os.path.getsize(lock_file) if os.path.exists(lock_file) else None
     names = ("memfd_create", "posix_fadvise", "sched_getaffinity", "copy_file_range", "fdatasync", "pread", "preadv",
              "pwrite", "O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_DIRECTORY", "set_blocking")
     return {"os_missing": [n for n in names if not hasattr(os, n)], "fcntl_importable": fcntl_importable,
             "fork_context": fork, "start_methods": multiprocessing.get_all_start_methods(),
             "proc_readable_by_fastdata": proc_readable, "native_threads": portable.native_thread_count(),
-            "cores": portable.available_cores()}
+            "cores": portable.available_cores(), "lock_file_left_after_release": lock_left}
 
 
 def _run(results: dict, name: str, step, *args) -> None:

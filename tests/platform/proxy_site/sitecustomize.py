@@ -12,8 +12,9 @@ such as psutil keep theirs: on macOS they use the system's own calls instead).
 windows: the same, plus no ``fcntl`` or ``resource`` module, no ``os.pread``/``os.preadv``/
 ``os.pwrite``, no ``O_NOFOLLOW``/``O_NONBLOCK``/``O_CLOEXEC``/``O_DIRECTORY`` or
 ``os.set_blocking`` (Python 3.11 has it for pipes only there); fastdata's ``os.open`` of a
-directory fails (``PermissionError``) and its ``os.fsync`` of a read-only descriptor too
-(``EBADF``), as there; and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
+directory fails (``PermissionError``), its ``os.fsync`` of a read-only descriptor too
+(``EBADF``), and its removes and renames of a file this process has open or mapped
+(``PermissionError``), as there; and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
 torch registers an at-fork hook at import everywhere but on ``sys.platform == "win32"``). Windows
 has ``msvcrt`` (byte-range locks the OS drops with their holder); Linux does not, so the
 proxy provides ``msvcrt.locking`` over ``flock`` (one exclusive lock per open file, as
@@ -54,6 +55,9 @@ def _is_proc(path) -> bool:
     except TypeError:
         return False
     return text == "/proc" or text.startswith("/proc/")
+
+
+_REAL_LISTDIR, _REAL_OPEN = os.listdir, builtins.open
 
 
 def _hide_proc(no_directory_fds: bool) -> None:
@@ -111,6 +115,44 @@ def _fsync_needs_write_access(fcntl) -> None:
     os.fsync = fsync
 
 
+def _in_use(path) -> bool:
+    """Whether this process has ``path`` (or a file under it) open or mapped (read in /proc: the
+    proxy's own reads, not fastdata's). Other processes' handles are not seen."""
+    try:
+        real = os.path.realpath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return False
+    inside = real.rstrip("/") + "/"
+    targets = []
+    for name in _REAL_LISTDIR("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    with _REAL_OPEN("/proc/self/maps") as maps:
+        targets += [parts[5].rstrip("\n") for parts in (line.split(maxsplit=5) for line in maps) if len(parts) == 6]
+    return any(t == real or t.startswith(inside) for t in targets)
+
+
+def _open_files_stay() -> None:
+    """fastdata's removes and renames of a file this process has open or mapped (or of a folder
+    holding one) fail as on Windows, where an open file cannot be deleted or renamed."""
+    import shutil
+
+    def refuse_in_use(original, paths: int):
+        def patched(*args, **kwargs):
+            if _from_fastdata() and any(_in_use(p) for p in args[:paths]):
+                raise PermissionError(errno.EACCES, "The process cannot access the file because it is being used "
+                                      "by another process", os.fsdecode(args[0]))
+            return original(*args, **kwargs)
+
+        return patched
+
+    for module, name, paths in ((os, "unlink", 1), (os, "remove", 1), (os, "rmdir", 1), (os, "replace", 2),
+                                (os, "rename", 2), (shutil, "rmtree", 1)):
+        setattr(module, name, refuse_in_use(getattr(module, name), paths))
+
+
 def _spawn_only() -> None:
     import multiprocessing
     import multiprocessing.context as context
@@ -140,6 +182,7 @@ def install(system: str) -> None:
 
         sys.modules["msvcrt"] = _stand_in_msvcrt(fcntl.flock, fcntl.LOCK_EX, fcntl.LOCK_NB, fcntl.LOCK_UN)
         _fsync_needs_write_access(fcntl)
+        _open_files_stay()
         for module in ("fcntl", "resource"):
             sys.modules[module] = None  # type: ignore[assignment]  # import fails: ModuleNotFoundError
         _spawn_only()
