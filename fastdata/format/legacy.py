@@ -13,6 +13,7 @@ table ``{"label": classes}``, so one dataset class reads every store (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,9 @@ class RecordModel:
         ``relpaths``, ``relpath_offsets``, ``nbytes``)."""
         raise NotImplementedError
 
-    def record_fields(self, data: bytes, where: str) -> dict[str, Any]:
-        """The values of the fields a record holds (those the index does not), by name."""
+    def record_fields(self, data: bytes, where: Callable[[], str]) -> dict[str, Any]:
+        """The values of the fields a record holds (those the index does not), by name; ``where()``
+        names the record for an error (called only when one is needed: this is per sample)."""
         raise NotImplementedError
 
     def default_mode(self, name: str, where: str) -> str:
@@ -80,8 +82,8 @@ class GeneralRecords(RecordModel):
         return {key: arr for key, arr in index.arrays.items()
                 if key.startswith(FIELD_PREFIX) or key in (PATHS, PATH_OFFSETS, NBYTES)}
 
-    def record_fields(self, data: bytes, where: str) -> dict[str, Any]:
-        return decode_record_v2(data, self.schema, where=where)
+    def record_fields(self, data: bytes, where: Callable[[], str]) -> dict[str, Any]:
+        return decode_record_v2(data, self.schema, where=where())
 
 
 class ClassificationRecords(RecordModel):
@@ -112,7 +114,7 @@ class ClassificationRecords(RecordModel):
                 image + "dtype": index.dtypes, image + "channels": index.channels,
                 NBYTES: index.nbytes, PATHS: index.relpaths, PATH_OFFSETS: index.relpath_offsets}
 
-    def record_fields(self, data: bytes, where: str) -> dict[str, Any]:
+    def record_fields(self, data: bytes, where: Callable[[], str]) -> dict[str, Any]:
         return {"image": data}
 
     def default_mode(self, name: str, where: str) -> str:

@@ -78,6 +78,10 @@ from fastdata.reader.subset import StoreSubset, code_names, read_only
 from fastdata.remote.store import StoreLocation, locate_store
 
 OUTPUTS = ("pil", "numpy", "tensor")
+#: how a field of a sample is read (see :meth:`StoreDataset._field_plan`): an image decoded, an int
+#: or float of the index, an array of the index, another index value, an array or a chunk table
+#: of the record, another record value
+_IMAGE, _SCALAR, _INDEX_ARRAY, _INDEX_VALUE, _RECORD_ARRAY, _CHUNKED, _RECORD_VALUE = range(7)
 #: the columns of :class:`ImageFolderDataset` (ImageFolder-like stores), in this order
 CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "format", "nbytes")
 
@@ -420,6 +424,7 @@ class StoreDataset(Dataset):
         #: (H, W) when every stored image has the same size (e.g. CIFAR-like data), else None; set by the
         #: presentations whose batches stack images (:class:`ImageFolderDataset`)
         self.uniform_shape: tuple[int, int] | None = None
+        self._plan = self._field_plan()
 
     def _resolve_modes(self, image_mode: str | Mapping[str, str] | None) -> dict[str, str]:
         names = self.schema.image_fields()
@@ -776,15 +781,31 @@ class StoreDataset(Dataset):
                 return torch.from_numpy(np.array(value))  # a writable copy
         return value
 
+    def _field_plan(self) -> list[tuple[str, int, Any, np.ndarray | None]]:
+        """How each field of a sample is read, decided once when the store is opened:
+        ``(name, how, field, its index array or None)`` in schema order."""
+        plan: list[tuple[str, int, Any, np.ndarray | None]] = []
+        for name, field in self.schema:
+            if isinstance(field, Image):
+                plan.append((name, _IMAGE, field, self.index_arrays[f"{FIELD_PREFIX}{name}.format"]))
+            elif field.index_shape is not None:
+                how = _INDEX_ARRAY if isinstance(field, NDArray) else _SCALAR if isinstance(field, Int | Float) \
+                    else _INDEX_VALUE
+                plan.append((name, how, field, self.index_arrays[FIELD_PREFIX + name]))
+            else:
+                how = _RECORD_ARRAY if isinstance(field, NDArray | Ragged) else _CHUNKED if isinstance(field, Chunked) \
+                    else _RECORD_VALUE
+                plan.append((name, how, field, None))
+        return plan
+
     def _build(self, data: bytes, index: int, epoch: int | None, slots: dict | None = None) -> dict:
         """The sample dict of record ``data`` (sample ``index``), before ``transform``;
         ``slots``: image field -> HWC tensor to decode that image into (see :meth:`_image_slots`)."""
-        where = self._where(index)
-        record = self._records.record_fields(data, where)
+        record = self._records.record_fields(data, lambda: self._where(index))
         out: dict[str, Any] = {}
-        for name, field in self.schema:
-            if isinstance(field, Image):
-                fmt = FORMAT_NAMES[int(self.index_arrays[f"{FIELD_PREFIX}{name}.format"][index])]
+        for name, how, field, array in self._plan:
+            if how == _IMAGE:
+                fmt = FORMAT_NAMES[int(array[index])]  # type: ignore[index]
                 slot = slots.get(name) if slots else None
                 if slot is not None:
                     self._decode_image(record[name], fmt, index, name, epoch, into=slot.numpy())
@@ -794,14 +815,16 @@ class StoreDataset(Dataset):
                 if self.output == "tensor" and isinstance(image, np.ndarray):
                     image = to_tensor(np.ascontiguousarray(image))
                 out[name] = image
-            elif field.index_shape is not None:
-                value = self.index_arrays[FIELD_PREFIX + name][index]
-                out[name] = (field.decode(value, where) if not isinstance(field, NDArray)
-                             else self._as_output(np.array(value)))
-            elif isinstance(field, NDArray | Ragged):
+            elif how == _SCALAR:
+                out[name] = field.python_type(array[index])  # type: ignore[index]
+            elif how == _INDEX_ARRAY:
+                out[name] = self._as_output(np.array(array[index]))  # type: ignore[index]
+            elif how == _INDEX_VALUE:
+                out[name] = field.decode(array[index], self._where(index))  # type: ignore[index]
+            elif how == _RECORD_ARRAY:
                 out[name] = self._as_output(record[name])
-            elif isinstance(field, Chunked):
-                out[name] = self._chunked(name, field, record[name], index, f"{where} field {name!r}")
+            elif how == _CHUNKED:
+                out[name] = self._chunked(name, field, record[name], index, f"{self._where(index)} field {name!r}")
             else:
                 out[name] = record[name]
         return out
@@ -1014,8 +1037,9 @@ class ImageFolderDataset(StoreDataset):
         if name is None or self.target_field is None:
             raise FormatError(f"{self.root} holds fields {', '.join(n for n, _ in self.schema)}, not an image and a "
                               "class label: open it with fastdata.open_dataset()")
-        #: the image field ``ds[i]`` gives
+        #: the image field ``ds[i]`` gives, and its stored formats
         self._image_name = name
+        self._image_formats = self.index_arrays[f"{FIELD_PREFIX}{name}.format"]
         widths = self.index_arrays[f"{FIELD_PREFIX}{name}.width"]
         heights = self.index_arrays[f"{FIELD_PREFIX}{name}.height"]
         self.uniform_shape = (int(heights[0]), int(widths[0])) if len(widths) and (
@@ -1067,8 +1091,8 @@ class ImageFolderDataset(StoreDataset):
     def _decode_into(self, data, index: int, epoch: int | None, out: np.ndarray) -> np.ndarray:
         """Decode the image of record ``data`` (sample ``index``) into ``out`` [H,W,C]."""
         name = self._image_name
-        image = self._records.record_fields(data, self._where(index))[name]
-        fmt = FORMAT_NAMES[int(self.index_arrays[f"{FIELD_PREFIX}{name}.format"][index])]
+        image = self._records.record_fields(data, lambda: self._where(index))[name]
+        fmt = FORMAT_NAMES[int(self._image_formats[index])]
         return self._decode_image(image, fmt, index, name, epoch, into=out)
 
     def _load_into(self, out: np.ndarray, epoch: int | None, index: int) -> None:
