@@ -1,39 +1,24 @@
 """One home for each operating-system facility fastdata uses that Linux has and other systems
 lack, with a portable path beside it.
 
-Each path is chosen once, at import, by whether the facility exists (never by the system's
-name): Linux takes exactly the path it took before this module existed, and a system without
-the facility takes the portable one.
+Each path is chosen once, by whether the facility exists (never by the system's name): Linux
+takes exactly the path it took before this module existed; a system without the facility takes
+the portable one. Facility (where it exists) -> elsewhere:
 
-======================  ====================================  =========================================
-facility                where it exists (Linux)               elsewhere
-======================  ====================================  =========================================
-positioned reads and    ``os.pread``, ``os.preadv``,          ``lseek`` then ``read``/``write``, one
-writes                  ``os.pwrite``                         call at a time per process (Windows)
-flush a file's data     ``os.fdatasync``                      ``os.fsync`` (macOS, Windows)
-flush a file by name    ``fsync`` of a read-only descriptor   reopened for writing where the OS
-                                                              refuses that (Windows: ``EBADF``)
-flush a directory       ``fsync`` of the directory            nothing: no directory descriptors
-                        (``O_DIRECTORY``)                     (Windows, whose NTFS journals renames)
-in-kernel file copy     ``os.copy_file_range``                ``pread``/``pwrite`` in steps (macOS,
-                                                              Windows)
-read-ahead advice       ``os.posix_fadvise``                  none: advice only (macOS, Windows)
-cores this process      ``os.sched_getaffinity``              psutil's CPU affinity (Windows), else
-may use                                                       ``os.cpu_count()`` (macOS)
-threads of this         ``/proc/self/task``                   psutil's thread count (macOS, Windows)
-process
-file mappings           ``/proc/self/maps``                   none: :class:`OSError` (callers do
-                                                              without what it would tell)
-file locks              ``fcntl.flock``                       ``msvcrt.locking`` on one byte far past
-                                                              the file's content (Windows)
-open without following  ``O_NOFOLLOW``                        look (``lstat``) before opening, and check
-a symbolic link                                               the file opened is the one looked at
-                                                              (Windows)
-open flags              ``O_CLOEXEC``, ``O_NONBLOCK``         none needed: descriptors are not
-                                                              inherited (PEP 446), no file system path
-                                                              is a FIFO; ``O_BINARY`` added (Windows)
-at-fork hooks           ``os.register_at_fork``               nothing to do: no fork (Windows)
-======================  ====================================  =========================================
+* positioned reads and writes (``os.pread``/``preadv``/``pwrite``) -> ``lseek`` then
+  ``read``/``write``, one call at a time per process (Windows);
+* ``os.fdatasync`` -> ``os.fsync`` (macOS, Windows); ``fsync`` of a read-only descriptor ->
+  reopened for writing where refused (Windows: ``EBADF``); ``fsync`` of a directory
+  (``O_DIRECTORY``) -> nothing (Windows opens no directory; NTFS journals renames);
+* ``os.copy_file_range`` -> ``pread``/``pwrite`` in steps; ``os.posix_fadvise`` -> no advice;
+* ``os.sched_getaffinity`` -> psutil's CPU affinity (Windows), else ``os.cpu_count()`` (macOS);
+* ``/proc/self/task`` -> psutil's thread count; ``/proc/self/maps`` -> :class:`OSError`
+  (callers do without what it would tell);
+* ``fcntl.flock`` -> ``msvcrt.locking`` on one byte far past the file's content (Windows);
+* ``O_NOFOLLOW`` -> look (``lstat``) before opening, then check the file opened is the one
+  looked at; ``O_CLOEXEC``/``O_NONBLOCK`` -> not needed (descriptors are not inherited, PEP
+  446; no file system path is a FIFO); ``O_BINARY`` added where it exists (Windows);
+* ``os.register_at_fork`` -> nothing to do (no fork: Windows).
 
 Both kinds of lock are dropped by the OS when their holder dies (killed or crashed), which is
 what makes a lock left by a dead converter stale. ``msvcrt`` has no shared locks:
