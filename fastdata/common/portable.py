@@ -50,7 +50,7 @@ except ImportError:  # every system but Windows
     msvcrt = None
 
 __all__ = [
-    "HAS_PREAD", "LOCKING", "OPEN_FLAGS", "O_NOFOLLOW", "O_NONBLOCK", "SHARED_LOCKS", "advise_willneed",
+    "HAS_PREAD", "LOCKING", "OPEN_FLAGS", "O_BINARY", "O_NOFOLLOW", "O_NONBLOCK", "SHARED_LOCKS", "advise_willneed",
     "at_fork_in_child", "available_cores", "copy_range", "datasync", "file_mappings", "fsync_dir", "fsync_path",
     "lock", "locked_elsewhere", "native_thread_count", "open_nofollow", "pread", "preadinto", "pwrite",
     "set_blocking", "unlock",
@@ -67,6 +67,9 @@ SHARED_LOCKS = LOCKING == "flock"
 #: makes descriptors non-inheritable anyway, PEP 446) and binary mode where the OS has a text
 #: mode (Windows: without ``O_BINARY``, ``os.open`` translates line ends)
 OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+#: binary mode alone, where the OS has a text mode (Windows), for an ``os.open`` that must not
+#: change on Linux (0 there)
+O_BINARY = getattr(os, "O_BINARY", 0)
 #: open a FIFO without blocking (0 on Windows, where no file system path is a pipe)
 O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 #: refuse a symbolic link as the last part of a path (0 where missing: :func:`open_nofollow` checks

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fastdata.common.portable import preadinto
+from fastdata.common.portable import O_BINARY, preadinto
 from fastdata.format.chunks import (
     MAX_CHUNKS,
     MAX_STORED_CHUNK_BYTES,
@@ -74,7 +74,7 @@ class _MemmapSlabs:
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
         size = (stop - start) * self.row
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = os.open(self.path, os.O_RDONLY | O_BINARY)
         try:
             data = bytearray(size)
             view = memoryview(data)
