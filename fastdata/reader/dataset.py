@@ -1104,7 +1104,7 @@ class ImageFolderDataset(StoreDataset):
         own check bounds ``raw_shape`` (at most a record's limit, and no more than the shards hold)."""
         if not self.storage.mode.holds_fixed_size_pixels:
             return
-        h, w = self.storage.raw_hw()
+        h, w = self.storage.fixed_pixel_shape()
         bad = np.flatnonzero(nbytes != h * w * 3)
         if len(bad):
             i = int(bad[0])
@@ -1119,7 +1119,8 @@ class ImageFolderDataset(StoreDataset):
         if self.transform is not None or self.output == "pil":
             return None
         if self.storage.mode.holds_fixed_size_pixels:
-            return self.storage.raw_hw() if self.image_modes[self._image_name] in ("RGB", "unchanged") else None
+            pixels_as_stored = self.image_modes[self._image_name] in ("RGB", "unchanged")
+            return self.storage.fixed_pixel_shape() if pixels_as_stored else None
         if self.decode is None:
             return self.uniform_shape
         size = getattr(self.decode, "output_size", None)

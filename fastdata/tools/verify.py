@@ -290,7 +290,7 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
                 fmt = FORMAT_NAMES[int(index.formats[i])]
                 try:
                     if fmt == "RAW":
-                        h, w = storage.raw_hw()
+                        h, w = storage.fixed_pixel_shape()
                         np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
                         actual = ("uint8", 3)
                     else:
@@ -308,7 +308,7 @@ def _check_records(backend: str, path: str, storage_json: dict, expected_count: 
 
 def _ppm_problem(data, fmt: int, width: int, height: int) -> str | None:
     """What is wrong with a record that its store's storage mode says is raw-native pixels
-    (:meth:`~fastdata.format.backends.base.StorageSpec.keeps_raw`; None: nothing): it must be a PPM by
+    (:meth:`~fastdata.format.backends.base.StorageSpec.stores_native_pixels`; None: nothing): it must be a PPM by
     the index, its header must parse, hold all its pixels and nothing after them, and say the size the
     index records. A header read, no decode: cheap enough for every verify, and what a reader trusts
     before viewing the pixels."""
@@ -456,7 +456,7 @@ def _storage_mismatch(index, storage: StorageSpec, name: str) -> list[str]:
     a manifest edited to say so would make readers reinterpret JPEG bytes as pixels."""
     is_raw = index.formats == FORMAT_CODES["RAW"]
     if storage.mode.holds_fixed_size_pixels:
-        h, w = storage.raw_hw()
+        h, w = storage.fixed_pixel_shape()
         if len(index) and (not is_raw.all() or bool((index.nbytes != h * w * 3).any())):
             return [f"{name}: records are not {h}x{w} raw pixels, as the manifest's storage mode says"]
     elif is_raw.any():

@@ -144,12 +144,13 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     """Turn one input file (``data``: its bytes, read here when None) into a
     storable sample or raise :class:`Rejected`. ``keep_raw`` is the plan's choice of whether a
     raw-native or mixed store keeps it as pixels (a raw budget's); None leaves it to
-    :meth:`~fastdata.format.backends.base.StorageSpec.keeps_raw`."""
+    :meth:`~fastdata.format.backends.base.StorageSpec.stores_native_pixels`."""
     if data is None:
         data = _read_bytes(path)
     if storage.mode.transcodes_losslessly:
         return lossless_sample(path, relpath, label, data)
-    if storage.mode.may_hold_native_size_pixels and (storage.keeps_raw(relpath) if keep_raw is None else keep_raw):
+    if storage.mode.may_hold_native_size_pixels and (
+            storage.stores_native_pixels(relpath) if keep_raw is None else keep_raw):
         return raw_native_sample(path, relpath, label, data, storage.reencode_max_side())
     if not (storage.mode.holds_fixed_size_pixels or storage.mode.reencodes_large_images):  # as given: checked
         info = inspect(data)
@@ -167,7 +168,7 @@ def ingest(path: bytes, relpath: bytes, label: int, storage: StorageSpec, data: 
     fmt, width, height = stored_format(im), im.width, im.height
     warning = extension_mismatch(path, fmt)
     if storage.mode.holds_fixed_size_pixels:
-        h, w = storage.raw_hw()
+        h, w = storage.fixed_pixel_shape()
         rgb = im.convert("RGB")
         if rgb.size != (w, h):
             rgb = rgb.resize((w, h), Image.Resampling.BILINEAR)

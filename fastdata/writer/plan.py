@@ -46,7 +46,7 @@ def estimated_sizes(scan: Listing, storage: StorageSpec) -> np.ndarray:
     if scan.stored_sizes is not None:  # a raw budget's plan read every header: the sizes are known
         return scan.stored_sizes
     if storage.mode.holds_fixed_size_pixels:
-        h, w = storage.raw_hw()
+        h, w = storage.fixed_pixel_shape()
         return np.full(len(scan), h * w * 3, dtype=np.int64)
     sizes = np.maximum(scan.sizes, 0)
     if storage.mode.may_hold_native_size_pixels:
@@ -54,7 +54,7 @@ def estimated_sizes(scan: Listing, storage: StorageSpec) -> np.ndarray:
         # longest side allowed (plus the PPM header), so that shards end up at most the target
         side = storage.reencode_max_side()
         pixels = np.int64(3 * side * side + 32)
-        raw = np.fromiter((storage.keeps_raw(rel) for rel in scan.relpaths), dtype=bool, count=len(scan))
+        raw = np.fromiter((storage.stores_native_pixels(rel) for rel in scan.relpaths), dtype=bool, count=len(scan))
         sizes = np.where(raw, pixels, sizes)
     return sizes
 

@@ -22,13 +22,13 @@ from fastdata.writer.api import convert
 
 
 def test_raw_hw_is_the_raw_shape_of_a_raw_store():
-    assert StorageSpec(mode="raw", raw_shape=(4, 6)).raw_hw() == (4, 6)
+    assert StorageSpec(mode="raw", raw_shape=(4, 6)).fixed_pixel_shape() == (4, 6)
 
 
 @pytest.mark.parametrize("spec", [StorageSpec(), StorageSpec(mode="reencode", max_side=64, quality=90)])
 def test_raw_hw_of_a_store_without_raw_pixels_says_so(spec):
     with pytest.raises(ValueError, match=rf"storage mode '{spec.mode}' has no raw_shape"):
-        spec.raw_hw()
+        spec.fixed_pixel_shape()
 
 
 def test_reencode_max_side_of_a_store_that_keeps_originals_says_so():

@@ -144,7 +144,7 @@ class StorageSpec:
       pixels at its own size, scaled down so that the longer side is at most ``max_side``, each
       record a binary PPM (``P6``, maxval 255: :func:`fastdata.common.imageio.encode_ppm`);
     * ``MIXED`` (``convert(storage="mixed", raw_fraction=F, max_side=N)``): the images that
-      :meth:`keeps_raw` picks (a fraction ``raw_fraction`` of them) as in ``NATIVE_SIZE_PIXELS``,
+      :meth:`stores_native_pixels` picks (a fraction ``raw_fraction`` of them) as in ``NATIVE_SIZE_PIXELS``,
       the others as in ``ORIGINAL``. With ``raw_budget`` (bytes) instead of a fraction, the
       conversion's plan picks them: the images whose decode saves the most time per extra byte, as
       many as the budget holds (:mod:`fastdata.writer.raw_budget`).
@@ -172,7 +172,7 @@ class StorageSpec:
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
-    def keeps_raw(self, relpath: bytes) -> bool:
+    def stores_native_pixels(self, relpath: bytes) -> bool:
         """Whether the image at ``relpath`` (its path relative to the source root, as recorded) is
         stored as pixels: always in mode ``NATIVE_SIZE_PIXELS``; in mode ``MIXED`` when
         ``xxh3_64(relpath) / 2**64 < raw_fraction``. A function of the path alone, so a
@@ -194,14 +194,14 @@ class StorageSpec:
 
     def holds_pixels(self, relpath: bytes, fmt_code: int) -> bool:
         """Whether the record of the image at ``relpath``, indexed as format ``fmt_code``, is meant
-        to hold native-size pixels: :meth:`keeps_raw` where the store has a rule (mode
+        to hold native-size pixels: :meth:`stores_native_pixels` where the store has a rule (mode
         ``NATIVE_SIZE_PIXELS``, mode ``MIXED`` with a fraction); in a mixed store with a raw budget,
         which records no rule (its plan chose from the images' sizes), when the record is a PPM."""
         if self.mode.picks_images_to_hold_as_pixels and self.raw_budget is not None:
             return fmt_code == FORMAT_CODES["PPM"]
-        return self.keeps_raw(relpath)
+        return self.stores_native_pixels(relpath)
 
-    def raw_hw(self) -> tuple[int, int]:
+    def fixed_pixel_shape(self) -> tuple[int, int]:
         """``(H, W)`` of every image of a store of fixed-size pixels.
 
         Raises ValueError when this spec has no ``raw_shape`` (only stores of mode
@@ -388,7 +388,7 @@ class ShardReader(abc.ABC):
 
     def get_raw_batch(self, local_indices: np.ndarray, out: np.ndarray) -> None:
         """Raw-mode stores: copy pixels of ``local_indices`` into ``out`` [n,H,W,3]."""
-        h, w = self.storage.raw_hw()
+        h, w = self.storage.fixed_pixel_shape()
         for j, i in enumerate(local_indices):
             out[j] = np.frombuffer(self.get(int(i)), dtype=np.uint8).reshape(h, w, 3)
 

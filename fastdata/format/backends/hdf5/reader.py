@@ -128,7 +128,7 @@ class HDF5ShardReader(ShardReader):
             # (contiguous=False: the first writer, fastdata 0.1.0, stored the payload chunked; read
             # through h5py below, the checks of a chunked dataset applied: unfiltered, fully stored)
             if self.storage.mode.holds_fixed_size_pixels:
-                h, w = self.storage.raw_hw()
+                h, w = self.storage.fixed_pixel_shape()
                 payload_name = spec.PIXELS
                 data = structure.check_dataset(self._datasets, spec.PIXELS, "u1", (count, h, w, 3),
                                                self._stat.st_size, self.path)
@@ -273,7 +273,7 @@ class HDF5ShardReader(ShardReader):
 
     def _span(self, local_index: int) -> tuple[int, int]:
         if self._offsets is None:
-            h, w = self.storage.raw_hw()
+            h, w = self.storage.fixed_pixel_shape()
             row = h * w * 3
             return local_index * row, (local_index + 1) * row
         return int(self._offsets[local_index]), int(self._offsets[local_index + 1])
@@ -324,7 +324,7 @@ class HDF5ShardReader(ShardReader):
         """Raw mode: one numpy gather from the mapped pixel array (sorted order), then checksums."""
         payload, checksums = self._loaded()
         idx = np.asarray(local_indices, dtype=np.int64)
-        h, w = self.storage.raw_hw()
+        h, w = self.storage.fixed_pixel_shape()
         order = np.argsort(idx, kind="stable")
         if isinstance(payload, _ChunkedPayload):
             for j in order.tolist():

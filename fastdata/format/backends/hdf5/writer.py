@@ -152,7 +152,7 @@ class HDF5ShardWriter(ShardWriter):
                 self.index.add(s, self.place_chunks(s))
             return
         if self.storage.mode.holds_fixed_size_pixels:
-            h, w = self.storage.raw_hw()
+            h, w = self.storage.fixed_pixel_shape()
             for s in samples:
                 if len(s.image) != h * w * 3:
                     raise ValueError(f"raw sample {s.relpath!r} has {len(s.image)} bytes, expected {h * w * 3}")
@@ -183,7 +183,7 @@ class HDF5ShardWriter(ShardWriter):
                 if isinstance(index, SampleIndex):
                     name, shape = spec.RECORDS, (total,)
                 elif self.storage.mode.holds_fixed_size_pixels:
-                    h, w = self.storage.raw_hw()
+                    h, w = self.storage.fixed_pixel_shape()
                     name, shape = spec.PIXELS, (len(index), h, w, 3)
                 else:
                     name, shape = spec.IMAGES, (total,)
