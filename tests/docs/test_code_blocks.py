@@ -299,6 +299,7 @@ PRELUDES: dict[str, Callable] = {
     "docs/guides/sources.md": _sources,
     "docs/guides/tuning.md": _tuning,
     "docs/guides/volumes.md": _volumes,
+    "docs/platforms.md": lambda tmp, mp: {},
 }
 
 

@@ -246,6 +246,20 @@ def proxy_check() -> dict:
             "cores": portable.available_cores(), "lock_file_left_after_release": lock_left}
 
 
+def doctor_report() -> dict:
+    """``fastdata doctor`` without a dataset: the platform report, as the CLI prints it."""
+    import contextlib
+    import io
+
+    from fastdata.cli.main import main as cli
+    from fastdata.tools.platform_report import facilities
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = cli(["doctor"])
+    return {"rc": rc, "text": printed.getvalue(), "missing": [f.name for f in facilities() if not f.present]}
+
+
 def _run(results: dict, name: str, step, *args) -> None:
     t0 = time.monotonic()
     try:
@@ -272,6 +286,7 @@ def main(work: str) -> dict:
         for step in STEPS:
             _run(results, step.__name__[5:], step, ctx)
     _run(out, "loader", loader_epoch, stores, truth)
+    _run(out, "doctor", doctor_report)
     return out
 
 

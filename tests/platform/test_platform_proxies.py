@@ -130,3 +130,21 @@ def test_a_two_worker_spawn_loader_yields_every_sample_once(proxies, system):
         got = loader[backend]
         assert got["samples"] == got["pixels_equal"] == SAMPLES and got["labels_match"], (backend, got)
     assert loader["ring_batches"] == 0  # no memfd: every batch travelled pickled
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_doctor_reports_what_the_platform_lacks(proxies, system):
+    """``fastdata doctor`` names each missing facility and its cost; on Linux (this process) nothing."""
+    from fastdata.tools.platform_report import facilities, platform_report
+
+    doctor = _ok(proxies[system]["doctor"])
+    common = ["os.memfd_create", "os.posix_fadvise", "os.copy_file_range", "os.sched_getaffinity", "/proc"]
+    expected = common if system == "macos" else ["fork start method", *common[:2], "os.pread", *common[2:],
+                                                   "fcntl.flock"]
+    assert doctor["rc"] == 0 and doctor["missing"] == expected
+    for name in expected:
+        assert f"missing {name}: " in doctor["text"]
+    assert f"{8 - len(expected)} of 8 facilities present" in doctor["text"]
+    if system == "windows":
+        assert "remote stores (s3://" in doctor["text"] and "__main__" in doctor["text"]
+    assert all(f.present for f in facilities()) and "missing" not in platform_report()  # control: Linux
