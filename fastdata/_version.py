@@ -1,3 +1,3 @@
-"""The package version (one place; ``pyproject.toml`` repeats it for the build)."""
+"""The package version: its one source (``pyproject.toml`` reads it, ``dynamic = ["version"]``)."""
 
 __version__ = "0.1.0"
