@@ -52,8 +52,8 @@ except ImportError:  # every system but Windows
 __all__ = [
     "HAS_PREAD", "LOCKING", "OPEN_FLAGS", "O_BINARY", "O_NOFOLLOW", "O_NONBLOCK", "SHARED_LOCKS", "advise_willneed",
     "at_fork_in_child", "available_cores", "copy_range", "datasync", "file_mappings", "fsync_dir", "fsync_path",
-    "lock", "locked_elsewhere", "native_thread_count", "open_nofollow", "pread", "preadinto", "pwrite",
-    "set_blocking", "unlock",
+    "held_open_elsewhere", "lock", "locked_elsewhere", "native_thread_count", "open_nofollow", "pread", "preadinto",
+    "pwrite", "set_blocking", "unlock",
 ]
 
 #: whether the OS reads and writes at an offset in one call (``os.pread``: every Unix)
@@ -87,6 +87,25 @@ _MSVCRT_POLL_S = 0.05
 
 
 # -- positioned reads and writes ------------------------------------------------------------------
+#: Windows' errors for a file that a handle holds open (ERROR_SHARING_VIOLATION, ERROR_LOCK_VIOLATION)
+_IN_USE_WINERRORS = (32, 33)
+
+
+def held_open_elsewhere(err: OSError) -> bool:
+    """Whether ``err`` (from removing, renaming or replacing a file) says a handle holds the file
+    open, so it cannot be removed or replaced now: Windows refuses that with a sharing violation,
+    where Linux and macOS unlink an open file and its readers keep reading it. Decided by the
+    error itself: never true where open files can be removed.
+
+    Args:
+        err (OSError): the error of the remove, rename or replace.
+
+    Returns:
+        bool: True when the file is in use (leave it and retry later), False for any other failure.
+    """
+    return getattr(err, "winerror", None) in _IN_USE_WINERRORS
+
+
 def pread(fd: int, size: int, offset: int) -> bytes:
     """Up to ``size`` bytes of ``fd`` from ``offset`` (fewer at the end of the file), leaving the
     file position alone where the OS can (``os.pread``).

@@ -34,6 +34,9 @@ STAGING_DIR = ".fastdata-staging"
 PLAN_FILE = "plan.json"
 #: ... the source listing of a folder conversion (what resume=True compares the source with)
 LISTING_FILE = "listing.npz"
+#: ... the number of the run's first shard, when not 0 (an overwrite numbered its shards past
+#: those an open file kept: see ``fastdata.writer.pipeline.clear_store``)
+NUMBERING_FILE = "numbering.json"
 #: ... and one index sidecar per finished shard (``<shard>.index``)
 SIDECAR_SUFFIX = ".index"
 #: only while writing: flock'ed by the live converter
@@ -41,9 +44,9 @@ LOCK_NAME = ".fastdata.lock"
 #: only while writing: a shard being written is ``<shard>.tmp``
 TMP_SUFFIX = ".tmp"
 
-__all__ = ["ATOMIC_TMP_MARK", "LISTING_FILE", "LOCK_NAME", "MANIFEST_NAME", "PLAN_FILE", "REJECTED_NAME",
-           "SIDECAR_SUFFIX", "STAGING_DIR", "STORE_INDEX_NAME", "TMP_SUFFIX", "check_file_name", "is_store_index_name",
-           "shard_name", "store_index_name"]
+__all__ = ["ATOMIC_TMP_MARK", "LISTING_FILE", "LOCK_NAME", "MANIFEST_NAME", "NUMBERING_FILE", "PLAN_FILE",
+           "REJECTED_NAME", "SIDECAR_SUFFIX", "STAGING_DIR", "STORE_INDEX_NAME", "TMP_SUFFIX", "check_file_name",
+           "is_store_index_name", "shard_name", "shard_number", "store_index_name"]
 
 #: the longest file name a store may list (NAME_MAX of common file systems)
 MAX_FILE_NAME_BYTES = 255
@@ -80,6 +83,15 @@ def shard_name(backend: str, shard_id: int) -> str:
     from fastdata.format.backends.registry import get_backend  # local import: layout is imported by light modules
 
     return f"shard-{shard_id:05d}{get_backend(backend).shard_suffix}"
+
+
+_SHARD_NUMBER = re.compile(r"shard-([0-9]+)\.")
+
+
+def shard_number(name: str) -> int | None:
+    """The number in a shard's file name (``shard-00007.lmdb`` -> 7), None for another name."""
+    match = _SHARD_NUMBER.match(name)
+    return int(match.group(1)) if match else None
 
 
 def store_index_name(generation: int) -> str:

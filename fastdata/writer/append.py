@@ -29,24 +29,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import xxhash
 
 from fastdata.errors import FastdataError, IncompleteStoreError
 from fastdata.format.manifest import CLASS_TABLES_KEY, is_classification, read_manifest
-from fastdata.format.names import MANIFEST_NAME, STAGING_DIR
+from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, shard_number
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import index_file_name, shard_entries
-from fastdata.writer.owned import check_dir, remove_file
-from fastdata.writer.pipeline import PublishedBase, io_error, remove_staging
+from fastdata.writer.owned import check_dir
+from fastdata.writer.pipeline import PublishedBase, io_error, remove_staging, remove_unlisted_shards
 from fastdata.writer.resume import RecordedRun, RunOptions, describe_storage
 from fastdata.writer.sources.base import WriteSource
 
 #: top-level manifest keys an append rebuilds (every other one is carried from the store as it is)
 _REBUILT_KEYS = ("format", "version", "backend", "storage", "classes", "num_samples", "class_counts", "shards",
                  "rejected", "warnings", "options", "schema", STORE_INDEX_KEY, "checksum")
-_SHARD_NUMBER = re.compile(r"shard-([0-9]+)\.")
 
 
 class AppendError(FastdataError, ValueError):
@@ -172,18 +170,17 @@ def already_appended(base: PublishedBase, source_fingerprint: str) -> bool:
 
 def next_shard(base: PublishedBase) -> int:
     """The number of the first new shard: one past the store's highest."""
-    numbers = [int(m.group(1)) for s in base.manifest["shards"] if (m := _SHARD_NUMBER.match(s["name"]))]
+    numbers = [n for s in base.manifest["shards"] if (n := shard_number(s["name"])) is not None]
     return max(numbers, default=-1) + 1
 
 
 def discard_unpublished(dst: str, base: PublishedBase) -> None:
     """Remove what an interrupted append left (its staging folder and the shard files the
-    manifest does not list), before a new append (not a resume) starts."""
-    listed = {s["name"] for s in base.manifest["shards"]}
+    manifest does not list), before a new append (not a resume) starts. A shard file of an
+    earlier version still open in another process (Windows) stays, for a later write to delete:
+    an overwrite numbered the store's shards past it, so no new shard needs its name."""
     remove_staging(dst)
-    for name in os.listdir(dst):
-        if _SHARD_NUMBER.match(name) and name not in listed:
-            remove_file(os.path.join(dst, name))
+    remove_unlisted_shards(dst, {s["name"] for s in base.manifest["shards"]})
 
 
 def manifest_parts(base: PublishedBase, source: WriteSource, input_fingerprint: str, added: int,

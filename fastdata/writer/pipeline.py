@@ -57,6 +57,7 @@ from fastdata.format.manifest import STORE_FORMAT, STORE_VERSION, STORE_VERSION_
 from fastdata.format.names import (
     LISTING_FILE,
     MANIFEST_NAME,
+    NUMBERING_FILE,
     PLAN_FILE,
     REJECTED_NAME,
     STAGING_DIR,
@@ -64,6 +65,7 @@ from fastdata.format.names import (
     TMP_SUFFIX,
     is_store_index_name,
     shard_name,
+    shard_number,
     store_index_name,
 )
 from fastdata.format.record import EncodedSample  # noqa: F401  (named in docstrings; what general sources produce)
@@ -167,9 +169,13 @@ def remove_staging(dst: str, ignore_errors: bool = False) -> None:
     remove_dir(staging_path(dst), legacy=staging_made, ignore_errors=ignore_errors)
 
 
-def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None = None) -> str:
+def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None = None,
+                    first_shard: int = 0) -> str:
     """Create staging for a new run, or check it matches when resuming. ``source`` (if
-    given) is recorded next to the fingerprint, for messages about an unfinished run.
+    given) is recorded next to the fingerprint, for messages about an unfinished run, and
+    ``first_shard`` (a store's first shard number, past shards left in use: see
+    :func:`clear_store`) beside it, for a resume to number the shards as the run did
+    (:func:`recorded_first_shard`).
     Returns the token of the staging folder's marker (kept by a resume)."""
     plan_path = staging_path(dst, PLAN_FILE)
     if resume and check_dir(staging_path(dst)) and os.path.lexists(plan_path):
@@ -192,9 +198,28 @@ def prepare_staging(dst: str, fingerprint: str, resume: bool, source: str | None
         token = ensure_dir(staging_path(dst))
         plan = {"fingerprint": fingerprint, **({"source": source} if source else {})}
         atomic_write(plan_path, json.dumps(plan).encode())
+        if first_shard:
+            atomic_write(staging_path(dst, NUMBERING_FILE), json.dumps({"first_shard": first_shard}).encode())
     except OSError as err:
         raise io_error(err, plan_path) from err
     return token
+
+
+def recorded_first_shard(dst: str) -> int:
+    """The first shard number the run staged in ``dst`` recorded (:func:`prepare_staging`): 0 when
+    none was recorded (every run but an overwrite that left shards in use)."""
+    try:
+        numbering = json.loads(read_regular(staging_path(dst, NUMBERING_FILE), 4096, "staging numbering"))
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{dst}: the staged run's {NUMBERING_FILE} does not read ({err}); rerun with "
+                              "overwrite=True") from None
+    first = numbering.get("first_shard") if isinstance(numbering, dict) else None
+    if type(first) is not int or not 0 < first < 10**5:
+        raise ConversionError(f"{dst}: the staged run's {NUMBERING_FILE} holds no shard number; rerun with "
+                              "overwrite=True")
+    return first
 
 
 def io_error(err: Exception, where: str) -> ConversionError:
@@ -851,7 +876,7 @@ def check_store_entries(dst: str) -> None:
     check_entries(dst, sorted(set(names)), dirs=(STAGING_DIR,))
 
 
-def clear_store(dst: str) -> None:
+def clear_store(dst: str) -> list[str]:
     """Delete a previous store's files (``overwrite=True``); refuses on foreign files.
 
     Only what a conversion made is deleted: regular files of the store's names, and the
@@ -860,14 +885,72 @@ def clear_store(dst: str) -> None:
 
     The manifest goes first, durably (directory synced), so a run killed part-way
     through leaves an unfinished conversion, never a published store whose shards
-    are gone."""
+    are gone.
+
+    Where an open file cannot be deleted (Windows), a shard that a reader of the old store
+    still holds open is left where it is: its reader keeps reading the old version, the new
+    store's shards are numbered past it (:func:`first_free_shard`), and the next write of the
+    store deletes it once it is closed (:func:`remove_unlisted_shards`).
+
+    Returns:
+        list[str]: the names of the shards left in use (always empty on Linux and macOS).
+    """
     check_store_entries(dst)
     manifest = os.path.join(dst, MANIFEST_NAME)
     if os.path.lexists(manifest):
-        remove_file(manifest)
+        _remove_soon(manifest)  # a reader may be reading it this instant (Windows)
         fsync_dir(dst)
+    left = []
     for name in store_entries(dst):
         if name == STAGING_DIR:
             remove_staging(dst)
-        else:
-            remove_file(os.path.join(dst, name))
+        elif not _remove_unless_held(os.path.join(dst, name), shard_number(name) is not None):
+            left.append(name)
+    return left
+
+
+def _remove_unless_held(path: str, may_stay: bool) -> bool:
+    """Remove ``path``; False (it stays) when ``may_stay`` and a handle holds it open (Windows)."""
+    try:
+        remove_file(path)
+    except OSError as err:
+        if may_stay and portable.held_open_elsewhere(err):
+            return False
+        raise
+    return True
+
+
+def _remove_soon(path: str, wait_s: float = 2.0) -> None:
+    """Remove ``path``, retrying for ``wait_s`` while a handle holds it open (Windows: a reader
+    reading a small file that it closes at once)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            remove_file(path)
+            return
+        except OSError as err:
+            if not portable.held_open_elsewhere(err) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def first_free_shard(left: list[str]) -> int:
+    """The number of a new store's first shard: 0, or one past the highest shard left in use
+    (:func:`clear_store`), so that no new shard needs a name an open file still has."""
+    return max((n for n in map(shard_number, left) if n is not None), default=-1) + 1
+
+
+def remove_unlisted_shards(dst: str, listed: set[str]) -> list[str]:
+    """Delete the shard files in ``dst`` that ``listed`` (a published manifest's shard names)
+    does not name: an earlier version's, left in use by its readers (Windows), or an unfinished
+    append's. One a handle still holds open stays, for the next write.
+
+    Returns:
+        list[str]: the names that stayed (in use).
+    """
+    left = []
+    for name in os.listdir(dst):
+        if shard_number(name) is not None and name not in listed:
+            if not _remove_unless_held(os.path.join(dst, name), True):
+                left.append(name)
+    return left

@@ -47,13 +47,16 @@ from fastdata.writer.pipeline import (
     check_store_entries,
     clear_store,
     ExecutorFactory,
+    first_free_shard,
     load_finished,
     prepare_staging,
     PublishedBase,
     prestart_pool,
     publish,
+    recorded_first_shard,
     remove_staging,
     remove_temporaries,
+    remove_unlisted_shards,
     run_shards,
     ShardSink,
     store_entries,
@@ -199,6 +202,12 @@ class WriteSession:
         self.input_fingerprint = ""
         #: where finished shards go besides the local directory (a URL destination's uploads), or None
         self.sink: ShardSink | None = None
+        #: the local directory being written (set by _write), and the first shard number of a run
+        #: that is not an append (read from its staging: past shards an overwrite left in use)
+        self._local = ""
+        self._fresh_first: int | None = None
+        #: shards of an earlier version still open in other processes, left in place (Windows)
+        self._left_in_use: list[str] = []
 
     def run(self) -> ConvertReport:
         """Write the store; see the module docstring for the steps.
@@ -243,6 +252,7 @@ class WriteSession:
         self.sink = sink
         o, source, group = self.options, self.source, self.group
         check_local_path(dst, "destination", must_exist=False)
+        self._local, self._fresh_first = os.path.abspath(dst), None
         if group.world_size == 1:  # (ranks: rank 0 checks it while preparing, so that all ranks stop together)
             raise_if_locked(dst)  # a live writer is named before any other complaint about DST
         dst = os.path.abspath(dst)
@@ -304,6 +314,11 @@ class WriteSession:
             report.images = manifest["num_samples"]
         report.rejected = len(rejected)
         report.rejected_items = [(r["path"], r["reason"]) for r in rejected]
+        if self._left_in_use:
+            report.warnings.append(
+                f"{len(self._left_in_use)} shard file(s) of the store's earlier version are open in another process "
+                f"({', '.join(self._left_in_use[:3])}{', ...' if len(self._left_in_use) > 3 else ''}): they were "
+                "left in place for their readers, and the next write of the store deletes them")
         # inputs kept with a remark (the source's own remarks are already in the report)
         report.warnings.extend(w for w in (f"{x['path']}: {x['warning']}" for x in manifest.get("warnings", []))
                                if w not in report.warnings)
@@ -332,13 +347,14 @@ class WriteSession:
             report.warnings.append(f"took over the lock of converter pid {lock.stale_pid}, which is no longer running")
         if self.base is not None:
             return self._prepare_append(lock, dst, run, fingerprint)
-        if overwrite:
-            clear_store(dst)
+        first = 0
+        if overwrite:  # (where an open file cannot be deleted, the new shards are numbered past those left)
+            first = first_free_shard(clear_store(dst))
         if resume:
             source.check_resume(dst, recorded, run, fingerprint)
             if os.path.exists(os.path.join(dst, MANIFEST_NAME)):
                 return self._already_published(dst, fingerprint)
-        lock.record_token(prepare_staging(dst, fingerprint, resume, source.staging_source))
+        lock.record_token(prepare_staging(dst, fingerprint, resume, source.staging_source, first_shard=first))
         if recorded is None or recorded.fingerprint != fingerprint:
             source.record(dst, run, fingerprint)  # what a later resume=True reuses and compares against
         remove_temporaries(dst)
@@ -407,17 +423,27 @@ class WriteSession:
         if self.base is not None:
             options, extra = append.manifest_parts(self.base, source, self.input_fingerprint,
                                                    sum(r.count for r in results), len(results))
-            return publish(dst=dst, backend=run.backend, classes=source.classes() or self.base.manifest["classes"],
-                           remarks=source.remarks(), storage=run.storage, results=results, options=options,
-                           schema=source.schema, extra=extra, base=self.base, sink=self.sink)
-        options = {"source": source.recorded_source, "shard_size": run.shard_size.bytes,
-                   "shard_size_unit": run.shard_size.unit, "strict": run.strict, "fingerprint": fingerprint,
-                   **source.manifest_options()}
-        return publish(dst=dst, backend=run.backend, classes=source.classes(), remarks=source.remarks(),
-                       storage=run.storage, results=results, options=options, schema=source.schema,
-                       extra=source.manifest_extra(), sink=self.sink)
+            manifest = publish(dst=dst, backend=run.backend,
+                               classes=source.classes() or self.base.manifest["classes"], remarks=source.remarks(),
+                               storage=run.storage, results=results, options=options, schema=source.schema,
+                               extra=extra, base=self.base, sink=self.sink)
+        else:
+            options = {"source": source.recorded_source, "shard_size": run.shard_size.bytes,
+                       "shard_size_unit": run.shard_size.unit, "strict": run.strict, "fingerprint": fingerprint,
+                       **source.manifest_options()}
+            manifest = publish(dst=dst, backend=run.backend, classes=source.classes(), remarks=source.remarks(),
+                               storage=run.storage, results=results, options=options, schema=source.schema,
+                               extra=source.manifest_extra(), sink=self.sink)
+        # shards of an earlier version an overwrite left to their readers (Windows): deleted once closed
+        self._left_in_use = remove_unlisted_shards(dst, {s["name"] for s in manifest["shards"]})
+        return manifest
 
     @property
     def first_shard(self) -> int:
-        """The number of this run's first shard: 0, or one past the store's for an append."""
-        return append.next_shard(self.base) if self.base is not None else 0
+        """The number of this run's first shard: one past the store's for an append; else 0, or, after an
+        overwrite that left shards in use (Windows), one past them, as the run's staging records it."""
+        if self.base is not None:
+            return append.next_shard(self.base)
+        if self._fresh_first is None:
+            self._fresh_first = recorded_first_shard(self._local) if self._local else 0
+        return self._fresh_first

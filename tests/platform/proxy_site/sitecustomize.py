@@ -13,8 +13,9 @@ windows: the same, plus no ``fcntl`` or ``resource`` module, no ``os.pread``/``o
 ``os.pwrite``, no ``O_NOFOLLOW``/``O_NONBLOCK``/``O_CLOEXEC``/``O_DIRECTORY`` or
 ``os.set_blocking`` (Python 3.11 has it for pipes only there); fastdata's ``os.open`` of a
 directory fails (``PermissionError``), its ``os.fsync`` of a read-only descriptor too
-(``EBADF``), and its removes and renames of a file this process has open or mapped
-(``PermissionError``), as there; and only the spawn start method (``os.fork`` and ``os.register_at_fork`` stay:
+(``EBADF``), and its removes and renames of a file a process of this session has open or mapped
+(``PermissionError`` with ``winerror`` 32, a sharing violation), as there; and only the spawn
+start method (``os.fork`` and ``os.register_at_fork`` stay:
 torch registers an at-fork hook at import everywhere but on ``sys.platform == "win32"``). Windows
 has ``msvcrt`` (byte-range locks the OS drops with their holder); Linux does not, so the
 proxy provides ``msvcrt.locking`` over ``flock`` (one exclusive lock per open file, as
@@ -115,22 +116,49 @@ def _fsync_needs_write_access(fcntl) -> None:
     os.fsync = fsync
 
 
+def _session_pids() -> list[str]:
+    """The processes of this process's session (the test run that started the proxy, its workers and
+    its subprocesses): Windows refuses to delete a file any process holds open; the proxy looks at
+    those that take part in the run (every other process's paths are elsewhere)."""
+    sid, pids = os.getsid(0), []
+    for pid in _REAL_LISTDIR("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with _REAL_OPEN(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 3 and int(fields[3]) == sid:  # the session id: field 6 of stat (4th after the name)
+            pids.append(pid)
+    return pids
+
+
 def _in_use(path) -> bool:
-    """Whether this process has ``path`` (or a file under it) open or mapped (read in /proc: the
-    proxy's own reads, not fastdata's). Other processes' handles are not seen."""
+    """Whether a process of this session has ``path`` (or a file under it) open or mapped (read in
+    /proc: the proxy's own reads, not fastdata's)."""
     try:
         real = os.path.realpath(os.fsdecode(path))
     except (TypeError, ValueError):
         return False
     inside = real.rstrip("/") + "/"
     targets = []
-    for name in _REAL_LISTDIR("/proc/self/fd"):
+    for pid in _session_pids():
         try:
-            targets.append(os.readlink(f"/proc/self/fd/{name}"))
-        except OSError:  # closed meanwhile (the listing's own descriptor)
-            pass
-    with _REAL_OPEN("/proc/self/maps") as maps:
-        targets += [parts[5].rstrip("\n") for parts in (line.split(maxsplit=5) for line in maps) if len(parts) == 6]
+            names = _REAL_LISTDIR(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        for name in names:
+            try:
+                targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+            except OSError:  # closed meanwhile (the listing's own descriptor)
+                pass
+        try:
+            with _REAL_OPEN(f"/proc/{pid}/maps") as maps:
+                targets += [parts[5].rstrip("\n") for parts in (line.split(maxsplit=5) for line in maps)
+                            if len(parts) == 6]
+        except OSError:
+            continue
     return any(t == real or t.startswith(inside) for t in targets)
 
 
@@ -142,8 +170,10 @@ def _open_files_stay() -> None:
     def refuse_in_use(original, paths: int):
         def patched(*args, **kwargs):
             if _from_fastdata() and any(_in_use(p) for p in args[:paths]):
-                raise PermissionError(errno.EACCES, "The process cannot access the file because it is being used "
+                err = PermissionError(errno.EACCES, "The process cannot access the file because it is being used "
                                       "by another process", os.fsdecode(args[0]))
+                err.winerror = 32  # ERROR_SHARING_VIOLATION, as Windows sets it  # type: ignore[attr-defined]
+                raise err
             return original(*args, **kwargs)
 
         return patched
