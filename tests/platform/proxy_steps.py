@@ -1,6 +1,8 @@
 """The steps a user takes, run inside a platform proxy (``proxy_site/sitecustomize.py``):
-``python proxy_steps.py WORKDIR`` converts, verifies, appends, overwrites, locks, opens, reads
-and loads a small image folder with each backend and prints one JSON object: per backend,
+``python proxy_steps.py WORKDIR`` converts, verifies, appends, overwrites, locks, opens, reads,
+merges and loads a small image folder with each backend, writes Python samples, converts to and
+reads from ``s3://`` (the S3 server the file ``FASTDATA_PROXY_S3_FILE`` describes; skipped
+without one) and prints one JSON object: per backend,
 per step, ``{"ok": true, ...what it found}`` or ``{"ok": false, "error": ...}``. A step
 that fails does not stop the next ones (each starts from what the earlier ones left, so a
 failure early may fail later steps too). The test beside this file asserts on the results.
@@ -30,6 +32,8 @@ APPENDED = {"cat": 2, "dog": 1}
 #: the source of the interrupted conversion: one shard per image (shard size 1k), 40 shards
 MANY = {"a": 20, "b": 20}
 SIZE = (24, 16)
+#: samples of the write step
+WRITTEN = 7
 
 
 def _truth(root: str) -> dict[str, tuple[int, np.ndarray]]:
@@ -174,6 +178,123 @@ def step_open_read(ctx: dict) -> dict:
             "pixels_equal": same}
 
 
+def _sample(i: int) -> dict:
+    """Sample ``i`` of the write step: an RGB image array, an int, a float and a ragged array."""
+    rng = np.random.default_rng(i)
+    return {"image": rng.integers(0, 255, (6, 5, 3), dtype=np.uint8), "label": i * 3 - 4,
+            "score": float(np.float32(i / 7)), "boxes": rng.random((i % 3, 4)).astype(np.float32)}
+
+
+def step_write(ctx: dict) -> dict:
+    """``fastdata.write`` of Python samples with 2 workers (spawned: they import this script, whose
+    top level starts nothing), read back field by field."""
+    from fastdata.fields import Float, Image, Int, Ragged
+
+    schema = {"image": Image(), "label": Int("int32"), "score": Float("float32"), "boxes": Ragged("float32", (4,))}
+    import concurrent.futures as cf
+
+    dst = os.path.join(os.path.dirname(ctx["dst"]), f"written.{ctx['backend']}")
+    pools, real_init = [], cf.ProcessPoolExecutor.__init__
+
+    def init(self, max_workers=None, mp_context=None, *args, **kwargs):  # notes how the pool starts its workers
+        pools.append((max_workers, mp_context.get_start_method() if mp_context else None))
+        real_init(self, max_workers, mp_context, *args, **kwargs)
+
+    cf.ProcessPoolExecutor.__init__ = init  # type: ignore[method-assign]
+    try:
+        report = fastdata.write([_sample(i) for i in range(WRITTEN)], dst, schema, workers=2, shard_size="1k",
+                                progress=False)
+    finally:
+        cf.ProcessPoolExecutor.__init__ = real_init  # type: ignore[method-assign]
+    ds = fastdata.open_dataset(dst, output="numpy")
+    try:
+        same = {name: 0 for name in schema}
+        for i in range(len(ds)):
+            got, want = ds[i], _sample(i)
+            same["image"] += int(np.array_equal(got["image"], want["image"]))
+            same["label"] += int(type(got["label"]) is int and got["label"] == want["label"])
+            same["score"] += int(type(got["score"]) is float and got["score"] == want["score"])
+            same["boxes"] += int(got["boxes"].dtype == np.float32 and got["boxes"].shape == want["boxes"].shape
+                                 and got["boxes"].tobytes() == want["boxes"].tobytes())
+        samples = len(ds)
+    finally:
+        ds.close()
+    return {"written": report.images, "shards": report.shards, "pools": pools, "samples": samples, "fields_equal": same,
+            "verified": bool(fastdata.verify(dst, decode=True).ok)}
+
+
+def step_merge(ctx: dict) -> dict:
+    """``fastdata.merge`` of the store and one converted from the appended tree into a third."""
+    folder = os.path.dirname(ctx["dst"])
+    second = os.path.join(folder, f"second.{ctx['backend']}")
+    merged = os.path.join(folder, f"merged.{ctx['backend']}")
+    fastdata.convert(ctx["more"], second, format=ctx["backend"], workers=0, shard_size="4k", progress=False)
+    report = fastdata.merge([ctx["dst"], second], merged)
+    verified = fastdata.verify(merged, decode=True)
+    info = fastdata.info(merged)
+    ds = fastdata.open_dataset(merged, output="numpy")
+    try:
+        labels = [int(ds[i][1]) for i in range(len(ds))]
+    finally:
+        ds.close()
+    return {"samples": report.samples, "shards": report.shards, "read": len(labels), "labels": labels,
+            "classes": [(c["name"], c["count"]) for c in info["classes"]], "verified": bool(verified.ok),
+            "problems": [str(p) for p in getattr(verified, "problems", [])][:3]}
+
+
+def _s3_settings() -> dict[str, str]:
+    """The S3 server's variables (AWS_*, ``FASTDATA_PROXY_S3``: a bucket URL), from the file
+    ``FASTDATA_PROXY_S3_FILE`` names, waiting for the test to write it; empty without a server."""
+    path = os.environ.get("FASTDATA_PROXY_S3_FILE")
+    if not path:
+        return {}
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after 120 s: the test did not say where its S3 server is")
+        time.sleep(0.05)
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def step_remote(ctx: dict) -> dict:
+    """Convert straight to ``s3://`` (shards staged locally and uploaded), then open the URL through the
+    shard cache and read every sample. Each part reported on its own: Windows has no shared locks
+    for the cache."""
+    from fastdata.remote.cache import default_cache_dir
+    from fastdata.remote.location import RemoteLocation
+
+    s3 = _s3_settings()
+    if not s3:
+        return {"skipped": "no S3 server"}
+    os.environ.update(s3)  # read when the first remote call is made
+    url = f"{s3['FASTDATA_PROXY_S3']}/{ctx['system'] or 'linux'}/store.{ctx['backend']}"
+    report = fastdata.convert(ctx["src"], url, format=ctx["backend"], workers=0, shard_size="4k", progress=False)
+    location = RemoteLocation(url)
+    manifest, objects = json.loads(location.read_bytes("manifest.json")), location.listing()
+    staging = os.path.join(default_cache_dir(), "uploads")
+    out: dict = {"uploaded": report.images, "shards": report.shards,
+                 "objects_match": all(objects.get(shard["name"]) == shard["bytes"] for shard in manifest["shards"]),
+                 "remote_leftovers": sorted(n for n in objects if n.startswith(".fastdata")),
+                 "staging_left": [f for _, _, files in os.walk(staging) for f in files]}
+    truth, names = ctx["truth"], sorted(ctx["truth"])
+    cache = os.path.join(os.path.dirname(ctx["dst"]), f"cache-{ctx['backend']}")
+    try:
+        ds = fastdata.open_dataset(url, cache_dir=cache, output="numpy")
+        try:
+            labels, same = [], 0
+            for i in range(len(ds)):
+                image, label = ds[i]
+                labels.append(int(label))
+                same += int(np.array_equal(np.asarray(image), truth[names[i]][1]))
+        finally:
+            ds.close()
+        out.update(read=len(labels), labels_match=labels == [truth[n][0] for n in names], pixels_equal=same)
+    except fastdata.errors.FastdataError as err:
+        out["read_error"] = f"{type(err).__name__}: {err}"
+    return out
+
+
 def loader_epoch(stores: dict[str, str], truth: dict) -> dict:
     """One epoch of a 2-worker loader (spawn) over every backend's store at once (one ConcatDataset:
     the workers start once, not once per backend); per backend, what arrived."""
@@ -205,7 +326,7 @@ def loader_epoch(stores: dict[str, str], truth: dict) -> dict:
 
 
 STEPS = [step_convert_cli, step_verify, step_append, step_overwrite, step_lock, step_resume, step_volumes,
-         step_open_read]
+         step_open_read, step_write, step_merge, step_remote]
 
 
 def proxy_check() -> dict:
@@ -281,7 +402,8 @@ def main(work: str) -> dict:
     stores = {}
     for backend in BACKENDS:
         stores[backend] = os.path.join(work, f"store.{backend}")
-        ctx = {"backend": backend, "src": src, "more": more, "many": many, "truth": truth, "dst": stores[backend]}
+        ctx = {"backend": backend, "src": src, "more": more, "many": many, "truth": truth, "dst": stores[backend],
+               "system": out["system"]}
         results = out[backend] = {}
         for step in STEPS:
             _run(results, step.__name__[5:], step, ctx)

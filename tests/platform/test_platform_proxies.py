@@ -6,7 +6,9 @@ O_DIRECTORY, set_blocking, directory descriptors, fsync of read-only descriptors
 renaming an open file, fork and forkserver), runs the steps of
 ``proxy_steps.py`` on both backends: convert (CLI, 2 spawned workers), verify, append, convert
 again with overwrite, a live converter's lock refused and a dead one's taken over, a killed
-conversion resumed, chunked volumes from memmaps, open and read every sample, and one epoch of a 2-worker spawn loader.
+conversion resumed, chunked volumes from memmaps, open and read every sample, ``fastdata.write`` of
+Python samples with 2 workers, a merge of two stores, a store converted to ``s3://`` (the session's
+SeaweedFS server) and read back through the shard cache, and one epoch of a 2-worker spawn loader.
 
 The two proxies run at once, one subprocess each (~15 s of CPU apiece, most of it spawned
 workers importing torch). Linux's own paths are what every other test runs.
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,20 +30,49 @@ SYSTEMS = ("macos", "windows")
 BACKENDS = ("lmdb", "hdf5")
 #: samples of the source tree and of the appended one (proxy_steps.CLASSES, APPENDED)
 SAMPLES, APPENDED = 9, 3
+#: samples of the write step (proxy_steps.WRITTEN)
+WRITTEN = 7
 
 pytestmark = pytest.mark.timeout(240)
 
 
+def _s3_env(request) -> dict[str, str]:
+    """What points a proxy at a fresh bucket of the session's S3 server (tests/conftest.py's
+    ``s3_server``, started when collection ends because :func:`test_remote_stores` takes it): the
+    AWS_* variables and ``FASTDATA_PROXY_S3``. Empty where there is no ``weed`` binary, unless
+    FASTDATA_REQUIRE_S3 is set (CI), where the fixture's failure fails these tests."""
+    from helpers.s3server import weed_binary
+
+    if weed_binary() is None and not os.environ.get("FASTDATA_REQUIRE_S3"):
+        return {}
+    server = request.getfixturevalue("s3_server")
+    bucket = server.take_bucket(f"proxies-{os.getpid()}-{time.time_ns() % 10**12}")
+    return {**server.env(), "FASTDATA_PROXY_S3": f"s3://{bucket}", "FASTDATA_REMOTE_RETRIES": "2"}
+
+
 @pytest.fixture(scope="module")
-def proxies(tmp_path_factory) -> dict[str, dict]:
-    """Each proxy's report (proxy_steps.py's JSON), both run at the same time."""
+def proxies(tmp_path_factory, request) -> dict[str, dict]:
+    """Each proxy's report (proxy_steps.py's JSON), both run at the same time. The S3 server's
+    variables reach them through a file written once it serves (its start-up, ~3 s, overlaps their
+    first steps; the remote step, near their end, waits for the file)."""
     procs = {}
+    s3_file = tmp_path_factory.mktemp("proxy-s3") / "s3.json"
     for system in SYSTEMS:
         work = tmp_path_factory.mktemp(f"proxy-{system}")
-        env = dict(os.environ, FASTDATA_PROXY_SYSTEM=system,
+        env = dict(os.environ, FASTDATA_PROXY_SYSTEM=system, FASTDATA_CACHE_DIR=str(work / "cache"),
+                   FASTDATA_PROXY_S3_FILE=str(s3_file),
                    PYTHONPATH=os.pathsep.join(p for p in (str(HERE / "proxy_site"), os.environ.get("PYTHONPATH")) if p))
         procs[system] = subprocess.Popen([sys.executable, str(HERE / "proxy_steps.py"), str(work)], env=env,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        s3_env = _s3_env(request)
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+            proc.communicate()
+        raise
+    s3_file.with_suffix(".tmp").write_text(json.dumps(s3_env))
+    s3_file.with_suffix(".tmp").replace(s3_file)
     out = {}
     for system, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=200)
@@ -121,6 +153,44 @@ def test_chunked_volumes_from_memmaps_round_trip(proxies, system, backend):
 def test_open_and_read_every_sample(proxies, system, backend):
     read = _ok(proxies[system][backend]["open_read"])
     assert read["samples"] == read["pixels_equal"] == SAMPLES and read["labels_match"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_write_python_samples_with_two_workers(proxies, system, backend):
+    """``fastdata.write`` of dicts (image array, int, float, ragged array) through a 2-worker pool
+    started as the system starts it (Windows: spawn, the workers import the script; macOS:
+    forkserver), every field read back equal."""
+    written = _ok(proxies[system][backend]["write"])
+    assert written["pools"] == [[2, "spawn" if system == "windows" else "forkserver"]]
+    assert written["written"] == written["samples"] == WRITTEN and written["shards"] > 1 and written["verified"]
+    assert written["fields_equal"] == {"image": WRITTEN, "label": WRITTEN, "score": WRITTEN, "boxes": WRITTEN}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_merge_two_stores_into_a_third(proxies, system, backend):
+    merged = _ok(proxies[system][backend]["merge"])
+    assert merged["samples"] == merged["read"] == SAMPLES + APPENDED and merged["verified"], merged["problems"]
+    assert merged["classes"] == [["cat", 7], ["dog", 5]]
+    assert merged["labels"] == [0] * 5 + [1] * 4 + [0] * 2 + [1]  # the first store's, then the second's
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_remote_stores(proxies, system, backend, s3_server):
+    """Converting straight to ``s3://`` works on both (shards staged locally, uploaded, staging
+    removed). Reading goes through the shard cache, whose pins are shared locks: macOS reads every
+    sample; Windows (msvcrt: exclusive locks only) is refused at open, naming why."""
+    remote = _ok(proxies[system][backend]["remote"])
+    assert remote["uploaded"] == SAMPLES and remote["shards"] > 1 and remote["objects_match"]
+    assert remote["remote_leftovers"] == [] and remote["staging_left"] == []
+    if system == "macos":
+        assert "read_error" not in remote, remote["read_error"]
+        assert remote["read"] == remote["pixels_equal"] == SAMPLES and remote["labels_match"]
+    else:
+        assert remote["read_error"].startswith("RemoteStoreError: the remote shard cache needs shared file locks")
+        assert "copy the store to a local disk" in remote["read_error"]
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
