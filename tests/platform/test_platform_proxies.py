@@ -10,7 +10,7 @@ conversion resumed, chunked volumes from memmaps, open and read every sample, ``
 Python samples with 2 workers, a merge of two stores, a store converted to ``s3://`` (the session's
 SeaweedFS server) and read back through the shard cache, and one epoch of a 2-worker spawn loader.
 
-The two proxies run at once, one subprocess each (~15 s of CPU apiece, most of it spawned
+The two proxies run at once, one subprocess each (~20 s of CPU apiece, most of it spawned
 workers importing torch). Linux's own paths are what every other test runs.
 """
 
