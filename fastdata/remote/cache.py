@@ -15,6 +15,10 @@ process dies (SIGKILL included), so nothing a dead process held stays held::
         locks/<name>.lock         held (exclusive) by the one process downloading <name>
         pins/<name>.pin           held (shared) by every process that has <name> open
 
+Where the OS has no shared locks (Windows: ``msvcrt`` locks are exclusive) a pin is an open
+handle on the shard file itself instead (:data:`PIN_BY_HANDLE`): that OS refuses to delete an
+open file, so eviction, which deletes, skips the shard for as long as any process holds it.
+
 Rules (docs/RELIABILITY.md, "Remote stores"):
 
 * A shard is renamed into ``shards/`` only after its size and xxh3-64 checksum match the
@@ -22,9 +26,10 @@ Rules (docs/RELIABILITY.md, "Remote stores"):
   the next process that takes that shard's download lock.
 * One process downloads a shard; the others block on its download lock, then use it.
 * Eviction removes the least recently used shards, and only those whose pin file it
-  can lock exclusively: a shard a live process has open is never removed. A download
-  pins its shard before renaming it into place, so it is never evicted before its
-  first reader.
+  can lock exclusively (or, pinned by handle, that the OS lets it delete): a shard a live
+  process has open is never removed. A download pins its shard before renaming it into place
+  (by handle: renames and opens it while holding ``.space.lock``, which eviction takes), so it
+  is never evicted before its first reader.
 * A forked child closes its copies of every lock and pin file this module has open
   (a flock belongs to the open file, which fork shares), so it never holds its
   parent's locks.
@@ -92,13 +97,15 @@ def store_key(url: str, manifest_checksum: str) -> str:
 # DataLoader starts its workers) would hold it for its whole life, and with it a download
 # lock, the space lock or a pin. The child closes its copies as it starts (the parent's
 # locks stay held). Every such fd is opened and closed through these two functions.
+#: pins are open handles on the shard files where shared locks are missing (see the module docstring)
+PIN_BY_HANDLE = not portable.SHARED_LOCKS
 _LOCK_FDS: set[int] = set()
 _LOCK_FDS_GUARD = threading.Lock()
 
 
-def _open_lock_fd(path: str) -> int:
+def _open_lock_fd(path: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
     with _LOCK_FDS_GUARD:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, flags | portable.OPEN_FLAGS, 0o644)
         _LOCK_FDS.add(fd)
     return fd
 
@@ -206,9 +213,6 @@ class ShardCache:
     """
 
     def __init__(self, root: str | None = None, limit: int | str | None = None, wait_s: float | None = None):
-        if not portable.SHARED_LOCKS:  # pins are shared locks: msvcrt (Windows) has none
-            raise RemoteStoreError("the remote shard cache needs shared file locks (flock, the fcntl module), "
-                                   "which this platform lacks: copy the store to a local disk and open it there")
         self.root = os.path.abspath(root or default_cache_dir())
         self.limit = resolve_limit(limit)
         self.wait_s = float(os.environ.get("FASTDATA_CACHE_WAIT_S", DEFAULT_WAIT_S)) if wait_s is None else wait_s
@@ -273,15 +277,24 @@ class ShardCache:
                 return None
             # pinned before it is renamed into place: another process making room never
             # evicts a shard between its arrival and its first reader
-            pin_fd = self._hold_pin(pin_path)
+            pin_fd = None if PIN_BY_HANDLE else self._hold_pin(pin_path)
             try:
-                self._download_checked(part, final, size, xxh, download)
+                self._download_checked(part, size, xxh, download, os.path.basename(final))
+                if PIN_BY_HANDLE:  # renamed and opened while no other process can be making room
+                    with _flocked(os.path.join(self._ensure_root(), SPACE_LOCK)):
+                        os.replace(part, final)
+                        pin_fd = _open_lock_fd(final, os.O_RDONLY)
+                else:
+                    os.replace(part, final)
+                fsync_dir(os.path.dirname(final))
             except BaseException:
-                _close_lock_fd(pin_fd)
+                if pin_fd is not None:
+                    _close_lock_fd(pin_fd)
                 _unlink(part)
                 raise
         finally:
             _close_lock_fd(fd)
+        assert pin_fd is not None
         return Pin(final, pin_fd)
 
     def _lock_download(self, fd: int, wait: bool, on_wait: Callable[[], None] | None) -> bool:
@@ -308,16 +321,26 @@ class ShardCache:
         return fd
 
     def _pin(self, pin_path: str, final: str, size: int) -> Pin | None:
-        """Take a shared lock on the pin file, then check the shard is (still) in place."""
-        fd = self._hold_pin(pin_path)
-        try:
-            st = os.stat(final)
-        except FileNotFoundError:
-            _close_lock_fd(fd)
-            return None
+        """Take a shared lock on the pin file, then check the shard is (still) in place (pinned by
+        handle: open the shard, which keeps it in place)."""
+        if PIN_BY_HANDLE:
+            try:
+                fd = _open_lock_fd(final, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            except OSError as err:
+                raise self._os_error(err, final) from None
+            st = os.fstat(fd)
+        else:
+            fd = self._hold_pin(pin_path)
+            try:
+                st = os.stat(final)
+            except FileNotFoundError:
+                _close_lock_fd(fd)
+                return None
         if st.st_size != size:  # cannot happen unless someone edits the cache by hand
             _close_lock_fd(fd)
-            _unlink(final)
+            _delete_unless_open(final)
             return None
         try:
             os.utime(final)  # last use, for LRU
@@ -325,8 +348,8 @@ class ShardCache:
             pass
         return Pin(final, fd)
 
-    def _download_checked(self, part: str, final: str, size: int, xxh: str, download: Callable[[str], str]) -> None:
-        name = os.path.basename(final)
+    def _download_checked(self, part: str, size: int, xxh: str, download: Callable[[str], str], name: str) -> None:
+        """Download shard ``name`` into ``part`` until its size and checksum are the manifest's."""
         for attempt in range(1, CHECKSUM_ATTEMPTS + 1):
             try:
                 got = download(part)
@@ -336,8 +359,6 @@ class ShardCache:
                                          f"({err.strerror}); free space or choose another cache_dir") from None
                 raise
             if os.path.getsize(part) == size and got == xxh:
-                os.replace(part, final)
-                fsync_dir(os.path.dirname(final))
                 return
             if attempt == CHECKSUM_ATTEMPTS:
                 raise CorruptRecordError(
@@ -404,6 +425,8 @@ class ShardCache:
         return False
 
     def _evict(self, shard: CachedShard) -> bool:
+        if PIN_BY_HANDLE:
+            return _delete_unless_open(shard.path)
         _, _, pin_path = self._paths(shard.key, shard.name)
         fd = _try_exclusive(pin_path)
         if fd is None:
@@ -492,6 +515,18 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _delete_unless_open(path: str) -> bool:
+    """Delete ``path`` unless the OS refuses because a handle holds it open (Windows: the pin of
+    a process reading it); True when it is gone."""
+    try:
+        _unlink(path)
+    except OSError as err:
+        if portable.held_open_elsewhere(err):
+            return False
+        raise
+    return True
 
 
 def _remove_tree_if_unlocked(d: str) -> None:

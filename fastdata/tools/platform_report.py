@@ -67,8 +67,8 @@ def facilities() -> list[Facility]:
                  "span tables (only Linux readers use them)"),
         Facility("fcntl.flock", portable.LOCKING == "flock",
                  "the store lock of a conversion, and the shared locks of the remote stores' shard cache",
-                 "the store lock uses msvcrt (a dead holder's lock is still released by the OS); remote "
-                 "stores (s3://, gs://, az://, https://) cannot be read: their cache needs shared locks"),
+                 "the store lock uses msvcrt (a dead holder's lock is still released by the OS); the remote "
+                 "stores' shard cache pins a shard by holding it open, which the OS keeps from deletion"),
     ]
 
 

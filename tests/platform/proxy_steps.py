@@ -259,8 +259,9 @@ def _s3_settings() -> dict[str, str]:
 
 def step_remote(ctx: dict) -> dict:
     """Convert straight to ``s3://`` (shards staged locally and uploaded), then open the URL through the
-    shard cache and read every sample. Each part reported on its own: Windows has no shared locks
-    for the cache."""
+    shard cache and read every sample, under a cache limit of two shards and one open shard at a
+    time, so reading evicts (Windows: the cache pins a shard by holding it open, having no shared
+    locks)."""
     from fastdata.remote.cache import default_cache_dir
     from fastdata.remote.location import RemoteLocation
 
@@ -280,7 +281,8 @@ def step_remote(ctx: dict) -> dict:
     truth, names = ctx["truth"], sorted(ctx["truth"])
     cache = os.path.join(os.path.dirname(ctx["dst"]), f"cache-{ctx['backend']}")
     try:
-        ds = fastdata.open_dataset(url, cache_dir=cache, output="numpy")
+        limit = 2 * max(shard["bytes"] for shard in manifest["shards"])
+        ds = fastdata.open_dataset(url, cache_dir=cache, cache_limit=limit, max_open_shards=1, output="numpy")
         try:
             labels, same = [], 0
             for i in range(len(ds)):
@@ -289,7 +291,10 @@ def step_remote(ctx: dict) -> dict:
                 same += int(np.array_equal(np.asarray(image), truth[names[i]][1]))
         finally:
             ds.close()
-        out.update(read=len(labels), labels_match=labels == [truth[n][0] for n in names], pixels_equal=same)
+        cached = [os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(cache)
+                  if os.path.basename(root) == "shards" for f in files]
+        out.update(read=len(labels), labels_match=labels == [truth[n][0] for n in names], pixels_equal=same,
+                   cached_shards=len(cached), cached_bytes=sum(cached), cache_limit=limit)
     except fastdata.errors.FastdataError as err:
         out["read_error"] = f"{type(err).__name__}: {err}"
     return out
