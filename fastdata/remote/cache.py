@@ -97,8 +97,9 @@ def store_key(url: str, manifest_checksum: str) -> str:
 # DataLoader starts its workers) would hold it for its whole life, and with it a download
 # lock, the space lock or a pin. The child closes its copies as it starts (the parent's
 # locks stay held). Every such fd is opened and closed through these two functions.
-#: pins are open handles on the shard files where shared locks are missing (see the module docstring)
-PIN_BY_HANDLE = not portable.SHARED_LOCKS
+#: pins are open handles on the shard files where the locks are msvcrt's (Windows: exclusive only,
+#: and an open file cannot be deleted there); see the module docstring
+PIN_BY_HANDLE = portable.LOCKING == "msvcrt"
 _LOCK_FDS: set[int] = set()
 _LOCK_FDS_GUARD = threading.Lock()
 
@@ -213,6 +214,9 @@ class ShardCache:
     """
 
     def __init__(self, root: str | None = None, limit: int | str | None = None, wait_s: float | None = None):
+        if portable.LOCKING == "none":  # no lock at all: processes sharing the cache could not coordinate
+            raise RemoteStoreError("the remote shard cache needs file locks (fcntl's flock, or msvcrt on Windows), "
+                                   "which this platform lacks: copy the store to a local disk and open it there")
         self.root = os.path.abspath(root or default_cache_dir())
         self.limit = resolve_limit(limit)
         self.wait_s = float(os.environ.get("FASTDATA_CACHE_WAIT_S", DEFAULT_WAIT_S)) if wait_s is None else wait_s
