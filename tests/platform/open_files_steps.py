@@ -93,5 +93,5 @@ def run(work: str, backend: str) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    print(json.dumps({backend: run(sys.argv[1], backend) for backend in BACKENDS}))
+if __name__ == "__main__":  # WORKDIR [BACKEND...] (default: both)
+    print(json.dumps({backend: run(sys.argv[1], backend) for backend in sys.argv[2:] or BACKENDS}))
