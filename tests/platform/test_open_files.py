@@ -11,15 +11,8 @@ as a reader of a store overwritten under it always has been told.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-HERE = Path(__file__).resolve().parent
+from helpers.proxies import collect, start
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,25 +22,12 @@ pytestmark = pytest.mark.timeout(240)
 RUNS = {"windows": ("lmdb", "hdf5"), "linux": ("lmdb",)}
 
 
-def _start(work: Path, system: str) -> subprocess.Popen:
-    env = dict(os.environ)
-    if system != "linux":
-        env["FASTDATA_PROXY_SYSTEM"] = system
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE / "proxy_site"), env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, str(HERE / "open_files_steps.py"), str(work), *RUNS[system]], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     """Each run's report, both runs at the same time."""
-    procs = {system: _start(tmp_path_factory.mktemp(system), system) for system in RUNS}
-    out = {}
-    for system, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=200)
-        assert proc.returncode == 0, f"{system}: {stderr[-3000:]}"
-        out[system] = json.loads(stdout)
-    return out
+    return collect({system: start("open_files_steps.py", None if system == "linux" else system,
+                                  str(tmp_path_factory.mktemp(system)), *backends)
+                    for system, backends in RUNS.items()})
 
 
 @pytest.mark.parametrize(("system", "backend"), [(s, b) for s, backends in RUNS.items() for b in backends])

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers.proxies import collect, start
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("macos", "windows")
@@ -59,11 +58,8 @@ def proxies(tmp_path_factory, request) -> dict[str, dict]:
     s3_file = tmp_path_factory.mktemp("proxy-s3") / "s3.json"
     for system in SYSTEMS:
         work = tmp_path_factory.mktemp(f"proxy-{system}")
-        env = dict(os.environ, FASTDATA_PROXY_SYSTEM=system, FASTDATA_CACHE_DIR=str(work / "cache"),
-                   FASTDATA_PROXY_S3_FILE=str(s3_file),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(HERE / "proxy_site"), os.environ.get("PYTHONPATH")) if p))
-        procs[system] = subprocess.Popen([sys.executable, str(HERE / "proxy_steps.py"), str(work)], env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[system] = start("proxy_steps.py", system, str(work), env={
+            "FASTDATA_CACHE_DIR": str(work / "cache"), "FASTDATA_PROXY_S3_FILE": str(s3_file)})
     try:
         s3_env = _s3_env(request)
     except BaseException:
@@ -73,12 +69,7 @@ def proxies(tmp_path_factory, request) -> dict[str, dict]:
         raise
     s3_file.with_suffix(".tmp").write_text(json.dumps(s3_env))
     s3_file.with_suffix(".tmp").replace(s3_file)
-    out = {}
-    for system, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=200)
-        assert proc.returncode == 0, f"{system} proxy exited {proc.returncode}: {stderr[-3000:]}"
-        out[system] = json.loads(stdout)
-    return out
+    return collect(procs)
 
 
 def _ok(result: dict) -> dict:
