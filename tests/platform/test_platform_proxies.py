@@ -19,12 +19,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 from helpers.proxies import collect, start
 
-HERE = Path(__file__).resolve().parent
 SYSTEMS = ("macos", "windows")
 BACKENDS = ("lmdb", "hdf5")
 #: samples of the source tree and of the appended one (proxy_steps.CLASSES, APPENDED)
