@@ -26,6 +26,10 @@ from fastdata.reader.samples import SampleDataset
 
 LEGACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "fixtures", "legacy")
 NAMES = sorted(n for n in os.listdir(LEGACY) if os.path.isfile(os.path.join(LEGACY, n, "expected.json")))
+#: read in CI: the current layouts (``head-*``) and one of each older record layout; nightly: every fixture
+#: (tests/format/test_legacy_stores.py reads every one in CI, through the class open_dataset picks)
+IN_CI = ("g0-lmdb-original", "g0-hdf5-raw", "g0b-hdf5-original", "g1-lmdb-general", "g1-lmdb-coco",
+         "g3a-lmdb-chunked", "g4-lmdb-merged", "g4t-lmdb-original", "g5-lmdb-coco")
 #: the methods that read: storage, record model, sample build, decoding
 READ_PATH = ("_load_index", "_field_plan", "_raw_bytes", "_read_each", "_read_batch", "_build", "_run_decoder",
              "__getitem__")
@@ -48,7 +52,8 @@ def stores(tmp_path_factory) -> dict[str, str]:
     return {name: _unpack(name, base / name) for name in NAMES}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n.startswith("head-") or n in IN_CI
+                                                else pytest.mark.slow) for n in NAMES])
 def test_every_store_kind_reads_with_the_one_class(stores, name):
     store = stores[name]
     with warnings.catch_warnings():

@@ -88,10 +88,11 @@ def read_multiset(loader) -> Counter:
 
 
 MATRIX = [pytest.param(b, None, 0, False, id=f"{b}-main") for b in BACKENDS] + [
-    # nightly: forkserver (it starts workers as spawn does: a fresh interpreter, the dataset pickled) and
-    # transient spawn workers (persistent spawn workers run in CI)
+    # nightly: forkserver (it starts workers as spawn does: a fresh interpreter, the dataset pickled),
+    # transient spawn workers, and persistent spawn workers but on the first backend (which run in CI)
     pytest.param(b, m, 2, p, id=f"{b}-{m}-{'persistent' if p else 'transient'}",
-                 marks=pytest.mark.slow if m == "forkserver" or (m == "spawn" and not p) else ())
+                 marks=pytest.mark.slow if m == "forkserver" or (m == "spawn" and (not p or b != next(iter(BACKENDS))))
+                 else ())
     for b in BACKENDS for m in ("fork", "spawn", "forkserver") for p in (False, True)
 ]
 

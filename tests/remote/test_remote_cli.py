@@ -96,6 +96,9 @@ def test_verify_names_a_shard_damaged_or_missing_on_the_server(remote_store, cap
     assert any(p.startswith(f"{shards[1]}: file checksum mismatch") for p in problems), problems
 
 
+# nightly (17 s: bench and tune are tested end to end on local stores, and URLs with storage options
+# by the remote reads; this is their pairing)
+@pytest.mark.slow
 def test_bench_and_tune_read_a_url_with_storage_options(remote_store, tmp_path, monkeypatch, capsys):
     """The endpoint given only as --storage-option must reach the measuring subprocesses too."""
     url, _, _ = remote_store

@@ -224,6 +224,8 @@ def test_sigkill_then_resume_of_memmapped_volumes_equals_a_clean_run(tmp_path, m
     assert fastdata.verify(str(dst)).ok
 
 
+# nightly (10 s: a regression check of one warning; the conversions with worker processes run in CI)
+@pytest.mark.slow
 def test_a_conversion_with_worker_processes_leaves_no_leaked_semaphore_warning(tmp_path):
     """numcodecs' Blosc lock, made in each forkserver worker, was reported as a leaked semaphore
     at the end of every conversion (one warning per worker)."""

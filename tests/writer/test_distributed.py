@@ -104,6 +104,8 @@ def test_failing_rank_fails_the_job_and_is_named(tree, tmp_path):
     assert not os.path.exists(tmp_path / "out.lmdb" / "manifest.json")
 
 
+# nightly (30 s: torchrun conversion, its failing rank and single-process kill-and-resume run in CI; this combines them)
+@pytest.mark.slow
 def test_resume_across_ranks_after_kill(tmp_path):
     src = tmp_path / "src"
     make_tree(src, {"a": 40, "b": 40}, size=(160, 120))
