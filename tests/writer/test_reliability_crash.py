@@ -343,9 +343,9 @@ def _open_fds() -> collections.Counter:
 
 
 # The run takes 3-6 s: a 60 s timeout bounds what a hang of a forked worker costs before the rerun.
-# Rerun once: SIGKILLs race the DataLoader's own worker start-up and shutdown on a loaded 2-core machine.
 # Nightly: it still hangs now and then before its rerun passes, which costs CI minutes; the on_error and
 # worker-death tests of tests/reader run in CI.
+# Rerun once: SIGKILLs race the DataLoader's own worker start-up and shutdown on a loaded 2-core machine.
 @pytest.mark.slow
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.timeout(60)
