@@ -53,7 +53,7 @@ __all__ = [
     "HAS_PREAD", "LOCKING", "OPEN_FLAGS", "O_BINARY", "O_NOFOLLOW", "O_NONBLOCK", "SHARED_LOCKS", "advise_willneed",
     "at_fork_in_child", "available_cores", "copy_range", "datasync", "file_mappings", "fsync_dir", "fsync_path",
     "held_open_elsewhere", "lock", "locked_elsewhere", "native_thread_count", "open_nofollow", "pread", "preadinto",
-    "pwrite", "set_blocking", "unlock",
+    "pwrite", "remove_unless_held", "set_blocking", "unlock",
 ]
 
 #: whether the OS reads and writes at an offset in one call (``os.pread``: every Unix)
@@ -104,6 +104,22 @@ def held_open_elsewhere(err: OSError) -> bool:
         bool: True when the file is in use (leave it and retry later), False for any other failure.
     """
     return getattr(err, "winerror", None) in _IN_USE_WINERRORS
+
+
+def remove_unless_held(remove: Callable[[str], None], path: str) -> bool:
+    """``remove(path)``, unless a handle holds the file open where that forbids it
+    (:func:`held_open_elsewhere`): then it stays, for a later try.
+
+    Returns:
+        bool: True when it was removed, False when it stays (in use). Other failures raise.
+    """
+    try:
+        remove(path)
+    except OSError as err:
+        if held_open_elsewhere(err):
+            return False
+        raise
+    return True
 
 
 def pread(fd: int, size: int, offset: int) -> bytes:

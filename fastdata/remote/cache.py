@@ -524,13 +524,7 @@ def _unlink(path: str) -> None:
 def _delete_unless_open(path: str) -> bool:
     """Delete ``path`` unless the OS refuses because a handle holds it open (Windows: the pin of
     a process reading it); True when it is gone."""
-    try:
-        _unlink(path)
-    except OSError as err:
-        if portable.held_open_elsewhere(err):
-            return False
-        raise
-    return True
+    return portable.remove_unless_held(_unlink, path)
 
 
 def _remove_tree_if_unlocked(d: str) -> None:

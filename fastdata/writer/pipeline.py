@@ -911,12 +911,9 @@ def clear_store(dst: str) -> list[str]:
 
 def _remove_unless_held(path: str, may_stay: bool) -> bool:
     """Remove ``path``; False (it stays) when ``may_stay`` and a handle holds it open (Windows)."""
-    try:
-        remove_file(path)
-    except OSError as err:
-        if may_stay and portable.held_open_elsewhere(err):
-            return False
-        raise
+    if may_stay:
+        return portable.remove_unless_held(remove_file, path)
+    remove_file(path)
     return True
 
 

@@ -29,11 +29,16 @@ BACKENDS = ("lmdb", "hdf5")
 SIZE = (20, 14)
 
 
+def _digests(ds) -> list[tuple[int, str]]:
+    """(label, sha256 of the pixels) of every sample of ``ds``, in order."""
+    return [(int(label), hashlib.sha256(image.tobytes()).hexdigest()) for image, label in
+            (ds[i] for i in range(len(ds)))]
+
+
 def digest(store: str) -> list[tuple[int, str]]:
-    """(label, sha256 of the pixels) of every sample, in order."""
+    """:func:`_digests` of the store, opened for this and closed."""
     ds = fastdata.open_dataset(store, output="numpy")
-    out = [(int(label), hashlib.sha256(image.tobytes()).hexdigest()) for image, label in
-           (ds[i] for i in range(len(ds)))]
+    out = _digests(ds)
     ds.close()
     return out
 
@@ -42,8 +47,7 @@ def _reader(store: str, ready, go, results) -> None:
     """Child: open the store, read it all (its shards stay open), wait, then read again: the store
     was rewritten meanwhile, which the read must say; then close it (its shards with it)."""
     ds = fastdata.open_dataset(store, output="numpy")
-    first = [(int(label), hashlib.sha256(image.tobytes()).hexdigest()) for image, label in
-             (ds[i] for i in range(len(ds)))]
+    first = _digests(ds)
     ready.set()
     go.wait(120)
     try:
