@@ -45,8 +45,9 @@ from torch.utils.data import BatchSampler, DataLoader
 from fastdata.common import portable
 from fastdata.reader.batching import collate
 from fastdata.reader.seeding import EpochIndex, seed_worker
+from fastdata.reader.threads import WORKER_TYPES, ThreadLoaderIter
 
-__all__ = ["EpochBatchSampler", "Loader", "LOADER_STATE_VERSION", "default_num_workers", "loader"]
+__all__ = ["EpochBatchSampler", "Loader", "LOADER_STATE_VERSION", "WORKER_TYPES", "default_num_workers", "loader"]
 
 #: version of the dict :meth:`Loader.state_dict` returns
 LOADER_STATE_VERSION = 1
@@ -165,10 +166,29 @@ class Loader(DataLoader):
     torchdata's ``StatefulDataLoader`` that Lightning saves and restores itself). ``sampler``,
     ``batch_sampler``, ``batch_size`` and ``len()`` (the whole epoch, also after a resume) are
     the usual ones.
+
+    ``worker_type="thread"`` loads with ``num_workers`` threads of the training process instead of
+    worker processes (:mod:`fastdata.reader.threads`): the same batches, in the same order, with
+    the same random crops and resume points. ``num_workers`` keeps its value, so a framework that
+    reads or copies it sees the loader's parallelism.
     """
 
-    def __init__(self, dataset, *args, _reseeds_order: bool = False, **kwargs):
+    def __init__(self, dataset, *args, _reseeds_order: bool = False, worker_type: str = "process", **kwargs):
+        if worker_type not in WORKER_TYPES:
+            raise ValueError(f"worker_type must be one of {', '.join(map(repr, WORKER_TYPES))}, got {worker_type!r}")
+        #: ``"process"`` (DataLoader worker processes) or ``"thread"`` (threads of this process)
+        self.worker_type = worker_type  # (before DataLoader.__init__, which checks the worker count)
         super().__init__(dataset, *args, **kwargs)
+        if worker_type == "thread" and self._dataset_kind != 0:  # torch's _DatasetKind.Map
+            raise ValueError("worker_type='thread' needs a map-style dataset (one with __getitem__ and __len__); "
+                             "an IterableDataset is iterated by one process or by worker processes")
+        saved = self.__dict__.get("__pl_saved_kwargs")
+        if worker_type != "process" and isinstance(saved, dict):
+            # Lightning rebuilds a loader (to put its DistributedSampler in) from the arguments it saw
+            # passed to __init__. When this class was defined inside its recording (fastdata imported
+            # lazily, in a *_dataloader hook), it saw only DataLoader's: without this, the rebuilt
+            # loader would quietly go back to worker processes.
+            saved.setdefault("worker_type", worker_type)
         self._tags_epochs = callable(getattr(dataset, "set_epoch", None))
         batches = self.batch_sampler
         if self._tags_epochs and type(batches) is BatchSampler and "batch_sampler" not in kwargs:
@@ -238,6 +258,17 @@ class Loader(DataLoader):
         self._iteration = (epoch, skip, weakref.ref(iterator))
         return iterator
 
+    def check_worker_number_rationality(self) -> None:
+        # (torch warns when worker processes outnumber the cores; threads that wait on I/O or
+        # hand the GIL back while decoding do not cost a process each)
+        if self.worker_type != "thread":
+            super().check_worker_number_rationality()
+
+    def _get_iterator(self):
+        if self.worker_type == "thread" and self.num_workers > 0:
+            return ThreadLoaderIter(self)
+        return super()._get_iterator()
+
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The resume point: the epoch in progress and the batches this process has taken from it.
@@ -292,7 +323,8 @@ class Loader(DataLoader):
         self._iteration = None
 
 
-def loader(dataset, batch_size: int = 64, *, seed: int | None = None, **kwargs) -> Loader:
+def loader(dataset, batch_size: int = 64, *, seed: int | None = None, worker_type: str = "process",
+           **kwargs) -> Loader:
     """Build a ``torch.utils.data.DataLoader`` (a :class:`Loader`) for ``dataset``.
 
     Defaults (each overridable by passing the keyword): ``num_workers`` =
@@ -312,6 +344,12 @@ def loader(dataset, batch_size: int = 64, *, seed: int | None = None, **kwargs) 
         seed (int | None): seed of the dataset's random decode-time crops and of the loader's
             shuffle (``dataset.seed``); None keeps the dataset's own (``torch.initial_seed()``
             when it was created).
+        worker_type (str): ``"process"`` (DataLoader worker processes, the default) or
+            ``"thread"``: ``num_workers`` threads in this process read, decode and collate whole
+            batches (:mod:`fastdata.reader.threads`): no worker start-up, no copy between
+            processes, one process's memory. Fast when decoding releases the GIL (fastdata's
+            decoders and fused crops do); a Python ``transform`` that holds it serialises the
+            threads (``fastdata doctor`` and ``fastdata tune`` measure which is faster).
 
     Random crops depend only on ``(seed, epoch, sample index)``, and the shuffled order only on
     ``(seed, epoch)``: the same whatever ``num_workers``, batch size, start method or resume
@@ -322,7 +360,10 @@ def loader(dataset, batch_size: int = 64, *, seed: int | None = None, **kwargs) 
     """
     kwargs.setdefault("num_workers", default_num_workers())
     kwargs.setdefault("pin_memory", torch.cuda.is_available())
-    kwargs.setdefault("worker_init_fn", seed_worker)
+    if worker_type != "thread":
+        # (seed_worker seeds process-wide generators and freezes the GC: right in a worker process,
+        # wrong in a thread of the training process; threads draw crops from per-sample streams)
+        kwargs.setdefault("worker_init_fn", seed_worker)
     kwargs.setdefault("collate_fn", collate)
     if seed is not None:
         if not hasattr(dataset, "seed"):
@@ -337,5 +378,5 @@ def loader(dataset, batch_size: int = 64, *, seed: int | None = None, **kwargs) 
     if reseeds:
         kwargs["generator"] = torch.Generator()
     if "batch_sampler" in kwargs:
-        return Loader(dataset, _reseeds_order=reseeds, **kwargs)
-    return Loader(dataset, batch_size=batch_size, _reseeds_order=reseeds, **kwargs)
+        return Loader(dataset, _reseeds_order=reseeds, worker_type=worker_type, **kwargs)
+    return Loader(dataset, batch_size=batch_size, _reseeds_order=reseeds, worker_type=worker_type, **kwargs)
