@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -84,6 +85,10 @@ OUTPUTS = ("pil", "numpy", "tensor")
 _IMAGE, _SCALAR, _INDEX_ARRAY, _INDEX_VALUE, _RECORD_ARRAY, _CHUNKED, _RECORD_VALUE = range(7)
 #: the columns of :class:`ImageFolderDataset` (ImageFolder-like stores), in this order
 CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "format", "nbytes")
+
+
+#: guards the skip counters of every dataset in this process (thread workers count from several threads)
+_SKIP_LOCK = threading.Lock()
 
 
 class ImagesReducedWarning(UserWarning):
@@ -873,7 +878,8 @@ class StoreDataset(Dataset):
         if self.on_error != "skip":
             raise err
         n = len(self)
-        self._skips += 1
+        with _SKIP_LOCK:  # (thread workers: += is a read and a write, another thread may come between)
+            self._skips += 1
         warnings.warn(f"fastdata: skipping damaged sample {index} ({err})", RuntimeWarning, stacklevel=4)
         for step in range(1, min(n, 64)):
             k = (index + step) % n

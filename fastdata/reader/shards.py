@@ -14,6 +14,11 @@ the rules that make a dataset safe under any DataLoader setting:
 * At most ``max_open`` readers stay open per process (least recently used closed
   first); ``None`` takes the store's default (all for a local store, a few for a
   remote one, see :meth:`fastdata.remote.store.StoreLocation.open_shards_per_process`).
+* Thread workers (``worker_type="thread"``) share one instance: opening, closing and the LRU
+  order are done under a lock, and the LRU never closes a reader another thread took last
+  (each thread reads one shard at a time, so the reader it took last is the one it may be
+  reading): the cap may then be exceeded by at most one reader per thread, until that thread
+  takes another shard.
 * A reader reads the store version the dataset opened, or raises
   :class:`~fastdata.errors.StoreChangedError`: every open of a shard (a worker's first
   read, a re-open after the LRU closed it) checks the file against the identity the
@@ -27,6 +32,7 @@ the rules that make a dataset safe under any DataLoader setting:
 
 from __future__ import annotations
 
+import threading
 from os import getpid
 from time import monotonic
 from typing import Any
@@ -68,6 +74,8 @@ class ShardHandles:
         self._pins: dict[int, Any] = {}
         self._pid: int | None = None
         self._checked = 0.0  # monotonic time of this process's last check of the manifest
+        self._lock = threading.RLock()
+        self._taken: dict[int, int] = {}  # thread ident -> the shard that thread took last
 
     def get(self, shard: int):
         """This process's reader of shard number ``shard``, opened now if it is not open
@@ -78,19 +86,24 @@ class ShardHandles:
         """
         if self._pid != getpid():
             self._adopt_process()
-        reader = self._readers.get(shard)
-        if reader is not None:
-            if not self.store.remote:
-                now = monotonic()
-                if now - self._checked >= CHECK_INTERVAL_S:
-                    self.store.check_current()
-                    self._checked = now
-            if self._cap:  # moved last: dict order is the LRU order the cap closes by
-                self._readers[shard] = self._readers.pop(shard)
-            return reader
-        return self._open(shard)
+        with self._lock:
+            self._taken[threading.get_ident()] = shard
+            reader = self._readers.get(shard)
+            if reader is not None:
+                if not self.store.remote:
+                    now = monotonic()
+                    if now - self._checked >= CHECK_INTERVAL_S:
+                        self.store.check_current()
+                        self._checked = now
+                if self._cap:  # moved last: dict order is the LRU order the cap closes by
+                    self._readers[shard] = self._readers.pop(shard)
+                return reader
+            return self._open(shard)
 
     def _adopt_process(self) -> None:
+        # (a lock held by another thread when this process was forked would never be released here)
+        self._lock = threading.RLock()
+        self._taken = {}
         if self._readers:
             # Inherited through fork: never use, close or even free them here. (Their cache
             # pins are not held here: the cache closes a forked child's copies of its lock
@@ -101,9 +114,17 @@ class ShardHandles:
         self._pid = getpid()
         self._cap = self.max_open or self.store.open_shards_per_process(_loader_processes())
 
+    def _evictable(self) -> list[int]:
+        """Open shards no other thread took last, least recently used first."""
+        me = threading.get_ident()
+        busy = {shard for thread, shard in self._taken.items() if thread != me}
+        return [shard for shard in self._readers if shard not in busy]
+
     def _open(self, shard: int):
         if self._cap and len(self._readers) >= self._cap:
-            self._close(next(iter(self._readers)))  # the least recently used
+            idle = self._evictable()
+            if idle:
+                self._close(idle[0])  # the least recently used
         path, pin = self.store.open_shard(shard, release_idle=self._close_all)
         try:
             self.store.check_shard(shard, path)
@@ -125,7 +146,8 @@ class ShardHandles:
     def open_readers(self) -> dict[int, Any]:
         """Shard number -> reader for the readers this process has open, least recently used
         first (a new dict; empty in a process that has opened none, e.g. a forked child)."""
-        return dict(self._readers) if self._pid == getpid() else {}
+        with self._lock:
+            return dict(self._readers) if self._pid == getpid() else {}
 
     def _close(self, shard: int) -> None:
         reader = self._readers.pop(shard)
@@ -138,18 +160,23 @@ class ShardHandles:
 
     def _close_all(self) -> None:
         """Close this process's readers (and release their cache pins): also called when a
-        remote shard finds no room in the cache, so idle pins of this process never block it."""
-        for shard in list(self._readers):
-            self._close(shard)
+        remote shard finds no room in the cache, so idle pins of this process never block it
+        (readers another thread may be reading stay open)."""
+        with self._lock:
+            for shard in self._evictable():
+                self._close(shard)
 
     def close(self) -> None:
         """Close this process's readers (handles inherited through fork are left alone);
-        the next :meth:`get` opens again."""
-        if self._pid == getpid():
-            self._close_all()
-        self._readers = {}
-        self._pins = {}
-        self._pid = None
+        the next :meth:`get` opens again. Not while thread workers are reading."""
+        with self._lock:
+            if self._pid == getpid():
+                for shard in list(self._readers):
+                    self._close(shard)
+            self._readers = {}
+            self._pins = {}
+            self._taken = {}
+            self._pid = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -157,7 +184,13 @@ class ShardHandles:
         state["_pins"] = {}
         state["_pid"] = None
         state["_checked"] = 0.0
+        state["_taken"] = {}
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
 
 def _loader_processes() -> int:

@@ -13,6 +13,7 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -299,6 +300,9 @@ class ShardReader(abc.ABC):
         self.storage = storage
         self.schema = schema
         self.expected_count = expected_count
+        #: held while state loaded at first use (the index's checksums, a payload mapping, an advice
+        #: descriptor) is loaded: thread workers share one reader, and must not load it twice
+        self.lazy_lock = threading.Lock()
 
     @classmethod
     def check_structure(cls, path: str, *, full: bool = False) -> None:

@@ -258,7 +258,9 @@ class HDF5ShardReader(ShardReader):
         if self.file is None:
             raise ValueError(f"{self.path}: the shard reader is closed")
         if self._checksums is None:
-            self.read_index()
+            with self.lazy_lock:
+                if self._checksums is None:
+                    self.read_index()
         # read_index() either maps the payload and keeps the checksums, or raises
         assert self._payload is not None and self._checksums is not None
         return self._payload, self._checksums

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import lmdb
@@ -76,8 +77,20 @@ class _EnvCache:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.envs: dict[tuple[int, int], list] = {}
+        # thread workers open and close shards from several threads; a new lock after a fork
+        # (one held by another thread at the fork would never be released in the child)
+        self.lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._new_lock)
+
+    def _new_lock(self) -> None:
+        self.lock = threading.Lock()
 
     def acquire(self, path: str, readahead: bool):
+        with self.lock:
+            return self._acquire(path, readahead)
+
+    def _acquire(self, path: str, readahead: bool):
         if self.pid != os.getpid():
             inherited, self.envs, self.pid = self.envs, {}, os.getpid()
             for env, _dbs, _refs in inherited.values():
@@ -115,6 +128,10 @@ class _EnvCache:
     def release(self, key: tuple[int, int]) -> None:
         if self.pid != os.getpid():
             return
+        with self.lock:
+            self._release(key)
+
+    def _release(self, key: tuple[int, int]) -> None:
         entry = self.envs.get(key)
         if entry is None:
             return
@@ -288,7 +305,9 @@ class LMDBShardReader(ShardReader):
         """Version 2: the index's record checksums, read before a records transaction opens
         (never a second transaction nested inside one)."""
         if self.schema is not None and self._checksums is None:
-            self.read_index()
+            with self.lazy_lock:
+                if self._checksums is None:
+                    self.read_index()
 
     def get(self, local_index: int) -> bytes:
         self._load_checksums()
@@ -375,15 +394,20 @@ class LMDBShardReader(ShardReader):
         ids = ids[(ids >= 0) & (ids < len(first))]
         wanted = [table[ids].reshape(-1, 2) for table in tables]  # (0, 0) rows: nothing to advise
         if self._advice_fd is None or self._advice_pid != os.getpid():
-            try:
-                self._advice_fd, self._advice_pid = os.open(self.path, os.O_RDONLY | portable.OPEN_FLAGS), os.getpid()
-            except OSError:
-                for key in keys:
-                    self._spans[key] = False
-                return
+            with self.lazy_lock:
+                if self._advice_fd is None or self._advice_pid != os.getpid():
+                    try:
+                        self._advice_fd, self._advice_pid = (os.open(self.path, os.O_RDONLY | portable.OPEN_FLAGS),
+                                                             os.getpid())
+                    except OSError:
+                        for key in keys:
+                            self._spans[key] = False
+                        return
+        fd = self._advice_fd
+        if fd is None:  # closed meanwhile
+            return
         try:
-            self.prefetches += advise_spans(self._advice_fd, np.concatenate(wanted),
-                                            os.fstat(self._advice_fd).st_size)
+            self.prefetches += advise_spans(fd, np.concatenate(wanted), os.fstat(fd).st_size)
         except OSError:  # advice only
             pass
 
