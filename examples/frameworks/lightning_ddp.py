@@ -27,9 +27,11 @@ from fastdata import transforms
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, store: str, sampler: str, workers: int, log_dir: str | None, crash_at: int | None):
+    def __init__(self, store: str, sampler: str, workers: int, log_dir: str | None, crash_at: int | None,
+                 worker_type: str = "process"):
         super().__init__()
         self.store, self.sampler_kind, self.workers, self.crash_at = store, sampler, workers, crash_at
+        self.worker_type = worker_type
         self.log_dir = log_dir
         self.net = torch.nn.Linear(3 * 16 * 16, 2)
         if sampler == "init":  # made before the process group exists: resolved when first used
@@ -41,16 +43,22 @@ class Classifier(L.LightningModule):
         return fastdata.open_dataset(self.store, output="tensor", decode=transforms.RandomResizedCrop(16))
 
     def train_dataloader(self):
+        workers = dict(num_workers=self.workers, worker_type=self.worker_type)
         if self.sampler_kind == "init":
-            return fastdata.loader(self.dataset, batch_size=10, num_workers=self.workers, sampler=self.sampler)
+            return fastdata.loader(self.dataset, batch_size=10, sampler=self.sampler, **workers)
         dataset = self._dataset()
         if self.sampler_kind == "hook":
-            return fastdata.loader(dataset, batch_size=10, num_workers=self.workers,
-                                   sampler=fastdata.DistributedShardSampler(dataset))
-        return fastdata.loader(dataset, batch_size=10, num_workers=self.workers)  # shuffle=True
+            return fastdata.loader(dataset, batch_size=10, sampler=fastdata.DistributedShardSampler(dataset), **workers)
+        return fastdata.loader(dataset, batch_size=10, **workers)  # shuffle=True
 
     def on_fit_start(self):
         self.steps = StepLog(self.log_dir, self.global_rank)
+
+    def on_train_epoch_start(self):
+        if self.log_dir:  # which workers the loader Lightning iterates (it may have rebuilt it) has
+            loader = self.trainer.train_dataloader
+            with open(os.path.join(self.log_dir, f"rank{self.global_rank}.workers"), "a") as f:
+                f.write(f"{type(loader).__name__} {getattr(loader, 'worker_type', 'process')} {loader.num_workers}\n")
 
     def training_step(self, batch, batch_idx):
         if self.crash_at is not None and self.global_step == self.crash_at:
@@ -68,6 +76,8 @@ def main(argv=None) -> None:
     parser.add_argument("--store", required=True, help="store to train on (made with 300 images if missing)")
     parser.add_argument("--sampler", choices=["init", "hook", "shuffle"], default="hook")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--worker-type", choices=["process", "thread"], default="process",
+                        help="fastdata.loader's worker_type")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--log-dir", help="write what each rank saw here (one JSON line per step)")
     parser.add_argument("--ckpt-dir", help="checkpoint every 4 steps here")
@@ -87,7 +97,7 @@ def main(argv=None) -> None:
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=bool(args.ckpt_dir),
                         use_distributed_sampler=not args.no_distributed_sampler)
-    model = Classifier(args.store, args.sampler, args.workers, args.log_dir, args.crash_at)
+    model = Classifier(args.store, args.sampler, args.workers, args.log_dir, args.crash_at, args.worker_type)
     trainer.fit(model, ckpt_path=args.resume)
 
 

@@ -41,6 +41,41 @@ def test_sampler_made_in_train_dataloader_splits_once_and_resumes_exactly(store,
         assert combined[rank] == expected_steps(store, rank, epochs=2), f"rank {rank} did not resume exactly"
 
 
+THREADS = ["--sampler", "shuffle", "--workers", "2", "--worker-type", "thread"]
+
+
+def test_thread_workers_survive_lightnings_rebuild(store, tmp_path):
+    """The loader's own shuffle with 2 thread workers per rank: Lightning replaces the sampler with
+    its DistributedSampler, so it rebuilds the loader; the rebuilt loader keeps its thread workers
+    (fastdata imported lazily, inside Lightning's hook, as a user's first script does) and every
+    sample is seen once per epoch."""
+    torchrun("lightning_ddp.py", "--store", str(store), *THREADS, "--log-dir", str(tmp_path))
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.workers").read_text().splitlines() == ["Loader thread 2"] * 2
+    logs = read_logs(tmp_path)
+    check_every_sample_once(logs, SAMPLES, epochs=2)
+    check_epochs_differ(logs)
+
+
+@pytest.mark.slow
+def test_thread_workers_resume_exactly_in_lightning(store, tmp_path):
+    """A run with thread workers crashed in epoch 1 and resumed from last.ckpt trains on exactly
+    what an uninterrupted run does."""
+    run = ["--store", str(store), *THREADS]
+    torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "whole"))
+    crashed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "crash"), "--ckpt-dir",
+                       str(tmp_path / "ckpt"), "--crash-at", "22", check=False)
+    assert crashed.returncode != 0 and "simulated crash at step 22" in crashed.stderr + crashed.stdout
+    resumed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "resume"), "--resume",
+                       str(tmp_path / "ckpt" / "last.ckpt"))
+    assert "not resumable" not in resumed.stderr + resumed.stdout
+    reference, before, after = (read_logs(tmp_path / d) for d in ("whole", "crash", "resume"))
+    for rank in (0, 1):
+        assert [s["step"] for s in after[rank]] == list(range(20, 30))
+        combined = [s for s in before[rank] if s["step"] < 20] + after[rank]
+        assert combined == reference[rank], f"rank {rank} did not resume exactly"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler, workers, distributed_sampler", [
     ("init", 2, True),      # made before the process group exists
