@@ -298,6 +298,7 @@ PRELUDES: dict[str, Callable] = {
     "docs/guides/remote.md": _remote,
     "docs/guides/sources.md": _sources,
     "docs/guides/tuning.md": _tuning,
+    "docs/guides/thread-workers.md": lambda tmp, mp: {"_": _store("train.lmdb")},
     "docs/guides/volumes.md": _volumes,
     "docs/platforms.md": lambda tmp, mp: {},
 }

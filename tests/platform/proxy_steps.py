@@ -301,9 +301,9 @@ def step_remote(ctx: dict) -> dict:
     return out
 
 
-def loader_epoch(stores: dict[str, str], truth: dict) -> dict:
-    """One epoch of a 2-worker loader (spawn) over every backend's store at once (one ConcatDataset:
-    the workers start once, not once per backend); per backend, what arrived."""
+def loader_epoch(stores: dict[str, str], truth: dict, worker_type: str = "process") -> dict:
+    """One epoch of a 2-worker loader (spawn, or 2 threads) over every backend's store at once (one
+    ConcatDataset: the workers start once, not once per backend); per backend, what arrived."""
     import torch
 
     from fastdata.reader import batch_ring
@@ -312,8 +312,10 @@ def loader_epoch(stores: dict[str, str], truth: dict) -> dict:
     datasets = [fastdata.open_dataset(stores[b], output="tensor") for b in BACKENDS]
     try:
         want = [(b, i, ds[i][0]) for b, ds in zip(BACKENDS, datasets, strict=True) for i in range(len(ds))]
+        workers: dict = ({"worker_type": "thread"} if worker_type == "thread"
+                         else {"multiprocessing_context": multiprocessing.get_context("spawn")})
         loader = fastdata.loader(torch.utils.data.ConcatDataset(datasets), batch_size=4, num_workers=2,
-                                 shuffle=False, multiprocessing_context=multiprocessing.get_context("spawn"))
+                                 shuffle=False, **workers)
         got: dict = {b: {"samples": 0, "labels": [], "pixels_equal": 0} for b in BACKENDS}
         seen = 0
         for images, targets in loader:
@@ -414,6 +416,7 @@ def main(work: str) -> dict:
         for step in STEPS:
             _run(results, step.__name__[5:], step, ctx)
     _run(out, "loader", loader_epoch, stores, truth)
+    _run(out, "thread_loader", loader_epoch, stores, truth, "thread")
     _run(out, "doctor", doctor_report)
     return out
 

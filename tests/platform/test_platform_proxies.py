@@ -189,6 +189,15 @@ def test_a_two_worker_spawn_loader_yields_every_sample_once(proxies, system):
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
+def test_two_thread_workers_yield_every_sample_once(proxies, system):
+    """Thread workers start no process: the same epoch, on a system without fork."""
+    loader = _ok(proxies[system]["thread_loader"])
+    for backend in BACKENDS_OF[system]:
+        got = loader[backend]
+        assert got["samples"] == got["pixels_equal"] == SAMPLES and got["labels_match"], (backend, got)
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
 def test_doctor_reports_what_the_platform_lacks(proxies, system):
     """``fastdata doctor`` names each missing facility and its cost; on Linux (this process) nothing."""
     from fastdata.tools.platform_report import facilities, platform_report
