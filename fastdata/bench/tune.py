@@ -23,7 +23,14 @@ The search (:func:`tune`):
    ``num_workers=0`` (loading in the training process, never overlapping the
    step) competes only with ``step_ms`` (the measurement then shows the missing
    overlap) or when ``allow_no_workers`` asks for it.
-5. **Prefetch factor**: 4, then 8, kept only if it fits and gains.
+   With ``worker_types`` holding ``"thread"`` (the command's default), thread workers are
+   searched the same way after the processes (threads of the training process: one
+   process's memory, estimated as ``main + (threads + in flight + 1) x batch``); the faster
+   of the two kinds' picks that fits the budget is recommended, threads when they are within
+   ``min_gain`` of processes (they use less memory). A transform that holds the GIL
+   serialises threads: the measurement shows it.
+5. **Prefetch factor** (of the recommended worker type): 4, then 8, kept only if it fits and
+   gains.
 
 Only configurations whose *measured* peak PSS is within the budget are ever
 recommended. The measuring function is a parameter, so the search can be tested
@@ -34,7 +41,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from fastdata.common.units import format_size
@@ -42,19 +49,38 @@ from fastdata.errors import FastdataError
 
 DEFAULT_PREFETCH = 2
 DEFAULT_BATCH = 64
+WORKER_TYPES = ("process", "thread")
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The DataLoader knobs the tuner turns."""
+    """The DataLoader knobs the tuner turns.
+
+    ``worker_type``: ``"process"`` (DataLoader worker processes) or ``"thread"`` (threads of the
+    training process, ``fastdata.loader(..., worker_type="thread")``); it means nothing without
+    workers, where it stays ``"process"``.
+    """
 
     workers: int
     batch_size: int
     prefetch_factor: int = DEFAULT_PREFETCH
+    worker_type: str = "process"
+
+    def __post_init__(self) -> None:
+        if self.worker_type not in WORKER_TYPES:
+            raise ValueError(f"worker_type must be one of {', '.join(WORKER_TYPES)}, got {self.worker_type!r}")
+        if not self.workers and self.worker_type != "process":  # no workers: nothing to choose
+            object.__setattr__(self, "worker_type", "process")
+
+    @property
+    def threads(self) -> bool:
+        """Thread workers (and at least one)."""
+        return self.workers > 0 and self.worker_type == "thread"
 
     def describe(self) -> str:
+        kind = " worker_type=thread" if self.threads else ""
         pf = f" prefetch_factor={self.prefetch_factor}" if self.workers else ""
-        return f"num_workers={self.workers} batch_size={self.batch_size}{pf}"
+        return f"num_workers={self.workers}{kind} batch_size={self.batch_size}{pf}"
 
 
 @dataclass
@@ -101,6 +127,9 @@ def estimate_memory(s: Settings, probe: Probe, full_queue: bool = False) -> int:
     worker's baseline is not added: most of it is pages it shares with the main
     process, already counted there; measured peaks agree within a few percent.)
 
+    Thread workers (``s.worker_type == "thread"``) are one process: ``main + (threads + in
+    flight + 1) x batch``: each thread holds the batch it decodes, no per-worker baseline.
+
     Args:
         s: the settings.
         probe: the baseline figures.
@@ -113,6 +142,8 @@ def estimate_memory(s: Settings, probe: Probe, full_queue: bool = False) -> int:
     if not s.workers:
         return int(probe.main_bytes + 2 * batch)
     in_flight = s.workers * (s.prefetch_factor if full_queue else 1)
+    if s.threads:
+        return int(probe.main_bytes + (s.workers + in_flight + 1) * batch)
     return int(probe.main_bytes + s.workers * (probe.worker_bytes + batch) + (in_flight + 1) * batch)
 
 
@@ -140,6 +171,9 @@ class TuneResult:
         notes: why the search stopped where it did.
         effective_batch_size, accumulation_steps: the gradient-accumulation recipe
             (``accumulation_steps`` is 1 without one).
+        by_worker_type: the best trial of each worker type measured (``{"process": Trial,
+            "thread": Trial}``, only those that fit), the recommendation among them.
+        reason: why that worker type was recommended ("" when only one was measured).
     """
 
     settings: Settings
@@ -151,18 +185,30 @@ class TuneResult:
     notes: list = field(default_factory=list)
     effective_batch_size: int | None = None
     accumulation_steps: int = 1
+    by_worker_type: dict = field(default_factory=dict)
+    reason: str = ""
+
+    def recommendation(self) -> dict:
+        """The recipe: the keyword arguments of the loader, plus the accumulation."""
+        s = self.settings
+        return {
+            "num_workers": s.workers,
+            "worker_type": s.worker_type,
+            "batch_size": s.batch_size,
+            "prefetch_factor": s.prefetch_factor if s.workers else None,
+            "persistent_workers": s.workers > 0,
+            "accumulation_steps": self.accumulation_steps,
+            "effective_batch_size": self.effective_batch_size,
+        }
 
     def to_json(self) -> dict:
         """JSON-ready dict."""
         return {
-            "recommendation": {
-                "num_workers": self.settings.workers,
-                "batch_size": self.settings.batch_size,
-                "prefetch_factor": self.settings.prefetch_factor if self.settings.workers else None,
-                "persistent_workers": self.settings.workers > 0,
-                "accumulation_steps": self.accumulation_steps,
-                "effective_batch_size": self.effective_batch_size,
-            },
+            "recommendation": self.recommendation(),
+            "reason": self.reason,
+            "by_worker_type": {kind: {"settings": asdict(t.settings), "predicted_pss_bytes": t.predicted_pss,
+                                      "measured": asdict(t.measured) if t.measured else None}
+                               for kind, t in self.by_worker_type.items()},
             "measured": asdict(self.measured),
             "predicted_pss_bytes": self.predicted_pss,
             "memory_budget_bytes": self.budget,
@@ -252,6 +298,7 @@ def tune(
     wait_threshold: float = 0.05,
     skip_margin: float = 0.25,
     log: Callable[[str], None] = print,
+    worker_types: Sequence[str] = ("process",),
 ) -> TuneResult:
     """Find the fastest DataLoader settings whose measured peak PSS is within ``memory_budget``.
 
@@ -273,6 +320,9 @@ def tune(
         wait_threshold: data-wait fraction under which the loader keeps up with the step.
         skip_margin: candidates predicted more than this fraction over budget are not measured.
         log: where progress lines go.
+        worker_types: ``("process",)`` (the default here), ``("thread",)`` or both: each is searched
+            (the same ladder, pick and prefetch steps) and the faster that fits is recommended,
+            threads within ``min_gain`` of processes (``fastdata tune`` measures both by default).
 
     Returns:
         TuneResult
@@ -289,6 +339,7 @@ def tune(
         from fastdata.bench.grid import available_cores
 
         max_workers = available_cores()
+    types = _worker_types(worker_types)
     probe = probe() if callable(probe) else probe
     log(f"baseline: main process {format_size(probe.main_bytes)}, each worker {format_size(probe.worker_bytes)}, "
         f"{format_size(probe.sample_bytes)} per decoded sample")
@@ -307,32 +358,54 @@ def tune(
     batch_size = DEFAULT_BATCH if batch_size is None else batch_size
     candidates = _batch_candidates(batch_size, effective_batch_size)
     target_batch = candidates[0]
-    _print_estimates(target_batch, max_workers, probe, memory_budget, log, search.full_queue)
+    _print_estimates(target_batch, max_workers, probe, memory_budget, log, search.full_queue, types)
     log("measuring:")
-    chosen_batch = _choose_batch(search, candidates, max_workers, allow_zero)
+    chosen_batch = _choose_batch(search, candidates, max_workers, allow_zero, types)
     if chosen_batch is None:
         raise FastdataError(_nothing_fits(search, candidates[-1], probe, memory_budget, effective_batch_size,
-                                          allow_zero))
+                                          allow_zero, types))
     if chosen_batch < target_batch:
         notes.append(f"batch {target_batch} does not fit the budget; batch {chosen_batch} does: accumulate "
                      f"gradients over {math.ceil(target_batch / chosen_batch)} steps")
 
-    fitting = _search_workers(search, chosen_batch, max_workers, step_ms, wait_threshold, notes)
-    if allow_zero:
-        zero = search.run(Settings(0, chosen_batch), force=not fitting)
-        if search.fits(zero):
-            fitting.append(zero)
-    elif max_workers:
-        notes.append("num_workers=0 was not tried: with no worker, loading never overlaps the training step; "
-                     "pass allow_no_workers=True to include it, or step_ms=MS to measure the overlap")
-    best = _pick(search, fitting, min_gain)
-    if not search.fits(best):  # a second run went over the budget
-        best = _pick(search, [t for t in fitting if search.fits(t)], min_gain, confirm_within=None)
+    best_of: dict[str, Trial] = {}
+    for kind in types:
+        if len(types) > 1 and max_workers:
+            log(f"{_KIND_WORDS[kind]}:")
+        fitting = _search_workers(search, chosen_batch, max_workers, step_ms, wait_threshold, notes, kind)
+        if kind == types[0]:  # num_workers=0 competes once, in the first kind's pool
+            if allow_zero:
+                zero = search.run(Settings(0, chosen_batch), force=not fitting)
+                if search.fits(zero):
+                    fitting.append(zero)
+            elif max_workers:
+                notes.append("num_workers=0 was not tried: with no worker, loading never overlaps the training "
+                             "step; pass allow_no_workers=True to include it, or step_ms=MS to measure the overlap")
+        if not fitting:
+            continue
+        best = _pick(search, fitting, min_gain)
+        if not search.fits(best):  # a second run went over the budget
+            still = [t for t in fitting if search.fits(t)]
+            if not still:
+                continue
+            best = _pick(search, still, min_gain, confirm_within=None)
+        best_of[kind] = best
+    if not best_of:
+        raise FastdataError("no configuration could be measured within the budget")
+    # the two kinds compared at the same prefetch factor; then the winner's prefetch factor
+    best, reason = _choose_worker_type(best_of, min_gain)
+    if reason:
+        for kind, t in best_of.items():
+            m = _measured(t)
+            log(f"  best {_KIND_WORDS[kind] + ':':<17} {t.settings.describe():<52} {m.images_per_s:8.0f} img/s  "
+                f"peak PSS {format_size(m.peak_pss):>10}")
+        log(f"  -> {reason}")
+        notes.append(reason)
 
     # -- prefetch factor
     if best.settings.workers:
         for pf in prefetch_factors:
-            t = search.run(Settings(best.settings.workers, chosen_batch, pf))
+            t = search.run(Settings(best.settings.workers, chosen_batch, pf, best.settings.worker_type))
             if not search.better(t, best):
                 break
             best = t
@@ -340,7 +413,44 @@ def tune(
     return TuneResult(settings=best.settings, measured=_measured(best), predicted_pss=best.predicted_pss,
                       budget=memory_budget, probe=probe, trials=search.trials, notes=notes,
                       effective_batch_size=effective_batch_size,
-                      accumulation_steps=math.ceil(target_batch / best.settings.batch_size))
+                      accumulation_steps=math.ceil(target_batch / best.settings.batch_size),
+                      by_worker_type=best_of, reason=reason)
+
+
+_KIND_WORDS = {"process": "worker processes", "thread": "thread workers"}
+
+
+def _kind_of(t: Trial) -> str:
+    """How a trial's workers are named: "no workers", "worker processes", "thread workers"."""
+    if not t.settings.workers:
+        return "no workers"
+    return _KIND_WORDS[t.settings.worker_type]
+
+
+def _choose_worker_type(best_of: dict, min_gain: float) -> tuple[Trial, str]:
+    """The recommendation among the best trial of each worker type, and the sentence saying why.
+
+    Thread workers win when they are at least as fast as worker processes, or within
+    ``min_gain`` of them: one process's memory, and no worker start-up. Both trials fit the budget.
+    """
+    if len(best_of) == 1:
+        (only,) = best_of.values()
+        return only, ""
+    proc, thr = best_of["process"], best_of["thread"]
+    ps, ts = _speed(proc), _speed(thr)
+    pm, tm = _measured(proc).peak_pss, _measured(thr).peak_pss
+    ratio = ts / ps if ps else math.inf
+    memory = f"peak PSS {format_size(tm)} against {format_size(pm)}"
+    if ts >= ps * (1 - min_gain):
+        if ts >= ps * (1 + min_gain):
+            why = f"thread workers: {ratio:.2f}x the images/s of {_kind_of(proc)} ({memory})"
+        else:
+            why = (f"thread workers: {ratio:.2f}x the images/s of {_kind_of(proc)}, within {min_gain:.0%} (a tie), "
+                   f"and threads share one process's memory ({memory})")
+        return thr, why
+    return proc, (f"{_kind_of(proc)}: thread workers reached only {ratio:.2f}x their images/s (threads serialise "
+                  "where loading holds the GIL, e.g. a Python transform: fastdata doctor checks a Dataset); "
+                  f"{memory}")
 
 
 def _batch_candidates(batch_size: int, effective_batch_size: int | None) -> list[int]:
@@ -354,50 +464,67 @@ def _batch_candidates(batch_size: int, effective_batch_size: int | None) -> list
     return out
 
 
-def _choose_batch(search: _Search, candidates: list[int], max_workers: int, allow_zero: bool) -> int | None:
-    """The largest candidate batch whose measured run fits, with one worker (with none only if allowed)."""
+def _worker_types(worker_types) -> tuple[str, ...]:
+    """The worker types to search, in the order processes, threads; a bad value is a ValueError."""
+    asked = [worker_types] if isinstance(worker_types, str) else list(worker_types)
+    unknown = [k for k in asked if k not in WORKER_TYPES]
+    if unknown or not asked:
+        raise ValueError(f"worker types must be among {', '.join(WORKER_TYPES)}, got {asked!r}")
+    return tuple(k for k in WORKER_TYPES if k in asked)
+
+
+def _choose_batch(search: _Search, candidates: list[int], max_workers: int, allow_zero: bool,
+                  types: Sequence[str] = ("process",)) -> int | None:
+    """The largest candidate batch whose measured run fits, with one worker of some kind in ``types``
+    (with none only if allowed)."""
     worker_counts = [min(1, max_workers)] + ([0] if allow_zero and max_workers else [])
     for workers in worker_counts:
         for b in candidates:
-            if search.fits(search.run(Settings(workers, b))):
-                return b
+            for kind in (types if workers else types[:1]):
+                if search.fits(search.run(Settings(workers, b, worker_type=kind))):
+                    return b
     # the estimate may over-state real use: "nothing fits" is only said after measuring
-    if search.fits(search.run(Settings(worker_counts[-1], candidates[-1]), force=True)):
+    cheapest = Settings(worker_counts[-1], candidates[-1], worker_type=types[-1])
+    if search.fits(search.run(cheapest, force=True)):
         return candidates[-1]
     return None
 
 
 def _nothing_fits(search: _Search, batch: int, probe: Probe, budget: int, effective: int | None,
-                  allow_zero: bool) -> str:
+                  allow_zero: bool, types: Sequence[str] = ("process",)) -> str:
     workers = 0 if allow_zero else 1
-    trial = search.cache.get(Settings(workers, batch))
+    cheapest = Settings(workers, batch, worker_type=types[-1])
+    trial = search.cache.get(cheapest)
     figure = (format_size(trial.measured.peak_pss) if trial and trial.measured and trial.measured.ok
-              else f"about {format_size(estimate_memory(Settings(workers, batch), probe, search.full_queue))}")
+              else f"about {format_size(estimate_memory(cheapest, probe, search.full_queue))}")
     hint = "" if effective else " or lower batch_size (or give effective_batch_size)"
     if not allow_zero:
         hint += ("; num_workers=0 may fit but never overlaps loading with training: pass allow_no_workers=True "
                  "to consider it")
-    return (f"nothing fits a memory budget of {format_size(budget)}: num_workers={workers} with "
-            f"batch_size={batch} already needs {figure}; raise the budget{hint}")
+    return (f"nothing fits a memory budget of {format_size(budget)}: {cheapest.describe()} already needs "
+            f"{figure}; raise the budget{hint}")
 
 
 def _search_workers(search: _Search, batch: int, max_workers: int, step_ms: float, wait_threshold: float,
-                    notes: list) -> list:
+                    notes: list, kind: str = "process") -> list:
     """Measure 1, 2, 4, ... workers (and bisect below a count that overshoots the budget).
 
     Throughput over worker counts is not monotone, so one step that does not gain
     does not end the search: it ends after two steps in a row gain nothing, at a
     count over the budget, or (with ``step_ms``) once the loop hardly waits for data.
 
+    ``kind``: the worker type (``"process"`` or ``"thread"``) of every trial.
+
     Returns:
         list[Trial]: every measured trial that fits the budget.
     """
+    noun = "threads" if kind == "thread" else "workers"
     fitting: list[Trial] = []
     top = 0.0
     misses = 0
     over_w = None
     for w in worker_ladder(max_workers):
-        t = search.run(Settings(w, batch))
+        t = search.run(Settings(w, batch, worker_type=kind))
         if not search.fits(t):
             over_w = w
             break
@@ -409,15 +536,15 @@ def _search_workers(search: _Search, batch: int, max_workers: int, step_ms: floa
         top = max(top, _speed(t))
         wait = _measured(t).data_wait_fraction
         if step_ms and wait is not None and wait < wait_threshold:
-            notes.append(f"with {w} workers the loader already keeps up with the {step_ms:g} ms step (waiting "
+            notes.append(f"with {w} {noun} the loader already keeps up with the {step_ms:g} ms step (waiting "
                          f"{wait:.0%} of the time): more workers would only cost memory")
             return fitting
         if misses >= 2:
-            notes.append(f"{w} workers are not {search.min_gain:.0%} faster than fewer: throughput has levelled off")
+            notes.append(f"{w} {noun} are not {search.min_gain:.0%} faster than fewer: throughput has levelled off")
             return fitting
     if over_w is None:
         if fitting and max(fitting, key=_speed).settings.workers == max_workers:
-            notes.append(f"throughput still rose at the most workers tried ({max_workers}); a larger "
+            notes.append(f"throughput still rose at the most {noun} tried ({max_workers}); a larger "
                          "max_workers may help on a machine with more cores")
         return fitting
     # the largest count under the one that overshoots which still fits
@@ -425,13 +552,13 @@ def _search_workers(search: _Search, batch: int, max_workers: int, step_ms: floa
     hi = over_w
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        t = search.run(Settings(mid, batch))
+        t = search.run(Settings(mid, batch, worker_type=kind))
         if search.fits(t):
             fitting.append(t)
             lo = mid
         else:
             hi = mid
-    notes.append(f"{over_w} workers exceed the budget; the most that fit: {lo}")
+    notes.append(f"{over_w} {noun} exceed the budget; the most that fit: {lo}")
     return fitting
 
 
@@ -480,12 +607,17 @@ def _measure_again(search: _Search, t: Trial) -> None:
                f"(mean {t.measured.images_per_s:.0f})")
 
 
-def _print_estimates(batch: int, max_workers: int, probe: Probe, budget: int, log, full_queue: bool) -> None:
+def _print_estimates(batch: int, max_workers: int, probe: Probe, budget: int, log, full_queue: bool,
+                     types: Sequence[str] = ("process",)) -> None:
     log(f"predicted peak PSS (main + workers) at batch_size={batch}, prefetch_factor={DEFAULT_PREFETCH}; "
         f"budget {format_size(budget)}:")
     for w in [0] + worker_ladder(max_workers):
-        est = estimate_memory(Settings(w, batch), probe, full_queue)
-        log(f"  num_workers={w:<3} {format_size(est):>10}  {'fits' if est <= budget else 'over budget'}")
+        cells = []
+        for kind in (types if w else types[:1]):
+            est = estimate_memory(Settings(w, batch, worker_type=kind), probe, full_queue)
+            label = f"{'threads' if kind == 'thread' else 'processes'} " if w and len(types) > 1 else ""
+            cells.append(f"{label}{format_size(est):>10}  {'fits' if est <= budget else 'over budget':<11}")
+        log(f"  num_workers={w:<3} " + "   ".join(cells).rstrip())
 
 
 # --------------------------------------------------------------------------- output
@@ -548,12 +680,14 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
         lines += ["",
                   f"dataset = fastdata.open_dataset({target!r}, output={output!r}{decode}{remote})"]
     args = [f"batch_size={s.batch_size}", "shuffle=True", f"num_workers={s.workers}"]
+    if s.threads:
+        args.append("worker_type='thread'")
     if s.workers:
         args += [f"prefetch_factor={s.prefetch_factor}", "persistent_workers=True"]
-        if start_method:
+        if start_method and not s.threads:
             args.append(f"multiprocessing_context={start_method!r}")
     args.append(f"pin_memory={pin_memory}")
-    if kind != "folder":
+    if kind != "folder" and not s.threads:  # (threads: seed_worker would reseed this process's generators)
         args.append("worker_init_fn=fastdata.seed_worker")
     if lists:
         why = "PIL images" if kind != "folder" and output == "pil" else "images of different sizes"
@@ -561,7 +695,19 @@ def dataloader_snippet(result: TuneResult, target: str, kind: str, transform: st
         args.append("collate_fn=fastdata.collate_lists")
     elif kind != "folder":
         args.append("collate_fn=fastdata.collate")
-    lines.append("loader = DataLoader(")
+    elif s.threads:  # fastdata.loader's default is fastdata.collate; an ImageFolder wants DataLoader's
+        args.append("collate_fn=default_collate")
+    if s.threads:
+        # thread workers: fastdata.loader (a DataLoader whose workers are threads of this process)
+        lines = [line for line in lines if line != "from torch.utils.data import DataLoader"]
+        if "import fastdata" not in lines:
+            lines.insert(0, "import fastdata")
+        if "collate_fn=default_collate" in args:
+            lines.insert(1, "from torch.utils.data import default_collate")
+        lines.append("# worker_type='thread': the workers are threads of this process (no worker_init_fn needed)")
+        lines.append("loader = fastdata.loader(")
+    else:
+        lines.append("loader = DataLoader(")
     lines.append("    dataset,")
     lines += [f"    {a}," for a in args]
     lines.append(")")
@@ -613,10 +759,11 @@ def config_for(base, s: Settings):
 
     from fastdata.bench.grid import default_start_method
 
-    method = (base.start_method or default_start_method()) if s.workers else None
+    method = (base.start_method or default_start_method()) if s.workers and not s.threads else None
     return replace(base, workers=s.workers, batch_size=s.batch_size,
                    prefetch_factor=s.prefetch_factor if s.workers else None,
-                   persistent_workers=bool(s.workers), start_method=method)
+                   persistent_workers=bool(s.workers), start_method=method,
+                   worker_type="thread" if s.threads else "process")
 
 
 def measurement_from_row(row: dict) -> Measurement:

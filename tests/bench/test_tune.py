@@ -1,8 +1,10 @@
 """The memory-aware tuner: never recommends more than the budget, uses it when it can.
 
 A synthetic target stands in for real measurements in the search's tests: its peak
-PSS follows the estimator's law (times a noise factor) and its throughput grows with
-workers up to the cores, with zero workers on a line of their own. Real stores of
+PSS follows the estimator's law (times a noise factor; for thread workers the law of one
+process) and its throughput grows with workers up to the cores, with zero workers on a
+line of their own, and thread workers on theirs (a GIL-holding transform keeps them at one
+thread's speed, however many). Real stores of
 mixed image sizes check what a synthetic target cannot: every printed snippet runs,
 the pick keeps up with what ``fastdata bench`` measures, the memory prediction is
 within 20% of the measured peak.
@@ -41,7 +43,7 @@ class Synthetic:
     """A target whose memory and speed follow known laws; records what was measured."""
 
     def __init__(self, sample_bytes, main=200 * MiB, worker=60 * MiB, cores=8, per_worker=300.0, noise=1.0,
-                 step_ms=0.0, zero_workers_ips=None):
+                 step_ms=0.0, zero_workers_ips=None, per_thread=None, gil=False):
         self.sample = sample_bytes
         self.main, self.worker, self.cores = main, worker, cores
         self.per_worker = per_worker
@@ -49,6 +51,10 @@ class Synthetic:
         self.step_ms = step_ms
         # loading in the main process (its own torch threads): not on the workers' line
         self.zero_workers_ips = per_worker * 0.5 if zero_workers_ips is None else zero_workers_ips
+        # thread workers: per_thread images/s each (default: as a worker process) up to the cores;
+        # gil=True: loading holds the GIL, so any number of threads runs at one thread's speed
+        self.per_thread = per_worker if per_thread is None else per_thread
+        self.gil = gil
         self.measured: list[Settings] = []
 
     def peak(self, s: Settings) -> int:
@@ -56,7 +62,12 @@ class Synthetic:
 
     def __call__(self, s: Settings) -> Measurement:
         self.measured.append(s)
-        ips = self.zero_workers_ips if not s.workers else self.per_worker * min(s.workers, self.cores)
+        if not s.workers:
+            ips = self.zero_workers_ips
+        elif s.worker_type == "thread":
+            ips = self.per_thread * (1 if self.gil else min(s.workers, self.cores))
+        else:
+            ips = self.per_worker * min(s.workers, self.cores)
         ips *= 1 + 0.02 * (s.prefetch_factor - 2)
         wait = None
         if self.step_ms:
@@ -255,6 +266,145 @@ def test_effective_batch_size_says_it_replaces_batch_size():
     assert any("effective_batch_size=256" in n and "not used" not in n for n in quiet_notes)
 
 
+# ------------------------------------------------------------ thread or process workers
+
+BOTH = ("process", "thread")
+
+
+def test_thread_memory_law_is_one_process():
+    probe = Probe(main_bytes=200 * MiB, worker_bytes=60 * MiB, sample_bytes=1000.0)
+    batch = 64 * 1000.0
+    for w, full in ((1, False), (4, False), (4, True)):
+        in_flight = w * (2 if full else 1)
+        threads = estimate_memory(Settings(4 if w == 4 else 1, 64, 2, "thread"), probe, full)
+        assert threads == int(200 * MiB + (w + in_flight + 1) * batch)  # no per-worker baseline
+        assert threads < estimate_memory(Settings(w, 64, 2, "process"), probe, full)
+    assert Settings(0, 64, worker_type="thread") == Settings(0, 64)  # no workers: nothing to choose
+    with pytest.raises(ValueError, match="worker_type"):
+        Settings(2, 64, worker_type="fiber")
+
+
+def test_threads_faster_recommends_threads():
+    target = Synthetic(150_528, cores=4, per_worker=300.0, per_thread=450.0)
+    lines: list[str] = []
+    result = tune(target, target.probe, 16000 * MiB, batch_size=64, max_workers=4, log=lines.append,
+                  worker_types=BOTH)
+    assert result.settings.worker_type == "thread" and result.settings.workers == 4
+    assert result.recommendation()["worker_type"] == "thread"
+    assert result.to_json()["recommendation"]["worker_type"] == "thread"
+    assert set(result.by_worker_type) == {"process", "thread"}
+    assert result.by_worker_type["process"].settings.worker_type == "process"
+    assert result.reason.startswith("thread workers: 1.50x") and result.reason in result.notes
+    # both measured lines are printed next to each other, then the reason
+    text = "\n".join(lines)
+    i, j = text.index("best worker processes:"), text.index("best thread workers:")
+    assert j > i and text.index(result.reason) > j
+    # the thread ladder was measured: 1, 2, 4 threads
+    assert {s.workers for s in target.measured if s.worker_type == "thread"} >= {1, 2, 4}
+    assert result.settings in target.measured
+
+
+def test_gil_holding_transform_recommends_processes():
+    target = Synthetic(150_528, cores=4, per_worker=300.0, gil=True)  # threads stay at 300 img/s
+    result = tune(target, target.probe, 16000 * MiB, batch_size=64, max_workers=4, log=quiet, worker_types=BOTH)
+    assert result.settings.worker_type == "process" and result.settings.workers == 4
+    assert result.reason.startswith("worker processes: thread workers reached only 0.25x")
+    assert "GIL" in result.reason
+    assert result.recommendation()["worker_type"] == "process"
+    # the thread search stopped once more threads gained nothing
+    assert max(s.workers for s in target.measured if s.worker_type == "thread") <= 4
+    assert any("threads are not" in n for n in result.notes)
+
+
+def test_threads_win_a_tie_within_min_gain():
+    target = Synthetic(150_528, cores=4, per_worker=300.0, per_thread=290.0)  # 3% slower: within 5%
+    result = tune(target, target.probe, 16000 * MiB, batch_size=64, max_workers=4, log=quiet, worker_types=BOTH)
+    assert result.settings.worker_type == "thread"
+    assert "a tie" in result.reason
+    slower = Synthetic(150_528, cores=4, per_worker=300.0, per_thread=250.0)  # 17% slower: processes
+    assert tune(slower, slower.probe, 16000 * MiB, batch_size=64, max_workers=4, log=quiet,
+                worker_types=BOTH).settings.worker_type == "process"
+
+
+def test_budget_only_threads_fit_recommends_threads():
+    """1 MB samples in batches of 64: one worker process costs a baseline and a batch more than one thread."""
+    target = Synthetic(1_000_000, cores=4, per_worker=300.0, per_thread=200.0)  # threads slower, but they fit
+    probe = target.probe()
+    proc1 = target.peak(Settings(1, 64))
+    thread1 = target.peak(Settings(1, 64, worker_type="thread"))
+    budget = (proc1 + thread1) // 2
+    assert thread1 <= budget < proc1
+    with pytest.raises(FastdataError, match="nothing fits"):  # control: processes alone do not fit
+        tune(Synthetic(1_000_000, cores=4), probe, budget, batch_size=64, max_workers=4, log=quiet)
+    result = tune(target, probe, budget, batch_size=64, max_workers=4, log=quiet, worker_types=BOTH)
+    assert result.settings.worker_type == "thread" and result.settings.workers >= 1
+    assert result.measured.peak_pss <= budget
+    assert set(result.by_worker_type) == {"thread"} and result.reason == ""
+    only_threads = tune(Synthetic(1_000_000, cores=4), probe, budget, batch_size=64, max_workers=4, log=quiet,
+                        worker_types=("thread",))
+    assert only_threads.settings.worker_type == "thread"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sample=st.integers(1_000, 2_000_000),
+    budget_mib=st.integers(100, 8000),
+    batch=st.sampled_from([1, 8, 64, 256]),
+    cores=st.integers(0, 8),
+    noise=st.floats(0.7, 1.6),
+    per_thread=st.sampled_from([100.0, 300.0, 600.0]),
+    gil=st.booleans(),
+)
+def test_recommendation_with_both_worker_types_never_exceeds_budget(sample, budget_mib, batch, cores, noise,
+                                                                     per_thread, gil):
+    target = Synthetic(sample, cores=max(cores, 1), noise=noise, per_thread=per_thread, gil=gil)
+    budget = budget_mib * MiB
+    try:
+        result = tune(target, target.probe, budget, batch_size=batch, max_workers=cores, log=quiet,
+                      worker_types=BOTH)
+    except FastdataError:
+        cheapest = Settings(1 if cores else 0, batch, worker_type="thread")
+        assert target.peak(cheapest) > budget
+        return
+    assert result.measured.peak_pss <= budget and target.peak(result.settings) <= budget
+    assert result.settings in target.measured
+    assert result.settings.workers <= cores
+    # the faster kind wins, or threads within min_gain
+    if len(result.by_worker_type) == 2:
+        speeds = {k: t.measured.images_per_s for k, t in result.by_worker_type.items()}
+        if result.settings.worker_type == "thread":
+            assert speeds["thread"] >= speeds["process"] * 0.95
+        else:
+            assert speeds["thread"] < speeds["process"] * 0.95
+
+
+def test_thread_config_and_snippet():
+    from fastdata.bench.grid import BenchConfig
+    from fastdata.bench.tune import config_for
+
+    base = BenchConfig(target="/data/s.lmdb", kind="lmdb", start_method="fork")
+    cfg = config_for(base, Settings(4, 32, 2, "thread"))
+    assert cfg.worker_type == "thread" and cfg.start_method is None and cfg.persistent_workers
+    assert config_for(base, Settings(4, 32)).worker_type == "process"
+    result = _result(2, 8, "thread")
+    for kind in ("lmdb", "folder"):
+        code = dataloader_snippet(result, "/data/train.lmdb", kind, transform="rrc224", start_method="spawn")
+        compile(code, "<snippet>", "exec")
+        assert "fastdata.loader(" in code and "worker_type='thread'" in code
+        assert "worker_init_fn=" not in code and "multiprocessing_context" not in code
+
+
+@pytest.mark.parametrize("kind,transform", [("lmdb", "rrc224"), ("lmdb", "none"), ("folder", "rrc224")])
+def test_printed_thread_snippet_runs(mixed_store, monkeypatch, kind, transform):
+    store, folder_root = mixed_store
+    if kind == "folder":
+        _FakeTorchvision.install(monkeypatch)
+    code = dataloader_snippet(_result(2, 8, "thread"), folder_root if kind == "folder" else store, kind,
+                              transform, "tensor", uniform_size=False)
+    for images, labels in _first_batches(code):
+        assert len(images) == len(labels) == 8
+
+
 # ----------------------------------------------------------------- real stores
 
 
@@ -283,9 +433,9 @@ def deep_mixed_store(tmp_path_factory):
     return str(root / "s.lmdb"), str(root / "src")
 
 
-def _result(workers: int, batch: int) -> TuneResult:
+def _result(workers: int, batch: int, worker_type: str = "process") -> TuneResult:
     m = Measurement(ok=True, images_per_s=1.0, peak_pss=1)
-    return TuneResult(settings=Settings(workers, batch), measured=m, predicted_pss=1, budget=1,
+    return TuneResult(settings=Settings(workers, batch, worker_type=worker_type), measured=m, predicted_pss=1, budget=1,
                       probe=Probe(1, 1, 1.0))
 
 
@@ -387,6 +537,10 @@ def test_tune_cli_snippet_runs_as_printed(tmp_path, mixed_store, capsys):
     assert doc["snippet"] in shown
     assert doc["recommendation"]["batch_size"] == 16 and doc["measured"]["peak_pss"] <= 4 << 30
     assert doc["probe"]["sample_bytes"] > 0
+    # both worker types measured (the command's default), side by side, and the pick explained
+    assert doc["recommendation"]["worker_type"] in ("process", "thread")
+    assert set(doc["by_worker_type"]) == {"process", "thread"} and doc["reason"]
+    assert "processes:" in shown and "threads:" in shown and f"picked {doc['reason']}" in shown
     for images, _labels in _first_batches(doc["snippet"]):
         assert len(images) == 16
     assert main(["tune", store, "--memory-budget", "lots"]) == 2
