@@ -4,8 +4,10 @@ A :class:`BenchConfig` is everything one measurement needs; it travels to the
 runner process as JSON (:meth:`BenchConfig.to_json`), so it holds only plain
 values. :func:`expand_grid` takes one list per axis and returns the cartesian
 product in a stable order (targets outermost, then workers, ...). Axes that only
-matter with worker processes (``prefetch_factor``, ``persistent_workers``,
-``start_method``) collapse to a single row when ``workers == 0``.
+matter with workers (``worker_type``, ``prefetch_factor``, ``persistent_workers``,
+``start_method``) collapse to a single row when ``workers == 0``; ``start_method``
+also collapses for thread workers (``worker_type="thread"``: threads of the
+measuring process, no worker process to start).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ KINDS = ("folder", "lmdb", "hdf5")
 OUTPUTS = ("pil", "tensor")
 TRANSFORMS = ("none", "resize224", "rrc224")
 START_METHODS = ("fork", "spawn", "forkserver")
+WORKER_TYPES = ("process", "thread")
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,14 @@ class BenchConfig:
         target: absolute path of an image folder or a fastdata store, or a store's URL.
         kind: ``"folder"``, ``"lmdb"`` or ``"hdf5"``.
         workers: DataLoader ``num_workers``.
+        worker_type: ``"process"`` (DataLoader worker processes) or ``"thread"`` (``num_workers``
+            threads of the measuring process, ``fastdata.loader(..., worker_type="thread")``);
+            ``"process"`` when ``workers == 0``.
         batch_size: DataLoader ``batch_size``.
         prefetch_factor: batches each worker keeps in flight (None when ``workers == 0``).
         persistent_workers: keep workers between epochs (False when ``workers == 0``).
         pin_memory: DataLoader ``pin_memory``.
-        start_method: worker start method (None when ``workers == 0``).
+        start_method: worker start method (None when ``workers == 0`` or with thread workers).
         output: ``"pil"`` or ``"tensor"`` (uint8 CHW).
         transform: ``"none"``, ``"resize224"`` or ``"rrc224"``.
         epochs: measured epochs (after ``warmup_epochs``).
@@ -68,6 +74,7 @@ class BenchConfig:
     cold: bool = False
     step_ms: float = 0.0
     seed: int = 0
+    worker_type: str = "process"
 
     def to_json(self) -> dict:
         """Plain dict (JSON-ready)."""
@@ -87,8 +94,8 @@ class BenchConfig:
         parts = [f"{os.path.basename(self.target.rstrip('/'))} ({self.kind})", f"w={self.workers}",
                  f"bs={self.batch_size}"]
         if self.workers:
-            parts += [f"pf={self.prefetch_factor}", "persist" if self.persistent_workers else "no-persist",
-                      str(self.start_method)]
+            parts += [f"pf={self.prefetch_factor}", "persist" if self.persistent_workers else "no-persist"]
+            parts.append("threads" if self.worker_type == "thread" else str(self.start_method))
         parts += [self.output, self.transform]
         if self.pin_memory:
             parts.append("pin")
@@ -197,6 +204,17 @@ def default_workers() -> list[int]:
     return list(range(available_cores() + 1))
 
 
+def parse_worker_types(text) -> list[str]:
+    """``"process"``, ``"thread"``, ``"process,thread"`` or ``"both"`` (a list passes through) -> the list.
+
+    Raises:
+        ValueError: an unknown worker type, or an empty list.
+    """
+    if isinstance(text, str) and text.strip().lower() in ("both", "all"):
+        return list(WORKER_TYPES)
+    return split_list(text, _choice(WORKER_TYPES, "worker-type"), "worker-type")
+
+
 def default_start_method() -> str:
     """The platform's default multiprocessing start method (what DataLoader uses)."""
     return multiprocessing.get_start_method(allow_none=False)
@@ -220,6 +238,7 @@ def expand_grid(
     step_ms: float = 0.0,
     seed: int = 0,
     store_options: dict | None = None,
+    worker_type="process",
 ) -> list[BenchConfig]:
     """Every combination of the axes, one :class:`BenchConfig` each.
 
@@ -228,9 +247,11 @@ def expand_grid(
     store's URL (``store_options``: its ``storage_options``/``cache_dir``); ``cold`` then
     applies to local targets only. ``cold`` is an axis too: a bool, or ``"off"``, ``"on"`` or
     ``"off,on"`` (a warm and a cold row for every configuration, side by side in one run).
+    ``worker_type`` is an axis too: ``"process"`` (the default), ``"thread"``, ``"process,thread"``
+    or ``"both"``: a row of each beside the other for every worker count.
 
     Returns:
-        list[BenchConfig]: targets outermost, then workers, batch size, prefetch factor,
+        list[BenchConfig]: targets outermost, then workers, worker type, batch size, prefetch factor,
         persistent workers, pin memory, start method, output, transform, cold.
 
     Raises:
@@ -247,6 +268,7 @@ def expand_grid(
         raise ValueError("step-ms must be >= 0")
     axes = [
         default_workers() if workers == "default" else split_list(workers, _positive("workers", 0), "workers"),
+        parse_worker_types(worker_type),
         split_list(batch_size, _positive("batch-size"), "batch-size"),
         split_list(prefetch_factor, _positive("prefetch-factor"), "prefetch-factor"),
         split_list(persistent_workers, parse_bool, "persistent-workers"),
@@ -266,10 +288,12 @@ def expand_grid(
     out: list[BenchConfig] = []
     seen = set()
     for (path, kind), combo in itertools.product(resolved, itertools.product(*axes)):
-        w, bs, pf, persist, pin, method, outp, tf, cold_epochs = combo
-        if w == 0:  # these only mean something with worker processes
-            pf, persist, method = None, False, None
-        cfg = BenchConfig(target=path, kind=kind, workers=w, batch_size=bs, prefetch_factor=pf,
+        w, wtype, bs, pf, persist, pin, method, outp, tf, cold_epochs = combo
+        if w == 0:  # these only mean something with workers
+            wtype, pf, persist, method = "process", None, False, None
+        elif wtype == "thread":  # no process to start (persistent_workers keeps the thread pool)
+            method = None
+        cfg = BenchConfig(target=path, kind=kind, workers=w, worker_type=wtype, batch_size=bs, prefetch_factor=pf,
                           persistent_workers=persist, pin_memory=pin, start_method=method, output=outp,
                           transform=tf, epochs=epochs, warmup_epochs=warmup_epochs, max_batches=max_batches,
                           cold=cold_epochs, step_ms=float(step_ms), seed=seed)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastdata.bench.envcheck import check_environment
 from fastdata.bench.grid import RESULT_MARK, STORE_OPTIONS_ENV, BenchConfig
@@ -117,7 +117,10 @@ def environment_warnings(configs: Sequence[BenchConfig]) -> list[str]:
     """Environment traps for the most demanding configuration of the grid."""
     if not configs:
         return []
-    worst = max(configs, key=lambda c: c.workers * (c.prefetch_factor or 1) * c.batch_size * estimate_sample_bytes(c))
+    # thread workers hand batches over in this process: no shared memory, no descriptors passed
+    processes = [c for c in configs if c.worker_type != "thread"] or [replace(configs[0], workers=0)]
+    worst = max(processes,
+                key=lambda c: c.workers * (c.prefetch_factor or 1) * c.batch_size * estimate_sample_bytes(c))
     out = check_environment(worst.workers, worst.prefetch_factor or 1, worst.batch_size, estimate_sample_bytes(worst))
     if any(c.cold for c in configs):
         from fastdata.bench.cache import can_evict

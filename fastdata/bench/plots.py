@@ -1,7 +1,7 @@
 """PNG plots of benchmark rows (matplotlib, Agg backend: no display needed).
 
 * ``throughput_vs_workers.png``: images/s against ``num_workers``, one line per target
-  (and per other setting that varies).
+  (and per other setting that varies: thread and process workers are lines of their own).
 * ``pss_vs_workers.png``: peak PSS of main + workers against ``num_workers``.
 * ``throughput_vs_memory.png``: every configuration as a point (peak PSS, images/s)
   with the trade-off frontier: the configurations no other one beats on both.
@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from fastdata.common.extras import require
 
 _BASE_AXES = ("batch_size", "pin_memory", "output", "transform", "cold", "step_ms")
-_WORKER_AXES = ("prefetch_factor", "persistent_workers", "start_method")
+_WORKER_AXES = ("worker_type", "prefetch_factor", "persistent_workers", "start_method")
 _SHORT = {"batch_size": "bs", "pin_memory": "pin", "output": "", "transform": "", "cold": "cold",
-          "step_ms": "step", "prefetch_factor": "pf", "persistent_workers": "persist", "start_method": ""}
+          "step_ms": "step", "prefetch_factor": "pf", "persistent_workers": "persist", "start_method": "",
+          "worker_type": ""}
 
 
 def _name(row: dict) -> str:
@@ -30,6 +31,10 @@ def _varying(rows: Sequence[dict], axes) -> list:
 
 def _axis_text(axis: str, value) -> str:
     short = _SHORT[axis]
+    if value is None:  # e.g. no start method for thread workers
+        return ""
+    if axis == "worker_type":
+        return "threads" if value == "thread" else "processes"
     if isinstance(value, bool):
         return short if value else f"no-{short}"
     return f"{short}={value}" if short else str(value)
@@ -61,7 +66,7 @@ def series(rows: Sequence[dict]) -> dict:
             parts = [_name(first)] + [_axis_text(a, first.get(a)) for a in base_vary]
             if wkey is not None:
                 parts += [_axis_text(a, v) for a, v in zip(_WORKER_AXES, wkey, strict=False) if a in worker_vary]
-            lines[" ".join(parts)] = sorted(zero + wrows, key=lambda r: r["workers"])
+            lines[" ".join(p for p in parts if p)] = sorted(zero + wrows, key=lambda r: r["workers"])
     return lines
 
 
@@ -127,7 +132,8 @@ def write_plots(rows: Sequence[dict], out: str) -> dict:
         ys = [r["images_per_s"] for r in members]
         ax.scatter(xs, ys, label=label)
         for r, x, y in zip(members, xs, ys, strict=False):
-            ax.annotate(f"w{r['workers']}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+            mark = "t" if r.get("worker_type") == "thread" else "w"  # t4: four threads, w4: four processes
+            ax.annotate(f"{mark}{r['workers']}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         points += list(zip(xs, ys, strict=False))
     edge = frontier(sorted(set(points)))
     ax.step([p[0] for p in edge], [p[1] for p in edge], where="post", color="black", linewidth=1, alpha=0.6,

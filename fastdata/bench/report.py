@@ -45,14 +45,17 @@ FIELDS: dict[str, str] = {
     "time_to_first_batch_s": "seconds from iter(loader) to the first batch, first epoch",
     "setup_s": "seconds to construct the Dataset",
     # memory
-    "peak_pss_bytes": "peak PSS summed over the main process and all workers (sampled every 50 ms)",
-    "peak_uss_per_worker_bytes": "peak USS (private memory) of any single worker",
+    "peak_pss_bytes": "peak PSS summed over the main process and all worker processes (sampled every 50 ms; "
+                      "with thread workers the main process alone)",
+    "peak_uss_per_worker_bytes": "peak USS (private memory) of any single worker process (null with thread "
+                                 "workers: they have no process of their own)",
     "peak_rss_bytes": "peak RSS summed over the tree; counts shared pages once per process, so it "
                       "overstates real use",
     "pss_per_epoch_bytes": "total PSS at the end of each epoch (warm-up included)",
     "mem_growth_bytes": "total PSS at the end of the last epoch minus at the end of the first",
     "main_pss_bytes": "PSS of the main process at the end of the last epoch",
-    "worker_pss_bytes": "mean PSS of one worker at the end of the last epoch",
+    "worker_pss_bytes": "mean PSS of one worker process at the end of the last epoch (null with thread "
+                        "workers)",
     "pss_exact": "false where the OS reports no PSS (PSS figures are then USS)",
     # CPU and the training step
     "cpu_cores_busy": "CPU seconds of main + workers per wall second, measured epochs",
@@ -76,6 +79,8 @@ NOTES = [
     "really uses",
     "peak RSS counts shared pages (LMDB's mmap, copy-on-write memory inherited from the parent) once in "
     "every process, so it overstates memory use; compare configurations by PSS",
+    "worker_type=thread: the workers are threads of the measuring process, so its memory is all of theirs "
+    "(per-worker figures do not apply); start_method does not apply either",
 ]
 
 FINGERPRINT_PACKAGES = ("torch", "Pillow", "lmdb", "h5py", "numpy", "simplejpeg", "opencv-python-headless")
@@ -136,7 +141,8 @@ def _fmt(value, kind: str) -> str:
     return str(value)
 
 
-_AXES = [("workers", "workers", "str"), ("batch_size", "batch", "str"), ("prefetch_factor", "prefetch", "str"),
+_AXES = [("workers", "workers", "str"), ("worker_type", "type", "str"), ("batch_size", "batch", "str"),
+         ("prefetch_factor", "prefetch", "str"),
          ("persistent_workers", "persist", "bool"), ("pin_memory", "pin", "bool"),
          ("start_method", "start", "str"), ("output", "output", "str"), ("transform", "transform", "str"),
          ("cold", "cold", "bool"), ("step_ms", "step ms", "f0")]
@@ -149,12 +155,16 @@ _FIGURES = [("images_per_s", "img/s", "f0"), ("mb_per_s", "MB/s", "f1"), ("time_
 def format_table(rows: Sequence[dict]) -> str:
     """A plain-text table: one line per row; axes shown only when they vary, then the figures.
 
+    The worker type (``type``) is shown whenever a row has thread workers.
+
     Each target's best throughput is also given as a ratio to the folder baseline's
     best when a folder target was measured.
     """
     if not rows:
         return "(no results)"
-    axes = [a for a in _AXES if a[0] == "workers" or len({str(r.get(a[0])) for r in rows}) > 1]
+    threads = any(r.get("worker_type") == "thread" for r in rows)
+    axes = [a for a in _AXES if a[0] == "workers" or (a[0] == "worker_type" and threads)
+            or len({str(r.get(a[0])) for r in rows}) > 1]
     figures = list(_FIGURES)
     if any(r.get("step_ms") for r in rows):
         figures.append(("data_wait_fraction", "data wait", "pct"))

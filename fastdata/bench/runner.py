@@ -104,7 +104,13 @@ def _snapshot_figures(snap) -> dict:
 def make_loader(cfg, dataset, sampler):
     """The DataLoader a run of ``cfg`` iterates: ``cfg``'s batch size, workers, pinning, prefetch,
     persistent workers and start method over ``dataset`` in ``sampler``'s order (the default
-    ``loader_factory`` of :func:`measure`)."""
+    ``loader_factory`` of :func:`measure`).
+
+    Thread workers (``cfg.worker_type == "thread"``): a :class:`fastdata.reader.loader.Loader` with
+    ``worker_type="thread"``, ``num_workers`` threads of this process; no ``worker_init_fn``
+    (``seed_worker`` seeds process-wide generators), no start method; ``persistent_workers`` keeps
+    the thread pool from one epoch to the next.
+    """
     import torch
     from torch.utils.data import DataLoader
 
@@ -112,8 +118,14 @@ def make_loader(cfg, dataset, sampler):
     from fastdata.reader.seeding import seed_worker
 
     kwargs = dict(batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers,
-                  collate_fn=collate_lists, pin_memory=cfg.pin_memory, worker_init_fn=seed_worker,
+                  collate_fn=collate_lists, pin_memory=cfg.pin_memory,
                   generator=torch.Generator().manual_seed(cfg.seed))
+    if cfg.workers > 0 and getattr(cfg, "worker_type", "process") == "thread":
+        from fastdata.reader.loader import Loader
+
+        return Loader(dataset, worker_type="thread", prefetch_factor=cfg.prefetch_factor,
+                      persistent_workers=cfg.persistent_workers, **kwargs)
+    kwargs["worker_init_fn"] = seed_worker
     if cfg.workers > 0:
         import multiprocessing
 
@@ -188,7 +200,9 @@ def measure(cfg, *, loader_factory: Callable[[Any, Any, SubsetShuffle], Iterable
     epoch_bytes = int(target.sample_bytes[subset].sum())
     n_batches = math.ceil(per_epoch / cfg.batch_size)
     dataset = target.dataset
-    if cfg.cold and cfg.workers and cfg.persistent_workers and cfg.kind != "folder":
+    # (thread workers use this process's dataset, which is closed before each eviction below)
+    threads = cfg.worker_type == "thread" and cfg.workers > 0
+    if cfg.cold and cfg.workers and not threads and cfg.persistent_workers and cfg.kind != "folder":
         dataset = CloseAfterFetch(target.dataset)
     loader = (loader_factory or make_loader)(cfg, dataset, SubsetShuffle(subset, cfg.seed))
     cuda = _Cuda(cfg.pin_memory)
@@ -242,7 +256,7 @@ def measure(cfg, *, loader_factory: Callable[[Any, Any, SubsetShuffle], Iterable
             epoch_s.append(elapsed)
             wait_s.append(wait)
             cpu_s.append(tree_cpu_seconds() - cpu0)
-        del loader  # shuts persistent workers down before the final memory sample
+        del loader  # shuts persistent workers (processes or threads) down before the final memory sample
     finally:
         sampler.stop()
 
@@ -267,13 +281,15 @@ def measure(cfg, *, loader_factory: Callable[[Any, Any, SubsetShuffle], Iterable
         "time_to_first_batch_s": ttfb,
         "setup_s": setup_s,
         "peak_pss_bytes": sampler.peak_pss,
-        # 0 means no process was classified as a worker (not a worker using nothing): unknown
-        "peak_uss_per_worker_bytes": (sampler.peak_uss_per_worker or None) if cfg.workers else None,
+        # 0 means no process was classified as a worker (not a worker using nothing): unknown;
+        # thread workers have no process of their own: their memory is the main process's
+        "peak_uss_per_worker_bytes": (sampler.peak_uss_per_worker or None) if cfg.workers and not threads
+        else None,
         "peak_rss_bytes": sampler.peak_rss,
         "pss_per_epoch_bytes": [m["total_pss"] for m in marks],
         "mem_growth_bytes": growth,
         "main_pss_bytes": last["main_pss"],
-        "worker_pss_bytes": statistics.mean(last["worker_pss"]) if last["worker_pss"] else None,
+        "worker_pss_bytes": statistics.mean(last["worker_pss"]) if last["worker_pss"] and not threads else None,
         "pss_exact": bool(sampler.samples) and process_tree_pss_exact(),
         "cpu_cores_busy": sum(m_cpu) / sum(m_epoch),
         "cpu_util": sum(m_cpu) / sum(m_epoch) / cores,

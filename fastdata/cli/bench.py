@@ -34,6 +34,7 @@ transforms); a store through fastdata with the transform fused into decoding.
 
 example:
   fastdata bench train/ train.lmdb train.h5 --workers 0,2,4 --transform rrc224 --out results/
+  fastdata bench train.lmdb --workers 2,4,8 --worker-type both --transform rrc224
 """
 
 
@@ -73,6 +74,10 @@ def add_commands(subparsers) -> None:
     b.add_argument("--batch-size", default="64", metavar="B,..", help="batch sizes (default 64)")
     b.add_argument("--prefetch-factor", default="2", metavar="P,..", help="prefetch factors (default 2)")
     b.add_argument("--persistent-workers", default="on", metavar="on,off", help="persistent workers (default on)")
+    b.add_argument("--worker-type", default="process", metavar="process,thread",
+                   help="worker processes (DataLoader's) and/or threads of the loading process "
+                        "(fastdata.loader(..., worker_type='thread')): process, thread, process,thread or both "
+                        "(a row of each per worker count, side by side); default process")
     _add_loader_options(b, grid=True)
     b.add_argument("--epochs", type=int, default=2, metavar="N", help="measured epochs (default 2)")
     b.add_argument("--warmup-epochs", type=int, default=1, metavar="N", help="epochs run before measuring (default 1)")
@@ -92,8 +97,11 @@ def add_commands(subparsers) -> None:
 
     t = subparsers.add_parser(
         "tune", help="find the fastest DataLoader settings within a memory budget",
-        description=_wrap("Find the DataLoader settings (num_workers, prefetch_factor, batch_size) that load TARGET "
+        description=_wrap("Find the DataLoader settings (num_workers, worker processes or threads, prefetch_factor, "
+                    "batch_size) that load TARGET "
                     "fastest while the measured peak PSS of main process + workers stays within the budget. "
+                    "Worker processes and thread workers are both measured (--worker-types) and the faster that "
+                    "fits is recommended, with the reason. "
                     "Prints the estimator's prediction before measuring and the measurement next to it, then a "
                     "ready-to-paste DataLoader(...) call, saved with every trial as tune.json in --out. The "
                     "budget covers data loading only: leave room for your model."),
@@ -116,6 +124,11 @@ def add_commands(subparsers) -> None:
                         "considered, since the simulated step shows the missing overlap")
     t.add_argument("--max-workers", type=int, default=None, metavar="N",
                    help="most workers to try (default: core count)")
+    t.add_argument("--worker-types", default="process,thread", metavar="process,thread",
+                   help="worker kinds to measure: DataLoader worker processes and/or threads of the training "
+                        "process (fastdata.loader(..., worker_type='thread')); with both (the default), each "
+                        "is searched and the faster that fits the budget is recommended, threads when within "
+                        "--min-gain (they use one process's memory)")
     t.add_argument("--min-gain", type=float, default=0.05, metavar="F",
                    help="relative throughput gain that justifies another step (default 0.05)")
     t.add_argument("--epochs", type=int, default=2, metavar="N", help="measured epochs per trial (default 2)")
@@ -131,7 +144,9 @@ def add_commands(subparsers) -> None:
         description=_wrap("Import module:attribute (calling it when it is a class or factory with no required "
                     "arguments), check the dataset for known DataLoader hazards (per-sample Python containers "
                     "copied into every worker, open file/LMDB/HDF5/database handles, unpicklable attributes, "
-                    "random generators cloned into every worker) and print each with its fix; then report "
+                    "random generators cloned into every worker) and print each with its fix; time a few "
+                    "batches with one thread worker and with two, to say whether the dataset holds the GIL "
+                    "while it loads (worker_type='thread' then serialises); then report "
                     "which operating-system facilities fastdata uses this system lacks (macOS, Windows) and "
                     "what each absence costs. Without MODULE:ATTRIBUTE, only that platform report. "
                     "Exit 0 when clean, 1 when a hazard is found, 2 when the object cannot be loaded."),
@@ -144,6 +159,10 @@ def add_commands(subparsers) -> None:
                    help="fetch N items first (finds handles that __getitem__ opens, and items that raise)")
     d.add_argument("--threshold", type=int, default=1000, metavar="N",
                    help="report Python containers with at least N elements (default 1000)")
+    d.add_argument("--no-thread-check", action="store_false", dest="thread_check",
+                   help="skip timing a few batches with one thread worker and with two (about 2 s), which says "
+                        "whether the dataset holds the GIL while it loads (then worker_type='thread' would "
+                        "not load in parallel)")
     d.set_defaults(func=_cmd_doctor)
 
 
@@ -177,7 +196,7 @@ def _cmd_bench(args) -> int:
         persistent_workers=args.persistent_workers, pin_memory=_pin(args.pin_memory),
         start_method=args.start_method, output=args.output, transform=args.transform, epochs=args.epochs,
         warmup_epochs=args.warmup_epochs, max_batches=args.max_batches, cold=args.cold, step_ms=args.step_ms,
-        seed=args.seed, store_options=_store_options(args))
+        seed=args.seed, store_options=_store_options(args), worker_type=args.worker_type)
     if args.plots:  # say so now, not after the whole run
         from fastdata.bench.plots import check_plotting
 
@@ -193,7 +212,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_tune(args) -> int:
-    from fastdata.bench.grid import BenchConfig, default_start_method, parse_bool, target_kind
+    from fastdata.bench.grid import BenchConfig, default_start_method, parse_bool, parse_worker_types, target_kind
     from fastdata.bench.report import fingerprint
     from fastdata.bench.tune import (
         accumulation_snippet,
@@ -216,6 +235,7 @@ def _cmd_tune(args) -> int:
     if start not in ("fork", "spawn", "forkserver"):
         raise ValueError("--start-method must be fork, spawn or forkserver")
     pin = parse_bool(_pin(args.pin_memory))
+    worker_types = parse_worker_types(args.worker_types)
     from fastdata.remote.store import is_remote
 
     remote = _store_options(args)
@@ -238,7 +258,7 @@ def _cmd_tune(args) -> int:
                   harness_probe(base, args.timeout, remote or None), budget,
                   batch_size=args.batch_size, effective_batch_size=args.effective_batch_size,
                   max_workers=args.max_workers, min_gain=args.min_gain, step_ms=args.step_ms,
-                  allow_no_workers=args.allow_no_workers, log=log)
+                  allow_no_workers=args.allow_no_workers, log=log, worker_types=worker_types)
     snippet = dataloader_snippet(result, target, kind, args.transform, args.output, pin,
                                  None if args.start_method == "default" else start, uniform_size=uniform,
                                  store_options=remote)
@@ -248,7 +268,10 @@ def _cmd_tune(args) -> int:
           f"{format_size(m.peak_pss)} (predicted {format_size(result.predicted_pss)}) of a "
           f"{format_size(budget)} budget")
     print(f"  {_wait_sentence(m.data_wait_fraction, args.step_ms)}")
-    for note in result.notes + _size_notes(kind, args.transform, args.output, uniform):
+    for line in _worker_type_lines(result):
+        print(f"  {line}")
+    notes = [n for n in result.notes if n != result.reason]  # (the reason is printed with the two lines above)
+    for note in notes + _size_notes(kind, args.transform, args.output, uniform):
         print(f"  {args.say(note)}")
     print("\n" + snippet)
     if loop:
@@ -259,6 +282,22 @@ def _cmd_tune(args) -> int:
                        "machine": fingerprint()})
     print(f"\nsaved {path}")
     return EXIT_OK
+
+
+def _worker_type_lines(result) -> list:
+    """The best measured line of each worker type, side by side, then why one was recommended."""
+    if len(result.by_worker_type) < 2:
+        return []
+    from fastdata.common.units import format_size
+
+    lines = []
+    for kind, trial in result.by_worker_type.items():
+        m = trial.measured
+        label = "threads:" if kind == "thread" else "processes:"
+        lines.append(f"{label:<11} {trial.settings.describe():<58} {m.images_per_s:8.0f} images/s, "
+                     f"peak PSS {format_size(m.peak_pss)}")
+    lines.append(f"picked {result.reason}")
+    return lines
 
 
 def _uniform_size(target: str, kind: str, transform: str, store_options: dict | None = None):
@@ -307,7 +346,8 @@ def _cmd_doctor(args) -> int:
         print(platform_report())
         return EXIT_OK
     dataset = load_object(args.spec)
-    report = diagnose(dataset, sample_items=args.sample, container_threshold=args.threshold)
+    report = diagnose(dataset, sample_items=args.sample, container_threshold=args.threshold,
+                      check_threads=args.thread_check)
     print(report)
     print(platform_report())
     return EXIT_OK if report.ok else EXIT_FAILED_CHECK
