@@ -27,6 +27,13 @@ reports:
 ``item_error``
     with ``sample_items > 0``, ``dataset[i]`` raised.
 
+With ``check_threads=True`` (``fastdata doctor`` does), :func:`check_thread_workers` also
+times a few batches loaded by one thread and by two (``fastdata.loader(...,
+worker_type="thread")``) and says whether the dataset's loading runs in parallel in threads
+or holds the GIL (a pure-Python ``__getitem__`` or transform): then ``worker_type="thread"``
+would serialise and worker processes (the default) are the choice. That is advice, not a
+hazard: the default loader uses processes.
+
 Only ``__dict__``/``__slots__`` values are read: properties are never called, so the
 walk has no side effects. Handles and RNGs are recognised by type; modules that were
 never imported (``lmdb``, ``h5py``, ``torch``) are not imported here.
@@ -45,6 +52,7 @@ import random
 import socket
 import sqlite3
 import sys
+import time
 import types
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -62,6 +70,8 @@ __all__ = [
     "UNPICKLABLE",
     "SHARED_RNG",
     "ITEM_ERROR",
+    "ThreadScaling",
+    "check_thread_workers",
 ]
 
 PYTHON_CONTAINER = "python_container"
@@ -111,6 +121,44 @@ class Hazard:
     bytes_at_risk: int | None = None
 
 
+@dataclass(frozen=True)
+class ThreadScaling:
+    """How a dataset's loading scales from one thread worker to two (:func:`check_thread_workers`).
+
+    Attributes:
+        speedup: time with one thread divided by time with two (2.0 = perfect scaling).
+        one_thread_s, two_threads_s: seconds to load the timed batches (the faster of the rounds).
+        batches, batch_size: what was timed (the same fixed indices for both).
+        cores: usable cores when measured.
+        min_speedup: the speed-up under which the dataset is said to hold the GIL.
+    """
+
+    speedup: float
+    one_thread_s: float
+    two_threads_s: float
+    batches: int
+    batch_size: int
+    cores: int
+    min_speedup: float = 1.3
+
+    @property
+    def blocks(self) -> bool:
+        """True when two threads were not ``min_speedup`` times as fast as one: loading holds the GIL."""
+        return self.speedup < self.min_speedup
+
+    def message(self) -> str:
+        """The sentence ``fastdata doctor`` prints."""
+        if self.blocks:
+            text = (f"your Dataset holds the GIL while it loads (2 threads ran at {self.speedup:.2f}x one): use "
+                    "worker_type='process' (the default)")
+            per_batch = self.one_thread_s / max(self.batches, 1)
+            if per_batch < 1e-3:  # too quick to matter (and to time): say so
+                text += f"; at {per_batch * 1e3:.2f} ms per batch of {self.batch_size}, loading costs little either way"
+            return text
+        return (f"thread workers scale ({self.speedup:.2f}x with 2 threads): worker_type='thread' may load as fast "
+                "with one process's memory (fastdata tune measures both)")
+
+
 @dataclass
 class DiagnosisReport:
     """The result of :func:`diagnose`.
@@ -121,12 +169,15 @@ class DiagnosisReport:
         notes: informational lines (pickled size, items sampled, declared fork-safe handles).
         pickled_bytes: size of the dataset pickled as spawn would send it, or ``None``
             when it cannot be pickled.
+        threads: with ``check_threads``, how loading scaled from one thread worker to two
+            (None when not measured; a note says why).
     """
 
     dataset_type: str
     hazards: list[Hazard] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     pickled_bytes: int | None = None
+    threads: ThreadScaling | None = None
 
     @property
     def ok(self) -> bool:
@@ -148,6 +199,8 @@ class DiagnosisReport:
             if h.bytes_at_risk is not None:
                 lines.append(f"     at risk: ~{_fmt_bytes(h.bytes_at_risk)} per worker")
             lines.append(f"     fix: {h.fix}")
+        if self.threads is not None:
+            lines.append(f"  thread workers: {self.threads.message()}")
         if self.notes:
             lines.append("  notes:")
             lines.extend(f"   - {note}" for note in self.notes)
@@ -506,6 +559,100 @@ def _sample(dataset: Any, count: int, report: DiagnosisReport) -> None:
     report.notes.append(f"fetched {fetched} of {len(indices)} sampled items")
 
 
+def _as_is(batch):
+    """The collate of the thread check: the items as the dataset returns them (no stacking)."""
+    return batch
+
+
+def _load_with_threads(dataset: Any, indices: list[int], batch_size: int, threads: int) -> float:
+    """Seconds to load ``indices`` in batches with ``threads`` thread workers."""
+    from fastdata.reader.loader import loader
+
+    t0 = time.perf_counter()
+    it = iter(loader(dataset, batch_size=batch_size, sampler=indices, shuffle=False, num_workers=threads,
+                     worker_type="thread", collate_fn=_as_is, pin_memory=False))
+    for _ in it:
+        pass
+    elapsed = time.perf_counter() - t0
+    del it
+    return elapsed
+
+
+def check_thread_workers(
+    dataset: Any,
+    *,
+    batch_size: int = 16,
+    batches: int = 8,
+    budget_s: float = 2.0,
+    min_speedup: float = 1.3,
+    min_batches: int = 4,
+) -> tuple[ThreadScaling | None, str]:
+    """Time loading a fixed subset with one thread worker and with two.
+
+    One warm-up batch first (it also sizes the run to ``budget_s``: fewer batches, or smaller
+    ones, for a slow dataset; more batches for a fast one, so that a run is long enough to
+    time); then the same indices with one thread and with two, twice each, interleaved, when
+    the budget allows (the faster run of each counts: a busy machine slows runs, never speeds
+    them up).
+
+    Args:
+        dataset: a map-style dataset (``__getitem__`` and ``__len__``).
+        batch_size, batches: the timed run (at most ``len(dataset) // batch_size`` batches).
+        budget_s: about the most the check takes.
+        min_speedup: two threads under this multiple of one: loading holds the GIL.
+        min_batches: a dataset shorter than this many batches is not timed.
+
+    Returns:
+        tuple: ``(ThreadScaling, "")``, or ``(None, why it was not measured)``.
+    """
+    from fastdata.common.portable import available_cores
+
+    try:
+        import torch.utils.data as tud
+
+        if isinstance(dataset, tud.IterableDataset):
+            return None, "an IterableDataset cannot load with thread workers"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    if not callable(getattr(dataset, "__getitem__", None)):
+        return None, "not a map-style dataset"
+    try:
+        n = len(dataset)
+    except TypeError:
+        return None, "the dataset has no len()"
+    cores = available_cores()
+    if cores < 2:
+        return None, "one usable core: two threads cannot run at once here"
+    bs = max(1, min(batch_size, n // (2 * min_batches)))
+    if n < min_batches * bs or n < 2 * min_batches:
+        return None, f"{n} items is too few to time"
+    try:
+        warm = _load_with_threads(dataset, list(range(bs)), bs, 1)
+        per_batch = max(warm, 1e-6)
+        k = max(batches, min(64, int(0.05 / per_batch)))  # fast items: runs long enough to time
+        k = min(k, n // bs)
+        cost = 1.5 * per_batch  # one batch with one thread, and with two
+        while k > 2 and k * cost > budget_s:
+            k -= 1
+        if k * cost > budget_s:  # two batches are over the budget: smaller batches
+            old, bs = bs, max(1, int(bs * budget_s / (2 * cost)))
+            per_batch = per_batch * bs / old
+            cost = 1.5 * per_batch
+        k -= k % 2  # (an even count: an odd one leaves the second thread idle for the last batch)
+        k = max(k, 2)
+        rounds = 2 if 2 * k * cost <= budget_s else 1
+        spread = np.linspace(0, n - 1, k * bs).astype(np.int64).tolist()
+        one, two = [], []
+        for _ in range(rounds):
+            one.append(_load_with_threads(dataset, spread, bs, 1))
+            two.append(_load_with_threads(dataset, spread, bs, 2))
+    except Exception as exc:  # noqa: BLE001 - the dataset's own error: say so, judge nothing
+        return None, f"loading raised {type(exc).__name__}: {exc}"
+    t1, t2 = min(one), min(two)
+    return ThreadScaling(speedup=t1 / max(t2, 1e-9), one_thread_s=t1, two_threads_s=t2, batches=k, batch_size=bs,
+                         cores=cores, min_speedup=min_speedup), ""
+
+
 def _handle_paths(dataset: Any, max_depth: int) -> set:
     paths = set()
     walker = _walk(dataset, max_depth)
@@ -527,6 +674,7 @@ def diagnose(
     sample_items: int = 0,
     container_threshold: int = 1000,
     max_depth: int = 4,
+    check_threads: bool = False,
 ) -> DiagnosisReport:
     """Check a map-style Dataset for the known DataLoader hazards.
 
@@ -538,6 +686,10 @@ def diagnose(
         container_threshold: Python containers with at least this many elements are
             reported.
         max_depth: how deep to follow attributes and container elements.
+        check_threads: also time loading with one thread worker and with two
+            (:func:`check_thread_workers`, about 2 s at most; after the inspection, whose
+            findings it cannot change): ``.threads`` says whether the dataset holds the GIL
+            while it loads. Advice, not a hazard.
 
     Returns:
         DiagnosisReport: ``.hazards`` (each with a fix), ``.ok``, ``.notes``; ``str()``
@@ -610,4 +762,12 @@ def diagnose(
 
     report.hazards.extend(found)
     report.hazards.sort(key=lambda h: _KIND_ORDER.index(h.kind))  # stable: walk order within a kind
+    if check_threads:
+        report.threads, why = check_thread_workers(dataset)
+        if report.threads is None:
+            report.notes.append(f"thread workers not timed: {why}")
+        else:
+            t = report.threads
+            report.notes.append(f"thread check: {t.batches} batches of {t.batch_size} in {t.one_thread_s:.3f} s "
+                                f"with 1 thread, {t.two_threads_s:.3f} s with 2 ({t.cores} usable cores)")
     return report
