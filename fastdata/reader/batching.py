@@ -333,6 +333,50 @@ def build_batch(targets: np.ndarray, shape: tuple[int, ...], fill: Callable[[np.
     return batch
 
 
+def concat_parts(parts: Sequence[Any]) -> Batch | Samples | None:
+    """The batch that ``__getitems__`` of the concatenated indices would have returned, from what it
+    returned for consecutive parts of them (:mod:`fastdata.reader.threads` splits the first batch of
+    an epoch across its threads): :class:`Samples` joined (skips summed), or :class:`Batch` pixels
+    copied into one new batch of the same layout. None when the parts are of another type, or
+    batches of different layouts: then they cannot be joined, and the caller reads the batch whole."""
+    if parts and all(type(p) is Samples for p in parts):
+        first = parts[0]
+        if any((p.token, p.detection) != (first.token, first.detection) for p in parts):
+            return None
+        out = Samples(item for p in parts for item in p)
+        out.skips, out.token, out.detection = sum(p.skips for p in parts), first.token, first.detection
+        out.ragged = tuple(sorted({name for p in parts for name in p.ragged}))
+        return out
+    if not parts or not all(type(p) is Batch for p in parts):
+        return None
+    first = parts[0]
+
+    def layout(b: Batch) -> tuple:
+        return (b.pixels.shape[1:], b.pixels.dtype, isinstance(b.images, torch.Tensor), bool(b.squeeze),
+                b.sources is None, b.labels.dtype, b.token)
+
+    if any(layout(p) != layout(first) for p in parts) or first.labels.dtype != torch.int64:
+        return None
+    pixels_shape, dtype, channels_first, squeeze = layout(first)[:4]
+    # build_batch's shape: (H, W) for 3 channels, else (H, W, C); a squeezed batch's pixels keep their C of 1
+    shape = tuple(pixels_shape[:2]) if pixels_shape[2] == 3 else tuple(pixels_shape)
+    labels = np.concatenate([p.labels.numpy() for p in parts])
+
+    def fill(arr: np.ndarray) -> None:
+        start = 0
+        for p in parts:
+            arr[start:start + len(p.pixels)] = p.pixels
+            start += len(p.pixels)
+
+    batch = build_batch(labels, shape, fill, channels_first=channels_first, dtype=dtype, squeeze=squeeze)
+    # the samples as the parts listed them (a target_transform's targets, a mix's source ids), over the new pixels
+    batch[:] = [(image, *item[1:]) for image, item in zip(batch.images, (i for p in parts for i in p), strict=True)]
+    if first.sources is not None:
+        batch.sources = np.concatenate([p.sources for p in parts])
+    batch.skips, batch.token = sum(p.skips for p in parts), first.token
+    return batch
+
+
 # -- samples beyond (image, class) ---------------------------------------------------------------
 def _holds_dicts(batch: Sequence) -> bool:
     """Whether the batch's samples are dicts, or tuples/lists with a dict in them."""

@@ -23,6 +23,12 @@ What stays exactly as with worker processes (the tests compare the two batch for
   comes, with its own type and traceback; ``timeout`` bounds the wait for one batch;
 * ``persistent_workers=True``: the thread pool is kept from one epoch to the next.
 
+The first batch of an epoch is split: each thread reads and decodes a part of it (a fastdata
+dataset's ``__getitems__`` of consecutive parts of the indices), and the parts are joined into the
+batch the whole would have given (:func:`fastdata.reader.batching.concat_parts`), so that the
+first batch comes after a part's decoding, not a whole batch's. Later batches are built whole, one
+per thread, while the training loop works on the earlier ones.
+
 What differs, by nature: ``torch.utils.data.get_worker_info()`` is None in a thread (there is no
 worker process); a ``worker_init_fn`` is called in each thread when it starts (as in each worker
 process), except :func:`fastdata.seed_worker`, which seeds process-wide generators: in a thread
@@ -41,7 +47,8 @@ from typing import Any
 from torch.utils.data import _utils
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from fastdata.reader.seeding import seed_worker
+from fastdata.reader.batching import concat_parts
+from fastdata.reader.seeding import EpochIndex, seed_worker
 
 __all__ = ["WORKER_TYPES", "ThreadLoaderIter"]
 
@@ -49,6 +56,32 @@ __all__ = ["WORKER_TYPES", "ThreadLoaderIter"]
 WORKER_TYPES = ("process", "thread")
 #: batches in flight per thread when the loader has no ``prefetch_factor`` (torch's default)
 DEFAULT_PREFETCH = 2
+
+
+class _Parts:
+    """A batch in flight as parts, one future each (the first batch of an epoch)."""
+
+    __slots__ = ("index", "futures")
+
+    def __init__(self, index: list, futures: list[Future]) -> None:
+        self.index, self.futures = index, futures
+
+    def cancel(self) -> None:
+        for future in self.futures:
+            future.cancel()
+
+
+def split_indices(index: list, parts: int) -> list[list]:
+    """``index`` cut into ``parts`` consecutive, nearly equal parts, each one's first index tagged with
+    the epoch of the batch's first (a fastdata dataset reads a batch's epoch from its first index)."""
+    bounds = [len(index) * k // parts for k in range(parts + 1)]
+    out = [list(index[a:b]) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    first = index[0]
+    if isinstance(first, EpochIndex):
+        for part in out[1:]:
+            if not isinstance(part[0], EpochIndex):
+                part[0] = EpochIndex(part[0], first.epoch)
+    return out
 
 
 class ThreadLoaderIter(_BaseDataLoaderIter):
@@ -68,8 +101,13 @@ class ThreadLoaderIter(_BaseDataLoaderIter):
         self._thread_ids: dict[int, int] = {}  # thread ident -> worker id, for worker_init_fn
         self._ids_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[Future] = deque()
+        self._pending: deque[Future | _Parts] = deque()
         self._exhausted = False
+        self._split_next = True  # the first batch of each epoch is split across the threads
+        getitems = getattr(type(self._dataset), "__getitems__", None)
+        # only a fastdata dataset's batches can be joined back into what the whole would have given
+        self._splits = (self._auto_collation and self._num_workers > 1 and callable(getitems)
+                        and getattr(getitems, "__module__", "").startswith("fastdata."))
         self._start_pool()
 
     # -- the pool ---------------------------------------------------------------------------
@@ -91,6 +129,30 @@ class ThreadLoaderIter(_BaseDataLoaderIter):
             data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
         return data
 
+    def _fetch_part(self, part: list) -> Any:
+        if threading.get_ident() not in self._thread_ids:
+            self._first_call_in_thread()
+        return getattr(self._dataset, "__getitems__")(part)  # noqa: B009 - (Dataset's stub has no __getitems__)
+
+    def _submit(self, pool: ThreadPoolExecutor, index) -> Future | _Parts:
+        split, self._split_next = self._split_next, False
+        if split and self._splits and len(index) >= 2 * self._num_workers:
+            return _Parts(index, [pool.submit(self._fetch_part, part)
+                                  for part in split_indices(index, self._num_workers)])
+        return pool.submit(self._fetch, index)
+
+    def _wait(self, future: Future) -> Any:
+        return future.result(timeout=self._timeout if self._timeout > 0 else None)
+
+    def _joined(self, parts: _Parts) -> Any:
+        joined = concat_parts([self._wait(future) for future in parts.futures])
+        if joined is None:  # parts of a kind that cannot be joined: read the batch whole
+            return self._fetch(parts.index)
+        data = self._collate_fn(joined)
+        if self._pin_memory:
+            data = _utils.pin_memory.pin_memory(data, self._pin_memory_device)
+        return data
+
     def _fill(self) -> None:
         """Submit batches until ``num_workers * prefetch_factor`` are in flight or the sampler ends."""
         pool = self._pool
@@ -101,7 +163,7 @@ class ThreadLoaderIter(_BaseDataLoaderIter):
             except StopIteration:
                 self._exhausted = True
                 break
-            self._pending.append(pool.submit(self._fetch, index))
+            self._pending.append(self._submit(pool, index))
 
     def _next_data(self) -> Any:
         if self._pool is None:
@@ -111,9 +173,9 @@ class ThreadLoaderIter(_BaseDataLoaderIter):
             if not self._persistent_workers:
                 self._shutdown()
             raise StopIteration
-        future = self._pending.popleft()
+        pending = self._pending.popleft()
         try:
-            data = future.result(timeout=self._timeout if self._timeout > 0 else None)
+            data = self._joined(pending) if isinstance(pending, _Parts) else self._wait(pending)
         except FutureTimeout:
             self._shutdown()
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds (thread workers)") from None
@@ -129,15 +191,17 @@ class ThreadLoaderIter(_BaseDataLoaderIter):
         self._drain()
         super()._reset(loader, first_iter)
         self._exhausted = False
+        self._split_next = True
         if self._pool is None:
             self._start_pool()
 
     def _drain(self) -> None:
         """Drop the batches in flight (cancelled if not started, else waited for and discarded)."""
         pending, self._pending = self._pending, deque()
-        for future in pending:
+        futures = [f for item in pending for f in (item.futures if isinstance(item, _Parts) else [item])]
+        for future in futures:
             future.cancel()
-        for future in pending:
+        for future in futures:
             if not future.cancelled():
                 try:
                     future.result()
@@ -147,8 +211,8 @@ class ThreadLoaderIter(_BaseDataLoaderIter):
     def _shutdown(self) -> None:
         pool, self._pool = self._pool, None
         pending, self._pending = self._pending, deque()
-        for future in pending:
-            future.cancel()
+        for item in pending:
+            item.cancel()
         if pool is not None:
             # no wait: a batch still being built finishes in its thread and is dropped
             pool.shutdown(wait=False, cancel_futures=True)

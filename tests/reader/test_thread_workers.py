@@ -103,6 +103,36 @@ def test_threads_give_the_batches_of_processes_for_sample_dicts(tmp_path):
     assert_same(threads, epochs_of(open_ds, "process"))
 
 
+def test_the_first_batch_of_each_epoch_is_built_by_every_thread(tmp_path):
+    """Each thread decodes a part of an epoch's first batch (its samples come from both threads), and
+    the joined batch is the one a single thread gives; later batches are built whole, by one thread."""
+    rows = [{"image": np.full((6, 6, 3), i, dtype=np.uint8), "label": i} for i in range(24)]
+    dst = str(tmp_path / "g.lmdb")
+    fastdata.write(rows, dst, schema={"image": Image(), "label": Int()}, progress=False)
+    builders: dict[int, str] = {}
+
+    def note(sample):
+        time.sleep(0.01)  # long enough for both threads to be at work
+        builders[int(sample["label"])] = threading.current_thread().name
+        return sample
+
+    def run(workers):
+        loader = fastdata.loader(fastdata.open_dataset(dst, output="numpy", transform=note), batch_size=8,
+                                 num_workers=workers, worker_type="thread", seed=SEED)
+        batches = []
+        for _ in range(2):
+            builders.clear()
+            epoch = [as_numpy(b) for b in loader]
+            first, second = epoch[0]["label"].tolist(), epoch[1]["label"].tolist()
+            if workers == 2:
+                assert len({builders[i] for i in first}) == 2, "the first batch was not split"
+                assert len({builders[i] for i in second}) == 1  # (the control: later batches are one thread's)
+            batches += epoch
+        return batches
+
+    assert_same(run(2), run(1))
+
+
 def test_resume_mid_epoch_with_two_threads(stores):
     """state_dict after 3 batches, a new loader resumes: the rest of the epoch, exactly."""
     def run(state=None, stop=None):
@@ -138,6 +168,7 @@ def test_persistent_threads_keep_their_pool_and_batches(stores):
 
         def __getitem__(self, i):
             names[-1].add(threading.current_thread().name)
+            time.sleep(0.002)  # both threads get work
             return self.inner[i]
 
     def open_ds():
@@ -149,7 +180,7 @@ def test_persistent_threads_keep_their_pool_and_batches(stores):
     for _ in range(2):
         names.append(set())
         batches += [as_numpy(b) for b in loader]
-    assert names[0] == names[1] and len(names[0]) == 2  # the same two threads served both epochs
+    assert len(names[0]) == 2 and names[1] <= names[0]  # no new thread served the second epoch
     assert all(n.startswith("fastdata-loader") for n in names[0])
     plain = fastdata.loader(open_ds(), batch_size=5, num_workers=0, shuffle=False)
     assert_same(batches, [as_numpy(b) for _ in range(2) for b in plain])
