@@ -103,6 +103,18 @@ def test_threads_give_the_batches_of_processes_for_sample_dicts(tmp_path):
     assert_same(threads, epochs_of(open_ds, "process"))
 
 
+def test_threads_give_the_batches_of_processes_for_a_mix(stores):
+    """A mix of both backends' stores: fixed-shape batches with each sample's source id (the split
+    first batch is joined with its sources)."""
+    def open_ds():
+        return fastdata.mix({b: fastdata.open_dataset(stores[b], decode=transforms.CenterCrop(12), output="tensor")
+                             for b in stores}, seed=4)
+
+    threads = epochs_of(open_ds, "thread")
+    assert len(threads[0]) == 3 and len(set(threads[0][2].tolist())) == 2  # (images, labels, sources)
+    assert_same(threads, epochs_of(open_ds, "process"))
+
+
 def test_the_first_batch_of_each_epoch_is_built_by_every_thread(tmp_path):
     """Each thread decodes a part of an epoch's first batch (its samples come from both threads), and
     the joined batch is the one a single thread gives; later batches are built whole, by one thread."""
