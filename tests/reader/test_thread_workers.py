@@ -324,6 +324,40 @@ def test_shared_shard_readers_under_a_cap_of_one(stores):
     assert got == [expected[i] for i in order]
 
 
+def test_hdf5_reads_do_not_wait_on_h5pys_global_lock(stores, tmp_path):
+    """With h5py's global lock held by this thread, another thread still reads and decodes every sample
+    of an HDF5 store whose shards are open (payloads are read through a map of their known offsets);
+    the control, a read through h5py, waits for the lock."""
+    import h5py
+    from h5py._objects import phil  # the lock every h5py call takes
+
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["x"] = np.arange(3)
+    ds = fastdata.open_dataset(stores["hdf5"], output="numpy")
+    expected = [ds[i][0].tobytes() for i in range(N)]  # every shard opened, its index read
+    got: list = []
+
+    def read_all():
+        got.extend(ds[i][0].tobytes() for i in range(N))
+
+    def read_with_h5py():
+        with h5py.File(other, "r") as f:
+            got.append(int(f["x"][2]))
+
+    with phil:
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        reader.join(timeout=20)
+        assert not reader.is_alive(), "reading waited for h5py's lock"
+        control = threading.Thread(target=read_with_h5py)
+        control.start()
+        control.join(timeout=0.5)
+        assert control.is_alive()  # h5py itself waits for the lock
+    control.join(timeout=20)
+    assert got == [*expected, 2]
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="worker_type must be one of 'process', 'thread'"):
         fastdata.loader(Probe(), worker_type="threads")
