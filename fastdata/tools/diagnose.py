@@ -28,11 +28,7 @@ reports:
     with ``sample_items > 0``, ``dataset[i]`` raised.
 
 With ``check_threads=True`` (``fastdata doctor`` does), :func:`check_thread_workers` also
-times a few batches loaded by one thread and by two (``fastdata.loader(...,
-worker_type="thread")``) and says whether the dataset's loading runs in parallel in threads
-or holds the GIL (a pure-Python ``__getitem__`` or transform): then ``worker_type="thread"``
-would serialise and worker processes (the default) are the choice. That is advice, not a
-hazard: the default loader uses processes.
+says, by timing one thread worker against two, whether the dataset holds the GIL while it loads.
 
 Only ``__dict__``/``__slots__`` values are read: properties are never called, so the
 walk has no side effects. Handles and RNGs are recognised by type; modules that were
