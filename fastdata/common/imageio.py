@@ -19,8 +19,10 @@ The policy, the same at conversion time (validating inputs), at read time
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
+import logging
 import math
 import struct
 import sys
@@ -528,7 +530,12 @@ def _decode_tiff(data: Buffer, *, pixels: bool = True,
                                     and np.dtype(dtype).isnative and out.flags.c_contiguous):
             out = None
         try:
-            array = page.asarray(maxworkers=1, out=out)  # a loader's workers are the parallelism
+            with _tifffile_errors() as logged:
+                array = page.asarray(maxworkers=1, out=out)  # a loader's workers are the parallelism
+            if logged:  # (tifffile from 2026.11 pads a strip that decodes short, and logs it as an error)
+                raise ImageDecodeError(f"corrupt TIFF image data ({logged[0]})")
+        except ImageDecodeError:
+            raise
         except Exception as err:  # noqa: BLE001
             if int(compression) != 1 and not _has("imagecodecs"):
                 _require("imagecodecs", "images", f"a TIFF of compression {getattr(compression, 'name', compression)}")
@@ -707,6 +714,35 @@ def check_tiff_segment(compression: int, data: Buffer, seg_height: int, seg_widt
             f"size, {max_pixels:,} pixels, {limit_bytes:,} bytes)")
 
 
+class _ThreadErrors(logging.Handler):
+    """Collects the errors a logger logs from the thread that is collecting (see :func:`_tifffile_errors`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.local = threading.local()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        collected = getattr(self.local, "errors", None)
+        if collected is not None:
+            collected.append(record.getMessage())
+
+
+_TIFF_ERRORS = _ThreadErrors()
+logging.getLogger("tifffile").addHandler(_TIFF_ERRORS)
+
+
+@contextlib.contextmanager
+def _tifffile_errors():
+    """The errors tifffile logs, in this thread, within the block (a list, filled as they come)."""
+    previous = getattr(_TIFF_ERRORS.local, "errors", None)
+    collected: list[str] = []
+    _TIFF_ERRORS.local.errors = collected
+    try:
+        yield collected
+    finally:
+        _TIFF_ERRORS.local.errors = previous
+
+
 def _check_tiff_segments(page: Any, raw: bytes, itemsize: int) -> None:
     """Every tile/strip of ``page`` (in the file ``raw``) checked before tifffile decodes any: the tile's
     own size (a 65535x65535 tile of a small image would be allocated whole), and for image codecs the
@@ -724,12 +760,18 @@ def _check_tiff_segments(page: Any, raw: bytes, itemsize: int) -> None:
     if seg_h * seg_w > pixel_limit() or seg_bytes > decoded_bytes_limit():
         raise ImageDecodeError(f"decompression bomb: TIFF tiles/strips of {chunks} decode to {seg_bytes:,} bytes "
                                f"each, over the limits ({pixel_limit():,} pixels, {decoded_bytes_limit():,} bytes)")
+    # a segment that runs past the end of the file: the file was cut short (tifffile from 2026.11 decodes
+    # what is there and pads the rest, logging an error: that would be a damaged image read as a good one)
+    for number, (offset, count) in enumerate(zip(offsets, counts, strict=False)):
+        if int(count) > 0 and int(offset) + int(count) > len(raw):
+            raise ImageDecodeError(f"truncated TIFF image data: tile/strip {number} ends at byte "
+                                   f"{int(offset) + int(count):,} of a file of {len(raw):,}")
     if compression not in _TIFF_IMAGE_CODECS:
         return  # the output is the tile's size (tifffile decodes into it)
     view = memoryview(raw)
     for offset, count in zip(offsets, counts, strict=False):
         offset, count = int(offset), int(count)
-        if count <= 0 or offset >= len(raw):
+        if count <= 0:
             continue  # a missing tile: tifffile gives its fill value
         check_tiff_segment(compression, view[offset:offset + count], seg_h, seg_w, decoded_bytes_limit(),
                            tables=tables, header=header)

@@ -344,3 +344,17 @@ def test_decode_unchanged_into_writes_the_reference_pixels_in_place(case):
     np.testing.assert_array_equal(out.reshape(reference.shape), reference)
     wrong = np.zeros((out.shape[0] + 1, *out.shape[1:]), out.dtype)
     assert decode_unchanged_into(data, wrong) is False and not wrong.any()
+
+
+def test_a_tiff_strip_that_decodes_short_is_a_decode_error():
+    """A strip whose LZW data ends early: tifffile (from 2026.11) pads it and only logs an error, which
+    would read a damaged image as a good one; fastdata raises instead (on every tifffile)."""
+    image = np.random.default_rng(0).integers(0, 255, (64, 64), dtype=np.uint8)
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, image, compression="lzw", rowsperstrip=16)
+    data = bytearray(buf.getvalue())
+    page = tifffile.TiffFile(io.BytesIO(bytes(data))).pages[0]
+    offset, count = int(page.dataoffsets[1]), int(page.databytecounts[1])
+    data[offset:offset + count] = bytes([0x80, 0x00, 0x20, 0x10]) + bytes(count - 4)  # clear code, then an end
+    with pytest.raises(ImageDecodeError, match="corrupt TIFF image data"):
+        imageio.decode_image(bytes(data), "unchanged")

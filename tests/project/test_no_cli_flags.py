@@ -23,8 +23,10 @@ def flags_in_strings(source: str, filename: str = "<src>") -> list[str]:
     """``file:line: --flag`` for each flag spelled in a string literal (docstrings and f-strings
     included) of ``source``, but the foreign ones."""
     hits = []
+    # (from Python 3.12 an f-string is tokenized in pieces: its literal text is FSTRING_MIDDLE)
+    literal = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type != tokenize.STRING:
+        if tok.type not in literal:
             continue
         for match in FLAG.finditer(tok.string):
             if match.group() not in FOREIGN_FLAGS:

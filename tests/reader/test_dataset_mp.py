@@ -272,7 +272,9 @@ def test_inherited_lmdb_environment_leaks_per_read_fastdata_does_not(src, tmp_pa
     finally:
         naive.close()
     MB = 1 << 20
-    assert fastdata_growth < 0.5 * MB, fastdata_growth / MB
+    # (not zero: the child's first writes to pages it shares with its parent count in its USS, about
+    # 0.3-0.6 MB here, more on Python 3.12 than on 3.11; a leak grows with every read)
+    assert fastdata_growth < 1 * MB and 2 * fastdata_growth < naive_growth, (fastdata_growth / MB, naive_growth / MB)
     assert naive_growth > 1.5 * MB, ("control: reads through an inherited environment no longer leak; "
                                      f"grew {naive_growth / MB:.2f} MB")
 
