@@ -478,18 +478,36 @@ def _init_worker(converter_pid: int, extra: tuple[Callable, tuple] | None) -> No
         extra[0](*extra[1])
 
 
-def _start_in_background(executor: cf.ProcessPoolExecutor) -> threading.Thread:
+class _PoolStart(threading.Thread):
+    """The thread :func:`_start_in_background` starts; ``started_pool`` is set when its work is done.
+
+    The converter waits for that event rather than joining the thread: on Python 3.12.1 a join of
+    this thread once hung for good (the thread stopped, its state lock never released), under load."""
+
+    def __init__(self, executor: cf.ProcessPoolExecutor) -> None:
+        super().__init__(name="fastdata-pool-start", daemon=True)
+        self.executor = executor
+        self.started_pool = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.executor.submit(os.getpid).result()
+        except BaseException:  # noqa: BLE001 - a broken pool is reported by the next submit
+            pass
+        finally:
+            self.started_pool.set()
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout`` seconds) until the pool's first worker has started, or failed to."""
+        self.started_pool.wait(timeout)
+
+
+def _start_in_background(executor: cf.ProcessPoolExecutor) -> _PoolStart:
     """Start the pool's first worker from a thread: with forkserver, the first
     ``submit`` blocks until the server has imported fastdata and forked (it forks,
     not this process, so a thread here is safe). A broken pool is left for the
     next ``submit`` to report."""
-    def warm_up() -> None:
-        try:
-            executor.submit(os.getpid).result()
-        except BaseException:
-            pass
-
-    thread = threading.Thread(target=warm_up, name="fastdata-pool-start", daemon=True)
+    thread = _PoolStart(executor)
     thread.start()
     return thread
 
@@ -587,7 +605,7 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
     source_chunks = source.chunks(plans)
     current_files = ""
     writing = dst  # the file being written when an I/O error strikes
-    starting: threading.Thread | None = None
+    starting: _PoolStart | None = None
     try:
         def submit_next() -> bool:
             nxt = next(source_chunks, None)
@@ -642,7 +660,7 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
         # source says that is safe (see ChunkSource.runs_in_main_first).
         if isinstance(executor, cf.ProcessPoolExecutor) and ctx.get_start_method() != "fork":
             starting = _start_in_background(executor)
-        while starting is not None and starting.is_alive():
+        while starting is not None and not starting.started_pool.is_set():
             nxt = next(source_chunks, None)
             if nxt is None:
                 break
@@ -652,7 +670,7 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
             current_files = source.describe(nxt.start, nxt.stop)
             consume(nxt, *source.worker(*nxt.args, None))
         if starting is not None:
-            starting.join()
+            starting.finish()
             starting = None
         while len(inflight) < window and submit_next():
             pass
@@ -687,7 +705,7 @@ def _run_shards(dst: str, backend: str, source: ChunkSource, plans: list[ShardPl
             # stopping early: let it finish starting what it started, but never wait
             # long (a worker it starts after this is still ended by its watchdog
             # when the converter exits)
-            starting.join(timeout=10)
+            starting.finish(timeout=10)
         if isinstance(executor, cf.ProcessPoolExecutor):
             _stop_pool(executor)
         elif isinstance(executor, cf.Executor):  # a factory's other executor: its own shutdown, not waiting
