@@ -17,7 +17,9 @@ Contenders, batch ``--batch-size`` (64), ``--workers`` W (2), each giving ``[64,
   decode=transforms.RandomResizedCrop(224), output="tensor"), batch_size=64, num_workers=W,
   worker_type="thread")``: W threads of the training process decode and collate whole batches;
 * ``fastdata-process``      the same with DataLoader worker processes (no ``worker_type``; the
-  loader's defaults, so workers are not persistent: each epoch starts its workers);
+  loader's defaults, so workers are not persistent: each epoch starts its workers; fork on Linux);
+* ``fastdata-spawn``        the same with ``multiprocessing_context="spawn"``: workers started as they
+  are on macOS and Windows (each a fresh interpreter that imports torch);
 * ``ffcv-jpeg``             ``ffcv.loader.Loader(jpeg.beton, batch_size=64, num_workers=W,
   order=OrderOption.RANDOM, os_cache=True, pipelines={"image": [RandomResizedCropRGBImageDecoder((224,
   224)), ToTensor(), ToTorchImage()], "label": [IntDecoder(), ToTensor()]})`` (its compiled threads);
@@ -66,16 +68,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-CONTENDERS = ("fastdata-thread", "fastdata-process", "ffcv-jpeg",
+CONTENDERS = ("fastdata-thread", "fastdata-process", "fastdata-spawn", "ffcv-jpeg",
               "fastdata-thread-raw", "fastdata-process-raw", "ffcv-raw")
-STORE = {"fastdata-thread": "jpeg.lmdb", "fastdata-process": "jpeg.lmdb", "ffcv-jpeg": "jpeg.beton",
+STORE = {"fastdata-thread": "jpeg.lmdb", "fastdata-process": "jpeg.lmdb", "fastdata-spawn": "jpeg.lmdb",
+         "ffcv-jpeg": "jpeg.beton",
          "fastdata-thread-raw": "raw.lmdb", "fastdata-process-raw": "raw.lmdb", "ffcv-raw": "raw.beton"}
 # (label, numerator, denominator, metric): medians of the per-round ratios
 RATIOS = (("thread / process", "fastdata-thread", "fastdata-process", "img_s"),
           ("thread / ffcv-jpeg", "fastdata-thread", "ffcv-jpeg", "img_s"),
           ("thread-raw / process-raw", "fastdata-thread-raw", "fastdata-process-raw", "img_s"),
           ("thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "img_s"),
+          ("thread / spawn", "fastdata-thread", "fastdata-spawn", "img_s"),
           ("PSS thread / process", "fastdata-thread", "fastdata-process", "peak_pss"),
+          ("PSS thread / spawn", "fastdata-thread", "fastdata-spawn", "peak_pss"),
           ("PSS thread / ffcv-jpeg", "fastdata-thread", "ffcv-jpeg", "peak_pss"),
           ("PSS thread-raw / process-raw", "fastdata-thread-raw", "fastdata-process-raw", "peak_pss"),
           ("PSS thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "peak_pss"))
@@ -90,7 +95,9 @@ def build_loader(name: str, store: str, args):
         from fastdata import transforms
 
         ds = fastdata.open_dataset(store, decode=transforms.RandomResizedCrop(224), output="tensor")
-        kw = {"worker_type": "thread"} if name.startswith("fastdata-thread") else {}
+        kw: dict = {"worker_type": "thread"} if name.startswith("fastdata-thread") else {}
+        if name == "fastdata-spawn":  # worker processes started as on macOS and Windows (and forkserver-like)
+            kw["multiprocessing_context"] = "spawn"
         return fastdata.loader(ds, batch_size=args.batch_size, num_workers=args.workers, seed=args._seed, **kw)
     from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
