@@ -330,11 +330,12 @@ def _fd_series(dataset, persistent: bool, epochs: int = 5, early_break: bool = F
 
 
 def _assert_flat(counts, what):
-    """No growth across epochs: a transient descriptor of the DataLoader's own
-    plumbing may be open at the moment of counting (seen under load), so allow a
-    jitter of one; a leak grows by one per sample (the control leaks 8 per epoch)."""
-    assert max(counts) - min(counts) <= 1, (what, counts)
-    assert counts[-1] <= counts[1] + 1, (what, counts)
+    """No growth across epochs: no epoch's count above the lowest before it by more than one (a
+    transient descriptor of the DataLoader's own plumbing may be open at the moment of counting,
+    seen under load); a leak grows by one per sample (the control leaks 8 per epoch). A count may
+    fall: descriptors of earlier tests in this process closed meanwhile (seen in CI: [44, 44, 44,
+    40, 38]), which no leak does."""
+    assert all(count <= min(counts[:i]) + 1 for i, count in enumerate(counts) if i), (what, counts)
 
 
 @pytest.mark.parametrize("backend", first_in_ci(sorted(BACKENDS)))
