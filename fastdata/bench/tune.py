@@ -46,10 +46,10 @@ from dataclasses import asdict, dataclass, field
 
 from fastdata.common.units import format_size
 from fastdata.errors import FastdataError
+from fastdata.reader.worker_types import WORKER_TYPES
 
 DEFAULT_PREFETCH = 2
 DEFAULT_BATCH = 64
-WORKER_TYPES = ("process", "thread")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ from torch.utils.data import BatchSampler, DataLoader
 from fastdata.common import portable
 from fastdata.reader.batching import collate
 from fastdata.reader.seeding import EpochIndex, seed_worker
-from fastdata.reader.threads import WORKER_TYPES, ThreadLoaderIter
+from fastdata.reader.threads import ThreadLoaderIter
+from fastdata.reader.worker_types import WORKER_TYPES
 
 __all__ = ["EpochBatchSampler", "Loader", "LOADER_STATE_VERSION", "WORKER_TYPES", "default_num_workers", "loader"]
 

@@ -50,10 +50,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from fastdata.reader.batching import concat_parts
 from fastdata.reader.seeding import EpochIndex, seed_worker
 
-__all__ = ["WORKER_TYPES", "ThreadLoaderIter"]
+__all__ = ["ThreadLoaderIter"]
 
-#: the values of ``worker_type`` (:func:`fastdata.loader`)
-WORKER_TYPES = ("process", "thread")
 #: batches in flight per thread when the loader has no ``prefetch_factor`` (torch's default)
 DEFAULT_PREFETCH = 2
 
