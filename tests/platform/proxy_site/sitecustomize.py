@@ -199,6 +199,10 @@ def install(system: str) -> None:
     for name in REMOVED_OS[system]:
         if hasattr(os, name):
             delattr(os, name)
+    if "sched_getaffinity" in REMOVED_OS[system] and hasattr(os, "process_cpu_count"):
+        # Python 3.13's os.process_cpu_count calls the sched_getaffinity it found when os was
+        # imported; where that is missing (macOS, Windows) it is os.cpu_count, as here
+        os.process_cpu_count = os.cpu_count
     _hide_proc(no_directory_fds=system == "windows")
     import multiprocessing
 
