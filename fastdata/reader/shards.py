@@ -115,16 +115,20 @@ class ShardHandles:
         self._cap = self.max_open or self.store.open_shards_per_process(_loader_processes())
 
     def _evictable(self) -> list[int]:
-        """Open shards no other thread took last, least recently used first."""
+        """Open shards no other live thread took last, least recently used first (a thread that has
+        ended reads nothing: its mark is dropped, or each epoch's new pool would pin more shards)."""
         me = threading.get_ident()
+        alive = {thread.ident for thread in threading.enumerate()}
+        self._taken = {thread: shard for thread, shard in self._taken.items() if thread in alive}
         busy = {shard for thread, shard in self._taken.items() if thread != me}
         return [shard for shard in self._readers if shard not in busy]
 
     def _open(self, shard: int):
         if self._cap and len(self._readers) >= self._cap:
+            # least recently used first, down to the cap again once readers other threads held are free
             idle = self._evictable()
-            if idle:
-                self._close(idle[0])  # the least recently used
+            while idle and len(self._readers) >= self._cap:
+                self._close(idle.pop(0))
         path, pin = self.store.open_shard(shard, release_idle=self._close_all)
         try:
             self.store.check_shard(shard, path)

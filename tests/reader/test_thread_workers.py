@@ -324,6 +324,23 @@ def test_shared_shard_readers_under_a_cap_of_one(stores):
     assert got == [expected[i] for i in order]
 
 
+def test_ended_threads_do_not_keep_shards_open(stores):
+    """Each epoch's pool has new threads; once they have ended, the cap holds again for the next reads
+    (a dead thread's last shard is not one it may still be reading)."""
+    ds = fastdata.open_dataset(stores["lmdb"], output="numpy", max_open_shards=1)
+    loader = fastdata.loader(ds, batch_size=1, num_workers=2, worker_type="thread", seed=SEED,
+                             collate_fn=lambda b: b[0])
+    for _ in range(3):
+        for _sample in loader:
+            pass
+    for thread in threading.enumerate():
+        if thread.name.startswith("fastdata-loader"):
+            thread.join(timeout=10)
+    for start in ds.shard_starts.tolist():  # one read in each shard, from this thread
+        ds[start]
+    assert len(ds._shards.open_readers()) == 1
+
+
 def test_hdf5_reads_do_not_wait_on_h5pys_global_lock(stores, tmp_path):
     """With h5py's global lock held by this thread, another thread still reads and decodes every sample
     of an HDF5 store whose shards are open (payloads are read through a map of their known offsets);
