@@ -16,6 +16,18 @@ from framework_runs import SAMPLES, check_epochs_differ, check_every_sample_once
 pytest.importorskip("lightning")
 
 
+def crash_and_resume(run: list[str], tmp_path) -> tuple[dict, dict]:
+    """``run`` of the Lightning example crashed at global step 22 (checkpoints every 4 steps), then
+    resumed with fit(ckpt_path=last.ckpt): the step logs of the crashed run and of the resumed one."""
+    crashed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "crash"), "--ckpt-dir",
+                       str(tmp_path / "ckpt"), "--crash-at", "22", check=False)
+    assert crashed.returncode != 0 and "simulated crash at step 22" in crashed.stderr + crashed.stdout
+    resumed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "resume"), "--resume",
+                       str(tmp_path / "ckpt" / "last.ckpt"))
+    assert "not resumable" not in resumed.stderr + resumed.stdout
+    return read_logs(tmp_path / "crash"), read_logs(tmp_path / "resume")
+
+
 def test_sampler_made_in_train_dataloader_splits_once_and_resumes_exactly(store, tmp_path):
     """Default Trainer, a DistributedShardSampler made in train_dataloader(), 2 workers per rank.
     A run that crashes in epoch 1 (global step 22) and is resumed with fit(ckpt_path=last.ckpt)
@@ -24,13 +36,7 @@ def test_sampler_made_in_train_dataloader_splits_once_and_resumes_exactly(store,
     (computed here from the store), with no state code in the module: the loader's own state
     rides in Lightning's checkpoint."""
     run = ["--store", str(store), "--sampler", "hook", "--workers", "2"]
-    crashed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "crash"), "--ckpt-dir",
-                       str(tmp_path / "ckpt"), "--crash-at", "22", check=False)
-    assert crashed.returncode != 0 and "simulated crash at step 22" in crashed.stderr + crashed.stdout
-    resumed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "resume"), "--resume",
-                       str(tmp_path / "ckpt" / "last.ckpt"))
-    assert "not resumable" not in resumed.stderr + resumed.stdout
-    before, after = read_logs(tmp_path / "crash"), read_logs(tmp_path / "resume")
+    before, after = crash_and_resume(run, tmp_path)
     for rank in (0, 1):
         assert [s["step"] for s in before[rank]] == list(range(22))
         assert [s["step"] for s in after[rank]] == list(range(20, 30)), "the resumed run did not start at step 20"
@@ -63,13 +69,8 @@ def test_thread_workers_resume_exactly_in_lightning(store, tmp_path):
     what an uninterrupted run does."""
     run = ["--store", str(store), *THREADS]
     torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "whole"))
-    crashed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "crash"), "--ckpt-dir",
-                       str(tmp_path / "ckpt"), "--crash-at", "22", check=False)
-    assert crashed.returncode != 0 and "simulated crash at step 22" in crashed.stderr + crashed.stdout
-    resumed = torchrun("lightning_ddp.py", *run, "--log-dir", str(tmp_path / "resume"), "--resume",
-                       str(tmp_path / "ckpt" / "last.ckpt"))
-    assert "not resumable" not in resumed.stderr + resumed.stdout
-    reference, before, after = (read_logs(tmp_path / d) for d in ("whole", "crash", "resume"))
+    before, after = crash_and_resume(run, tmp_path)
+    reference = read_logs(tmp_path / "whole")
     for rank in (0, 1):
         assert [s["step"] for s in after[rank]] == list(range(20, 30))
         combined = [s for s in before[rank] if s["step"] < 20] + after[rank]
