@@ -23,13 +23,13 @@ from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError
 from fastdata.format.backends.registry import backend_for_path
 from fastdata.format.manifest import read_manifest
+from fastdata.reader.worker_types import WORKER_TYPES
 from fastdata.remote.store import is_remote
 
 KINDS = ("folder", "lmdb", "hdf5")
 OUTPUTS = ("pil", "tensor")
 TRANSFORMS = ("none", "resize224", "rrc224")
 START_METHODS = ("fork", "spawn", "forkserver")
-WORKER_TYPES = ("process", "thread")
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def make_loader(cfg, dataset, sampler):
     kwargs = dict(batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.workers,
                   collate_fn=collate_lists, pin_memory=cfg.pin_memory,
                   generator=torch.Generator().manual_seed(cfg.seed))
-    if cfg.workers > 0 and getattr(cfg, "worker_type", "process") == "thread":
+    if cfg.workers > 0 and cfg.worker_type == "thread":
         from fastdata.reader.loader import Loader
 
         return Loader(dataset, worker_type="thread", prefetch_factor=cfg.prefetch_factor,
