@@ -78,13 +78,15 @@ class _EnvCache:
         self.pid = os.getpid()
         self.envs: dict[tuple[int, int], list] = {}
         # thread workers open and close shards from several threads; a new lock after a fork
-        # (one held by another thread at the fork would never be released in the child)
-        self.lock = threading.Lock()
+        # (one held by another thread at the fork would never be released in the child). Reentrant:
+        # opening an environment can run the garbage collector, whose finalizer of another dataset
+        # releases its environments here, in the same thread (a plain Lock deadlocked there)
+        self.lock = threading.RLock()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._new_lock)
 
     def _new_lock(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def acquire(self, path: str, readahead: bool):
         with self.lock:
