@@ -221,16 +221,18 @@ class VerifyReport:
 
 
 def _open_indexed(backend: str, path: str, storage: StorageSpec, schema, expected_count: int,
-                  name: str) -> tuple[ShardReader, ShardIndex | SampleIndex, list[str]] | str:
+                  expected_bytes: int, name: str) -> tuple[ShardReader, ShardIndex | SampleIndex, list[str]] | str:
     """Open shard ``path`` (named ``name`` in problems) and read its index, the first steps of
     every shard check.
 
     Args:
         schema (Schema | None): the general store's schema; None for a version-1 shard.
         expected_count (int): the record count the manifest gives the shard.
+        expected_bytes (int): the manifest's ``image_bytes`` of the shard, the sum of its
+            records' sizes (what ``info`` and the tuner's memory plan read).
 
     Returns:
-        ``(reader, index, problems)``, ``problems`` holding the count mismatch if any (the
+        ``(reader, index, problems)``, ``problems`` holding the count or size mismatch if any (the
         caller closes ``reader``); or the problem, as a string, that stopped opening the shard
         or reading its index (nothing is left open then).
     """
@@ -246,20 +248,25 @@ def _open_indexed(backend: str, path: str, storage: StorageSpec, schema, expecte
     problems = []
     if len(index) != expected_count:
         problems.append(f"{name}: holds {len(index)} records, the manifest says {expected_count}")
+    elif (held := int(index.nbytes.sum())) != expected_bytes:
+        problems.append(f"{name}: its records hold {held} bytes, the manifest says {expected_bytes} (image_bytes): "
+                        "the manifest or the shard index is damaged")
     return reader, index, problems
 
 
-def _check_records(backend: str, path: str, storage_json: dict, expected_count: int, num_classes: int,
-                   decode: bool, schema_json: list | None, name: str) -> tuple[int, int, list[str]]:
+def _check_records(backend: str, path: str, storage_json: dict, expected_count: int, expected_bytes: int,
+                   num_classes: int, decode: bool, schema_json: list | None,
+                   name: str) -> tuple[int, int, list[str]]:
     """Read every record of one shard. Returns (checked, decoded, problems).
     ``schema_json`` is None for a version-1 shard, else the general store's schema."""
     from fastdata.common.imageio import inspect_image  # imports the decoders: only when decoding
 
     if schema_json is not None:
-        return _check_records_v2(backend, path, storage_json, expected_count, decode, schema_json, name)
+        return _check_records_v2(backend, path, storage_json, expected_count, expected_bytes, decode, schema_json,
+                                 name)
     storage = StorageSpec.from_json(storage_json)
     checked = decoded = 0
-    opened = _open_indexed(backend, path, storage, None, expected_count, name)
+    opened = _open_indexed(backend, path, storage, None, expected_count, expected_bytes, name)
     if isinstance(opened, str):
         return 0, 0, [opened]
     reader, index, problems = opened
@@ -333,8 +340,8 @@ def _ppm_problem(data, fmt: int, width: int, height: int) -> str | None:
     return None
 
 
-def _check_records_v2(backend: str, path: str, storage_json: dict, expected_count: int, decode: bool,
-                      schema_json: list, name: str) -> tuple[int, int, list[str]]:
+def _check_records_v2(backend: str, path: str, storage_json: dict, expected_count: int, expected_bytes: int,
+                      decode: bool, schema_json: list, name: str) -> tuple[int, int, list[str]]:
     """A version-2 shard: every record against its checksum, decoded against the schema,
     its path and size against the index; with ``decode`` every image field fully decoded
     and its format and size compared with the index."""
@@ -343,7 +350,8 @@ def _check_records_v2(backend: str, path: str, storage_json: dict, expected_coun
 
     schema = Schema.from_json(schema_json)
     checked = decoded = 0
-    opened = _open_indexed(backend, path, StorageSpec.from_json(storage_json), schema, expected_count, name)
+    opened = _open_indexed(backend, path, StorageSpec.from_json(storage_json), schema, expected_count, expected_bytes,
+                           name)
     if isinstance(opened, str):
         return 0, 0, [opened]
     reader, index, problems = opened
@@ -599,7 +607,8 @@ def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: in
     except FastdataError as err:
         report.fail(f"{name}: {err}")
         return
-    args = (m["backend"], path, m["storage"], shard["count"], len(m["classes"]), decode, m.get("schema"), name)
+    args = (m["backend"], path, m["storage"], shard["count"], shard["image_bytes"], len(m["classes"]), decode,
+            m.get("schema"), name)
     checked, decoded, problems = _check_records(*args) if file_ok else _check_records_isolated(args, timeout)
     report.records_checked += checked
     report.decoded += decoded

@@ -20,6 +20,7 @@ import struct
 
 import numpy as np
 import pytest
+import fastdata
 from helpers import hostile as H
 from helpers.hostile import describe, expect
 
@@ -351,6 +352,24 @@ def test_manifest_of_nested_empty_lists(harness, fresh, mode):
     bomb = H.empty_lists_json(16 << 20) if mode == "attack" else b"[[]]"
     H.resign(store, body, splice=("@@BOMB@@", bomb))
     expect(harness.run("open", store=store), mode, store)
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize("backend", ALL)
+def test_verify_checks_the_manifests_image_bytes(fresh, backend, kind):
+    """A shard's ``image_bytes`` (the sum of its records' sizes, which ``info`` and the tuner read)
+    changed in a re-signed manifest is damage that verify names; the unchanged, re-signed manifest
+    (the control) verifies."""
+    store = fresh(kind, backend)
+    body = H.load_manifest(store)
+    H.resign(store, body)
+    assert fastdata.verify(store).ok
+    shard = body["shards"][0]
+    shard["image_bytes"] += 1
+    H.resign(store, body)
+    report = fastdata.verify(store)
+    assert not report.ok
+    assert any(shard["name"] in p and "image_bytes" in p for p in report.problems), report.problems
 
 
 # -- 6. LMDB pages past the end of the file ------------------------------------------------------
