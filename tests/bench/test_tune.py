@@ -582,17 +582,29 @@ def test_pick_is_within_ten_percent_of_the_bench_best(mixed_store):
                                      allow_no_workers=True, log=quiet).settings)
     assert default.workers >= 1
     speeds: dict = {cfg: [] for cfg in [default, anything, *rows]}
-    for _round in range(3):
+
+    def misses() -> list:
+        median = {cfg: statistics.median(v) for cfg, v in speeds.items()}
+        found = []
+        for pick, allowed in ((anything, rows), (default, [cfg for cfg in rows if cfg.workers])):
+            best = max(allowed, key=median.get)
+            # 10%, or more where the best row's own runs spread more (other load on the machine):
+            # a difference inside the noise is no evidence of a worse pick
+            noise = 1 - min(speeds[best]) / median[best]
+            if median[pick] < (1 - max(0.1, noise)) * median[best]:
+                found.append((pick.label(), best.label()))
+        return found
+
+    # 3 interleaved rounds; where a pick misses, 3 more, up to 9 (the medians of all so far): a burst
+    # of other load (the nightly runs the crash-loop tests beside this one) is outvoted, while a
+    # worse pick stays worse in every round
+    for _round in range(9):
         for cfg in speeds:
             speeds[cfg].append(_in_process(cfg)["images_per_s"])
-    median = {cfg: statistics.median(v) for cfg, v in speeds.items()}
+        if _round % 3 == 2 and not misses():
+            break
     shown = {c.label(): [round(x) for x in v] for c, v in speeds.items()}
-    for pick, allowed in ((anything, rows), (default, [cfg for cfg in rows if cfg.workers])):
-        best = max(allowed, key=median.get)
-        # 10%, or more where the best row's own runs spread more (other load on the machine):
-        # a difference inside the noise is no evidence of a worse pick
-        noise = 1 - min(speeds[best]) / median[best]
-        assert median[pick] >= (1 - max(0.1, noise)) * median[best], (pick.label(), shown)
+    assert not misses(), (misses(), shown)
 
 
 def test_memory_prediction_never_under_the_measured_peak(deep_mixed_store):
