@@ -212,6 +212,15 @@ INDEX_DTYPES = {
     "dtypes": "u1",
     "channels": "<u2",
 }
+#: the store index file's optional array of where each record's stored bytes lie in its shard file:
+#: ``<u8 [n, k, 2]``, row ``j, p`` = the file offset and length of piece ``p`` of record ``j`` (the
+#: bytes a shard reader's lookup gives before it decodes them: an LMDB value with its tail parts,
+#: an HDF5 record's slice of the payload), zero-length pieces ignored. Written by the shard writers
+#: (who have the finished file), so that one record of a remote store is read with a ranged request
+#: (docs/FORMAT.md, section 3a); never in a shard's own index
+RECORD_RANGES = "record_ranges"
+#: most pieces one record's row may have (an LMDB head and at most 64 tail parts)
+MAX_RECORD_PIECES = 65
 #: index arrays a store written before fastdata recorded them lacks: read as :data:`NOT_RECORDED`
 OPTIONAL_INDEX_ARRAYS = frozenset({"dtypes", "channels"})
 
@@ -262,6 +271,9 @@ class ShardIndex:
     relpath_offsets: np.ndarray  # int64 [n + 1]
     dtypes: np.ndarray          # uint8 [n], IMAGE_DTYPE_CODES (0: not recorded)
     channels: np.ndarray        # uint16 [n] (0: not recorded)
+    #: where each record's stored bytes lie in the shard file, for the store index file only
+    #: (see :data:`RECORD_RANGES`); None where the writer did not learn them (an older store)
+    record_ranges: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -495,6 +507,8 @@ class SampleIndex:
     plus ``relpaths``/``relpath_offsets``."""
 
     arrays: dict
+    #: as :attr:`ShardIndex.record_ranges`
+    record_ranges: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrays["checksums"])

@@ -12,7 +12,9 @@ a bounded cache. So each store published by this version also holds ``index.fdi`
     }
 
 The keys and dtypes are exactly those of the shard's own index (``INDEX_DTYPES`` for a
-version-1 store; :func:`fastdata.format.record.index_layout` for a general one). The manifest
+version-1 store; :func:`fastdata.format.record.index_layout` for a general one), plus, in stores
+written since it exists, ``record_ranges`` (:data:`fastdata.format.record.RECORD_RANGES`: where each
+record lies in its shard file, for reading one record of a remote store with a ranged request). The manifest
 names the file with its size and xxh3-64 checksum (key ``store_index``), so a reader
 checks it before trusting it. No pickle: arrays are raw bytes with a numeric dtype.
 """
@@ -29,7 +31,15 @@ import xxhash
 from fastdata.common.bounded import unpackb_bounded
 from fastdata.errors import CorruptRecordError, FormatError
 from fastdata.format.names import SIDECAR_SUFFIX, STORE_INDEX_NAME
-from fastdata.format.record import INDEX_DTYPES, SampleIndex, ShardIndex, read_index_arrays, v1_index_arrays
+from fastdata.format.record import (
+    INDEX_DTYPES,
+    MAX_RECORD_PIECES,
+    RECORD_RANGES,
+    SampleIndex,
+    ShardIndex,
+    read_index_arrays,
+    v1_index_arrays,
+)
 
 #: manifest key: {"name": STORE_INDEX_NAME, "bytes": int, "xxh": str}
 MANIFEST_KEY = "store_index"
@@ -38,9 +48,26 @@ _VERSION = 1
 
 
 def _arrays_of(index: ShardIndex | SampleIndex) -> dict[str, np.ndarray]:
-    if isinstance(index, SampleIndex):
-        return index.arrays
-    return {name: getattr(index, name) for name in INDEX_DTYPES}
+    arrays = dict(index.arrays) if isinstance(index, SampleIndex) else {name: getattr(index, name)
+                                                                          for name in INDEX_DTYPES}
+    if index.record_ranges is not None:
+        arrays[RECORD_RANGES] = np.asarray(index.record_ranges, dtype="<u8")
+    return arrays
+
+
+def _record_ranges(value: list, count: int, where: str) -> np.ndarray:
+    """The optional ``record_ranges`` array of an entry (``[dtype, shape, raw]``) as ``uint64 [count, k, 2]``.
+
+    Raises:
+        CorruptRecordError: a dtype other than ``<u8``, a shape other than ``[count, k, 2]`` with
+            ``1 <= k <= MAX_RECORD_PIECES``, or raw bytes of another length.
+    """
+    dtype, shape, raw = value
+    k = shape[1] if isinstance(shape, list) and len(shape) == 3 and all(type(d) is int for d in shape) else -1
+    if dtype != "<u8" or shape != [count, k, 2] or not 1 <= k <= MAX_RECORD_PIECES or len(raw) != count * k * 16:
+        raise CorruptRecordError(f"{where}: index array {RECORD_RANGES!r} is damaged (dtype {dtype!r}, shape "
+                                 f"{shape!r:.80}, {len(raw)} bytes)")
+    return np.frombuffer(raw, dtype="<u8").reshape(count, k, 2).astype(np.uint64)
 
 
 def encode_shard_index(index: ShardIndex | SampleIndex) -> bytes:
@@ -61,12 +88,17 @@ def _decode_entry(entry: object, schema, where: str) -> ShardIndex | SampleIndex
             raise CorruptRecordError(f"{where}: damaged store index array {key!r}")
         stored[key] = value[2]
     count = entry["count"]
+    ranges = entry["arrays"].get(RECORD_RANGES)
+    index: ShardIndex | SampleIndex
     if schema is not None:
-        return read_index_arrays(schema, stored.get, count, where)
-    index = ShardIndex(**v1_index_arrays(stored.get, count, where))
-    if len(index) != count:
-        raise CorruptRecordError(f"{where}: index has {len(index)} entries, expected {count}")
-    index.validate(where)
+        index = read_index_arrays(schema, stored.get, count, where)
+    else:
+        index = ShardIndex(**v1_index_arrays(stored.get, count, where))
+        if len(index) != count:
+            raise CorruptRecordError(f"{where}: index has {len(index)} entries, expected {count}")
+        index.validate(where)
+    if ranges is not None:  # (optional: stores written before it have none)
+        index.record_ranges = _record_ranges(ranges, count, where)
     return index
 
 

@@ -337,6 +337,30 @@ class ShardReader(abc.ABC):
     def get(self, local_index: int) -> bytes:
         """Stored image bytes of one sample, or a version-2 shard's record bytes (checksum verified)."""
 
+    @classmethod
+    def from_stored_value(cls, value: bytes, local_index: int, expected: int, *, schema: Schema | None,
+                          where: str) -> bytes:
+        """What :meth:`get` returns for record ``local_index``, from its stored bytes ``value`` read
+        without opening the shard (the pieces the store index file's ``record_ranges`` place, joined:
+        a ranged read of a remote store), checked against ``expected``, the index's checksum.
+
+        Here: ``value`` itself, whose xxh3-64 must be ``expected`` (the layout of an HDF5 shard, whose
+        payload holds the image bytes or general records, and of a general LMDB record).
+
+        Raises:
+            CorruptRecordError: the checksum does not match (naming ``where``).
+        """
+        if checksum(value) != expected:
+            raise CorruptRecordError(f"{where}: checksum mismatch (the record is damaged)", index=local_index)
+        return value
+
+    @classmethod
+    def stored_value_bounds(cls, nbytes: int, path_bytes: int, *, schema: Schema | None) -> tuple[int, int]:
+        """The least and most bytes the stored value of a record may have, from its index entries
+        (``nbytes``; ``path_bytes``: its stored path's length): what a ranged read checks the
+        ranges it was given against before it reads anything. Here: exactly ``nbytes``."""
+        return nbytes, nbytes
+
     def get_many(self, local_indices: Sequence[int]) -> list[bytes]:
         """Stored bytes for several samples, in the order given."""
         return [self.get(i) for i in local_indices]

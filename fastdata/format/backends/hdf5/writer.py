@@ -192,6 +192,7 @@ class HDF5ShardWriter(ShardWriter):
                 dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
                 dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
                 data = f.create_dataset(name, shape=shape, dtype=np.uint8, dcpl=dcpl)
+                payload_at = data.id.get_offset()
                 if in_place and data.id.get_offset() != PAYLOAD_OFFSET:
                     raise RuntimeError(f"{self.path}: libhdf5 placed the payload at {data.id.get_offset()}, "
                                        f"not {PAYLOAD_OFFSET}; this HDF5 version is not supported by fastdata's "
@@ -220,7 +221,21 @@ class HDF5ShardWriter(ShardWriter):
         if self.chunk_bytes:
             self._copy_chunks(chunks_at)
         fsync_file(self.path)
+        index.record_ranges = self._record_ranges(payload_at, len(index))
         return index
+
+    def _record_ranges(self, payload_at: int | None, count: int) -> np.ndarray | None:
+        """``[count, 1, 2]`` uint64: each record's (file offset, length) in the contiguous payload at
+        ``payload_at`` (None where libhdf5 allocated none: an empty payload). Raw pixels (``[n, H,
+        W, 3]``, C order) are their records back to back too, so the offsets say where each is."""
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        starts, lengths = offsets[:-1], np.diff(offsets)
+        if payload_at is None:
+            if lengths.any():
+                return None
+            payload_at = 0
+        ranges = np.stack([starts + int(payload_at), lengths], axis=1).astype("<u8")
+        return np.ascontiguousarray(ranges.reshape(count, 1, 2))
 
     def _copy_chunks(self, offset: int | None) -> None:
         """Copy the waiting chunk bytes into the ``chunks`` dataset's place in the file (libhdf5

@@ -31,6 +31,11 @@ from fastdata.format.record import (
 )
 
 
+#: most bytes a classification record holds besides its image and path: eight keys, a version,
+#: label, width, height (ints of up to 9 bytes), a format name, a checksum and two bin headers
+CLASSIFICATION_RECORD_OVERHEAD = 128
+
+
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -302,6 +307,30 @@ class LMDBShardReader(ShardReader):
             return record_image(buf, where=where)
         except CorruptRecordError as err:  # decode_record knows no shard/index: attach them
             raise CorruptRecordError(str(err), shard=self.path, index=local_index) from None
+
+    @classmethod
+    def from_stored_value(cls, value: bytes, local_index: int, expected: int, *, schema, where: str) -> bytes:
+        """A general record: checked as :meth:`ShardReader.from_stored_value` does. A classification
+        record: unpacked and checked as :meth:`get` checks it (its image against the record's own
+        checksum), and that checksum against the index's ``expected`` (the record is the one indexed)."""
+        if schema is not None:
+            return super().from_stored_value(value, local_index, expected, schema=schema, where=where)
+        try:
+            record = decode_record(value, where=where)
+        except CorruptRecordError as err:
+            raise CorruptRecordError(str(err), index=local_index) from None
+        if record.xxh != expected:
+            raise CorruptRecordError(f"{where}: checksum mismatch (the record is not the one the index lists)",
+                                     index=local_index)
+        return record.image
+
+    @classmethod
+    def stored_value_bounds(cls, nbytes: int, path_bytes: int, *, schema) -> tuple[int, int]:
+        """A classification record is a msgpack map holding the image (``nbytes``), its path and
+        six small fields: at most :data:`CLASSIFICATION_RECORD_OVERHEAD` bytes besides the two."""
+        if schema is not None:
+            return nbytes, nbytes
+        return nbytes + path_bytes, nbytes + path_bytes + CLASSIFICATION_RECORD_OVERHEAD
 
     def _load_checksums(self) -> None:
         """Version 2: the index's record checksums, read before a records transaction opens

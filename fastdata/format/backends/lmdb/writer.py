@@ -81,6 +81,17 @@ def tail_spans(env, db, path: str, parts: list[int]) -> np.ndarray | None:
     return out
 
 
+def record_ranges(records: np.ndarray | None, tails: np.ndarray | None) -> np.ndarray | None:
+    """The store index file's ``record_ranges`` of a shard (``[n, 1 + k, 2]``: each record's head,
+    then its tail parts, in the order they are joined) from its head spans (``[n, 2]``) and tail spans
+    (``[n, k, 2]``: :func:`tail_spans`); None when either could not be learned."""
+    if records is None or tails is None or len(tails) != len(records):
+        return None
+    if not tails[:, :, 1].any():  # no record has a tail: one piece each
+        return np.ascontiguousarray(records.reshape(-1, 1, 2), dtype="<u8")
+    return np.ascontiguousarray(np.concatenate([records.reshape(-1, 1, 2), tails], axis=1), dtype="<u8")
+
+
 class LMDBShardWriter(ShardWriter):
     """Appends records with ``append=True`` in one write transaction per batch (layout version 3:
     a record that would waste most of its last overflow page is cut into a page-exact head and
@@ -217,6 +228,8 @@ class LMDBShardWriter(ShardWriter):
                     txn.put(key, span.tobytes(), db=self.index_db)
 
         self._commit(fill)
+        # learnt from the finished file: the index-only commit above moves no record's pages
+        index.record_ranges = record_ranges(spans[spec.RECORD_SPANS_KEY], spans[spec.TAIL_SPANS_KEY])
         self.writeback.close()
         self.env.sync(True)
         self.env.close()
