@@ -154,8 +154,8 @@ class CocoStoreDataset(SampleDataset):
             output: ``"pil"`` (default, as ``CocoDetection``), ``"numpy"`` (HWC uint8) or
                 ``"tensor"`` (CHW uint8).
             on_error, readahead, seed: as :class:`fastdata.reader.dataset.StoreDataset`.
-            store_options: ``storage_options``, ``cache_dir``, ``cache_limit``, ``max_open_shards``
-                of a remote store, as :class:`fastdata.reader.dataset.StoreDataset`.
+            store_options: ``storage_options``, ``cache_dir``, ``cache_limit``, ``max_open_shards``,
+                ``cache`` of a remote store, as :class:`fastdata.reader.dataset.StoreDataset`.
 
         Raises:
             ValueError: ``transforms`` together with ``transform``/``target_transform``, an

@@ -184,6 +184,7 @@ class StoreDataset(Dataset):
         cache_dir: str | None = None,
         cache_limit: int | str | None = None,
         max_open_shards: int | None = None,
+        cache: str = "shards",
     ):
         """Open the store's metadata.
 
@@ -229,6 +230,11 @@ class StoreDataset(Dataset):
             cache_dir: cache directory of a remote store's shards (default
                 ``$FASTDATA_CACHE_DIR`` or ``~/.cache/fastdata``), shared by every process.
             cache_limit: most bytes that cache holds (an int or ``"50GiB"``); None = no limit.
+            cache: how a remote store is read: ``"shards"`` (default: each shard downloaded whole
+                into the cache on first use, the way to train) or ``"records"`` (each record read
+                with a ranged request for its bytes, checked against its checksum, nothing written
+                to the cache: for a few samples of a large store, e.g. evaluation, debugging, a
+                notebook; see :mod:`fastdata.remote.records`). No effect on a local store.
             max_open_shards: shards each process keeps open (and pinned in the cache) at once;
                 the least recently used one is closed beyond it. None = all for a local
                 store, 4 for a remote one (fewer under a ``cache_limit`` that could not hold
@@ -239,7 +245,7 @@ class StoreDataset(Dataset):
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
         store = path if isinstance(path, StoreLocation) else locate_store(
-            path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+            path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit, cache=cache)
         self._store = store
         #: the store's directory, or its URL
         self.root = store.root
@@ -1028,7 +1034,7 @@ class ImageFolderDataset(StoreDataset):
             target_transform: applied to the integer label.
             output, decode: as :class:`StoreDataset`.
             options: ``on_error``, ``readahead``, ``seed``, ``image_mode``, ``storage_options``,
-                ``cache_dir``, ``cache_limit``, ``max_open_shards``: as :class:`StoreDataset`.
+                ``cache_dir``, ``cache_limit``, ``max_open_shards``, ``cache``: as :class:`StoreDataset`.
 
         Raises:
             FormatError: the store has no image field or no single-label class field.

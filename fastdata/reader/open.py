@@ -28,7 +28,7 @@ def open_dataset(path: str | os.PathLike | StoreLocation, **kwargs) -> StoreData
     transforms-v2 targets)."""
     store = path if isinstance(path, StoreLocation) else locate_store(
         path, storage_options=kwargs.pop("storage_options", None), cache_dir=kwargs.pop("cache_dir", None),
-        cache_limit=kwargs.pop("cache_limit", None))
+        cache_limit=kwargs.pop("cache_limit", None), cache=kwargs.pop("cache", "shards"))
     manifest = store.manifest
     if not is_classification(manifest):
         if is_coco_manifest(manifest):

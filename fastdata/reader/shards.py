@@ -129,6 +129,10 @@ class ShardHandles:
             idle = self._evictable()
             while idle and len(self._readers) >= self._cap:
                 self._close(idle.pop(0))
+        ranged = self.store.record_reader(shard)  # (a remote store read record by record: no shard file)
+        if ranged is not None:
+            self._readers[shard] = ranged
+            return ranged
         path, pin = self.store.open_shard(shard, release_idle=self._close_all)
         try:
             self.store.check_shard(shard, path)

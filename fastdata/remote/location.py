@@ -296,6 +296,53 @@ class _StreamedRead:
         self.close()
 
 
+async def _read_at_most(read, limit: int) -> bytes:
+    """A reply's body through ``read(n)`` (up to ``n`` bytes a call, ``b""`` at its end), at most
+    ``limit + 1`` bytes of it (one more than wanted tells a longer reply)."""
+    parts: list[bytes] = []
+    total = 0
+    while total <= limit:
+        block = await read(limit + 1 - total)
+        if not block:
+            break
+        parts.append(block)
+        total += len(block)
+    return b"".join(parts)
+
+
+async def _s3_range(fs, path: str, start: int, end: int, url: str) -> bytes:
+    """One ranged ``GetObject`` through s3fs (its own call, with its error translation: a missing
+    key is FileNotFoundError), the body read only when the reply is the range asked for."""
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+    reply = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)
+    body = reply["Body"]
+    try:
+        length = reply.get("ContentLength")
+        if "ContentRange" not in reply or (length is not None and length != end - start):
+            raise RemoteSizeError(f"{url}: a read of bytes {start:,}-{end - 1:,} was answered with "
+                                  f"{'the whole object' if 'ContentRange' not in reply else f'{length:,} bytes'} "
+                                  "(the server ignores ranges, or the object is shorter than the store's index says)")
+        return await _read_at_most(body.read, end - start)
+    finally:
+        body.close()
+
+
+async def _http_range(fs, url: str, start: int, end: int) -> bytes:
+    """One ranged GET through fsspec's HTTP filesystem's session (its redirect rules and timeouts);
+    a reply that is not ``206 Partial Content`` is refused before its body is read."""
+    session = await fs.set_session()
+    kwargs = dict(fs.kwargs)
+    headers = dict(kwargs.pop("headers", None) or {})
+    headers["Range"] = f"bytes={start}-{end - 1}"
+    async with session.get(fs.encode_url(url), headers=headers, **kwargs) as reply:
+        fs._raise_not_found_for_status(reply, url)
+        if reply.status != 206:
+            raise RemoteStoreError(f"{url}: the server does not answer range requests (HTTP {reply.status} to a "
+                                   "ranged GET); read this store with cache='shards'")
+        return await _read_at_most(reply.content.read, end - start)
+
+
 @dataclass(frozen=True)
 class RemoteLocation:
     """A store (or any prefix) at ``url`` with fsspec ``storage_options``; safe to pickle."""
@@ -516,6 +563,49 @@ class RemoteLocation:
                                       "size, or the limit of its kind); refusing to read on")
             return out.getvalue()
         return self.call(what, read)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` (excluded) of object ``name``, as one ranged GET, with retries
+        and backoff on transient errors (:meth:`call`).
+
+        At most ``end - start`` bytes are read (and one more, to tell a longer reply) whatever the
+        server sends: a reply of another length (an object shorter than the range; a server that
+        ignores ``Range`` and answers the whole object) raises :class:`RemoteSizeError` without
+        reading on. s3 and http(s) replies are read so, in pieces; other schemes go through the
+        filesystem's own ``cat_file(path, start, end)`` (gcsfs, adlfs: the cloud SDKs, which ask
+        for the range) and are checked after. The request must end within the connect and read
+        timeouts together (:meth:`timeouts`)."""
+        want = end - start
+        if want <= 0:
+            return b""
+        fs = self.filesystem()
+        path = self._path(name)
+        what = f"reading bytes {start:,}-{end - 1:,} of {self.child(name)}"
+
+        def read() -> bytes:
+            if self.scheme in ("s3", "s3a") and hasattr(fs, "_call_s3"):
+                data = self._bounded(fs, _s3_range(fs, path, start, end, self.child(name)))
+            elif self.read_only and hasattr(fs, "set_session"):
+                data = self._bounded(fs, _http_range(fs, path, start, end))
+            else:
+                data = fs.cat_file(path, start=start, end=end)
+            if len(data) != want:
+                got = f"more than {want:,}" if len(data) > want else f"{len(data):,}"
+                raise RemoteSizeError(f"{self.child(name)}: a read of bytes {start:,}-{end - 1:,} gave {got} bytes, "
+                                      f"not {want:,}: the object is shorter than the store's index says, or the "
+                                      "server does not answer range requests")
+            return data
+        return self.call(what, read)
+
+    def _bounded(self, fs, coro) -> bytes:
+        """Run ``coro`` on ``fs``'s event loop, within the connect and read timeouts together."""
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def bounded() -> bytes:
+            return await asyncio.wait_for(coro, sum(self.timeouts()))
+        return sync(fs.loop, bounded)
 
     def size(self, name: str) -> int | None:
         """Size of object ``name``, or None when there is none."""

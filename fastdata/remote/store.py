@@ -27,9 +27,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from fastdata.common.callers import user_stacklevel
 from fastdata.common.fileio import atomic_write, read_regular
 from fastdata.common.paths import remote_scheme
 from fastdata.errors import (
@@ -41,11 +45,19 @@ from fastdata.errors import (
     StoreChangedError,
     UnsafeStoreError,
 )
+from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest, read_manifest
 from fastdata.format.names import MANIFEST_NAME, STORE_INDEX_NAME
+from fastdata.format.record import ShardIndex
 from fastdata.format.store_index import MANIFEST_KEY, index_file_name, parse_store_index
 from fastdata.remote.cache import Pin, ShardCache, store_key
 from fastdata.remote.location import RemoteLocation
+
+
+class RecordsFallbackWarning(UserWarning):
+    """A remote store opened with ``cache="records"`` has shards whose records cannot be read one by
+    one (its index file records no byte ranges: written by an older fastdata; or chunked fields):
+    those shards are downloaded whole into the shard cache. Points at the caller's line."""
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -174,6 +186,11 @@ class StoreLocation:
         # which keeps every shard of this one as it was: this dataset reads on in its own version
         self.manifest_identity = found
 
+    def record_reader(self, shard: int) -> ShardReader | None:
+        """A reader of shard ``shard`` that reads single records without the shard file (a remote
+        store opened with ``cache="records"``), or None: open the shard file (:meth:`open_shard`)."""
+        return None
+
     def prefetch(self, shards: Sequence[int], keep: Collection[int] = ()) -> None:
         """Start fetching ``shards`` in the background (nothing to do for a local store)."""
 
@@ -188,6 +205,17 @@ class StoreLocation:
         return self
 
 
+#: what ``cache=`` may say: whole shards through the shard cache (the default), or single records
+CACHE_MODES = ("shards", "records")
+
+
+def check_cache_mode(cache: str) -> str:
+    """``cache`` when it is one of :data:`CACHE_MODES`; ValueError naming them otherwise."""
+    if cache not in CACHE_MODES:
+        raise ValueError(f"cache must be one of {', '.join(map(repr, CACHE_MODES))}, got {cache!r:.60}")
+    return cache
+
+
 class RemoteStore(StoreLocation):
     """A store at a URL, read through a shared, bounded, checksummed local cache.
 
@@ -196,12 +224,19 @@ class RemoteStore(StoreLocation):
         storage_options: fsspec filesystem options (endpoint, credentials, ...).
         cache_dir: the cache directory (default :func:`~fastdata.remote.cache.default_cache_dir`).
         cache_limit: most bytes the cache holds (an int or "50GiB"); None = unbounded.
+        cache: ``"shards"`` (shards downloaded whole into the cache and read there) or
+            ``"records"`` (each record read with a ranged request, :mod:`fastdata.remote.records`;
+            the shards of a store whose index file records no byte ranges are still read whole,
+            with a warning).
     """
 
     remote = True
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
-                 cache_limit: int | str | None = None):
+                 cache_limit: int | str | None = None, cache: str = "shards"):
+        self.cache_mode = check_cache_mode(cache)
+        #: shard -> what its ranged reader needs (``cache="records"``, shards whose index has ranges)
+        self._ranged: dict[int, dict[str, Any]] = {}
         self.location = RemoteLocation(url, storage_options or {})
         self.root = self.location.url
         self.cache = ShardCache(cache_dir, cache_limit)
@@ -252,8 +287,47 @@ class RemoteStore(StoreLocation):
             data = self.location.read_bytes(name, limit=entry["bytes"])
             parsed = parse_store_index(data, self.manifest, schema, self.location.child(name))
             atomic_write(local, data)
-            return parsed
-        return parse_store_index(data, self.manifest, schema, local)
+        else:
+            parsed = parse_store_index(data, self.manifest, schema, local)
+        if self.cache_mode == "records" and reader_cls is not None:
+            self._keep_ranges(parsed, reader_cls, storage, schema)
+        return parsed
+
+    def _keep_ranges(self, indexes: list, reader_cls, storage: StorageSpec, schema) -> None:
+        """Keep what each shard's ranged reader needs (``cache="records"``); warn once, naming why,
+        when some shards can only be read whole (a store written before ``record_ranges`` existed,
+        or chunked fields, whose chunks have no ranges)."""
+        self._ranged = {}
+        chunked = schema is not None and bool(schema.chunked_fields())
+        whole = []
+        for shard, index in enumerate(indexes):
+            if index.record_ranges is None or chunked:
+                whole.append(shard)
+                continue
+            offsets = index.relpath_offsets if isinstance(index, ShardIndex) else index.arrays["relpath_offsets"]
+            self._ranged[shard] = {"ranges": index.record_ranges, "checksums": index.checksums,
+                                   "nbytes": index.nbytes, "path_bytes": np.diff(offsets),
+                                   "reader_cls": reader_cls, "storage": storage, "schema": schema}
+        if whole:
+            names = [self.manifest["shards"][k]["name"] for k in whole]
+            why = ("its chunked fields are read from whole shards" if chunked else
+                   f"its {index_file_name(self.manifest)} records no byte ranges of records (written by a fastdata "
+                   "before they existed; convert or write it again to read single records)")
+            warnings.warn(f"fastdata: {self.root}: cache='records' reads {len(names)} of its "
+                          f"{len(indexes)} shards ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) whole "
+                          f"through the shard cache: {why}", RecordsFallbackWarning, stacklevel=user_stacklevel())
+
+    def record_reader(self, shard: int) -> ShardReader | None:
+        """A :class:`~fastdata.remote.records.RangedShardReader` of ``shard`` with ``cache="records"``
+        (None for a shard read whole: see :meth:`_keep_ranges`)."""
+        kept = self._ranged.get(shard)
+        if kept is None:
+            return None
+        from fastdata.remote.records import RangedShardReader
+
+        entry = self.manifest["shards"][shard]
+        return RangedShardReader(location=self.location, name=entry["name"], shard_bytes=entry["bytes"],
+                                 check_rewritten=self._raise_if_rewritten, **kept)
 
     def open_shard(self, shard: int, release_idle: Callable[[], None] | None = None) -> tuple[str, Pin]:
         """(local path, pin) of ``shard``, downloaded first when not cached; ``release_idle`` is
@@ -323,6 +397,9 @@ class RemoteStore(StoreLocation):
         the cache limit, never evicting ``shards`` or ``keep`` (the windows about to be read)
         to make room: a shard that finds no room, or that another process is already
         downloading, is left for the reader to fetch on demand."""
+        shards = [k for k in shards if k not in self._ranged]  # (read record by record: nothing to download)
+        if not shards:
+            return
         with self._lock:
             if self._pool is None or self._pool_pid != os.getpid():
                 self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastdata-prefetch")
@@ -362,15 +439,21 @@ class RemoteStore(StoreLocation):
 
 
 def locate_store(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | None = None, cache_limit: int | str | None = None) -> StoreLocation:
+                 cache_dir: str | None = None, cache_limit: int | str | None = None,
+                 cache: str = "shards") -> StoreLocation:
     """The :class:`StoreLocation` of a store path or URL (reads and checks its manifest).
 
+    ``cache``: how a remote store is read (:class:`RemoteStore`); a local store reads single
+    records from its files whatever it says.
+
     Raises :class:`~fastdata.errors.PathNotFoundError` (a missing local path),
-    :class:`~fastdata.errors.FormatError` (not a store) and
-    :class:`~fastdata.errors.RemoteStoreError` (an unreachable URL)."""
+    :class:`~fastdata.errors.FormatError` (not a store),
+    :class:`~fastdata.errors.RemoteStoreError` (an unreachable URL) and ValueError (an unknown
+    ``cache``)."""
     text = os.fspath(path)
+    check_cache_mode(cache)
     if is_remote(text):
-        return RemoteStore(text, storage_options, cache_dir, cache_limit)
+        return RemoteStore(text, storage_options, cache_dir, cache_limit, cache)
     if storage_options:
         raise RemoteStoreError(f"{text}: storage_options apply to remote URLs only, not to a local path")
     return StoreLocation(os.path.abspath(text))
