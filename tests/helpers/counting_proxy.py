@@ -72,6 +72,10 @@ class CountingProxy:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     reply = conn.getresponse()
                     data = reply.read()
+                    with proxy._lock:  # (before the client has its reply: it may count at once)
+                        proxy.requests.append(Seen(self.command, urllib.parse.unquote(self.path),
+                                                   self.headers.get("Range"), reply.status,
+                                                   0 if self.command == "HEAD" else len(data)))
                     self.send_response(reply.status, reply.reason)
                     for k, v in reply.getheaders():
                         if k.lower() not in _HOP and k.lower() != "content-length":
@@ -82,10 +86,6 @@ class CountingProxy:
                         self.wfile.write(data)
                 finally:
                     conn.close()
-                with proxy._lock:
-                    proxy.requests.append(Seen(self.command, urllib.parse.unquote(self.path),
-                                               self.headers.get("Range"), reply.status,
-                                               0 if self.command == "HEAD" else len(data)))
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
