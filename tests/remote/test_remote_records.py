@@ -253,17 +253,20 @@ def test_a_store_rewritten_on_the_server_while_open_is_detected(s3, proxy, store
         ds[3]
 
 
-def test_a_loader_with_two_spawned_workers_reads_every_sample_once(s3, stores, tmp_path):
-    """Pickled into spawned workers, each reads its records with its own requests: every sample
-    once, and no shard downloaded."""
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_a_loader_with_two_workers_reads_every_sample_once(s3, stores, tmp_path, start):
+    """Pickled into spawned workers, or forked after the parent read a record (its filesystem and
+    request pool are the parent's, never used in a child), each worker reads its records with its
+    own requests: every sample once, and no shard downloaded."""
     _server, bucket = s3
     url = f"{bucket}/s.lmdb"
     upload_store(stores["lmdb", 2], url)
     cache_dir = str(tmp_path / "cache")
     ds = fastdata.open_dataset(url, cache="records", output="numpy", cache_dir=cache_dir)
+    ds[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RecordsFallbackWarning)
-        loader = fastdata.loader(ds, batch_size=3, num_workers=2, multiprocessing_context="spawn", shuffle=True,
+        loader = fastdata.loader(ds, batch_size=3, num_workers=2, multiprocessing_context=start, shuffle=True,
                                  seed=0)
         seen = [int(i) for batch in loader for i in batch["idx"]]
     assert sorted(seen) == list(range(12))
