@@ -30,7 +30,9 @@ building the dataset and loader to the first batch of its very first epoch: work
 Numba compilation; the Python imports before it are timed apart, ``imports s``); the peak PSS of the
 process tree (the process iterating the loader plus all its descendants, ``psutil``
 ``memory_full_info().pss`` summed, sampled every 50 ms by a thread of that process,
-``fastdata.bench.memory.MemorySampler``) during the measured epoch.
+``fastdata.bench.memory.MemorySampler``) during the measured epoch, and its anonymous part (heap,
+batches, copy-on-write copies: what the kernel cannot drop; the rest is mapped files, mostly the
+store's pages that the epoch read, page cache the kernel can drop, which every contender maps alike).
 
 Every measurement runs in a fresh child process (``bench_threads.py --_child NAME``) that imports only
 what its contender needs, builds the loader, runs one warm-up epoch (its start-up is measured there),
@@ -83,7 +85,12 @@ RATIOS = (("thread / process", "fastdata-thread", "fastdata-process", "img_s"),
           ("PSS thread / spawn", "fastdata-thread", "fastdata-spawn", "peak_pss"),
           ("PSS thread / ffcv-jpeg", "fastdata-thread", "ffcv-jpeg", "peak_pss"),
           ("PSS thread-raw / process-raw", "fastdata-thread-raw", "fastdata-process-raw", "peak_pss"),
-          ("PSS thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "peak_pss"))
+          ("PSS thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "peak_pss"),
+          ("anon PSS thread / process", "fastdata-thread", "fastdata-process", "peak_pss_anon"),
+          ("anon PSS thread / spawn", "fastdata-thread", "fastdata-spawn", "peak_pss_anon"),
+          ("anon PSS thread / ffcv-jpeg", "fastdata-thread", "ffcv-jpeg", "peak_pss_anon"),
+          ("anon PSS thread-raw / process-raw", "fastdata-thread-raw", "fastdata-process-raw", "peak_pss_anon"),
+          ("anon PSS thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "peak_pss_anon"))
 MAX_SIDE = 512
 MB = 1 << 20
 
@@ -148,6 +155,7 @@ def child(args) -> dict:
             "img_s": measured["n"] / measured["s"], "first_batch_s": measured["first_s"],
             "epoch_s": measured["s"], "n": measured["n"], "batch": measured["batch"],
             "peak_pss": mem.peak_pss, "peak_uss": mem.peak_uss, "peak_rss": mem.peak_rss,
+            "peak_pss_anon": mem.peak_pss_anon, "peak_pss_file": mem.peak_pss_file,
             "processes": 1 + mem.max_workers, "pss_samples": len(mem.samples)}
 
 
@@ -206,7 +214,7 @@ def summarise(names: list[str], rounds: list[dict], args, sizes: dict, jpeg: int
     for n in names:
         rs = [r[n] for r in rounds]
         rows[n] = {**{k: med([r[k] for r in rs]) for k in ("img_s", "first_batch_s", "startup_s", "import_s",
-                                                            "peak_pss")},
+                                                            "peak_pss", "peak_pss_anon", "peak_pss_file")},
                    "peak_pss_max": max(r["peak_pss"] for r in rs), "processes": max(r["processes"] for r in rs),
                    "store": STORE[n], "disk_bytes": sizes[n], "batch": rs[-1]["batch"], "rounds": rs}
     ratios = {}
@@ -222,12 +230,13 @@ def markdown(res: dict, args, command: str) -> str:
              f"process per round: warm-up epoch, then the measured one); JPEG bytes "
              f"{res['jpeg_bytes'] / 1e6:.0f} MB",
              "",
-             "| contender | store | images/s | first batch ms | start-up s | imports s | peak PSS MiB | processes "
-             "| disk MB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| contender | store | images/s | first batch ms | start-up s | imports s | peak PSS MiB "
+             "| of which anon MiB | processes | disk MB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, r in res["rows"].items():
         lines.append(f"| {n} | {r['store']} | {r['img_s']:.0f} | {r['first_batch_s'] * 1e3:.0f} | "
-                     f"{r['startup_s']:.2f} | {r['import_s']:.2f} | {r['peak_pss'] / MB:.0f} | {r['processes']} | "
+                     f"{r['startup_s']:.2f} | {r['import_s']:.2f} | {r['peak_pss'] / MB:.0f} | "
+                     f"{r['peak_pss_anon'] / MB:.0f} | {r['processes']} | "
                      f"{r['disk_bytes'] / 1e6:.0f} |")
     if res["ratios"]:
         lines += ["", "| ratio (median of per-round ratios) | |", "|---|---:|"]

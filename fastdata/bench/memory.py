@@ -247,6 +247,10 @@ class MemorySampler:
             (seconds since start).
         marks: ``(label, t, MemorySnapshot)`` for each :meth:`mark` call.
         peak_pss, peak_rss, peak_uss: maxima of the tree totals over all samples.
+        peak_pss_anon, peak_pss_file: maxima of the tree's PSS split (:func:`pss_split`): anonymous
+            memory (heap, batches, copy-on-write copies: what the kernel cannot drop) and mapped
+            files (libraries, a store's pages: page cache it can drop). Both 0 where the OS has no
+            ``/proc/PID/smaps_rollup`` (macOS, Windows).
         peak_uss_per_worker: the largest USS any single worker reached.
         max_workers: the most workers seen in one sample.
         error: an unexpected exception that stopped the thread, else None (the root
@@ -264,6 +268,8 @@ class MemorySampler:
         self.peak_rss = 0
         self.peak_uss = 0
         self.peak_uss_per_worker = 0
+        self.peak_pss_anon = 0
+        self.peak_pss_file = 0
         self.max_workers = 0
         self.error: BaseException | None = None
         self.root_exited = False
@@ -278,7 +284,10 @@ class MemorySampler:
         t = snap.t - (self._t0 or snap.t)
         row = (t, snap.total_pss, snap.total_uss, snap.total_rss)
         workers = snap.workers
+        split = pss_split([p.pid for p in snap.processes])
         with self._lock:
+            self.peak_pss_anon = max(self.peak_pss_anon, split["anon"])
+            self.peak_pss_file = max(self.peak_pss_file, split["file"])
             bisect.insort(self.samples, row)
             self.peak_pss = max(self.peak_pss, row[1])
             self.peak_uss = max(self.peak_uss, row[2])
@@ -354,6 +363,8 @@ class MemorySampler:
                 "peak_uss": self.peak_uss,
                 "peak_rss": self.peak_rss,
                 "peak_uss_per_worker": self.peak_uss_per_worker,
+                "peak_pss_anon": self.peak_pss_anon,
+                "peak_pss_file": self.peak_pss_file,
                 "max_workers": self.max_workers,
                 "marks": [
                     {

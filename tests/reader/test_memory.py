@@ -206,3 +206,28 @@ def test_sampler_stops_when_root_exits():
 def test_sampler_rejects_bad_interval():
     with pytest.raises(ValueError):
         MemorySampler(interval=0)
+
+
+def test_sampler_splits_anonymous_memory_from_mapped_files(tmp_path):
+    """A child's 200 MB heap is anonymous PSS; 200 MB of a file it maps and reads is file PSS
+    (page cache the kernel can drop), and only the heap shows in ``peak_pss_anon``."""
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(os.urandom(1 << 20) * 200)
+    with MemorySampler(interval=0.02) as mem:
+        base_anon = mem.peak_pss_anon
+        base_file = mem.peak_pss_file
+        mapper = subprocess.Popen(
+            [sys.executable, "-c",
+             "import mmap, sys, time\n"
+             "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+             "sum(m[i] for i in range(0, len(m), 4096)); print('ready', flush=True); time.sleep(0.3)\n",
+             str(path)], stdout=subprocess.PIPE, text=True)
+        assert mapper.stdout.readline().strip() == "ready"
+        mapper.wait(timeout=10)
+        file_peak, anon_after_map = mem.peak_pss_file, mem.peak_pss_anon
+        proc = _spawn_allocator(200, hold=0.3)
+        proc.wait(timeout=10)
+    assert file_peak - base_file >= 150 * MB
+    assert anon_after_map - base_anon < 100 * MB  # the mapped file is not anonymous memory
+    assert mem.peak_pss_anon - base_anon >= 150 * MB
+    assert mem.summary()["peak_pss_anon"] == mem.peak_pss_anon
