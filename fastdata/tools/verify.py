@@ -571,9 +571,9 @@ def verify(store: str, *, decode: bool = False, timeout: float = 600.0,
     except FormatError as err:
         report.fail(str(err))
         return report
-    _check_local_index(store, m, report)
+    indexes = _check_local_index(store, m, report)
     seen_classes = np.zeros(len(m["classes"]), dtype=np.int64)
-    for shard in m["shards"]:
+    for k, shard in enumerate(m["shards"]):
         name = shard["name"]
         path = os.path.join(store, name)
         try:
@@ -583,17 +583,20 @@ def verify(store: str, *, decode: bool = False, timeout: float = 600.0,
             report.fail(f"{name}: shard file missing or unreadable ({err.strerror})")
             continue
         checksum = functools.partial(file_checksum, path)  # computed only when the size is right
-        _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes)
+        _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes,
+                     indexes[k] if indexes else None)
     _check_class_counts(report, m, seen_classes)
     return report
 
 
 def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: int, checksum: Callable[[], str],
-                 decode: bool, timeout: float, seen_classes: np.ndarray) -> None:
+                 decode: bool, timeout: float, seen_classes: np.ndarray, stored_index=None) -> None:
     """Check one shard file at ``path`` (``size`` bytes; ``checksum()`` its xxh3-64) against
     manifest ``m``'s entry ``shard``, then its records; findings go to ``report``. A file that
     is not what the manifest says has its records checked in a child process (it may crash
-    the reader); a version-1 shard adds its labels to ``seen_classes``."""
+    the reader); a version-1 shard adds its labels to ``seen_classes``. ``stored_index``: the
+    shard's entry of the store index file, whose ``record_ranges`` (when it has them) are checked
+    against a sound shard (:func:`_check_ranges`)."""
     name = shard["name"]
     report.shards_checked += 1
     file_ok = size == shard["bytes"]
@@ -614,6 +617,8 @@ def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: in
     report.decoded += decoded
     for p in problems:
         report.fail(p)
+    if file_ok and not problems and stored_index is not None:
+        _check_ranges(report, m, name, path, stored_index)
     if file_ok and not problems and is_classification(m):
         with reader_class(m["backend"])(path, StorageSpec.from_json(m["storage"])) as reader:
             index = reader.read_index()
@@ -628,6 +633,36 @@ def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: in
             seen_classes += np.bincount(labels, minlength=len(seen_classes))[: len(seen_classes)]
 
 
+def _check_ranges(report: VerifyReport, m: dict, name: str, path: str, index) -> None:
+    """The store index file's ``record_ranges`` of shard ``name`` (at ``path``, a sound file), when it
+    has them: every record's pieces lie in the file and give the record, checked as a ranged read
+    (``cache="records"``) checks it; the first record that does not is reported."""
+    ranges = index.record_ranges
+    if ranges is None:
+        return
+    reader_cls, schema = reader_class(m["backend"]), _manifest_schema(m)
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for j in range(len(ranges)):
+            pieces = [(a, n) for a, n in ranges[j].tolist() if n]
+            why = None
+            if any(a + n > size for a, n in pieces):
+                why = "place it past the end of the shard"
+            else:
+                value = b"".join(os.pread(fd, n, a) for a, n in pieces)
+                try:
+                    reader_cls.from_stored_value(value, j, int(index.checksums[j]), schema=schema, where="")
+                except FastdataError as err:
+                    why = f"do not give the record ({str(err).lstrip(': ')})"
+            if why is not None:
+                report.fail(f"{name}: record {j}: the record_ranges of {index_file_name(m)} {why}; reading it "
+                            "with cache='records' fails (the store index file is damaged or was crafted)")
+                return
+    finally:
+        os.close(fd)
+
+
 def _manifest_schema(m: dict):
     """The general store's schema, or None for a version-1 store (whose index has no schema)."""
     if not m.get("schema"):
@@ -637,26 +672,28 @@ def _manifest_schema(m: dict):
     return Schema.from_json(m["schema"])
 
 
-def _check_local_index(store: str, m: dict, report: VerifyReport) -> None:
+def _check_local_index(store: str, m: dict, report: VerifyReport) -> list | None:
     """``index.fdi`` (what remote readers use instead of the shards' own indexes) against the
     manifest: a regular file (never a FIFO) of exactly the declared size, read with that size as
-    the limit, with the declared checksum and the manifest's shards and counts."""
+    the limit, with the declared checksum and the manifest's shards and counts. Returns its shard
+    indexes (None: none, or unreadable)."""
     from fastdata.common.fileio import read_regular
 
     entry = m.get(MANIFEST_KEY)
     if entry is None:
-        return  # an older store: it has none
+        return None  # an older store: it has none
     name = index_file_name(m)
     path = os.path.join(store, name)
     try:
         data = read_regular(path, entry["bytes"], "store index")
-        parse_store_index(data, m, _manifest_schema(m), path)
+        return parse_store_index(data, m, _manifest_schema(m), path)
     except FileNotFoundError:
         report.fail(f"{name}: missing (the manifest lists one of {entry['bytes']} bytes)")
     except OSError as err:
         report.fail(f"{name}: unreadable ({err.strerror or err})")
     except FormatError as err:
         report.fail(f"{name}: {err}")
+    return None
 
 
 def _check_class_counts(report: VerifyReport, m: dict, seen_classes: np.ndarray) -> None:
@@ -672,11 +709,11 @@ def _verify_remote(url: str, decode: bool, timeout: float, storage_options: Mapp
     if store is None:
         return report
     m = store.manifest
-    _check_remote_index(store, m, report)
+    indexes = _check_remote_index(store, m, report)
     seen_classes = np.zeros(len(m["classes"]), dtype=np.int64)
     scratch = _scratch_root(scratch_dir)
     with tempfile.TemporaryDirectory(prefix=".verify-", dir=scratch) as tmp:
-        for shard in m["shards"]:
+        for k, shard in enumerate(m["shards"]):
             name = shard["name"]
             size = store.location.size(name)
             if size is None:
@@ -701,7 +738,8 @@ def _verify_remote(url: str, decode: bool, timeout: float, storage_options: Mapp
                 continue
             try:
                 checksum = functools.partial(str, digest)  # computed while it downloaded
-                _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes)
+                _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes,
+                             indexes[k] if indexes else None)
             finally:
                 os.unlink(path)
     _check_class_counts(report, m, seen_classes)
@@ -728,19 +766,21 @@ def _open_remote_for_verify(url: str, storage_options: Mapping[str, Any] | None,
     return store
 
 
-def _check_remote_index(store: RemoteStore, m: dict, report: VerifyReport) -> None:
-    """The store index file (what readers use instead of opening every shard) against the manifest."""
+def _check_remote_index(store: RemoteStore, m: dict, report: VerifyReport) -> list | None:
+    """The store index file (what readers use instead of opening every shard) against the manifest;
+    returns its shard indexes (None: none, or unreadable)."""
     if MANIFEST_KEY not in m:
-        return  # an older store: readers cannot open it remotely, but its shards can still be verified
+        return None  # an older store: readers cannot open it remotely, but its shards can still be verified
     schema = _manifest_schema(m)
     name = index_file_name(m)
     try:  # the server's copy, not the cache's: that is what a fresh reader would get
         data = store.location.read_bytes(name, limit=m[MANIFEST_KEY]["bytes"])
-        parse_store_index(data, m, schema, store.location.child(name))
+        return parse_store_index(data, m, schema, store.location.child(name))
     except FileNotFoundError:
         report.fail(f"{name}: missing on the server ({store.location.child(name)})")
     except FormatError as err:
         report.fail(f"{name}: {err}")
+    return None
 
 
 def _scratch_root(scratch_dir: str | None) -> str:

@@ -85,3 +85,35 @@ def test_a_damaged_record_ranges_array_is_refused(tmp_path):
     resign(store)
     with pytest.raises((CorruptRecordError, FormatError), match="record_ranges.*damaged"):
         _indexes(store)
+
+
+@pytest.mark.parametrize("suffix", [".lmdb", ".h5"])
+def test_verify_checks_record_ranges_against_the_shards(tmp_path, suffix):
+    """``fastdata verify`` reads each record at its ranges as ``cache="records"`` would: a store whose
+    (re-signed) index file places a record elsewhere is reported, naming the shard and record."""
+    import shutil
+
+    from helpers.hostile import index_entries, resign
+
+    from fastdata.synth import make_image_folder
+
+    make_image_folder(tmp_path / "imgs", num_classes=2, per_class=3, size=(60, 80))
+    store = str(tmp_path / f"s{suffix}")
+    fastdata.convert(str(tmp_path / "imgs"), store, shard_size="20kB", workers=1, progress=False)
+    assert fastdata.verify(store).ok
+    crafted = str(tmp_path / f"crafted{suffix}")
+    shutil.copytree(store, crafted)
+    body = index_entries(crafted)
+    entry = body["shards"][0]
+    dtype, shape, raw = entry["arrays"]["record_ranges"]
+    ranges = np.frombuffer(raw, "<u8").reshape(shape).copy()
+    piece = int(np.argmax(ranges[1, :, 1]))  # (an LMDB record's head may be empty: its largest piece)
+    ranges[1, piece, 0] -= 1  # one byte early: the right length, the wrong bytes
+    entry["arrays"]["record_ranges"] = [dtype, shape, ranges.tobytes()]
+    with open(os.path.join(crafted, "index.fdi"), "wb") as fh:
+        fh.write(msgpack.packb(body, use_bin_type=True))
+    resign(crafted)
+    report = fastdata.verify(crafted)
+    assert not report.ok
+    assert any(f"{entry['name']}: record 1: the record_ranges of index.fdi do not give the record" in p
+               for p in report.problems), report.problems
