@@ -315,7 +315,13 @@ async def _s3_range(fs, path: str, start: int, end: int, url: str) -> bytes:
     key is FileNotFoundError), the body read only when the reply is the range asked for."""
     bucket, key, version = fs.split_path(path)
     extra = {"VersionId": version} if version else {}
-    reply = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)
+    try:
+        reply = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)
+    except OSError as err:  # s3fs's InvalidRange (416): the object ends before the range begins
+        if err.errno == errno.EINVAL and "range" in str(err).lower():
+            raise RemoteSizeError(f"{url}: a read of bytes {start:,}-{end - 1:,} was refused: {err} (the object is "
+                                  "shorter than the store's index says)") from None
+        raise
     body = reply["Body"]
     try:
         length = reply.get("ContentLength")

@@ -330,3 +330,24 @@ def test_an_http_store_reads_records_by_range_and_a_server_ignoring_ranges_is_re
             server.shutdown()
             server.server_close()
     assert _shard_files(str(tmp_path / "cache")) == []
+
+
+def test_read_range_reads_exactly_the_range_and_a_short_object_is_not_retried(s3, monkeypatch):
+    """RemoteLocation.read_range: the bytes asked for; an object that ends inside the range, or
+    before it (S3's 416), is a RemoteSizeError at once (no retry can make it longer)."""
+    import fastdata.remote.location as location
+    from fastdata.remote.location import RemoteSizeError
+
+    _server, bucket = s3
+    retries: list[int] = []
+    monkeypatch.setattr(location, "backoff", retries.append)
+    loc = RemoteLocation(f"{bucket}/obj")
+    loc.write_bytes("o", b"0123456789")
+    assert loc.read_range("o", 2, 5) == b"234" and loc.read_range("o", 3, 3) == b""
+    with pytest.raises(RemoteSizeError, match="answered with 2 bytes"):
+        loc.read_range("o", 8, 20)
+    with pytest.raises(RemoteSizeError, match="shorter than the store's index says"):
+        loc.read_range("o", 50, 60)
+    with pytest.raises(FileNotFoundError):
+        loc.read_range("missing", 0, 4)
+    assert retries == []
