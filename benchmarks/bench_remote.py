@@ -47,7 +47,7 @@ from fastdata.remote.location import RemoteLocation
 from fastdata.synth import make_image_folder
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from s3server import S3Server  # noqa: E402  (the tests' SeaweedFS launcher)
+from helpers.s3server import S3Server  # noqa: E402  (the tests' SeaweedFS launcher)
 
 
 def dir_bytes(path: str) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import http.client
 import os
 import queue
 import shutil
@@ -214,7 +215,8 @@ class S3Server:
             return True
         except urllib.error.HTTPError:
             return True  # an S3 error document: the gateway is up
-        except OSError:
+        except (OSError, http.client.HTTPException):
+            # (a port that accepts before the gateway speaks HTTP answers garbage: BadStatusLine)
             return False
 
     def kill(self) -> None:
