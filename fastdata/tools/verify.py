@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata.common import portable
 from fastdata.common.fileio import file_checksum, read_regular
 from fastdata.common.paths import check_local_path
 from fastdata.errors import FastdataError, FormatError, IncompleteStoreError, RemoteStoreError
@@ -642,7 +643,7 @@ def _check_ranges(report: VerifyReport, m: dict, name: str, path: str, index) ->
         return
     reader_cls, schema = reader_class(m["backend"]), _manifest_schema(m)
     size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))  # (Windows opens in text mode without it)
     try:
         for j in range(len(ranges)):
             pieces = [(a, n) for a, n in ranges[j].tolist() if n]
@@ -650,7 +651,7 @@ def _check_ranges(report: VerifyReport, m: dict, name: str, path: str, index) ->
             if any(a + n > size for a, n in pieces):
                 why = "place it past the end of the shard"
             else:
-                value = b"".join(os.pread(fd, n, a) for a, n in pieces)
+                value = b"".join(portable.pread(fd, n, a) for a, n in pieces)
                 try:
                     reader_cls.from_stored_value(value, j, int(index.checksums[j]), schema=schema, where="")
                 except FastdataError as err:

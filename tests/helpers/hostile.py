@@ -447,7 +447,8 @@ def replace_item(store: str, backend: str, shard: str, i: int, data: bytes, chec
                  **index: int) -> None:
     """Put ``data`` as record ``i``'s stored bytes (LMDB value / HDF5 payload slice) and make the
     index agree: ``checksums[i]`` = xxh3 of ``checksummed`` (default ``data``), ``nbytes[i]`` =
-    ``len(checksummed)``, plus any ``index`` value (``widths=...``); then re-sign the caller."""
+    ``len(checksummed)``, plus any ``index`` value (``widths=...``), and the manifest's ``image_bytes`` of
+    the shard by the record's change of size; the caller then re-signs."""
     from fastdata.format.record import INDEX_DTYPES
 
     covered = data if checksummed is None else checksummed
@@ -466,9 +467,18 @@ def replace_item(store: str, backend: str, shard: str, i: int, data: bytes, chec
     values = {"checksums": xxhash.xxh3_64_intdigest(covered), "nbytes": len(covered), **index}
     for name, value in values.items():
         arr = index_array(backend, shard, name, INDEX_DTYPES.get(name, "<i8"))
+        grown = int(value) - int(arr[i]) if name == "nbytes" else 0
         arr[i] = value
         arrays[name] = arr
     set_index_arrays(store, backend, shard, arrays)
+    # the manifest's image_bytes of the shard (the sum of its records' sizes) follows, as the
+    # writer would have written it: the caller re-signs the manifest
+    body = load_manifest(store)
+    for entry in body["shards"]:
+        if entry["name"] == os.path.basename(shard) and grown:
+            entry["image_bytes"] += grown
+            with open(os.path.join(store, MANIFEST), "wb") as fh:
+                fh.write(canonical(body))
 
 
 # -- msgpack bombs ---------------------------------------------------------------------------
