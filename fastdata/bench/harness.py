@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from fastdata.bench.envcheck import check_environment
+from fastdata.common import portable
 from fastdata.bench.grid import RESULT_MARK, STORE_OPTIONS_ENV, BenchConfig
 from fastdata.bench.report import complete_row, fingerprint, format_table, write_csv, write_json
 
@@ -43,10 +44,8 @@ def _child_env(store_options: dict | None = None) -> dict:
 
 
 def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    # (os.killpg is missing on Windows: the portable module kills the tree there)
+    portable.kill_process_group(pid)
 
 
 def _signal_name(code: int) -> str:
@@ -98,7 +97,7 @@ def run_isolated(cfg: BenchConfig, timeout: float = DEFAULT_TIMEOUT_S, store_opt
     if result is None:
         if proc.returncode < 0:
             why = f"runner killed by {_signal_name(-proc.returncode)}"
-            if proc.returncode == -signal.SIGKILL:
+            if proc.returncode == -getattr(signal, "SIGKILL", 9):  # (Windows has no SIGKILL)
                 why += " (out of memory?)"
         else:
             why = f"runner exited with code {proc.returncode}"

@@ -392,6 +392,36 @@ def file_mappings(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def kill_process_group(pid: int) -> None:
+    """SIGKILL the process group that process ``pid`` leads (started with ``start_new_session=True``),
+    so that its children go too; where the OS has no process groups (Windows), ``pid`` and the
+    descendants psutil finds. A group or process already gone is not an error.
+
+    Args:
+        pid (int): the group leader's process id.
+    """
+    import signal
+
+    if hasattr(os, "killpg"):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
+    import psutil
+
+    try:
+        leader = psutil.Process(pid)
+        doomed = [*leader.children(recursive=True), leader]
+    except psutil.Error:
+        return
+    for proc in doomed:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
 def at_fork_in_child(func: Callable[[], Any]) -> None:
     """Run ``func`` in each child this process forks from now on (nothing where the OS cannot fork).
 

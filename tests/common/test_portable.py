@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 
 import psutil
@@ -252,3 +254,22 @@ def test_fsync_by_name_and_of_a_directory_where_the_os_refuses_them(tmp_path, mo
     monkeypatch.delattr(os, "O_DIRECTORY")
     portable.fsync_dir(str(tmp_path))  # no directory descriptors: nothing to do
     assert len(modes) == 2
+
+
+@pytest.mark.parametrize("groups", [True, False], ids=["killpg", "no-process-groups"])
+def test_kill_process_group_takes_the_leader_and_its_children(monkeypatch, groups):
+    """A runner started in its own session and the worker it started both die; without
+    ``os.killpg`` (Windows) through psutil's view of the tree. A group already gone is no error."""
+    if not groups:
+        monkeypatch.delattr(os, "killpg")
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(child.pid, flush=True); time.sleep(60)\n")
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = psutil.Process(int(leader.stdout.readline()))
+    portable.kill_process_group(leader.pid)
+    assert leader.wait(timeout=10) != 0
+    psutil.wait_procs([child], timeout=10)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    portable.kill_process_group(leader.pid)  # gone already: no error
