@@ -448,7 +448,8 @@ def replace_item(store: str, backend: str, shard: str, i: int, data: bytes, chec
     """Put ``data`` as record ``i``'s stored bytes (LMDB value / HDF5 payload slice) and make the
     index agree: ``checksums[i]`` = xxh3 of ``checksummed`` (default ``data``), ``nbytes[i]`` =
     ``len(checksummed)``, plus any ``index`` value (``widths=...``), and the manifest's ``image_bytes`` of
-    the shard by the record's change of size; the caller then re-signs."""
+    the shard by the record's change of size (the manifest re-signed for that alone); the caller
+    re-signs the rest."""
     from fastdata.format.record import INDEX_DTYPES
 
     covered = data if checksummed is None else checksummed
@@ -472,11 +473,14 @@ def replace_item(store: str, backend: str, shard: str, i: int, data: bytes, chec
         arrays[name] = arr
     set_index_arrays(store, backend, shard, arrays)
     # the manifest's image_bytes of the shard (the sum of its records' sizes) follows, as the
-    # writer would have written it: the caller re-signs the manifest
+    # writer would have written it; the manifest's own checksum with it (the shards' and the index
+    # file's are the caller's to re-sign, or to leave stale)
     body = load_manifest(store)
     for entry in body["shards"]:
         if entry["name"] == os.path.basename(shard) and grown:
             entry["image_bytes"] += grown
+            body.pop("checksum", None)
+            body["checksum"] = xxhash.xxh3_64_hexdigest(canonical(body))
             with open(os.path.join(store, MANIFEST), "wb") as fh:
                 fh.write(canonical(body))
 
