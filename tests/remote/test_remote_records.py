@@ -10,6 +10,7 @@ import warnings
 import msgpack
 import numpy as np
 import pytest
+from helpers.backends import first_in_ci
 from helpers.counting_proxy import CountingProxy
 from helpers.hostile import index_entries, resign
 
@@ -253,7 +254,8 @@ def test_a_store_rewritten_on_the_server_while_open_is_detected(s3, proxy, store
         ds[3]
 
 
-@pytest.mark.parametrize("start", ["spawn", "fork"])
+# fork in CI; spawn (13 s: each worker imports torch) nightly
+@pytest.mark.parametrize("start", first_in_ci(["fork", "spawn"]))
 def test_a_loader_with_two_workers_reads_every_sample_once(s3, stores, tmp_path, start):
     """Pickled into spawned workers, or forked after the parent read a record (its filesystem and
     request pool are the parent's, never used in a child), each worker reads its records with its
