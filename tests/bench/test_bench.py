@@ -80,6 +80,9 @@ def test_grid_defaults_and_errors(data):
 # ------------------------------------------------------------------ the whole harness
 
 
+# nightly (16 s): .ci/run runs the bench command over a remote store (tests/remote/test_remote_cli.py)
+# and the harness's lighter tests here
+@pytest.mark.slow
 def test_bench_cli_tiny_grid_writes_every_field_and_survives_failures(data, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["bench", data["broken"], data["lmdb"], "--workers", "0,1", "--batch-size", "4", "--max-batches", "2",

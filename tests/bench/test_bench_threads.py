@@ -96,6 +96,8 @@ def test_table_and_plots_show_the_worker_type():
         assert members[0]["workers"] == 0
 
 
+# nightly (8 s): .ci/run tests the worker-type axis, loader, row and table above without the command
+@pytest.mark.slow
 def test_bench_cli_worker_type_both(store, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["bench", store, "--workers", "2", "--worker-type", "both", "--batch-size", "4", "--max-batches", "2",

@@ -521,6 +521,9 @@ def test_printed_snippet_runs_on_mixed_sizes(mixed_store, monkeypatch, kind, tra
             _first_batches(code.replace("collate_fn=fastdata.collate_lists", "collate_fn=fastdata.collate"))
 
 
+# nightly (16 s): .ci/run runs the tune command over a remote store (tests/remote/test_remote_cli.py)
+# and the tuner's own tests above
+@pytest.mark.slow
 def test_tune_cli_snippet_runs_as_printed(tmp_path, mixed_store, capsys):
     """The tuning guide's command shape (docs/guides/tuning.md; default --transform none) on a store of mixed sizes."""
     from fastdata.cli.main import main

@@ -50,6 +50,9 @@ def test_sampler_made_in_train_dataloader_splits_once_and_resumes_exactly(store,
 THREADS = ["--sampler", "shuffle", "--workers", "2", "--worker-type", "thread"]
 
 
+# nightly (24 s of DDP start-up): .ci/run keeps the process-worker Lightning tests and tests the
+# thread loader's semantics in tests/reader/test_thread_workers.py
+@pytest.mark.slow
 def test_thread_workers_survive_lightnings_rebuild(store, tmp_path):
     """The loader's own shuffle with 2 thread workers per rank: Lightning replaces the sampler with
     its DistributedSampler, so it rebuilds the loader; the rebuilt loader keeps its thread workers
