@@ -10,6 +10,7 @@ Public API::
     fastdata.convert_coco(annotations_json, image_dir, dst, options=None, **keywords) -> ConvertReport
     fastdata.WriteOptions(format=, workers=, shard_size=, resume=, overwrite=, append=, task_size=, ...)
     fastdata.merge([store_a, store_b, ...], dst) -> MergeReport
+    fastdata.add_fields(store, {"name": values}) -> manifest; drop_fields, rename_field, gc
     fastdata.verify(store, decode=False) -> VerifyReport
     fastdata.info(store) -> dict
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
@@ -47,6 +48,10 @@ _LAZY = {
     "convert_table": "fastdata.writer.api",
     "write": "fastdata.writer.api",
     "merge": "fastdata.writer.merge",
+    "add_fields": "fastdata.writer.add_fields",
+    "drop_fields": "fastdata.writer.add_fields",
+    "rename_field": "fastdata.writer.add_fields",
+    "gc": "fastdata.writer.add_fields",
     "convert_coco": "fastdata.writer.api",
     "WriteOptions": "fastdata.writer.options",
     "ConvertReport": "fastdata.writer.report",

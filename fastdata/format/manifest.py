@@ -203,6 +203,9 @@ def validate_manifest(body: dict, *, where: str, check_sum: bool) -> None:
         _validate_class_tables(body, schema, where)
     elif "schema" in body:
         raise FormatError(f"{where}: a version-1 manifest has no schema (it is always image + label)")
+    from fastdata.format.added import validate_added  # local import: added imports the field kinds
+
+    validate_added(body, schema_of(body, where).names, where)
 
 
 def _validate_label_map(label_map: object, num_classes: int, version: int, where: str) -> None:

@@ -53,7 +53,8 @@ from fastdata.errors import CorruptRecordError, FastdataError, FormatError, Imag
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.chunks import ChunkTable, check_shape
-from fastdata.format.fields import Chunked, Float, Image, Int, NDArray, Ragged
+from fastdata.format.added import ADDED_FIELDS_KEY
+from fastdata.format.fields import Chunked, Float, Image, Int, NDArray, Ragged, Schema
 from fastdata.format.legacy import NBYTES, PATH_OFFSETS, PATHS, record_model
 from fastdata.format.manifest import target_field
 from fastdata.format.record import (
@@ -68,6 +69,7 @@ from fastdata.format.record import (
     index_layout,
 )
 from fastdata.reader import batch_ring
+from fastdata.reader.added import AddedValues
 from fastdata.reader import transforms as fd_transforms
 from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, aligned, build_batch, new_segment
 from fastdata.reader.chunked import ChunkedArray
@@ -78,11 +80,12 @@ from fastdata.reader.shards import ShardHandles
 from fastdata.reader.subset import StoreSubset, code_names, read_only
 from fastdata.remote.store import StoreLocation, locate_store
 
-OUTPUTS = ("pil", "numpy", "tensor")
+OUTPUTS = ("pil", "numpy", "tensor", "bytes")
 #: how a field of a sample is read (see :meth:`StoreDataset._field_plan`): an image decoded, an int
 #: or float of the index, an array of the index, another index value, an array or a chunk table
 #: of the record, another record value
-_IMAGE, _SCALAR, _INDEX_ARRAY, _INDEX_VALUE, _RECORD_ARRAY, _CHUNKED, _RECORD_VALUE = range(7)
+(_IMAGE, _SCALAR, _INDEX_ARRAY, _INDEX_VALUE, _RECORD_ARRAY, _CHUNKED, _RECORD_VALUE, _ADDED_ARRAY,
+ _ADDED_VALUE) = range(9)
 #: the columns of :class:`ImageFolderDataset` (ImageFolder-like stores), in this order
 CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "format", "nbytes")
 
@@ -196,7 +199,9 @@ class StoreDataset(Dataset):
             transform: called with each sample (after decoding); its result is returned.
             output: ``"pil"`` (a PIL image), ``"numpy"`` (HWC array; HxW for a one-channel
                 image outside ``"RGB"`` mode) or ``"tensor"`` (CHW ``torch.Tensor``, and array
-                fields as tensors), in the image mode's dtype (uint8 except ``"unchanged"``).
+                fields as tensors), in the image mode's dtype (uint8 except ``"unchanged"``); or
+                ``"bytes"``: each image's stored bytes (JPEG, PNG, ... as written), not decoded,
+                for a consumer that decodes them itself (not with ``decode=`` or a store of raw pixels).
             decode: a decode-time transform (``fastdata.reader.transforms``) mapping encoded
                 bytes to an HWC uint8 array; ``None`` = full decode. Any other callable
                 ``decode(bytes) -> array`` is user code: its exceptions propagate unchanged.
@@ -257,6 +262,10 @@ class StoreDataset(Dataset):
         self.storage = StorageSpec.from_json(manifest["storage"])
         if decode is not None and self.storage.mode.holds_fixed_size_pixels:
             raise ValueError(f"{self.root} stores raw pixels; decode-time transforms need encoded images")
+        if output == "bytes" and (decode is not None or self.storage.mode.holds_fixed_size_pixels):
+            raise ValueError(f"{self.root}: output='bytes' gives each image's encoded bytes, not decoded: "
+                             + ("leave out decode=" if decode is not None else
+                                "this store keeps raw pixels (use output='numpy')"))
         self.transform = transform
         self.output = output
         self.decode = decode
@@ -272,10 +281,16 @@ class StoreDataset(Dataset):
         self.on_error = on_error
         # how this store's shards and records are read into the one model: chosen once, here
         self._records = record_model(manifest, self.root)
-        #: the fields every sample has (an image-classification store: ``image`` and ``label``)
-        self.schema = self._records.schema
+        #: the values of fields added to the store after it was written (``fastdata.add_fields``)
+        self._added = AddedValues(store, manifest, self.root) if ADDED_FIELDS_KEY in manifest else None
+        #: the fields every sample has (an image-classification store: ``image`` and ``label``),
+        #: then the fields added to it since, in the order they were added
+        self.schema = self._records.schema if self._added is None else Schema(
+            self._records.schema.fields + tuple((a.name, a.field) for a in self._added.fields))
         self._ragged_fields = tuple(name for name, f in self.schema if isinstance(f, Ragged))
-        others = [name for name, f in self.schema if not isinstance(f, Image | Int | Float)]
+        # (an added field is never an image's geometry, unless it is a ragged array such as boxes)
+        others = [name for name, f in self.schema if not isinstance(f, Image | Int | Float)
+                  and (name in self._records.schema or isinstance(f, Ragged))]
         if decode is not None and others:
             raise ValueError(
                 f"{self.root}: decode= is refused for a store with fields {', '.join(others)}: a fused crop "
@@ -410,6 +425,8 @@ class StoreDataset(Dataset):
         if not parts:  # a store without shards: its fields' arrays, empty
             self.index_arrays = {key: np.zeros((0, *shape), dtype=dtype) for key, (dtype, shape)
                                  in index_layout(self.schema).items() if key.startswith(FIELD_PREFIX)}
+        if self._added is not None:  # fixed-size added fields: index columns like the written ones
+            self.index_arrays.update({FIELD_PREFIX + name: arr for name, arr in self._added.arrays.items()})
         if any(len(arr) != self._count for arr in self.index_arrays.values()):
             raise CorruptRecordError(f"{self.root}: index disagrees with the manifest; run 'fastdata verify'",
                                      store=self.root)
@@ -694,6 +711,9 @@ class StoreDataset(Dataset):
     def close(self) -> None:
         """Close this process's handles (they reopen lazily on next access)."""
         self._shards.close()
+        added = getattr(self, "_added", None)
+        if added is not None:
+            added.close()
 
     def __enter__(self):
         return self
@@ -756,6 +776,8 @@ class StoreDataset(Dataset):
 
     def _run_decoder(self, data: bytes, fmt: str, index: int, name: str, epoch: int | None,
                      into: np.ndarray | None):
+        if self.output == "bytes":
+            return bytes(data)  # as stored: the consumer decodes
         mode = self.image_modes[name]
         raw_shape = self.storage.raw_shape  # (H, W) of a store of fixed-size pixels, else None
         if self.decode is None:
@@ -803,6 +825,8 @@ class StoreDataset(Dataset):
                 how = _INDEX_ARRAY if isinstance(field, NDArray) else _SCALAR if isinstance(field, Int | Float) \
                     else _INDEX_VALUE
                 plan.append((name, how, field, self.index_arrays[FIELD_PREFIX + name]))
+            elif self._added is not None and name in self._added.record_fields:
+                plan.append((name, _ADDED_ARRAY if isinstance(field, NDArray | Ragged) else _ADDED_VALUE, field, None))
             else:
                 how = _RECORD_ARRAY if isinstance(field, NDArray | Ragged) else _CHUNKED if isinstance(field, Chunked) \
                     else _RECORD_VALUE
@@ -836,9 +860,22 @@ class StoreDataset(Dataset):
                 out[name] = self._as_output(record[name])
             elif how == _CHUNKED:
                 out[name] = self._chunked(name, field, record[name], index, f"{self._where(index)} field {name!r}")
+            elif how == _ADDED_ARRAY or how == _ADDED_VALUE:
+                value = self._added_value(name, index)
+                out[name] = self._as_output(value) if how == _ADDED_ARRAY else value
             else:
                 out[name] = record[name]
         return out
+
+    def _added_value(self, name: str, index: int) -> Any:
+        """Record-resident added field ``name`` of sample ``index`` (from its field file)."""
+        assert self._added is not None
+        try:
+            return self._added.value(name, index, f"{self.root} sample {index}")
+        except CorruptRecordError as err:
+            shard, _ = self.locate(index)
+            raise CorruptRecordError(f"{err}; run 'fastdata verify' on the store", store=self.root,
+                                     shard=self._shard_files[shard], index=index) from None
 
     def _chunked(self, name: str, field: Chunked, table: bytes, index: int, where: str) -> ChunkedArray:
         """The lazy array of chunked field ``name`` of sample ``index`` (shape and table checked)."""
@@ -1128,7 +1165,7 @@ class ImageFolderDataset(StoreDataset):
                 store=self.root, shard=name, index=i)
 
     def _fixed_shape(self) -> tuple[int, int] | None:
-        if self.transform is not None or self.output == "pil":
+        if self.transform is not None or self.output in ("pil", "bytes"):
             return None
         if self.storage.mode.holds_fixed_size_pixels:
             pixels_as_stored = self.image_modes[self._image_name] in ("RGB", "unchanged")

@@ -32,6 +32,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from fastdata.common.callers import user_stacklevel
 from fastdata.common.fileio import atomic_write, read_regular
@@ -138,6 +139,12 @@ class StoreLocation:
                 out.append(reader.read_index())
             self.check_shard(shard, path)
         return out
+
+    def field_file(self, name: str, nbytes: int, xxh: str) -> str:
+        """The local path of field file ``name`` (an added field's values: ``fastdata.add_fields``)
+        of ``nbytes`` bytes and xxh3-64 ``xxh`` (a local store's own file: its reader checks the
+        size, and each array's checksum)."""
+        return os.path.join(self.root, name)
 
     def open_shard(self, shard: int, release_idle: Callable[[], None] | None = None) -> tuple[str, Any]:
         """(local path of shard ``shard``, a pin to release when the reader closes)."""
@@ -316,6 +323,26 @@ class RemoteStore(StoreLocation):
             warnings.warn(f"fastdata: {self.root}: cache='records' reads {len(names)} of its "
                           f"{len(indexes)} shards ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) whole "
                           f"through the shard cache: {why}", RecordsFallbackWarning, stacklevel=user_stacklevel())
+
+    def field_file(self, name: str, nbytes: int, xxh: str) -> str:
+        """Field file ``name`` downloaded whole into this store version's cache folder (once:
+        checked against ``nbytes`` and the xxh3-64 ``xxh`` the manifest gives, then kept there
+        beside the cached manifest and index file)."""
+        local = os.path.join(self._dir, name)
+        if os.path.exists(local):
+            try:
+                if xxhash.xxh3_64_hexdigest(read_regular(local, nbytes, "cached field file")) == xxh:
+                    return local
+            except UnsafeStoreError:
+                pass  # not what was cached there: fetched again, and replaced
+        data = self.location.read_bytes(name, limit=nbytes)
+        if len(data) != nbytes or xxhash.xxh3_64_hexdigest(data) != xxh:
+            self._raise_if_rewritten()
+            raise CorruptRecordError(f"{self.location.child(name)}: {len(data)} bytes that do not match the "
+                                     f"manifest's size ({nbytes}) and checksum; the store is damaged",
+                                     store=self.root)
+        atomic_write(local, data)
+        return local
 
     def record_reader(self, shard: int) -> ShardReader | None:
         """A :class:`~fastdata.remote.records.RangedShardReader` of ``shard`` with ``cache="records"``

@@ -1,0 +1,339 @@
+"""Added fields: values given to a published store after it was written (``fastdata.add_fields``).
+
+The one place that declares this file kind. An added field's values live in *field files* beside
+the shards, one per shard and per ``add_fields`` call (a *generation*), never in a shard file: no
+shard is rewritten, so a store grows by columns the way an append grows it by rows.
+
+Manifest (both optional; a store without added fields has neither)::
+
+    "added_fields": [{"name": "clip", "field": {"kind": "ndarray", "dtype": "float16", "shape": [512]},
+                      "generation": 1, "added": "2026-12-07T15:50:17Z"}, ...]
+    "shards": [{..., "field_files": [{"name": "fields-00001.shard-00000.lmdb.fdf", "generation": 1,
+                                      "bytes": int, "xxh": str}]}, ...]
+
+Every generation that ``added_fields`` names has exactly one field file in every shard entry, and
+a shard entry lists no other. A field file (``FIELD_FILE_MAGIC``, then the little-endian uint64
+length of a msgpack header, then the arrays it places, each at a 64-byte aligned offset)::
+
+    header = {"format": "fastdata-field-file", "version": 1, "count": n,
+              "arrays": {KEY: [DTYPE, SHAPE, OFFSET, NBYTES, XXH]}}
+
+``KEY`` is, for each field of the generation: ``<name>`` (a fixed-size field: the field's
+dtype, shape ``[n, *shape]``: what ``ds.column`` returns, read without opening a shard), or
+``<name>.offsets`` (``<i8 [n + 1]``), ``<name>.checksums`` (``<u8 [n]``, xxh3-64 of each
+value's bytes) and ``<name>.data`` (``|u1``: the values one after another, each the msgpack of
+the field kind's stored value, exactly what a record would hold for it) for any other field.
+``OFFSET`` is from the file's start, ``XXH`` the xxh3-64 hex digest of the array's bytes.
+
+A file is untrusted input: the header is read with a bound, every array is checked against the
+file's size and against the field the manifest declares before anything is read, and every
+array or value is checked against its checksum when read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from fastdata.common.bounded import unpackb_bounded
+from fastdata.errors import CorruptRecordError, FormatError
+from fastdata.format.fields import Chunked, Field, Image, field_from_json
+from fastdata.format.names import check_file_name
+
+#: manifest key: the added fields, in the order they were added
+ADDED_FIELDS_KEY = "added_fields"
+#: shard entry key: the shard's field files
+FIELD_FILES_KEY = "field_files"
+#: the first bytes of every field file (the last two: the layout version)
+FIELD_FILE_MAGIC = b"FDFIELD\x01"
+FIELD_FILE_FORMAT = "fastdata-field-file"
+FIELD_FILE_VERSION = 1
+_HEAD = struct.Struct("<8sQ")
+#: the largest header a field file may have (it lists a few arrays per field)
+MAX_HEADER_BYTES = 1 << 20
+#: arrays start at multiples of this (aligned reads, and numpy views of a mapped file)
+ALIGN = 64
+#: the most generations a store may have (names have 5 digits)
+MAX_GENERATION = 99999
+_FIELD_FILE_RE = re.compile(r"fields-([0-9]{5})\.(.+)\.fdf")
+#: the numeric dtypes an array of a field file may have
+_ARRAY_DTYPES = frozenset({"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
+
+
+def field_file_name(generation: int, shard: str) -> str:
+    """The field file of generation ``generation`` beside shard ``shard``."""
+    return f"fields-{generation:05d}.{shard}.fdf"
+
+
+def is_field_file_name(name: str) -> bool:
+    """Whether ``name`` is a field file's name (of some generation and shard)."""
+    return _FIELD_FILE_RE.fullmatch(name) is not None
+
+
+def field_file_generation(name: str) -> int | None:
+    """The generation in a field file's name, None for another name."""
+    match = _FIELD_FILE_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def addable(field: Field) -> str | None:
+    """Why ``field`` cannot be added to a store (None: it can). Images and chunked arrays
+    need per-sample metadata or chunk storage that field files do not hold yet."""
+    if isinstance(field, Image):
+        return "image fields cannot be added yet (add a mask as an ndarray or ragged field)"
+    if isinstance(field, Chunked):
+        return "chunked fields cannot be added yet"
+    return None
+
+
+@dataclass(frozen=True)
+class AddedField:
+    """One added field as the manifest declares it."""
+
+    name: str
+    field: Field
+    generation: int
+    added: str
+    #: the name its values are stored under in the generation's field files (the name it was
+    #: added with: a rename changes only :attr:`name`)
+    key: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "field": self.field.to_json(), "generation": self.generation,
+                "added": self.added, "key": self.key}
+
+    @property
+    def fixed(self) -> bool:
+        """Whether its values are fixed-size numbers (one array row a sample, like the index)."""
+        return self.field.index_shape is not None
+
+
+def added_fields(manifest: dict, where: str = "manifest") -> list[AddedField]:
+    """The added fields a manifest declares (checked: see :func:`validate_added`)."""
+    out = []
+    for i, entry in enumerate(manifest.get(ADDED_FIELDS_KEY) or []):
+        if not (isinstance(entry, dict) and set(entry) == {"name", "field", "generation", "added", "key"}
+                and isinstance(entry["name"], str) and isinstance(entry["key"], str)
+                and type(entry["generation"]) is int
+                and 1 <= entry["generation"] <= MAX_GENERATION and isinstance(entry["added"], str)
+                and isinstance(entry["field"], dict) and "name" not in entry["field"]):
+            raise FormatError(f"{where}: {ADDED_FIELDS_KEY}[{i}] is not {{'name': str, 'field': {{kind...}}, "
+                              f"'generation': 1..{MAX_GENERATION}, 'added': str, 'key': str}}")
+        field = field_from_json(entry["field"], f"{where}: added field {entry['name']!r}")
+        why = addable(field)
+        if why is not None:
+            raise FormatError(f"{where}: added field {entry['name']!r}: {why}")
+        out.append(AddedField(entry["name"], field, entry["generation"], entry["added"], entry["key"]))
+    return out
+
+
+def validate_added(body: dict, base_names: tuple[str, ...], where: str) -> None:
+    """Check a manifest's added fields and every shard's field files against each other.
+
+    Raises:
+        FormatError: a malformed entry, a name the store has already, a generation without a file
+            in some shard (or a file of a generation no field has), or a file name that is not
+            the field file name of its generation and shard.
+    """
+    if ADDED_FIELDS_KEY not in body:
+        if any(FIELD_FILES_KEY in s for s in body["shards"]):
+            raise FormatError(f"{where}: shards list field files but the manifest declares no added fields")
+        return
+    if type(body[ADDED_FIELDS_KEY]) is not list:
+        raise FormatError(f"{where}: manifest field {ADDED_FIELDS_KEY!r} is not list")
+    fields = added_fields(body, where)
+    from fastdata.format.fields import Schema, SchemaError
+
+    try:  # names: identifiers, unique
+        if fields:
+            Schema(tuple((a.name, a.field) for a in fields))
+    except SchemaError as err:
+        raise FormatError(f"{where}: added fields: {err}") from None
+    clash = sorted({a.name for a in fields} & set(base_names))
+    if clash:
+        raise FormatError(f"{where}: added field(s) {', '.join(clash)} have the name of a field the store was "
+                          "written with")
+    keys = [(a.generation, a.key) for a in fields]
+    if len(set(keys)) != len(keys):
+        raise FormatError(f"{where}: two added fields read the same values (generation and key)")
+    generations = sorted({a.generation for a in fields})
+    seen: set[str] = set()
+    for shard in body["shards"]:
+        files = shard.get(FIELD_FILES_KEY, [])
+        if not isinstance(files, list):
+            raise FormatError(f"{where}: shard {shard['name']}: {FIELD_FILES_KEY!r} is not a list")
+        gens = []
+        for entry in files:
+            if not (isinstance(entry, dict) and set(entry) == {"name", "generation", "bytes", "xxh"}
+                    and type(entry["generation"]) is int and type(entry["bytes"]) is int and entry["bytes"] >= 0
+                    and isinstance(entry["xxh"], str) and isinstance(entry["name"], str)):
+                raise FormatError(f"{where}: shard {shard['name']}: a field file entry is not "
+                                  "{'name': str, 'generation': int, 'bytes': int, 'xxh': str}")
+            name = entry["name"]
+            if (check_file_name(name) is not None or name != field_file_name(entry["generation"], shard["name"])
+                    or name in seen):
+                raise FormatError(f"{where}: shard {shard['name']}: field file {name!r:.80} is not this shard's "
+                                  f"field file of generation {entry['generation']} (or is listed twice)")
+            seen.add(name)
+            gens.append(entry["generation"])
+        if sorted(gens) != generations:
+            raise FormatError(f"{where}: shard {shard['name']}: its field files are of generations {sorted(gens)}, "
+                              f"the added fields of generations {generations}; the store is damaged")
+
+
+def field_files(shard: dict) -> dict[int, dict]:
+    """A (validated) shard entry's field files by generation."""
+    return {e["generation"]: e for e in shard.get(FIELD_FILES_KEY, [])}
+
+
+# -- the file ------------------------------------------------------------------------------
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _little(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+
+
+def encode_value(field: Field, value: Any) -> bytes:
+    """A checked value of a record-resident field as the bytes a field file stores."""
+    return msgpack.packb(field.encode(value), use_bin_type=True)
+
+
+def build_field_file(count: int, arrays: dict[str, np.ndarray]) -> list[bytes | memoryview]:
+    """A field file's bytes, in pieces to write one after another (no copy of the arrays)."""
+    entries: dict[str, list] = {}
+    little = {key: _little(arr) for key, arr in arrays.items()}
+    # the header's size depends on the offsets it lists: place with a bound, then pad to it
+    header_guess = 256 + 160 * len(little)
+    offset = _align(_HEAD.size + header_guess)
+    for key, arr in little.items():
+        entries[key] = [arr.dtype.str, list(arr.shape), offset, arr.nbytes, xxhash.xxh3_64_hexdigest(arr.data)]
+        offset = _align(offset + arr.nbytes)
+    header = msgpack.packb({"format": FIELD_FILE_FORMAT, "version": FIELD_FILE_VERSION, "count": count,
+                            "arrays": entries}, use_bin_type=True)
+    assert len(header) <= header_guess, "field file header larger than its bound"
+    pieces: list[bytes | memoryview] = [_HEAD.pack(FIELD_FILE_MAGIC, len(header)), header]
+    pos = _HEAD.size + len(header)
+    for key, arr in little.items():
+        start = entries[key][2]
+        pieces.append(bytes(start - pos))
+        pieces.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
+        pos = start + arr.nbytes
+    return pieces
+
+
+@dataclass(frozen=True)
+class ArrayEntry:
+    """Where one array of a field file lies, and what it is (checked against the file's size)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    xxh: str
+
+
+def expected_arrays(fields: list[AddedField], count: int) -> dict[str, tuple[np.dtype | None, tuple[int, ...] | None]]:
+    """``{key: (dtype, shape)}`` the field file of ``fields`` (one generation) must hold for a
+    shard of ``count`` records (``None``: any length, the values' bytes)."""
+    out: dict[str, tuple[np.dtype | None, tuple[int, ...] | None]] = {}
+    for a in fields:
+        layout = a.field.index_shape
+        if layout is not None:
+            out[a.key] = (layout[0].newbyteorder("<"), (count, *layout[1]))
+        else:
+            out[a.key + ".offsets"] = (np.dtype("<i8"), (count + 1,))
+            out[a.key + ".checksums"] = (np.dtype("<u8"), (count,))
+            out[a.key + ".data"] = (np.dtype("|u1"), None)
+    return out
+
+
+def parse_header(head: bytes, size: int, fields: list[AddedField], count: int, where: str) -> dict[str, ArrayEntry]:
+    """The arrays of a field file from its first bytes ``head`` (at least ``_HEAD.size`` +
+    the header; :func:`header_bytes` says how many), checked against the file's ``size`` and
+    against what ``fields`` of a shard of ``count`` records need.
+
+    Raises:
+        CorruptRecordError: naming ``where`` and what is wrong.
+    """
+    if len(head) < _HEAD.size:
+        raise CorruptRecordError(f"{where}: field file shorter than its header ({size} bytes)")
+    magic, length = _HEAD.unpack_from(head)
+    if magic != FIELD_FILE_MAGIC:
+        raise CorruptRecordError(f"{where}: not a fastdata field file (or one of another layout version)")
+    if length > MAX_HEADER_BYTES or _HEAD.size + length > min(size, len(head)):
+        raise CorruptRecordError(f"{where}: field file header of {length} bytes does not fit the file")
+    try:
+        body = unpackb_bounded(head[_HEAD.size:_HEAD.size + length], raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as err:
+        raise CorruptRecordError(f"{where}: field file header is not readable ({err})") from None
+    if not (isinstance(body, dict) and body.get("format") == FIELD_FILE_FORMAT
+            and body.get("version") == FIELD_FILE_VERSION and body.get("count") == count
+            and isinstance(body.get("arrays"), dict)):
+        raise CorruptRecordError(f"{where}: field file header is not a version-{FIELD_FILE_VERSION} field file "
+                                 f"of {count} records")
+    expected = expected_arrays(fields, count)
+    missing = sorted(set(expected) - set(body["arrays"]))  # (more: fields of the generation since dropped)
+    if missing:
+        raise CorruptRecordError(f"{where}: field file lacks arrays {missing[:8]} that the manifest's fields need")
+    out = {}
+    for key, (dtype, shape) in expected.items():
+        value = body["arrays"][key]
+        ok = (isinstance(value, list) and len(value) == 5 and isinstance(value[0], str) and value[0] in _ARRAY_DTYPES
+              and isinstance(value[1], list) and all(type(d) is int and d >= 0 for d in value[1])
+              and all(type(v) is int for v in value[2:4]) and isinstance(value[4], str))
+        if ok:
+            got_dtype, got_shape = np.dtype(value[0]), tuple(value[1])
+            offset, nbytes = value[2], value[3]
+            ok = (got_dtype == dtype and (got_shape == shape if shape is not None else len(got_shape) == 1)
+                  and nbytes == math.prod(got_shape) * got_dtype.itemsize
+                  and _HEAD.size + length <= offset and offset + nbytes <= size)
+        if not ok:
+            raise CorruptRecordError(f"{where}: field file array {key!r} is damaged or does not match the field "
+                                     f"({value!r:.120})")
+        out[key] = ArrayEntry(got_dtype, got_shape, offset, nbytes, value[4])
+    return out
+
+
+def header_bytes(first: bytes) -> int:
+    """How many bytes from a field file's start hold its header, from its first 16 bytes (the
+    most to read: at most :data:`MAX_HEADER_BYTES` plus 16, whatever the file says)."""
+    if len(first) < _HEAD.size:
+        return _HEAD.size
+    return _HEAD.size + min(_HEAD.unpack_from(first)[1], MAX_HEADER_BYTES + 1)
+
+
+def array_of(entry: ArrayEntry, raw: bytes | memoryview, where: str, key: str) -> np.ndarray:
+    """Array ``key`` from its bytes ``raw``, checked against its checksum (read-only)."""
+    if len(raw) != entry.nbytes or xxhash.xxh3_64_hexdigest(raw) != entry.xxh:
+        raise CorruptRecordError(f"{where}: field file array {key!r} does not match its checksum")
+    return np.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape)
+
+
+def check_offsets(offsets: np.ndarray, data_bytes: int, where: str, name: str) -> None:
+    """A record-resident field's offsets: from 0, never decreasing, ending at the data's size."""
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != data_bytes or bool(np.any(np.diff(offsets) < 0)):
+        raise CorruptRecordError(f"{where}: field {name!r}: its value offsets are damaged")
+
+
+def decode_value(field: Field, raw: bytes, checksum: int, where: str) -> Any:
+    """A record-resident value from its stored bytes, checked against its checksum."""
+    if xxhash.xxh3_64_intdigest(raw) != checksum:
+        raise CorruptRecordError(f"{where}: does not match its checksum")
+    try:
+        obj = unpackb_bounded(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as err:
+        raise CorruptRecordError(f"{where}: not readable ({err})") from None
+    try:
+        return field.decode(obj, where)
+    except FormatError as err:
+        raise CorruptRecordError(str(err)) from None

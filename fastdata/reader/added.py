@@ -1,0 +1,154 @@
+"""Reading a store's added fields (``fastdata.add_fields``) from their field files.
+
+Fixed-size fields (numbers, small arrays) are read whole when the store is opened, checked
+against their checksums, and join the store's index arrays: ``ds.column(name)``, subsets and
+samplers read them without opening a shard or a record. Any other field keeps, per shard, its
+value offsets and checksums in memory and reads one value with one ``pread`` of the field file,
+checked against its checksum. No file descriptor is kept past ``__init__``: each process opens a
+field file on its first read (a DataLoader worker opens its own).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from fastdata.common import portable
+from fastdata.common.fileio import open_regular
+from fastdata.errors import CorruptRecordError
+from fastdata.format.added import (
+    AddedField,
+    ArrayEntry,
+    added_fields,
+    array_of,
+    check_offsets,
+    decode_value,
+    field_files,
+    header_bytes,
+    parse_header,
+)
+
+
+class _ValueFile:
+    """One shard's values of one record-resident added field."""
+
+    __slots__ = ("checksums", "data", "offsets", "path")
+
+    def __init__(self, path: str, offsets: np.ndarray, checksums: np.ndarray, data: ArrayEntry):
+        self.path, self.offsets, self.checksums, self.data = path, offsets, checksums, data
+
+
+class AddedValues:
+    """The added fields of an opened store version: the fixed ones' arrays, the others' readers.
+
+    Args:
+        store: the store's location (:class:`~fastdata.remote.store.StoreLocation`): gives each
+            field file's local path (a remote store's are downloaded into its cache, checked).
+        manifest: the (validated) manifest of the version opened.
+        where: the store's name in messages.
+    """
+
+    def __init__(self, store: Any, manifest: dict, where: str):
+        self.where = where
+        #: the added fields, in the order they were added
+        self.fields: list[AddedField] = added_fields(manifest, where)
+        #: fixed-size field name -> its values for every sample (the store's order)
+        self.arrays: dict[str, np.ndarray] = {}
+        #: record-resident field name -> one _ValueFile a shard
+        self._values: dict[str, list[_ValueFile]] = {}
+        self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
+        parts: dict[str, list[np.ndarray]] = {a.name: [] for a in self.fields if a.fixed}
+        for shard in manifest["shards"]:
+            files = field_files(shard)
+            for gen in sorted({a.generation for a in self.fields}):
+                entry = files[gen]
+                mine = [a for a in self.fields if a.generation == gen]
+                path = store.field_file(entry["name"], entry["bytes"], entry["xxh"])
+                self._read_file(path, mine, shard, entry, parts)
+        for name, arrays in parts.items():
+            field = next(a.field for a in self.fields if a.name == name)
+            dtype, shape = field.index_shape  # type: ignore[misc]
+            self.arrays[name] = (np.concatenate(arrays).astype(dtype, copy=False) if arrays
+                                 else np.zeros((0, *shape), dtype=dtype))
+        self._fds: dict[str, int] = {}
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def _read_file(self, path: str, fields: list[AddedField], shard: dict, entry: dict,
+                   parts: dict[str, list[np.ndarray]]) -> None:
+        where = f"{self.where}: field file {entry['name']}"
+        fd = open_regular(path, "field file")
+        try:
+            size = os.fstat(fd).st_size
+            if size != entry["bytes"]:
+                raise CorruptRecordError(f"{where} is {size} bytes, the manifest says {entry['bytes']}; the store is "
+                                         "damaged (run 'fastdata verify')", store=self.where)
+            first = portable.pread(fd, 16, 0)
+            head = portable.pread(fd, header_bytes(first), 0)
+            arrays = parse_header(head, size, fields, shard["count"], where)
+            for a in fields:
+                if a.fixed:
+                    e = arrays[a.key]
+                    parts[a.name].append(array_of(e, portable.pread(fd, e.nbytes, e.offset), where, a.key))
+                    continue
+                offs, sums = arrays[a.key + ".offsets"], arrays[a.key + ".checksums"]
+                offsets = array_of(offs, portable.pread(fd, offs.nbytes, offs.offset), where, a.key + ".offsets")
+                data = arrays[a.key + ".data"]
+                check_offsets(offsets, data.nbytes, where, a.name)
+                checksums = array_of(sums, portable.pread(fd, sums.nbytes, sums.offset), where, a.key + ".checksums")
+                self._values.setdefault(a.name, []).append(_ValueFile(path, offsets, checksums, data))
+        finally:
+            os.close(fd)
+
+    @property
+    def record_fields(self) -> tuple[str, ...]:
+        """The added fields read one value at a time (not fixed-size)."""
+        return tuple(self._values)
+
+    def _fd(self, path: str) -> int:
+        if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = open_regular(path, "field file")
+        return fd
+
+    def value(self, name: str, index: int, where: str) -> Any:
+        """Record-resident added field ``name`` of sample ``index``, checked and decoded.
+
+        Raises:
+            CorruptRecordError: the value's bytes do not match their checksum or do not decode.
+        """
+        shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
+        vf = self._values[name][shard]
+        local = index - int(self.shard_starts[shard])
+        start, end = int(vf.offsets[local]), int(vf.offsets[local + 1])
+        raw = portable.pread(self._fd(vf.path), end - start, vf.data.offset + start)
+        field = next(a.field for a in self.fields if a.name == name)
+        return decode_value(field, raw, int(vf.checksums[local]), f"{where} added field {name!r}")
+
+    def close(self) -> None:
+        """Close this process's field files (reopened on the next read)."""
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fds = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_fds"], state["_lock"] = {}, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()

@@ -1,0 +1,413 @@
+"""Adding fields to a published store without rewriting it: :func:`add_fields`, :func:`drop_fields`,
+:func:`rename_field`, :func:`gc`.
+
+Each call publishes a new version of the store the way an append does (see
+:mod:`fastdata.writer.append`): the values go into new field files beside each shard
+(:mod:`fastdata.format.added`, one per shard for the call's *generation*), written under names the
+current manifest does not list, each written to a temporary name, fsynced and renamed; then the new
+``manifest.json`` replaces the old one atomically, last. No shard file, and no file the old
+manifest lists, is written to: a dataset opened before reads on in its version (its manifest
+check accepts a later manifest whose shards are the same), one opened after sees the fields, and a
+SIGKILL at any moment leaves the previous version published (the next call removes what it left).
+
+Files of fields dropped or replaced stay while the version before the current one may still be
+read (a dataset opened on it); the next call, or :func:`gc`, removes those no manifest since then lists.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from fastdata.common import portable
+from fastdata.errors import FastdataError
+from fastdata.format.added import (
+    ADDED_FIELDS_KEY,
+    FIELD_FILES_KEY,
+    MAX_GENERATION,
+    AddedField,
+    addable,
+    added_fields,
+    build_field_file,
+    encode_value,
+    field_file_generation,
+    field_file_name,
+    is_field_file_name,
+)
+from fastdata.format.fields import NDArray, Field, Float, Int, SchemaError, infer_field
+from fastdata.format.fields import Schema
+from fastdata.format.manifest import read_manifest, schema_of, write_manifest
+from fastdata.format.names import ATOMIC_TMP_MARK, check_file_name
+from fastdata.writer.lock import StoreLock
+
+#: options key: one entry per call that changed the added fields (what ``info`` reports)
+HISTORY_KEY = "field_history"
+
+
+class AddFieldsError(FastdataError, ValueError):
+    """Values refused before anything was published: wrong length, a dtype or shape that
+    disagrees between samples, a name the store has, a store being written, a function that
+    raised. The message names the field and the sample."""
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _as_numpy(values: Any) -> np.ndarray | None:
+    """``values`` as a numeric numpy array when it is one already (numpy, torch, anything with
+    ``__array__`` but a list), else None."""
+    if isinstance(values, np.ndarray):
+        return values
+    if type(values).__module__.startswith("torch") and hasattr(values, "numpy"):
+        return values.detach().cpu().numpy()
+    if not isinstance(values, list | tuple) and hasattr(values, "__array__"):
+        return np.asarray(values)
+    return None
+
+
+def _array_field(name: str, array: np.ndarray) -> Field:
+    """The field of an array of values indexed like the store (row ``i``: sample ``i``)."""
+    if array.dtype.kind not in "biuf":
+        raise AddFieldsError(f"field {name!r}: an array of dtype {array.dtype} is not numeric; give a list of "
+                             "values instead (strings, JSON) or cast it")
+    if array.ndim == 1:
+        if array.dtype.kind == "f":
+            return Float(array.dtype.name, allow_nan=bool(np.isnan(array).any()))
+        return Int(array.dtype.name)
+    return NDArray(array.dtype.name, array.shape[1:])
+
+
+class _Column:
+    """One field's values, checked: a fixed-size field as one array, any other as encoded bytes."""
+
+    def __init__(self, name: str, field: Field, count: int, values: Any):
+        self.name, self.field = name, field
+        self.fixed = field.index_shape is not None
+        self.array: np.ndarray | None = None
+        self.encoded: list[bytes] | None = None
+        array = _as_numpy(values)
+        if self.fixed:
+            dtype, shape = field.index_shape  # type: ignore[misc]
+            if array is not None and array.dtype.kind in "biuf":
+                self.array = self._checked_array(array, dtype, shape)
+            else:
+                rows = [field.check(v, f"field {name!r} sample {i}") for i, v in enumerate(_each(name, values))]
+                self.array = np.asarray(rows, dtype=dtype).reshape((len(rows), *shape))
+        else:
+            self.encoded = [encode_value(field, field.check(v, f"field {name!r} sample {i}"))
+                            for i, v in enumerate(_each(name, values))]
+        got = len(self.array) if self.array is not None else len(self.encoded or ())
+        if got != count:
+            raise AddFieldsError(f"field {name!r}: {got} values for a store of {count} samples (give one a sample, "
+                                 "in store order)")
+
+    def _checked_array(self, array: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A whole array at once: its rows' shape, a lossless cast to the field's dtype, NaN."""
+        name = self.name
+        if array.shape[1:] != shape:
+            raise AddFieldsError(f"field {name!r}: each sample's value has shape {array.shape[1:]}, the field "
+                                 f"{self.field!r} needs {shape}")
+        cast = array.astype(dtype, copy=False)
+        if cast.dtype != array.dtype:
+            back = cast.astype(array.dtype)
+            bad = ~((back == array) | (np.isnan(array) & np.isnan(back)) if array.dtype.kind == "f" else back == array)
+            if bad.any():
+                i = int(np.flatnonzero(bad.reshape(len(array), -1).any(axis=1))[0])
+                raise AddFieldsError(f"field {name!r} sample {i}: values of dtype {array.dtype} do not fit "
+                                     f"{dtype.name} exactly")
+        if isinstance(self.field, Float) and not self.field.allow_nan and cast.dtype.kind == "f":
+            nan = np.isnan(cast)
+            if nan.any():
+                raise AddFieldsError(f"field {name!r} sample {int(np.flatnonzero(nan)[0])}: NaN (declare "
+                                     "Float(allow_nan=True) if NaN is meant)")
+        if isinstance(self.field, Int) and self.field.dtype.kind == "b" and array.dtype.kind != "b":
+            bad = (array != 0) & (array != 1)
+            if bad.any():
+                raise AddFieldsError(f"field {name!r} sample {int(np.flatnonzero(bad)[0])}: not a bool (0 or 1)")
+        return np.ascontiguousarray(cast)
+
+    def shard_arrays(self, first: int, count: int) -> dict[str, np.ndarray]:
+        """The field file arrays of this field for samples ``first .. first + count``."""
+        if self.array is not None:
+            return {self.name: self.array[first:first + count]}
+        assert self.encoded is not None
+        values = self.encoded[first:first + count]
+        offsets = np.zeros(count + 1, dtype="<i8")
+        np.cumsum([len(v) for v in values], out=offsets[1:])
+        checksums = np.fromiter((xxhash.xxh3_64_intdigest(v) for v in values), dtype="<u8", count=count)
+        data = np.frombuffer(b"".join(values), dtype=np.uint8)
+        return {f"{self.name}.offsets": offsets, f"{self.name}.checksums": checksums, f"{self.name}.data": data}
+
+
+def _each(name: str, values: Any):
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
+        raise AddFieldsError(f"field {name!r}: values must be a sequence with one value a sample (a list or an "
+                             f"array), not {type(values).__name__}")
+    return (values[i] for i in range(len(values)))
+
+
+def _field_of(name: str, values: Any, declared: Field | None) -> Field:
+    if declared is not None:
+        field = declared
+    else:
+        array = _as_numpy(values)
+        if array is not None and array.ndim >= 1:
+            field = _array_field(name, array)
+        else:
+            try:
+                first = values[0]
+            except (TypeError, IndexError, KeyError):
+                raise AddFieldsError(f"field {name!r}: no values to infer its kind from; declare it with "
+                                     "fields={name: fastdata.fields....}") from None
+            try:
+                field = infer_field(first, f"field {name!r} sample 0")
+            except SchemaError as err:
+                raise AddFieldsError(str(err)) from None
+    why = addable(field)
+    if why is not None:
+        raise AddFieldsError(f"field {name!r}: {why}")
+    return field
+
+
+def _lock(store: str) -> StoreLock:
+    return StoreLock(store).acquire()
+
+
+def _published(store: str) -> dict:
+    from fastdata.common.paths import check_local_path
+
+    check_local_path(store, "store")
+    return read_manifest(store)
+
+
+def _next_generation(manifest: dict, store: str) -> int:
+    history = manifest["options"].get(HISTORY_KEY) or []
+    gens = [e.get("generation", 0) for e in history if isinstance(e, dict) and type(e.get("generation")) is int]
+    gen = max(gens, default=0) + 1
+    if gen > MAX_GENERATION:
+        raise AddFieldsError(f"{store}: {MAX_GENERATION} generations of added fields: rewrite the store")
+    return gen
+
+
+def _remove_unpublished(store: str, manifest: dict, keep: set[str]) -> None:
+    """Field files of a call that did not publish (a higher generation than any published, or a
+    temporary), and those no manifest from ``keep`` on lists."""
+    listed = {e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])} | keep
+    for name in os.listdir(store):
+        base = name.split(ATOMIC_TMP_MARK, 1)[0]
+        if (is_field_file_name(name) and name not in listed) or (base != name and is_field_file_name(base)):
+            portable.remove_unless_held(os.remove, os.path.join(store, name))
+
+
+def _write_file(path: str, pieces: list) -> tuple[int, str]:
+    """Write ``pieces`` to ``path`` through a temporary (fsync, rename); ``(bytes, xxh3-64 hex)``."""
+    tmp = f"{path}{ATOMIC_TMP_MARK}{os.getpid()}"
+    digest = xxhash.xxh3_64()
+    size = 0
+    fd = portable.open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | portable.OPEN_FLAGS, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for piece in pieces:
+                fh.write(piece)
+                digest.update(piece)
+                size += len(piece)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    return size, digest.hexdigest()
+
+
+def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: Mapping[str, Field] | None = None,
+               replace: bool = False, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Add fields to a published local store without rewriting it, as a new version.
+
+    Args:
+        store: the store directory.
+        values: ``{name: values}``, one value a sample in store order: an array indexed like the
+            store (``N`` numbers: an int or float field; ``N x ...``: an ndarray field, e.g. an
+            ``N x 512`` float16 embedding), or a list (ragged arrays, strings, JSON values; the
+            kind inferred from the first value as :func:`fastdata.write` infers it).
+        fields: declared kinds (``{name: fastdata.fields.Float("float32")}``) for names whose
+            kind is not to be inferred.
+        replace: replace added fields of these names (a field the store was written with is
+            never replaced).
+        progress: called ``progress(done, total)`` after each shard's field file.
+
+    Returns:
+        dict: the new manifest.
+
+    Raises:
+        AddFieldsError: a length that is not the store's sample count, values whose dtype or
+            shape disagree with the field (named, with the first sample that does), a name the
+            store has (without ``replace``), an image or chunked field; nothing is published.
+        StoreLockedError: a conversion, append or another ``add_fields`` is writing the store.
+    """
+    store = os.fspath(store)
+    declared = dict(fields or {})
+    unknown = sorted(set(declared) - set(values))
+    if unknown:
+        raise AddFieldsError(f"fields= declares {', '.join(unknown)}, which values= does not give")
+    if not values:
+        raise AddFieldsError("no fields to add")
+    manifest = _published(store)
+    lock = _lock(store)
+    try:
+        manifest = _published(store)  # (the version under the lock)
+        count = manifest["num_samples"]
+        base = schema_of(manifest, store).names
+        current = added_fields(manifest, store)
+        current_names = {a.name for a in current}
+        for name in values:
+            if not isinstance(name, str):
+                raise AddFieldsError(f"field name {name!r} is not a string")
+            if name in base:
+                raise AddFieldsError(f"{store}: field {name!r} is one the store was written with; it cannot be "
+                                     "replaced (choose another name)")
+            if name in current_names and not replace:
+                raise AddFieldsError(f"{store}: field {name!r} was added already; pass replace=True to replace it "
+                                     "(or drop_fields first)")
+        columns = []
+        for name, vals in values.items():
+            try:
+                columns.append(_Column(name, _field_of(name, vals, declared.get(name)), count, vals))
+            except SchemaError as err:
+                raise AddFieldsError(str(err)) from None
+        try:
+            Schema(tuple((c.name, c.field) for c in columns))
+        except SchemaError as err:
+            raise AddFieldsError(f"{store}: {err}") from None
+        gen = _next_generation(manifest, store)
+        _remove_unpublished(store, manifest, set())
+        when = _now()
+        new_fields = [a for a in current if a.name not in values]
+        new_fields += [AddedField(c.name, c.field, gen, when, c.name) for c in columns]
+        shards = [dict(s) for s in manifest["shards"]]
+        for k, shard in enumerate(shards):
+            name = field_file_name(gen, shard["name"])
+            if check_file_name(name) is not None:
+                raise AddFieldsError(f"{store}: shard {shard['name']}: its field file name would be too long")
+            arrays: dict[str, np.ndarray] = {}
+            for c in columns:
+                arrays.update(c.shard_arrays(shard["first_index"], shard["count"]))
+            size, xxh = _write_file(os.path.join(store, name), build_field_file(shard["count"], arrays))
+            shard[FIELD_FILES_KEY] = list(shard.get(FIELD_FILES_KEY, [])) + [
+                {"name": name, "generation": gen, "bytes": size, "xxh": xxh}]
+            if progress is not None:
+                progress(k + 1, len(shards))
+        entry = {"generation": gen, "action": "add", "fields": [c.name for c in columns], "at": when}
+        return _publish(store, manifest, new_fields, shards, entry)
+    finally:
+        lock.release()
+
+
+def _publish(store: str, manifest: dict, fields: list[AddedField], shards: list[dict], entry: dict) -> dict:
+    """Write the new manifest (last), then remove the field files neither it nor the previous one lists."""
+    live = {a.generation for a in fields}
+    for shard in shards:
+        kept = [e for e in shard.get(FIELD_FILES_KEY, []) if e["generation"] in live]
+        shard.pop(FIELD_FILES_KEY, None)
+        if kept:
+            shard[FIELD_FILES_KEY] = kept
+    body = {k: v for k, v in manifest.items() if k not in ("checksum", ADDED_FIELDS_KEY, "shards")}
+    body["shards"] = shards
+    if fields:
+        body[ADDED_FIELDS_KEY] = [a.to_json() for a in fields]
+    body["options"] = dict(manifest["options"])
+    body["options"][HISTORY_KEY] = list(manifest["options"].get(HISTORY_KEY) or []) + [entry]
+    portable.fsync_dir(store)  # the field files' names are durable before the manifest names them
+    new = write_manifest(store, body)
+    previous = {e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])}
+    _remove_unpublished(store, new, previous)  # (a reader of the previous version may still read those)
+    return new
+
+
+def drop_fields(store: str | os.PathLike, names: Sequence[str]) -> dict:
+    """Drop added fields, as a new version (their files stay while the previous version may be
+    read; :func:`gc` removes them at once).
+
+    Raises:
+        AddFieldsError: a name that is not an added field of the store.
+    """
+    store = os.fspath(store)
+    lock = _lock(store)
+    try:
+        manifest = _published(store)
+        current = added_fields(manifest, store)
+        missing = sorted(set(names) - {a.name for a in current})
+        if missing:
+            raise AddFieldsError(f"{store}: {', '.join(missing)}: not added field(s) of the store (added fields: "
+                                 f"{', '.join(a.name for a in current) or 'none'})")
+        kept = [a for a in current if a.name not in set(names)]
+        entry = {"generation": _next_generation(manifest, store), "action": "drop", "fields": list(names),
+                 "at": _now()}
+        return _publish(store, manifest, kept, [dict(s) for s in manifest["shards"]], entry)
+    finally:
+        lock.release()
+
+
+def rename_field(store: str | os.PathLike, old: str, new: str) -> dict:
+    """Rename an added field, as a new version (no file is written: the manifest maps the new
+    name to the values stored under the old one).
+
+    Raises:
+        AddFieldsError: ``old`` is not an added field, or ``new`` is a field of the store.
+    """
+    store = os.fspath(store)
+    lock = _lock(store)
+    try:
+        manifest = _published(store)
+        current = added_fields(manifest, store)
+        names = {a.name for a in current}
+        if old not in names:
+            raise AddFieldsError(f"{store}: {old!r} is not an added field of the store")
+        if new in names or new in schema_of(manifest, store).names:
+            raise AddFieldsError(f"{store}: the store has a field {new!r} already")
+        try:
+            Schema(((new, current[0].field),))
+        except SchemaError as err:
+            raise AddFieldsError(str(err)) from None
+        renamed = [AddedField(new, a.field, a.generation, a.added, a.key) if a.name == old else a for a in current]
+        entry = {"generation": _next_generation(manifest, store), "action": "rename", "fields": [old, new],
+                 "at": _now()}
+        return _publish(store, manifest, renamed, [dict(s) for s in manifest["shards"]], entry)
+    finally:
+        lock.release()
+
+
+def gc(store: str | os.PathLike) -> list[str]:
+    """Remove the field files the current manifest does not list (of dropped or replaced fields,
+    or of a call that was killed). A dataset still open on an older version may then fail to read
+    those fields: run it when none is.
+
+    Returns:
+        list[str]: the names removed.
+    """
+    store = os.fspath(store)
+    lock = _lock(store)
+    try:
+        manifest = _published(store)
+        listed = {e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])}
+        removed = []
+        for name in sorted(os.listdir(store)):
+            base = name.split(ATOMIC_TMP_MARK, 1)[0]
+            if (is_field_file_name(name) and name not in listed) or (base != name and is_field_file_name(base)):
+                if portable.remove_unless_held(os.remove, os.path.join(store, name)):
+                    removed.append(name)
+        return removed
+    finally:
+        lock.release()
+
+
+__all__ = ["AddFieldsError", "add_fields", "drop_fields", "field_file_generation", "gc", "rename_field"]
