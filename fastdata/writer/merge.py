@@ -119,24 +119,56 @@ def merge(inputs: Sequence[str | os.PathLike], dst: str | os.PathLike, *, overwr
             local paths and URLs.
         StoreExistsError, StoreLockedError, FastdataError: the destination or an input.
     """
+    if len(inputs) < 2:
+        raise MergeError(f"merge takes two or more stores, got {len(inputs)}")
+    return _merge(inputs, dst, overwrite, link, storage_options, MERGE_SOURCE)
+
+
+def publish_parts(parts: Sequence[str | os.PathLike], dst: str | os.PathLike, *, source: str,
+                  overwrite: bool = False, link: bool = True,
+                  storage_options: Mapping[str, Any] | None = None) -> MergeReport:
+    """Publish one store at ``dst`` from the part stores that the tasks of an engine wrote (Ray
+    Data, Spark, Dask: each task a part, the driver publishes once): :func:`merge` of one or more
+    parts, in the order given, the manifest's ``options.source`` set to ``source`` and its
+    ``options.merged`` listing each part with its sample count.
+
+    Args:
+        parts: one or more published part stores (local directories, or URLs of one server
+            when ``dst`` is a URL there too).
+        dst: the store's directory or URL (must not hold a store, unless ``overwrite``).
+        source: what the manifest records as the writer (e.g. ``"fastdata.integrations.ray"``).
+        overwrite, link, storage_options: as for :func:`merge`.
+
+    Returns:
+        MergeReport: counts, and how the shards were placed.
+
+    Raises:
+        MergeError: no part, or the parts differ (each difference named); FastdataError subclasses
+            for the destination, as :func:`merge`.
+    """
+    if not parts:
+        raise MergeError("publish_parts takes one or more part stores, got none")
+    return _merge(parts, dst, overwrite, link, storage_options, source)
+
+
+def _merge(inputs: Sequence[str | os.PathLike], dst: str | os.PathLike, overwrite: bool, link: bool,
+           storage_options: Mapping[str, Any] | None, source: str) -> MergeReport:
     started = time.perf_counter()
     given = [os.fspath(p) for p in inputs]
     dst = os.fspath(dst)
-    if len(given) < 2:
-        raise MergeError(f"merge takes two or more stores, got {len(given)}")
     remote = [is_remote(p) for p in [*given, dst]]
     if any(remote):
         if not all(remote):
             raise MergeError("merge local stores into a local store, or stores at URLs into a URL on the same "
                              "server; copy the others first")
-        report = _merge_remote(given, dst, overwrite, dict(storage_options or {}))
+        report = _merge_remote(given, dst, overwrite, dict(storage_options or {}), source)
     else:
-        report = _merge_local(given, dst, overwrite, link)
+        report = _merge_local(given, dst, overwrite, link, source)
     report.elapsed = time.perf_counter() - started
     return report
 
 
-def _merge_local(given: list[str], dst: str, overwrite: bool, link: bool) -> MergeReport:
+def _merge_local(given: list[str], dst: str, overwrite: bool, link: bool, source: str) -> MergeReport:
     paths = [os.path.abspath(p) for p in given]
     check_local_path(dst, "destination", must_exist=False)
     dst = os.path.abspath(dst)
@@ -155,7 +187,7 @@ def _merge_local(given: list[str], dst: str, overwrite: bool, link: bool) -> Mer
         def place(i: int, shard: dict, name: str) -> bool:
             return _place(os.path.join(paths[i], shard["name"]), os.path.join(dst, name), shard["bytes"], link)
 
-        body, entries = _assemble(paths, bases, report, place)
+        body, entries = _assemble(paths, bases, report, place, source)
         fsync_dir(dst)
         try:
             _write_metadata(dst, body, entries)
@@ -165,7 +197,7 @@ def _merge_local(given: list[str], dst: str, overwrite: bool, link: bool) -> Mer
     return report
 
 
-def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: dict) -> MergeReport:
+def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: dict, source: str) -> MergeReport:
     """The merge of stores at URLs of one server: shards copied server-side, then the index file,
     the rejected list and the manifest (last) uploaded and checked."""
     from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
@@ -204,7 +236,7 @@ def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: 
                                  f"is not {shard['bytes']:,} bytes")
             return False
 
-        body, entries = _assemble(urls, bases, report, place)
+        body, entries = _assemble(urls, bases, report, place, source)
         with tempfile.TemporaryDirectory(prefix="fastdata-merge-") as local:
             _write_metadata(local, body, entries)
             for name in (REJECTED_NAME, STORE_INDEX_NAME, MANIFEST_NAME):
@@ -216,9 +248,11 @@ def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: 
 
 
 def _assemble(inputs: list[str], bases: list[PublishedBase], report: MergeReport,
-              place: Callable[[int, dict, str], bool]) -> tuple[dict, list[tuple[str, bytes]]]:
+              place: Callable[[int, dict, str], bool],
+              source: str = MERGE_SOURCE) -> tuple[dict, list[tuple[str, bytes]]]:
     """The merged manifest body (without its index entry) and store index entries; ``place(i, shard,
-    new name)`` puts input ``i``'s shard in the output (True: hard-linked). Fills ``report``."""
+    new name)`` puts input ``i``'s shard in the output (True: hard-linked); ``source``: what
+    ``options.source`` records. Fills ``report``."""
     classes, label_maps = _unified_classes(bases)
     report.classes = len(classes)
     shards, entries, k = [], [], 0
@@ -252,7 +286,7 @@ def _assemble(inputs: list[str], bases: list[PublishedBase], report: MergeReport
         rejected=rejected, warnings=warnings,
         version=(STORE_VERSION_REMAPPED if report.remapped_shards else
                  STORE_VERSION if is_classification(first) else first["version"]),
-        options={"source": MERGE_SOURCE, "shard_size": first["options"]["shard_size"],
+        options={"source": source, "shard_size": first["options"]["shard_size"],
                  "shard_size_unit": first["options"].get("shard_size_unit"),
                  "strict": all(b.manifest["options"].get("strict", False) for b in bases),
                  "merged": [{"store": p, "checksum": b.manifest["checksum"], "samples": b.manifest["num_samples"],
