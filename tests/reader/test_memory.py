@@ -109,14 +109,15 @@ def test_shared_copy_on_write_pages_inflate_rss_not_pss():
 def test_vanishing_child_is_tolerated(monkeypatch):
     proc = _spawn_allocator(1)
     try:
-        real = psutil.Process.memory_full_info
+        def flaky(real):
+            def read(self):
+                if self.pid == proc.pid:  # as if it exited between listing and reading
+                    raise psutil.NoSuchProcess(self.pid)
+                return real(self)
+            return read
 
-        def flaky(self):
-            if self.pid == proc.pid:  # as if it exited between listing and reading
-                raise psutil.NoSuchProcess(self.pid)
-            return real(self)
-
-        monkeypatch.setattr(psutil.Process, "memory_full_info", flaky)
+        for method in ("memory_info", "memory_full_info"):
+            monkeypatch.setattr(psutil.Process, method, flaky(getattr(psutil.Process, method)))
         snap = process_tree_memory()
         assert proc.pid not in {p.pid for p in snap.processes}
         assert snap.main.pid == os.getpid()
@@ -231,3 +232,41 @@ def test_sampler_splits_anonymous_memory_from_mapped_files(tmp_path):
     assert anon_after_map - base_anon < 100 * MB  # the mapped file is not anonymous memory
     assert mem.peak_pss_anon - base_anon >= 150 * MB
     assert mem.summary()["peak_pss_anon"] == mem.peak_pss_anon
+
+
+def test_one_smaps_rollup_read_gives_what_psutil_reads_and_the_split(monkeypatch):
+    """A snapshot reads each process's ``smaps_rollup`` once: its PSS and USS are psutil's figures for
+    the same moment (read from the same file), and its split adds up to its PSS. Control: counting
+    the reads of the file shows one per process per snapshot (it was two: psutil's and the split's)."""
+    import builtins
+
+    import psutil
+
+    from fastdata.bench import memory
+
+    ballast = np.ones(64 * MB, dtype=np.uint8)  # private pages, so the figures are far from 0
+    me = psutil.Process()
+    before = me.memory_full_info()
+    snap = memory.process_tree_memory()
+    after = me.memory_full_info()
+    main = snap.main
+    assert main is not None and snap.pss_exact
+    assert min(before.pss, after.pss) - MB <= main.pss <= max(before.pss, after.pss) + MB
+    assert min(before.uss, after.uss) - MB <= main.uss <= max(before.uss, after.uss) + MB
+    assert main.pss_anon >= ballast.nbytes and main.pss_file > 0
+    assert abs(main.pss_anon + main.pss_file - main.pss) <= MB  # (shmem, the third part, is small here)
+
+    reads = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if str(file).endswith("/smaps_rollup"):
+            reads.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    with memory.MemorySampler(interval=60) as mem:  # start() and stop() sample; the thread waits 60 s
+        pass
+    assert len(mem.samples) >= 1
+    assert reads == [f"/proc/{os.getpid()}/smaps_rollup"] * len(mem.samples)
+    assert mem.peak_pss_anon >= ballast.nbytes
