@@ -17,6 +17,13 @@ HOME = ROOT / "common" / "portable.py"
 PLATFORM_ONLY = {"pread", "preadv", "pwrite", "pwritev", "copy_file_range", "sched_getaffinity",
                  "process_cpu_count", "posix_fadvise", "memfd_create", "register_at_fork", "O_NOFOLLOW",
                  "O_DIRECTORY", "getpgid", "killpg", "setsid", "sched_setaffinity"}
+#: ``signal`` attributes that Windows lacks (it has SIGINT, SIGTERM, SIGABRT, SIGFPE, SIGILL, SIGSEGV,
+#: SIGBREAK and the CTRL_* events)
+SIGNAL_ONLY = {"SIGKILL", "SIGSTOP", "SIGCONT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCHLD",
+               "SIGPIPE", "SIGTSTP", "alarm", "setitimer", "getitimer", "pthread_kill", "pthread_sigmask",
+               "sigwait", "sigtimedwait", "siginterrupt"}
+#: module name -> its attributes that only some systems have
+SCANNED = {"os": PLATFORM_ONLY, "signal": SIGNAL_ONLY}
 
 #: guarded uses outside the home, by file: (attribute, why it stays here)
 ALLOWED = {
@@ -32,8 +39,8 @@ ALLOWED = {
 def _uses(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
-                and node.attr in PLATFORM_ONLY):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.attr in SCANNED.get(node.value.id, ())):
             found.add(node.attr)
     return found
 
@@ -54,6 +61,13 @@ def test_control_the_scan_sees_a_direct_call(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("import os\n\ndef f(fd):\n    return os.pread(fd, 4, 0)\n")
     assert _uses(path) == {"pread"}
+
+
+def test_control_the_scan_sees_a_signal_that_windows_lacks(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os, signal\n\n"
+                    "def f(pid):\n    os.kill(pid, signal.SIGKILL)\n    os.kill(pid, signal.SIGTERM)\n")
+    assert _uses(path) == {"SIGKILL"}
 
 
 def test_the_allowlist_has_no_stale_entries():
