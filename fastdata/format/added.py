@@ -33,6 +33,7 @@ array or value is checked against its checksum when read.
 from __future__ import annotations
 
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -337,3 +338,51 @@ def decode_value(field: Field, raw: bytes, checksum: int, where: str) -> Any:
         return field.decode(obj, where)
     except FormatError as err:
         raise CorruptRecordError(str(err)) from None
+
+
+def check_field_file(path: str, fields: list[AddedField], count: int, entry: dict, where: str) -> int:
+    """Check one field file completely (``fastdata verify``): its size and checksum against the
+    manifest's ``entry``, its header, every array's checksum, and every value of a
+    record-resident field (offsets, checksum, decoding). Returns the values checked.
+
+    Raises:
+        CorruptRecordError: the first problem, naming ``where``, the field and the sample.
+        OSError: the file cannot be read.
+    """
+    from fastdata.common import portable
+    from fastdata.common.fileio import open_regular
+
+    fd = open_regular(path, "field file")
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry["bytes"]:
+            raise CorruptRecordError(f"{where}: {size} bytes, the manifest says {entry['bytes']} (truncated or "
+                                     "replaced)")
+        digest = xxhash.xxh3_64()
+        for offset in range(0, size, 1 << 24):
+            digest.update(portable.pread(fd, min(1 << 24, size - offset), offset))
+        if digest.hexdigest() != entry["xxh"]:
+            raise CorruptRecordError(f"{where}: file checksum mismatch (the field file was modified or damaged)")
+        head = portable.pread(fd, header_bytes(portable.pread(fd, _HEAD.size, 0)), 0)
+        arrays = parse_header(head, size, fields, count, where)
+        checked = 0
+        for a in fields:
+            if a.fixed:
+                e = arrays[a.key]
+                array_of(e, portable.pread(fd, e.nbytes, e.offset), where, a.key)
+                checked += count
+                continue
+            loaded = {}
+            for part in ("offsets", "checksums", "data"):
+                e = arrays[f"{a.key}.{part}"]
+                loaded[part] = array_of(e, portable.pread(fd, e.nbytes, e.offset), where, f"{a.key}.{part}")
+            check_offsets(loaded["offsets"], len(loaded["data"]), where, a.name)
+            data = loaded["data"].tobytes()
+            offsets = loaded["offsets"].tolist()
+            for i in range(count):
+                decode_value(a.field, data[offsets[i]:offsets[i + 1]], int(loaded["checksums"][i]),
+                             f"{where} field {a.name!r} record {i}")
+            checked += count
+        return checked
+    finally:
+        os.close(fd)

@@ -18,7 +18,7 @@ import numpy as np
 
 from fastdata.common import portable
 from fastdata.common.fileio import open_regular
-from fastdata.errors import CorruptRecordError
+from fastdata.errors import CorruptRecordError, StoreChangedError
 from fastdata.format.added import (
     AddedField,
     ArrayEntry,
@@ -129,7 +129,12 @@ class AddedValues:
         vf = self._values[name][shard]
         local = index - int(self.shard_starts[shard])
         start, end = int(vf.offsets[local]), int(vf.offsets[local + 1])
-        raw = portable.pread(self._fd(vf.path), end - start, vf.data.offset + start)
+        try:
+            raw = portable.pread(self._fd(vf.path), end - start, vf.data.offset + start)
+        except FileNotFoundError:
+            raise StoreChangedError(f"{self.where} was changed since it was opened: the field file "
+                                    f"{os.path.basename(vf.path)} of added field {name!r} is gone (removed by "
+                                    "fastdata.gc, or a later add_fields); open it again") from None
         field = next(a.field for a in self.fields if a.name == name)
         return decode_value(field, raw, int(vf.checksums[local]), f"{where} added field {name!r}")
 

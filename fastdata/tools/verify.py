@@ -21,6 +21,7 @@ from fastdata.format.backends.base import ShardReader, StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.format.chunks import ChunkTable, check_shape, chunk_region, iter_grid
 from fastdata.format.chunk_codecs import chunk_codec
+from fastdata.format.added import added_fields, check_field_file, field_files
 from fastdata.format.manifest import IMAGE_MODES_KEY, is_classification, label_map_of, read_manifest, schema_of
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, STORE_INDEX_NAME
 from fastdata.format.store_index import MANIFEST_KEY, index_file_name, parse_store_index
@@ -84,6 +85,8 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "rejected_items": m["rejected"],
         "options": m["options"],
         "schema": m.get("schema"),
+        "added_fields": [{"name": a.name, **a.field.to_json(), "generation": a.generation, "added": a.added}
+                         for a in added_fields(m, where)],
         "images": images,
         "arrays": arrays,
         "images_error": images_error,
@@ -587,7 +590,24 @@ def verify(store: str, *, decode: bool = False, timeout: float = 600.0,
         _check_shard(report, m, shard, path, size, checksum, decode, timeout, seen_classes,
                      indexes[k] if indexes else None)
     _check_class_counts(report, m, seen_classes)
+    _check_field_files(report, m, lambda name: os.path.join(store, name))
     return report
+
+
+def _check_field_files(report: VerifyReport, m: dict, path_of: Callable[[str], str]) -> None:
+    """Every field file of the store's added fields (``fastdata.add_fields``), whole: size,
+    checksum, header, arrays, every value (``path_of(name)``: the file's local path, or a copy)."""
+    fields = added_fields(m, report.store)
+    for shard in m["shards"]:
+        for gen, entry in sorted(field_files(shard).items()):
+            name = entry["name"]
+            try:
+                report.records_checked += check_field_file(
+                    path_of(name), [a for a in fields if a.generation == gen], shard["count"], entry, name)
+            except FastdataError as err:
+                report.fail(str(err))
+            except OSError as err:
+                report.fail(f"{name}: field file missing or unreadable ({err.strerror or err})")
 
 
 def _check_shard(report: VerifyReport, m: dict, shard: dict, path: str, size: int, checksum: Callable[[], str],
@@ -743,8 +763,20 @@ def _verify_remote(url: str, decode: bool, timeout: float, storage_options: Mapp
                              indexes[k] if indexes else None)
             finally:
                 os.unlink(path)
+        _check_field_files(report, m, functools.partial(_download_field_file, store, tmp))
     _check_class_counts(report, m, seen_classes)
     return report
+
+
+def _download_field_file(store: RemoteStore, tmp: str, name: str) -> str:
+    """A field file of a remote store, downloaded into ``tmp`` (the server's copy) to be checked."""
+    path = os.path.join(tmp, name)
+    nbytes = next(e["bytes"] for s in store.manifest["shards"] for e in field_files(s).values() if e["name"] == name)
+    try:
+        store.location.download(name, path, nbytes)
+    except RemoteSizeError as err:
+        raise OSError(str(err)) from None
+    return path
 
 
 def _open_remote_for_verify(url: str, storage_options: Mapping[str, Any] | None,

@@ -113,9 +113,10 @@ class _Column:
         if array.shape[1:] != shape:
             raise AddFieldsError(f"field {name!r}: each sample's value has shape {array.shape[1:]}, the field "
                                  f"{self.field!r} needs {shape}")
-        cast = array.astype(dtype, copy=False)
-        if cast.dtype != array.dtype:
+        with np.errstate(over="ignore", invalid="ignore"):  # (what does not fit is found just below)
+            cast = array.astype(dtype, copy=False)
             back = cast.astype(array.dtype)
+        if cast.dtype != array.dtype:
             bad = ~((back == array) | (np.isnan(array) & np.isnan(back)) if array.dtype.kind == "f" else back == array)
             if bad.any():
                 i = int(np.flatnonzero(bad.reshape(len(array), -1).any(axis=1))[0])

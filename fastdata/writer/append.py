@@ -33,6 +33,7 @@ import os
 import xxhash
 
 from fastdata.errors import FastdataError, IncompleteStoreError
+from fastdata.format.added import ADDED_FIELDS_KEY
 from fastdata.format.manifest import CLASS_TABLES_KEY, is_classification, read_manifest
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, shard_number
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
@@ -97,8 +98,19 @@ def recorded_run(base: PublishedBase) -> RecordedRun:
                        complete=True)
 
 
+def added_field_names(manifest: dict) -> list[str]:
+    """The names of a store's added fields (``fastdata.add_fields``), none for most stores."""
+    return [f["name"] for f in manifest.get(ADDED_FIELDS_KEY) or []]
+
+
 def check_options(dst: str, base: PublishedBase, run: RunOptions) -> None:
-    """Refuse an append whose backend or storage mode differ from the store's (each named)."""
+    """Refuse an append whose backend or storage mode differ from the store's (each named), or
+    to a store with added fields (the new samples would have no values for them)."""
+    added = added_field_names(base.manifest)
+    if added:
+        raise AppendError(f"cannot append to {dst}: it has added fields ({', '.join(added)}) that the new samples "
+                          "would lack; drop them first (fastdata.drop_fields), append, then add them again for "
+                          "every sample")
     stored = recorded_run(base).options
     diffs = []
     if run.backend != stored.backend:

@@ -52,7 +52,7 @@ from fastdata.format.names import MANIFEST_NAME, PLAN_FILE, REJECTED_NAME, STAGI
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import build_store_index, manifest_entry
 from fastdata.remote.store import is_remote
-from fastdata.writer.append import open_base, schema_differences
+from fastdata.writer.append import added_field_names, open_base, schema_differences
 from fastdata.writer.lock import StoreLock, raise_if_locked
 from fastdata.writer.pipeline import PublishedBase, clear_store, io_error
 from fastdata.writer.session import check_destination, refuse_input_as_destination
@@ -313,7 +313,9 @@ def _tsv(text: str) -> str:
 
 def _check_same_kind(paths: list[str], bases: list[PublishedBase]) -> None:
     first, where = bases[0].manifest, paths[0]
-    problems = []
+    problems = [f"{path} has added fields ({', '.join(added_field_names(base.manifest))}), which merge does not "
+                "carry yet: drop them (fastdata.drop_fields), merge, and add them to the merged store"
+                for path, base in zip(paths, bases, strict=True) if added_field_names(base.manifest)]
     for path, base in zip(paths[1:], bases[1:], strict=True):
         m = base.manifest
         if m["backend"] != first["backend"]:
