@@ -238,9 +238,15 @@ class StoreSink(Datasink):
 
 
 def _unwrap(err: BaseException) -> BaseException:
-    """The error a Ray task raised, out of Ray's wrapper (whose text holds the task's traceback)."""
+    """The error a Ray task raised, out of Ray's wrapper (whose text holds the task's traceback),
+    without the lines Ray Data appends to its message (how to configure Ray's retries: a
+    fastdata error is not transient)."""
     cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, BaseException) else err
+    if not isinstance(cause, BaseException):
+        return err
+    if cause.args and isinstance(cause.args[0], str) and "\nFailed to " in cause.args[0]:
+        cause.args = (cause.args[0].split("\nFailed to ", 1)[0], *cause.args[1:])
+    return cause
 
 
 def write(dataset: ray.data.Dataset, dst: str | os.PathLike, schema: Schema | Mapping[str, Any] | None = None, *,
