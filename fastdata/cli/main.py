@@ -136,6 +136,12 @@ def _cmd_info(args) -> int:
         print("schema:")
         for line in Schema.from_json(data["schema"]).describe_markdown().splitlines():
             print(f"  {printable(line)}")
+    if data.get("added_fields"):
+        print("added fields:")
+        for f in data["added_fields"]:
+            params = ", ".join(f"{k}={v}" for k, v in f.items() if k not in ("name", "kind", "generation", "added"))
+            print(f"  {printable(f['name'])}: {f['kind']}{f' ({params})' if params else ''}, added {f['added']} "
+                  f"(generation {f['generation']})")
     if categories is not None:  # a detection store: its labels are the annotation file's categories
         print("categories:")
         for c in categories:
@@ -149,6 +155,93 @@ def _cmd_info(args) -> int:
     for s in data["shards"]:
         print(f"  {printable(s['name'])}: {s['count']} records, {format_size(s['bytes'])}")
     return EXIT_OK
+
+
+def _cmd_add_fields(args) -> int:
+    from fastdata.writer.add_fields import add_fields, values_from_file
+
+    values = values_from_file(args.store, args.values_file, names=args.names or (), key=args.key)
+    say = (lambda *a: None) if args.quiet else (lambda text: print(printable(text), file=sys.stderr))
+    say(f"adding {', '.join(values)} to {args.store} ...")
+    m = add_fields(args.store, values, replace=args.replace,
+                   progress=None if args.quiet else lambda done, total: say(f"  field files: {done}/{total} shards"))
+    if not args.quiet:
+        added = [f for f in m.get("added_fields", []) if f["name"] in values]
+        print(printable(f"{args.store}: added {', '.join(f['name'] + ' (' + f['field']['kind'] + ')' for f in added)} "
+                        f"to {m['num_samples']} samples in {len(m['shards'])} shard(s), as generation "
+                        f"{added[0]['generation'] if added else '?'}; no shard file was rewritten"))
+    return EXIT_OK
+
+
+def _cmd_drop_fields(args) -> int:
+    from fastdata.writer.add_fields import drop_fields
+
+    drop_fields(args.store, args.names)
+    if not args.quiet:
+        print(printable(f"{args.store}: dropped {', '.join(args.names)} (their files go with the next change, or "
+                        "with 'fastdata gc')"))
+    return EXIT_OK
+
+
+def _cmd_rename_field(args) -> int:
+    from fastdata.writer.add_fields import rename_field
+
+    rename_field(args.store, args.old, args.new)
+    if not args.quiet:
+        print(printable(f"{args.store}: renamed {args.old} to {args.new}"))
+    return EXIT_OK
+
+
+def _cmd_gc(args) -> int:
+    from fastdata.writer.add_fields import gc
+
+    removed = gc(args.store)
+    if not args.quiet:
+        print(printable(f"{args.store}: removed {len(removed)} field file(s) the store no longer lists"))
+    return EXIT_OK
+
+
+def _add_field_commands(sub) -> None:
+    a = sub.add_parser("add-fields", help="add fields (embeddings, predictions, scores) to a store without "
+                                          "rewriting it",
+                       description="Add fields to the published local store STORE, as a new version: the values go "
+                                   "into new field files beside each shard (no shard is rewritten) and the manifest "
+                                   "is replaced last. Datasets opened before keep their version. Fixed-size numbers "
+                                   "(scores, N x D embeddings) are read by ds.column(NAME) without reading a record.")
+    a.add_argument("store", metavar="STORE")
+    a.add_argument("--from", dest="values_file", required=True, metavar="FILE",
+                   help="the values: a .npy array (one field, rows in store order; give --name), or a .parquet or "
+                        ".csv table (one field a column)")
+    a.add_argument("--name", dest="names", action="append", metavar="NAME",
+                   help="the field's name for a .npy file; for a table, a column to add (repeatable; default: every "
+                        "column but the key)")
+    a.add_argument("--key", choices=("index", "path"), default="index",
+                   help="how table rows find their samples: index (row order, or the table's 'index' column), or "
+                        "path (the table's 'path' column: each sample's stored path, e.g. cat/001.jpg)")
+    a.add_argument("--replace", action="store_true", help="replace added fields of these names")
+    a.add_argument("--quiet", action="store_true", help="no progress and no summary")
+    a.set_defaults(func=_cmd_add_fields)
+    d = sub.add_parser("drop-fields", help="drop added fields (a new version)",
+                       description="Drop added fields of STORE as a new version; their files are removed by the next "
+                                   "change or by 'fastdata gc' (a dataset opened before may still read them).")
+    d.add_argument("store", metavar="STORE")
+    d.add_argument("names", nargs="+", metavar="NAME")
+    d.add_argument("--quiet", action="store_true", help="no summary")
+    d.set_defaults(func=_cmd_drop_fields)
+    r = sub.add_parser("rename-field", help="rename an added field (a new version)",
+                       description="Rename added field OLD of STORE to NEW, as a new version (no file is written).")
+    r.add_argument("store", metavar="STORE")
+    r.add_argument("old", metavar="OLD")
+    r.add_argument("new", metavar="NEW")
+    r.add_argument("--quiet", action="store_true", help="no summary")
+    r.set_defaults(func=_cmd_rename_field)
+    g = sub.add_parser("gc", help="remove field files a store no longer lists",
+                       description="Remove the field files STORE's manifest no longer lists (dropped or replaced "
+                                   "fields, an interrupted add-fields). A dataset still open on an older version "
+                                   "then cannot read those fields: run it when none is.")
+    g.add_argument("store", metavar="STORE")
+    g.add_argument("--quiet", action="store_true", help="no summary")
+    g.set_defaults(func=_cmd_gc)
 
 
 def _print_images(data: dict) -> None:
@@ -390,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "URL stores merge into a URL on the same server, their shards copied by the server")
     mg.add_argument("--quiet", action="store_true", help="no summary")
     mg.set_defaults(func=_cmd_merge)
+
+    _add_field_commands(sub)
 
     i = sub.add_parser("info", help="describe a store",
                        description="Describe a store: backend, counts, classes, shards. STORE is a directory or "

@@ -411,4 +411,146 @@ def gc(store: str | os.PathLike) -> list[str]:
         lock.release()
 
 
-__all__ = ["AddFieldsError", "add_fields", "drop_fields", "field_file_generation", "gc", "rename_field"]
+__all__ = ["AddFieldsError", "add_fields", "drop_fields", "field_file_generation", "gc", "rename_field",
+           "store_paths", "values_from_file"]
+
+
+#: what ``values_from_file`` reads: NumPy arrays, Parquet and CSV tables
+VALUE_FILE_SUFFIXES = (".npy", ".parquet", ".csv")
+#: how the rows of a table find their samples
+KEYS = ("index", "path")
+
+
+def store_paths(store: str, manifest: dict) -> list[str]:
+    """Every sample's stored path (a folder conversion's relative path; a general store's source
+    path, or the sample's index as digits), in store order, from the store index file."""
+    from fastdata.common.fileio import read_regular
+    from fastdata.format.manifest import is_classification
+    from fastdata.format.record import ShardIndex
+    from fastdata.format.store_index import MANIFEST_KEY, index_file_name, parse_store_index
+
+    if MANIFEST_KEY not in manifest:
+        raise AddFieldsError(f"{store} was made by an older fastdata (no store index file): key values by index")
+    path = os.path.join(store, index_file_name(manifest))
+    data = read_regular(path, manifest[MANIFEST_KEY]["bytes"] + 1, "store index")
+    schema = None if is_classification(manifest) else schema_of(manifest, store)
+    out: list[str] = []
+    for index in parse_store_index(data, manifest, schema, path):
+        if isinstance(index, ShardIndex):
+            raw, offsets = index.relpaths, index.relpath_offsets
+        else:
+            raw, offsets = index.arrays["relpaths"], index.arrays["relpath_offsets"]
+        text = np.asarray(raw, dtype=np.uint8).tobytes()
+        bounds = np.asarray(offsets).tolist()
+        out += [os.fsdecode(text[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
+    return out
+
+
+def _table_columns(path: str) -> dict[str, list]:
+    """A Parquet or CSV file's columns as lists (CSV cells: numbers where they parse as numbers)."""
+    if path.endswith(".parquet"):
+        from fastdata.common.extras import require
+
+        require("pyarrow", "reading values from Parquet files")
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pydict()
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as fh:
+        rows = list(csv.reader(fh))
+    if not rows:
+        raise AddFieldsError(f"{path}: an empty CSV file (it needs a header line naming the columns)")
+    header, body = rows[0], rows[1:]
+    columns: dict[str, list] = {name: [] for name in header}
+    for n, row in enumerate(body, start=2):
+        if len(row) != len(header):
+            raise AddFieldsError(f"{path} line {n}: {len(row)} cells, the header names {len(header)}")
+        for name, cell in zip(header, row, strict=True):
+            columns[name].append(cell)
+    for name, cells in columns.items():
+        for kind in (int, float):
+            try:
+                columns[name] = [kind(c) for c in cells]
+                break
+            except ValueError:
+                continue
+    return columns
+
+
+def _column_values(name: str, cells: list) -> Any:
+    """A table column as add_fields values: equal-length lists of numbers as one ``N x D`` array,
+    numbers as a 1-D array, anything else as the list."""
+    if cells and all(isinstance(c, int | float) and not isinstance(c, bool) for c in cells):
+        return np.asarray(cells)
+    if cells and all(isinstance(c, list) for c in cells) and len({len(c) for c in cells}) == 1:
+        try:
+            array = np.asarray(cells)
+        except ValueError:
+            return cells
+        if array.dtype.kind in "iuf" and array.ndim == 2:
+            return array
+    return cells
+
+
+def values_from_file(store: str | os.PathLike, path: str | os.PathLike, *, names: Sequence[str] = (),
+                     key: str = "index") -> dict[str, Any]:
+    """``add_fields`` values read from a file (what ``fastdata add-fields --from`` reads).
+
+    Args:
+        store: the store the values are for.
+        path: a ``.npy`` array (one field: ``names`` gives its name; rows in store order), a
+            ``.parquet`` or ``.csv`` table (one field a column; the key column excluded).
+        names: the columns to add (default: every column but the key); for ``.npy`` the one name.
+        key: ``"index"``: rows in store order, or, when the table has an ``index`` column, each
+            row's sample index there; ``"path"``: the table's ``path`` column names each row's
+            sample by its stored path (a folder conversion's relative path).
+
+    Raises:
+        AddFieldsError: an unknown suffix or key, a missing column, a key that names no sample
+            or one sample twice, a sample no row names.
+    """
+    store, path = os.fspath(store), os.fspath(path)
+    if key not in KEYS:
+        raise AddFieldsError(f"key must be one of {', '.join(KEYS)}, not {key!r}")
+    if not path.endswith(VALUE_FILE_SUFFIXES):
+        raise AddFieldsError(f"{path}: values are read from {', '.join(VALUE_FILE_SUFFIXES)} files")
+    if path.endswith(".npy"):
+        if len(names) != 1:
+            raise AddFieldsError(f"{path}: a .npy file holds one field: give its name (--name)")
+        if key != "index":
+            raise AddFieldsError(f"{path}: a .npy file's rows are in store order (key 'index'); use a table to key "
+                                 "values by path")
+        try:
+            return {names[0]: np.load(path, allow_pickle=False)}
+        except ValueError as err:
+            raise AddFieldsError(f"{path}: not a numeric .npy array ({err})") from None
+    columns = _table_columns(path)
+    key_column = key if key == "path" or "index" in columns else None
+    if key == "path" and "path" not in columns:
+        raise AddFieldsError(f"{path}: key 'path' needs a 'path' column (columns: {', '.join(columns)})")
+    wanted = list(names) or [c for c in columns if c != key_column]
+    missing = [n for n in wanted if n not in columns]
+    if missing:
+        raise AddFieldsError(f"{path}: no column(s) {', '.join(missing)} (columns: {', '.join(columns)})")
+    if key_column is None:
+        return {n: _column_values(n, columns[n]) for n in wanted}
+    manifest = read_manifest(store)
+    count = manifest["num_samples"]
+    if key == "path":
+        where = {p: i for i, p in enumerate(store_paths(store, manifest))}
+        order = [where.get(str(p), -1) for p in columns["path"]]
+    else:
+        order = [i if isinstance(i, int) and not isinstance(i, bool) else -1 for i in columns["index"]]
+    for row, i in enumerate(order):
+        if not 0 <= i < count:
+            raise AddFieldsError(f"{path} row {row}: {key} {columns[key_column][row]!r:.80} names no sample of {store}")
+    rows = np.full(count, -1, dtype=np.int64)
+    for row, i in enumerate(order):
+        if rows[i] >= 0:
+            raise AddFieldsError(f"{path} rows {rows[i]} and {row} both name sample {i}")
+        rows[i] = row
+    if (rows < 0).any():
+        raise AddFieldsError(f"{path}: no row for sample {int(np.flatnonzero(rows < 0)[0])} ({int((rows < 0).sum())} "
+                             f"of {count} samples have none)")
+    return {n: _column_values(n, [columns[n][r] for r in rows.tolist()]) for n in wanted}
