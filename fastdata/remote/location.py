@@ -349,6 +349,39 @@ async def _http_range(fs, url: str, start: int, end: int) -> bytes:
         return await _read_at_most(reply.content.read, end - start)
 
 
+class SourceChangedError(RemoteStoreError):
+    """An input object of a conversion was changed or deleted after it was listed: its ETag or size
+    when read differs from the listing's (the store would mix two versions of the input)."""
+
+
+def etag_key(etag: object) -> int:
+    """An object's ETag as a nonzero 64-bit integer (xxh3-64 of its text, quotes stripped), or 0
+    when there is none: compared, never shown, so a listing keeps 8 bytes per object for it."""
+    if not etag:
+        return 0
+    return xxhash.xxh3_64_intdigest(str(etag).strip('"').encode()) or 1
+
+
+async def _s3_get_checked(fs, path: str, size: int, etag: int, url: str) -> bytes:
+    """One ``GetObject`` through s3fs whose reply's ETag and length must be the listing's (``etag``
+    0: not compared); the body is read only then, at most ``size + 1`` bytes of it."""
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+    reply = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+    body = reply["Body"]
+    try:
+        length = reply.get("ContentLength")
+        now = etag_key(reply.get("ETag"))
+        why = ([] if not (etag and now and now != etag) else ["its ETag differs"]) + (
+            [] if length is None or int(length) == size else [f"{int(length):,} bytes, listed as {size:,}"])
+        if why:
+            raise SourceChangedError(f"{url}: the object changed after it was listed ({'; '.join(why)}); nothing was "
+                                     "published: rerun the conversion once the input stops changing")
+        return await _read_at_most(body.read, size)
+    finally:
+        body.close()
+
+
 @dataclass(frozen=True)
 class RemoteLocation:
     """A store (or any prefix) at ``url`` with fsspec ``storage_options``; safe to pickle."""
@@ -612,6 +645,40 @@ class RemoteLocation:
         async def bounded() -> bytes:
             return await asyncio.wait_for(coro, sum(self.timeouts()))
         return sync(fs.loop, bounded)
+
+    def read_object(self, name: str, size: int, etag: int = 0) -> bytes:
+        """Input object ``name`` of a conversion, which was listed with ``size`` bytes and ETag
+        ``etag`` (:func:`etag_key`; 0: unknown), with retries on transient errors (:meth:`call`).
+
+        s3: one GET whose reply must carry the listed ETag and length before its body is read;
+        other schemes: the object read up to ``size + 1`` bytes. At most ``size + 1`` bytes are
+        read whatever the server sends.
+
+        Raises:
+            SourceChangedError: the object is gone, or its ETag or size is not the listing's.
+        """
+        fs = self.filesystem()
+        path = self._path(name)
+        url = self.child(name)
+
+        def read() -> bytes:
+            if self.scheme in ("s3", "s3a") and hasattr(fs, "_call_s3"):
+                data = self._bounded(fs, _s3_get_checked(fs, path, size, etag, url))
+            else:
+                data = self.read_bytes(name, limit=size) if size >= 0 else self.read_bytes(name)
+            if size >= 0 and len(data) != size:
+                raise SourceChangedError(f"{url}: the object changed after it was listed ({len(data):,} bytes read, "
+                                         f"listed as {size:,}); nothing was published: rerun the conversion once "
+                                         "the input stops changing")
+            return data
+        try:
+            return self.call(f"reading {url}", read)
+        except RemoteSizeError as err:  # read_bytes: longer than listed
+            raise SourceChangedError(f"{url}: the object changed after it was listed ({err}); nothing was "
+                                     "published: rerun the conversion once the input stops changing") from None
+        except FileNotFoundError:
+            raise SourceChangedError(f"{url}: the object was deleted after it was listed; nothing was published: "
+                                     "rerun the conversion (the listing is taken again)") from None
 
     def size(self, name: str) -> int | None:
         """Size of object ``name``, or None when there is none."""

@@ -22,7 +22,8 @@ from typing import Any
 
 from fastdata.format.fields import Schema
 from fastdata.writer.options import WriteOptions
-from fastdata.writer.remote_sink import refuse_remote_source
+from fastdata.remote.store import is_remote
+from fastdata.writer.remote_sink import refuse_remote_source, remote_image_source
 from fastdata.writer.report import ConvertReport
 from fastdata.writer.sources.parquet.detect import hf_kind, parquet_files
 from fastdata.writer.sources.public import (
@@ -208,7 +209,15 @@ def source_for_path(
             an invalid value.
     """
     src = os.fspath(src)
-    refuse_remote_source(src)
+    if is_remote(src):
+        _refuse({"dicom_tags": dicom_tags, "schema": schema, "chunks": chunks, "codec": codec,
+                 "max_pixels": max_pixels, "image_column": image_column}, "a URL source",
+                "remote sources are image folders and path,label lists so far")
+        if not remote_image_source(src):
+            refuse_remote_source(src)
+        return ImageFolder(src, storage=storage_from_keywords(
+            max_side=max_side, quality=quality, raw=raw, lossless=lossless, storage=storage,
+            raw_fraction=raw_fraction, raw_budget=raw_budget), image_mode=image_mode)
     images = {"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
               "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode,
               "dicom_tags": dicom_tags}

@@ -84,6 +84,10 @@ def plan_fingerprint(scan: Listing, backend: str, storage: StorageSpec, shard_si
         h.update(rel)
     h.update(scan.labels.astype("<i8").tobytes())
     h.update(scan.sizes.astype("<i8").tobytes())
+    etags = getattr(scan, "etags", None)
+    if etags is not None:  # a remote source: an object rewritten at the same size is another input
+        h.update(b"etags")
+        h.update(np.asarray(etags, dtype="<u8").tobytes())
     if scan.raw is not None:  # (a raw budget's choice follows from the files; hashed all the same)
         h.update(scan.raw.astype(np.uint8).tobytes())
     return h.hexdigest()

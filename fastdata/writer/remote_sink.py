@@ -86,13 +86,27 @@ _S3_SCHEMES = ("s3", "s3a")
 LOCK_STALE_S = 3600.0
 
 
+#: suffixes of inputs that are read from URLs only as image files or path,label lists (a URL
+#: with none of these is taken as an image folder prefix)
+_LOCAL_ONLY_SUFFIXES = (".jsonl", ".json", ".parquet", ".tar", ".tgz", ".tar.gz", ".nii", ".nii.gz", ".txt")
+
+
+def remote_image_source(src: str | os.PathLike) -> bool:
+    """Whether the URL ``src`` names an input read remotely: an image folder prefix or a
+    ``.csv``/``.tsv`` ``path,label`` list (not a Parquet, WebDataset, JSONL, COCO or NIfTI input)."""
+    name = os.fspath(src).rstrip("/").lower()
+    return not name.endswith(_LOCAL_ONLY_SUFFIXES) and not any(c in name.rsplit("/", 1)[-1] for c in "*?[{")
+
+
 def refuse_remote_source(src: str | os.PathLike, what: str = "source") -> None:
-    """Raise :class:`RemotePathError` when ``src`` is a URL: only destinations may be URLs."""
+    """Raise :class:`RemotePathError` when ``src`` is a URL of an input kind that is read from a
+    local or mounted filesystem only (every kind but image folders and ``path,label`` lists)."""
     scheme = remote_scheme(src)
     if scheme is not None:
-        raise RemotePathError(f"{what} {os.fspath(src)}: inputs are read from a local or mounted filesystem "
-                              f"(only the destination may be a URL, not this {scheme}:// one): copy or mount the "
-                              "data and give that path")
+        raise RemotePathError(f"{what} {os.fspath(src)}: this kind of input is read from a local or mounted "
+                              f"filesystem (from {scheme}:// URLs fastdata reads image folders and .csv/.tsv "
+                              "path,label lists; Parquet, WebDataset, JSONL/COCO and volume inputs not yet): copy or "
+                              "mount the data and give that path")
 
 
 def check_url_path(url: str) -> None:

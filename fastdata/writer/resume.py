@@ -99,6 +99,11 @@ def _staging(dst: str, name: str) -> str:
     return os.path.join(dst, STAGING_DIR, name)
 
 
+def source_text(src: str) -> str:
+    """How a run's source is recorded: a URL as given, a path made absolute."""
+    return src if "://" in src else os.path.abspath(src)
+
+
 def record_run(dst: str, options: RunOptions, src: str, fingerprint: str, scan: Listing) -> None:
     """Write the options into ``plan.json`` and the listing into ``listing.npz`` in ``dst``'s
     staging folder (each atomically; the listing first, so a record never lacks it).
@@ -109,7 +114,7 @@ def record_run(dst: str, options: RunOptions, src: str, fingerprint: str, scan: 
     buf = io.BytesIO()
     np.savez(buf, relpaths=np.frombuffer(b"\0".join(scan.relpaths), dtype=np.uint8),
              sizes=np.asarray(scan.sizes, dtype=np.int64), labels=np.asarray(scan.labels, dtype=np.int64))
-    run = {"source": os.path.abspath(src), "fingerprint": fingerprint, "options": options.to_json(),
+    run = {"source": source_text(src), "fingerprint": fingerprint, "options": options.to_json(),
            "classes": list(scan.classes)}
     for name, data in ((LISTING_FILE, buf.getvalue()), (PLAN_FILE, json.dumps(run).encode())):
         try:

@@ -234,6 +234,8 @@ class WriteSession:
             raise ValueError(source.torchrun_refusal)
         if group is not None and source.splits_across_ranks:
             self.group = group
+        if source.reads_urls:
+            source.use_storage_options(o.storage_options)
         if is_remote(self.dst):
             if o.append and self.group.world_size > 1:
                 raise ValueError(f"{self.dst}: an append into a URL runs in one process, not under torchrun")
@@ -241,9 +243,9 @@ class WriteSession:
             return write_to_url(self.dst, o.storage_options, o.staging_dir, resume=o.resume, overwrite=o.overwrite,
                                 rank=rank, run=lambda local, sink: self._write(local, overwrite=False, sink=sink),
                                 append=o.append)
-        if o.storage_options or o.staging_dir is not None:
-            raise ValueError(f"{self.dst}: storage_options and staging_dir apply to a URL destination only "
-                             "(s3://, gs://, az://), not to a local path")
+        if (o.storage_options and not source.reads_urls) or o.staging_dir is not None:
+            raise ValueError(f"{self.dst}: storage_options and staging_dir apply to a URL destination or source "
+                             "only (s3://, gs://, az://), not to a local path")
         return self._write(self.dst, overwrite=o.overwrite)
 
     def _write(self, dst: str, overwrite: bool, sink: ShardSink | None = None) -> ConvertReport:

@@ -182,6 +182,39 @@ def folder_change(tree: Path, root: Path) -> Path:
     return tree
 
 
+# -- an image folder on the S3 test server (RemoteFolderInput)
+
+#: the bucket of the remote case (set by the ``case`` fixture from the session's S3 server), and
+#: each uploaded prefix's local tree (what ``expected`` and ``change`` look at)
+REMOTE: dict[str, Any] = {"bucket": None, "trees": {}}
+
+
+def remote_folder_build(root: Path, items: range) -> str:
+    """The folder's tree uploaded to a prefix of its own; returns its URL."""
+    from fastdata.remote.location import RemoteLocation
+
+    tree = folder_build(root, items)
+    url = f"{REMOTE['bucket']}/f{len(REMOTE['trees'])}"
+    loc = RemoteLocation(url)
+    for path in sorted(tree.rglob("*.jpg")):
+        loc.upload(str(path), path.relative_to(tree).as_posix())
+    REMOTE["trees"][url] = tree
+    return url
+
+
+def remote_folder_expected(url: str) -> list:
+    return folder_expected(REMOTE["trees"][url])
+
+
+def remote_folder_change(url: str, root: Path) -> str:
+    from fastdata.remote.location import RemoteLocation
+
+    tree = REMOTE["trees"][url]
+    folder_change(tree, root)
+    RemoteLocation(url).upload(str(tree / "bee" / "bee_007.jpg"), "bee/bee_007.jpg")
+    return url
+
+
 # -- a path,label list (FolderInput)
 
 def list_build(root: Path, items: range) -> Path:
@@ -491,6 +524,8 @@ def dicom_change(folder: Path, root: Path) -> Path:
 CASES = [
     Case("folder", "FolderInput", 21, folder_build, _convert_path, folder_change, folder_expected, split=12,
          changed="an image file of another size"),
+    Case("remote folder (S3)", "RemoteFolderInput", 21, remote_folder_build, _convert_path, remote_folder_change,
+         remote_folder_expected, split=12, changed="an object of another size", marks=(pytest.mark.slow,)),
     Case("path,label list", "FolderInput", 21, list_build, _convert_path, list_change, list_expected, split=12,
          changed="a row's label"),
     Case("table", "TableInput", 21, table_build, _convert_path, table_change, table_expected, split=12,
@@ -525,6 +560,13 @@ CASES = [
 @pytest.fixture(scope="module", params=[pytest.param(c, id=c.name.replace(" ", "-"), marks=c.marks) for c in CASES])
 def case(request) -> Case:
     c = request.param
+    if c.source == "RemoteFolderInput":  # the session's S3 server, a bucket of the module's
+        server = request.getfixturevalue("s3_server")
+        patch = pytest.MonkeyPatch()
+        request.addfinalizer(patch.undo)
+        for name, value in server.env().items():
+            patch.setenv(name, value)
+        REMOTE["bucket"] = f"s3://{server.take_bucket(f'contract{os.getpid()}')}"
     for module in c.needs:
         try:
             importlib.import_module(module)

@@ -56,6 +56,9 @@ class WriteSource(abc.ABC):
     staging_source: str | None = None
     #: the general store's schema (set by :meth:`plan`); None for a classification (version-1) store
     schema: Schema | None = None
+    #: whether the input is read from URLs (then the write's ``storage_options`` are its own too,
+    #: given by :meth:`use_storage_options`, also when the destination is a local path)
+    reads_urls: bool = False
 
     def __init__(self, recorded_source: str) -> None:
         #: what the manifest's ``options.source`` names (an absolute path, or ``fastdata.write``)
@@ -77,6 +80,11 @@ class WriteSource(abc.ABC):
     def chunks(self, run: RunOptions, chunk_size: int) -> ChunkSource:
         """The pipeline's feed of ``chunk_size`` inputs per task (:meth:`ChunkSource.chunks` is
         given the plans left to write)."""
+
+    def use_storage_options(self, options: Any) -> None:
+        """Take the write's ``storage_options`` (a mapping or None) for the input's URLs
+        (:attr:`reads_urls` sources; by default nothing to do)."""
+        return None
 
     def options_text(self, run: RunOptions) -> str:
         """The content options used, for the report (``ConvertReport.options``)."""

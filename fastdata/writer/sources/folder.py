@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,14 @@ from fastdata.writer.options import check_shard_count
 from fastdata.writer.pipeline import Chunk, ChunkSource, ShardResult, shard_index_bytes
 from fastdata.writer.plan import ShardPlan, estimated_sizes, plan_fingerprint, plan_shards
 from fastdata.writer.raw_budget import plan_raw
-from fastdata.writer.resume import RecordedRun, RunOptions, option_differences, record_run, source_differences
+from fastdata.writer.resume import (
+    option_differences,
+    record_run,
+    RecordedRun,
+    RunOptions,
+    source_differences,
+    source_text,
+)
 from fastdata.writer.sources.base import WriteSource
 
 #: class folder names that are really dataset splits (compared lower-case)
@@ -83,6 +90,9 @@ class SourceScan:
     #: each input is stored as pixels, and the bytes it will take in the store
     raw: np.ndarray | None = None
     stored_sizes: np.ndarray | None = None
+    #: a remote source's: each object's ETag as listed (:func:`fastdata.remote.location.etag_key`),
+    #: fingerprinted beside the sizes (a local file's content is known by its size alone, as before)
+    etags: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -242,7 +252,7 @@ def scan_list(list_file: str) -> SourceScan:
     rows = _read_rows(list_file)
     if not rows:
         raise SourceError(f"{list_file}: the list names no image files (expected rows of path,label)")
-    classes, labels = _list_labels(list_file, rows)
+    classes, labels = list_labels(list_file, rows)
     paths = [os.fsencode(p if os.path.isabs(p) else os.path.join(base, p)) for p, _, _ in rows]
     relpaths = [os.fsencode(os.path.normpath(p)) for p, _, _ in rows]
     return SourceScan(
@@ -259,20 +269,27 @@ def scan_list(list_file: str) -> SourceScan:
 def _read_rows(list_file: str) -> list[tuple[str, str, int]]:
     """``(path, label, line number)`` of every data row; every malformed row is
     collected and reported in one :class:`SourceError`."""
-    delimiter = "\t" if list_file.lower().endswith(".tsv") else ","
-    rows: list[tuple[str, str, int]] = []
-    bad: list[tuple[int, str]] = []  # (line number, problem)
     try:
         # utf-8-sig: spreadsheet exports often start with a BOM, which would hide the header row
         with open(list_file, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
-            reader = csv.reader(fh, delimiter=delimiter)
-            try:
-                for row in reader:
-                    _check_row(row, reader.line_num, delimiter, rows, bad)
-            except csv.Error as err:  # e.g. a NUL byte: csv cannot read past it
-                bad.append((reader.line_num, f"{err}; the rest of the file was not read"))
+            return parse_rows(list_file, fh)
     except FileNotFoundError:
         raise SourceError(f"list file not found: {list_file}") from None
+
+
+def parse_rows(list_file: str, lines: Iterable[str]) -> list[tuple[str, str, int]]:
+    """``(path, label, line number)`` of every data row of the list named ``list_file`` (a path or
+    a URL; ``.tsv``: tab-separated) whose text is ``lines``; every malformed row is collected and
+    reported in one :class:`SourceError`."""
+    delimiter = "\t" if list_file.lower().endswith(".tsv") else ","
+    rows: list[tuple[str, str, int]] = []
+    bad: list[tuple[int, str]] = []  # (line number, problem)
+    reader = csv.reader(lines, delimiter=delimiter)
+    try:
+        for row in reader:
+            _check_row(row, reader.line_num, delimiter, rows, bad)
+    except csv.Error as err:  # e.g. a NUL byte: csv cannot read past it
+        bad.append((reader.line_num, f"{err}; the rest of the file was not read"))
     if len(bad) == 1:
         raise SourceError(f"{list_file}:{bad[0][0]}: {bad[0][1]}")
     if bad:
@@ -300,7 +317,7 @@ def _check_row(row: list[str], lineno: int, delimiter: str, rows: list, bad: lis
     rows.append((path, label, lineno))
 
 
-def _list_labels(list_file: str, rows: list[tuple[str, str, int]]) -> tuple[list[str], np.ndarray]:
+def list_labels(list_file: str, rows: list[tuple[str, str, int]]) -> tuple[list[str], np.ndarray]:
     """Classes and per-row targets from the label column (rule: see :func:`scan_list`)."""
     if all(label.isascii() and label.isdigit() for _, label, _ in rows):
         targets = [int(label) for _, label, _ in rows]
@@ -392,8 +409,8 @@ def check_resume(dst: str, src: str, recorded: RecordedRun | None, run: RunOptio
         same = plan_fingerprint(scan, recorded.options.backend, recorded.options.storage,
                                 recorded.options.shard_size.bytes) == recorded.fingerprint
         changes = [] if same else ["the source files differ (files added, removed or changed)"]
-    if changes and recorded.source and os.path.abspath(src) != recorded.source:
-        changes.append(f"source: was {recorded.source}, now {os.path.abspath(src)}")
+    if changes and recorded.source and source_text(src) != recorded.source:
+        changes.append(f"source: was {recorded.source}, now {source_text(src)}")
     what = "; ".join(diffs + changes) or "the inputs differ"
     if recorded.complete:
         raise ResumeMismatchError(f"{dst} is a complete store made from different inputs or options ({what}); "
@@ -433,7 +450,12 @@ class FolderInput(WriteSource):
         return self.scan
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
-        found = self.scan = scan(self.src)
+        self.scan = scan(self.src)
+        return self._plan_scanned(run, dst)
+
+    def _plan_scanned(self, run: RunOptions, dst: str) -> list[ShardPlan]:
+        """:meth:`plan` once :attr:`scan` is made (a remote source's scan too): checks, warnings, shards."""
+        found = self._scan()
         self.storage = run.storage
         if not found.classes:
             raise SourceError(f"{self.src}: no class folders found (expected SRC/<class>/<image files>)")

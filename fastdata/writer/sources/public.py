@@ -28,6 +28,7 @@ from fastdata.format.chunk_codecs import CHUNK_CODECS
 from fastdata.format.fields import Schema
 from fastdata.writer.options import LOSSLESS_CODECS, WriteOptions, parse_raw_budget, parse_raw_shape, storage_spec
 from fastdata.writer.pipeline import ExecutorFactory
+from fastdata.remote.store import is_remote
 from fastdata.writer.remote_sink import refuse_remote_source
 from fastdata.writer.report import ConvertReport
 from fastdata.writer.session import WriteSession
@@ -36,6 +37,7 @@ from fastdata.writer.sources.coco import CocoInput
 from fastdata.writer.sources.dicom import DicomFolderInput, parse_dicom_tags
 from fastdata.writer.sources.folder import FolderInput
 from fastdata.writer.sources.parquet.detect import hf_kind, parquet_files
+from fastdata.writer.sources.remote import RemoteFolderInput
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput
 from fastdata.writer.sources.volumes.input import (
@@ -332,6 +334,9 @@ class ImageFolder(Source):
         image_mode (str | None): the default read mode recorded for the images (``"RGB"``,
             ``"L"``, ``"RGBA"`` or ``"unchanged"``; a reader's ``image_mode=`` overrides it).
             None: ``"unchanged"`` for DICOM images, else the reader's default (RGB).
+        storage_options (Mapping | None): fsspec options for a URL ``path`` (``s3://bucket/train/``,
+            ``gs://``, ``az://``, or an ``https://`` list file); None: the write's ``storage_options``.
+            See "Remote sources" in the remote guide.
 
     Raises:
         TypeError, ValueError: naming the parameter.
@@ -340,8 +345,11 @@ class ImageFolder(Source):
     kind = "an image folder or path,label list"
 
     def __init__(self, path: str | os.PathLike, *, storage: ImageStorage | None = None,
-                 image_mode: str | None = None):
+                 image_mode: str | None = None, storage_options: Mapping[str, Any] | None = None):
         self.path = _path(path, "path")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
+        self.storage_options = storage_options
         if storage is not None and not isinstance(storage, ImageStorage):
             raise TypeError(f"storage must be an ImageStorage (Reencode, Lossless, FixedSizePixels, NativeSizePixels, "
                             f"MixedPixels) or None, got {storage!r}")
@@ -349,7 +357,13 @@ class ImageFolder(Source):
         self.image_mode = None if image_mode is None else check_mode(image_mode, "image_mode")
 
     def write_source(self) -> FolderInput:
-        refuse_remote_source(self.path)
+        keywords = self.storage.keywords() if self.storage is not None else {}
+        if is_remote(self.path):
+            return RemoteFolderInput(self.path, storage_options=self.storage_options, image_mode=self.image_mode,
+                                     **keywords)
+        if self.storage_options is not None:
+            raise ValueError(f"{self.path}: storage_options apply to a URL source (s3://, gs://, az://, https://), "
+                             "not to a local path")
         check_local_path(self.path, "source")
         return FolderInput(self.path, image_mode=self.image_mode,
                            **(self.storage.keywords() if self.storage is not None else {}))

@@ -1,0 +1,271 @@
+"""An image folder or a ``path,label`` list at a URL (``s3://``, ``gs://``, ``az://``; ``https://``
+lists) as a write source: the remote twin of :mod:`fastdata.writer.sources.folder`.
+
+The scan gives the same :class:`~fastdata.writer.sources.folder.SourceScan` a local scan gives, so
+planning, the fingerprint, ``resume``, the reject report and the published store are the local
+source's; only where the bytes come from differs:
+
+* **listing**: :func:`fastdata.remote.sources.list_objects` (paged on ``s3://``), kept as the
+  scan's arrays (one ``bytes`` key per object, sizes, ETags); a list file's rows are looked up
+  with :func:`fastdata.remote.sources.stat_objects`;
+* **order**: ImageFolder's: classes are the sorted first-level "folders" of the prefix, files
+  sorted by (folder, name) within each class, as :func:`~fastdata.writer.sources.folder.scan_folder`
+  walks a local tree, so a folder copied to a bucket converts to the same store;
+* **reading**: each worker task fetches its inputs itself (:func:`ingest_remote_chunk`), a few
+  GETs at a time, straight into memory: nothing is written to local disk but what a local
+  conversion writes too. Each object must still have its listed ETag and size
+  (:meth:`~fastdata.remote.location.RemoteLocation.read_object`): one that changed or was deleted
+  stops the run with an error naming it, and nothing is published.
+
+**Bounds.** The pipeline keeps at most ``max(2, 4 x workers)`` tasks of ``task_size`` inputs in
+flight; an input is fetched only by the worker running its task, so at most that many tasks'
+objects are fetched and not yet written to a shard (with the defaults and 8 workers: 32 tasks of
+32 images). The listing holds about 16 bytes plus the key per object.
+
+The fingerprint hashes each object's ETag beside its size (a local source hashes sizes: an
+object rewritten at the same size is another input); ``resume`` compares it as for a local source.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import os
+import posixpath
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from fastdata.common.extensions import has_image_extension
+from fastdata.errors import SourceError
+from fastdata.format.backends.base import StorageSpec
+from fastdata.remote.location import RemoteLocation
+from fastdata.remote.sources import join_url, list_objects, read_text, stat_objects
+from fastdata.writer.ingest import ingest, MAX_INPUT_BYTES, Rejected, spill
+from fastdata.writer.pipeline import Chunk
+from fastdata.writer.plan import ShardPlan
+from fastdata.writer.resume import RunOptions
+from fastdata.writer.sources.folder import (
+    FolderInput,
+    FolderSource,
+    list_labels,
+    parse_rows,
+    SourceScan,
+    SPLIT_NAMES,
+)
+
+#: GETs one worker keeps in flight while fetching its task's inputs
+FETCH_CONCURRENCY = 8
+_POOL: dict[int, cf.ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> cf.ThreadPoolExecutor:
+    """This process's fetch threads (made on first use in each process: never inherited)."""
+    pid = os.getpid()
+    with _POOL_LOCK:
+        pool = _POOL.get(pid)
+        if pool is None:
+            pool = _POOL[pid] = cf.ThreadPoolExecutor(max_workers=FETCH_CONCURRENCY,
+                                                      thread_name_prefix="fastdata-fetch")
+        return pool
+
+
+def _imagefolder_key(name: bytes) -> tuple[bytes, bytes]:
+    """ImageFolder's order of a file below a class folder: by its folder's path, then its name
+    (``sorted(os.walk(...))`` compares the walked folders' paths as strings)."""
+    folder, _, base = name.rpartition(b"/")
+    return folder, base
+
+
+def scan_remote_folder(url: str, storage_options: Mapping[str, Any]) -> SourceScan:
+    """Scan an ImageFolder-layout prefix: ``url/<class>/.../<image>``.
+
+    Raises:
+        SourceError: nothing under the prefix, a bucket that does not exist, failing
+            credentials, or no image object in any class folder.
+    """
+    url = url.rstrip("/")
+    listing = list_objects(RemoteLocation(url, storage_options))
+    classes = sorted({name.split(b"/", 1)[0].decode() for name in listing.names if b"/" in name})
+    if not classes:
+        raise SourceError(f"{url}: no class folders found (expected {url}/<class>/<image files>)")
+    class_to_idx = {c: i for i, c in enumerate(classes)}
+    # (index, class, key) sorted as ImageFolder walks; the indices reorder the arrays
+    keep = [(class_to_idx[name.split(b"/", 1)[0].decode()], _imagefolder_key(name.split(b"/", 1)[1]), i)
+            for i, name in enumerate(listing.names) if b"/" in name and has_image_extension(name.decode())]
+    keep.sort()
+    order = np.fromiter((i for _, _, i in keep), dtype=np.int64, count=len(keep))
+    labels = np.fromiter((c for c, _, _ in keep), dtype=np.int64, count=len(keep))
+    del keep
+    names = [listing.names[i] for i in order]
+    if not names:
+        raise SourceError(f"{url}: no image files found in its {len(classes)} class folder(s) (searched for "
+                          "the image extensions ImageFolder takes, any case)")
+    counts = np.bincount(labels, minlength=len(classes))
+    empty = [c for c, n in zip(classes, counts, strict=True) if not n]
+    problems: list[tuple[str, str]] = []
+    if empty:
+        problems.append((url, f"{len(empty)} class folder(s) hold no image file: {', '.join(empty[:20])}"
+                              f"{' ...' if len(empty) > 20 else ''}; kept as classes with 0 samples, as "
+                              "ImageFolder(allow_empty=True) does"))
+    splits = [c for c in classes if c.lower() in SPLIT_NAMES]
+    if splits and (len(splits) >= 2 or len(splits) == len(classes)):
+        problems.append((url, f"class folder(s) named like dataset splits ({', '.join(splits)}): the classes "
+                              f"should be the folders inside one split; did you mean {url}/{splits[0]}?"))
+    return SourceScan(root=url, classes=classes, paths=names, relpaths=names, labels=labels,
+                      sizes=listing.sizes[order], etags=listing.etags[order],
+                      hidden_classes=[c for c in classes if c.startswith(".")], walk_problems=problems)
+
+
+def scan_remote_list(url: str, storage_options: Mapping[str, Any]) -> SourceScan:
+    """Scan a ``path,label`` CSV/TSV list at ``url``: rows name URLs, or keys relative to the
+    list's folder (``..`` resolved); labels as :func:`~fastdata.writer.sources.folder.scan_list`
+    reads them. A row whose object does not exist is kept, and rejected when read (as a local
+    list's missing file is)."""
+    text = read_text(url, storage_options).decode("utf-8-sig", errors="surrogateescape")
+    rows = parse_rows(url, io.StringIO(text, newline=""))
+    del text
+    if not rows:
+        raise SourceError(f"{url}: the list names no image files (expected rows of path,label)")
+    classes, labels = list_labels(url, rows)
+    base = url.rsplit("/", 1)[0]
+    urls = [join_url(base, path) for path, _, _ in rows]
+    sizes, etags = stat_objects(urls, storage_options)
+    return SourceScan(root=base, classes=classes, paths=[u.encode() for u in urls],
+                      relpaths=[posixpath.normpath(p).encode() for p, _, _ in rows], labels=labels,
+                      sizes=sizes, etags=etags, is_list=True)
+
+
+def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int],
+                 storage_options: Mapping[str, Any]) -> list[bytes | str]:
+    """The bytes of each input at ``urls`` (a rejection reason instead for one that cannot be
+    stored: missing at listing time, too large), :data:`FETCH_CONCURRENCY` GETs at a time, in order.
+
+    Raises:
+        SourceChangedError: an object changed or was deleted since it was listed.
+        RemoteStoreError: the server could not be reached (after retries).
+    """
+    def one(i: int) -> bytes | str:
+        size = sizes[i]
+        if size == -1:
+            return "file not found (a wrong path in the list, or deleted or moved after the scan)"
+        if size > MAX_INPUT_BYTES:
+            return f"object of {size} bytes exceeds the {MAX_INPUT_BYTES} byte limit for one image"
+        parent, _, name = urls[i].decode().rpartition("/")
+        return RemoteLocation(parent, storage_options).read_object(name, size if size >= 0 else -1, etags[i])
+    if urls:  # this process's filesystem made once, here, not by each fetch thread at once
+        RemoteLocation(urls[0].decode().rpartition("/")[0], storage_options).filesystem()
+    futures = [_pool().submit(one, i) for i in range(len(urls))]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()
+
+
+def warm_worker(url: str | None, storage_options: Mapping[str, Any] | None) -> None:
+    """Worker initialiser: make this process's filesystem for ``url`` (importing the SDK, a second
+    or more for botocore) while the converter lists the source, not in the first task. Called
+    again with None by a ``workers=0`` run when it ends: nothing to let go."""
+    if url is not None:
+        RemoteLocation(url, storage_options or {}).filesystem()
+
+
+def ingest_remote_chunk(urls: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec,
+                        keep_raw: list[bool] | None, sizes: list[int], etags: list[int],
+                        storage_options: Mapping[str, Any], spill_dir: str | None = None):
+    """Worker entry point of a remote source: fetch a task's inputs
+    (:func:`fetch_inputs`) and ingest each as :func:`fastdata.writer.ingest.ingest_chunk` ingests
+    a local file. Returns ``(items, input bytes)``, spilled with ``spill_dir``."""
+    fetched = fetch_inputs(urls, sizes, etags, storage_options)
+    out: list = []
+    read_bytes = 0
+    choices = keep_raw if keep_raw is not None else [None] * len(urls)
+    for k, (url, rel, label, raw) in enumerate(zip(urls, relpaths, labels, choices, strict=True)):
+        data = fetched[k]
+        fetched[k] = b""  # (let each input's bytes go once ingested)
+        if isinstance(data, str):
+            out.append(data)
+            continue
+        read_bytes += len(data)
+        try:
+            out.append(ingest(url, rel, label, storage, data, raw))
+        except Rejected as reason:
+            out.append(str(reason))
+        except MemoryError:
+            out.append("out of memory while decoding (image too large for this machine)")
+    if spill_dir is not None:
+        return spill(out, spill_dir), read_bytes
+    return out, read_bytes
+
+
+class RemoteFolderSource(FolderSource):
+    """The inputs of a remote scan, fetched and ingested in the workers (:func:`ingest_remote_chunk`)."""
+
+    worker = staticmethod(ingest_remote_chunk)  # type: ignore[assignment]  # (its own arguments: its chunks)
+
+    def __init__(self, scan: SourceScan, storage: StorageSpec, chunk_size: int, storage_options: Mapping[str, Any]):
+        super().__init__(scan, storage, chunk_size)
+        self.storage_options = dict(storage_options)
+        self.worker_init = (warm_worker, (scan.root, self.storage_options))
+        self._root = scan.root.encode() + b"/"
+
+    def _url(self, i: int) -> bytes:
+        # a folder scan keeps keys only (relative to the root); a list scan keeps each row's URL
+        return self.scan.paths[i] if self.scan.is_list else self._root + self.scan.paths[i]
+
+    def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
+        scan = self.scan
+        assert scan.etags is not None, "a remote scan lists ETags"
+        for plan in plans or []:
+            for a in range(plan.start, plan.stop, self.chunk_size):
+                b = min(a + self.chunk_size, plan.stop)
+                raw = scan.raw[a:b].tolist() if scan.raw is not None else None
+                yield Chunk(plan, a, b, b == plan.stop,
+                            ([self._url(i) for i in range(a, b)], scan.relpaths[a:b], scan.labels[a:b].tolist(),
+                             self.storage, raw, scan.sizes[a:b].tolist(), scan.etags[a:b].tolist(),
+                             self.storage_options))
+
+    def describe(self, start: int, stop: int) -> str:
+        return f"{self._url(start).decode()} .. {self._url(stop - 1).decode()}"
+
+    def input_path(self, i: int) -> str:
+        return self._url(i).decode()
+
+    def runs_in_main_first(self, chunk: Chunk) -> bool:
+        return False  # (the bytes are not here: a worker fetches them)
+
+
+class RemoteFolderInput(FolderInput):
+    """An ImageFolder prefix or a ``path,label`` list at a URL (see the module docstring), with the
+    storage options of :class:`~fastdata.writer.sources.folder.FolderInput` except ``raw_budget``
+    (which reads every image's header while planning)."""
+
+    reads_urls = True
+
+    def __init__(self, src: str, *, storage_options: Mapping[str, Any] | None = None, **keywords: Any):
+        if keywords.get("raw_budget") is not None:
+            raise ValueError(f"{src}: raw_budget reads every image's header while planning, which a remote source "
+                             "would download twice; use raw_fraction, or convert a local copy")
+        super().__init__(src, **keywords)
+        self.src = self.recorded_source = src.rstrip("/") if not src.lower().endswith((".csv", ".tsv")) else src
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+
+    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
+        """The write's ``storage_options`` for this source's URL, unless the source was given its own."""
+        if options and not self.storage_options:
+            self.storage_options = dict(options)
+
+    def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
+        if self.src.lower().endswith((".csv", ".tsv")):
+            self.scan = scan_remote_list(self.src, self.storage_options)
+        else:
+            self.scan = scan_remote_folder(self.src, self.storage_options)
+        return self._plan_scanned(run, dst)
+
+    def chunks(self, run: RunOptions, chunk_size: int) -> RemoteFolderSource:
+        return RemoteFolderSource(self._scan(), run.storage, chunk_size, self.storage_options)
+

@@ -1,0 +1,220 @@
+"""Remote sources: an image folder or a path,label list on a real S3-compatible server (SeaweedFS,
+tests/helpers/s3server.py) converts to the store its local copy converts to; the listing's ETags
+and sizes hold while reading (a changed or deleted object stops the run, nothing published); a
+SIGKILLed conversion resumes to the same store; missing buckets, prefixes and credentials are one
+clear line; the objects fetched but not yet written stay within the pipeline's window."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from helpers.counting_proxy import CountingProxy
+from helpers.images import make_jpeg, make_small_tree
+from helpers.procs import cli_in_process, reaped, sigkill_once_a_shard_is_staged
+
+import fastdata
+from fastdata.errors import RemotePathError, SourceError
+from fastdata.format.manifest import read_manifest
+from fastdata.remote.location import RemoteLocation, SourceChangedError
+from fastdata.writer.options import WriteOptions
+from fastdata.writer.session import WriteSession
+from fastdata.writer.sources.remote import RemoteFolderInput
+
+LIST_ROWS = ["path,label", "../imgs/bee/img_0.jpg,bee", "../imgs/ant/img_1.jpg,ant", "../imgs/ant/missing.jpg,ant",
+             "../imgs/wasp/sub/deeper/img_7.jpg,wasp", "../imgs/bee/broken.jpg,bee"]
+
+
+def upload_tree(local: str | Path, url: str) -> None:
+    """Every file under ``local`` to ``url``/<its relative path>, as `aws s3 sync` would."""
+    loc = RemoteLocation(url)
+    for root, _, files in os.walk(local):
+        for name in files:
+            path = os.path.join(root, name)
+            loc.upload(path, os.path.relpath(path, local).replace(os.sep, "/"))
+
+
+def same_store(a: str, b: str) -> None:
+    """``a`` and ``b`` hold the same shards (names, counts, checksums of the files), classes and
+    rejected inputs; each verifies."""
+    ma, mb = read_manifest(a), read_manifest(b)
+    assert [(s["name"], s["count"], s["xxh"]) for s in ma["shards"]] == \
+        [(s["name"], s["count"], s["xxh"]) for s in mb["shards"]]
+    assert ma["classes"] == mb["classes"] and ma["num_samples"] == mb["num_samples"]
+    assert Path(a, "rejected.tsv").read_text() == Path(b, "rejected.tsv").read_text()
+    assert fastdata.verify(a).ok and fastdata.verify(b).ok
+
+
+@pytest.fixture(scope="module")
+def remote_tree(s3_server, tmp_path_factory):
+    """The small tree (nested folders, an upper-case .JPG, plus a corrupt JPEG and a text file)
+    beside a path,label list under ``lists/``, locally and in a bucket of its own; with the
+    local conversions of both. Yields a namespace of the URLs and paths."""
+    mp = pytest.MonkeyPatch()
+    for key, value in s3_server.env().items():
+        mp.setenv(key, value)
+    mp.setenv("FASTDATA_REMOTE_RETRIES", "2")
+    root = tmp_path_factory.mktemp("remote-sources")
+    tree = make_small_tree(root / "data" / "imgs")
+    Path(tree, "bee", "broken.jpg").write_bytes(b"\xff\xd8not a jpeg")
+    Path(tree, "ant", "notes.txt").write_text("not an image")
+    Path(root, "data", "lists").mkdir()
+    Path(root, "data", "lists", "train.csv").write_text("\n".join(LIST_ROWS) + "\n")
+    bucket = f"s3://{s3_server.take_bucket(f'rsrc{os.getpid()}')}"
+    upload_tree(root / "data", bucket)
+    local = str(root / "local.lmdb")
+    fastdata.convert(tree, local, shard_size="20kB", progress=False, workers=0)
+    local_list = str(root / "local-list.lmdb")
+    fastdata.convert(str(root / "data" / "lists" / "train.csv"), local_list, progress=False, workers=0)
+
+    class Tree:
+        pass
+    t = Tree()
+    t.server, t.bucket, t.tree, t.local, t.local_list, t.root = s3_server, bucket, tree, local, local_list, root
+    yield t
+    mp.undo()
+
+
+def test_remote_folder_converts_to_the_local_store(remote_tree, tmp_path):
+    dst = str(tmp_path / "remote.lmdb")
+    report = fastdata.convert(f"{remote_tree.bucket}/imgs/", dst, shard_size="20kB", progress=False, workers=0)
+    assert report.images == 24 and len(read_manifest(dst)["shards"]) > 1
+    assert [r[0] for r in report.rejected_items] == ["bee/broken.jpg"]  # reported like a corrupt local file
+    same_store(dst, remote_tree.local)
+    assert read_manifest(dst)["options"]["source"] == f"{remote_tree.bucket}/imgs"
+    # the same listing and options: a resume of the published store is complete, nothing rewritten
+    again = fastdata.convert(f"{remote_tree.bucket}/imgs", dst, shard_size="20kB", progress=False, resume=True)
+    assert again.already_complete
+
+
+def test_remote_list_converts_to_the_local_store(remote_tree, tmp_path):
+    dst = str(tmp_path / "list.lmdb")
+    report = fastdata.convert(fastdata.sources.ImageFolder(f"{remote_tree.bucket}/lists/train.csv"), dst,
+                              progress=False, workers=0)
+    assert report.images == 3
+    assert sorted(r[0] for r in report.rejected_items) == ["../imgs/ant/missing.jpg", "../imgs/bee/broken.jpg"]
+    same_store(dst, remote_tree.local_list)
+
+
+def _source_changing_after_listing(url: str, change):
+    """A remote folder input that calls ``change()`` once its listing is taken (the plan made):
+    the object store changes between the listing and the reads, as it may in any long run."""
+    class Changing(RemoteFolderInput):
+        def plan(self, run, dst):
+            plans = super().plan(run, dst)
+            change()
+            return plans
+    return Changing(url)
+
+
+@pytest.mark.parametrize("how", ["rewritten-same-size", "grown", "deleted"])
+def test_an_object_changed_after_listing_stops_the_run_naming_it(remote_tree, tmp_path, how):
+    url = f"{remote_tree.bucket}/changing-{how}"
+    upload_tree(Path(remote_tree.tree) / "ant", f"{url}/ant")
+    loc = RemoteLocation(url)
+    victim = "ant/img_2.jpg"
+    data = loc.read_bytes(victim)
+
+    def change() -> None:
+        if how == "deleted":
+            loc.remove([victim])
+        else:
+            loc.write_bytes(victim, data[:-2] + bytes([data[-2] ^ 0xFF, data[-1]]) if how == "rewritten-same-size"
+                            else data + b"\0")
+    dst = tmp_path / "changed.lmdb"
+    with pytest.raises(SourceChangedError, match=f"{url}/{victim}: the object (changed|was deleted)") as caught:
+        WriteSession(_source_changing_after_listing(url, change), str(dst),
+                     WriteOptions(workers=0, progress=False)).run()
+    assert "\n" not in str(caught.value)
+    assert not (dst / "manifest.json").exists()  # nothing published
+    # control: the same run with nothing changed after the listing converts
+    fastdata.convert(url, str(tmp_path / "control.lmdb"), progress=False, workers=0)
+
+
+def test_missing_bucket_prefix_and_failing_credentials_are_one_line_errors(remote_tree, tmp_path, capsys):
+    dst = str(tmp_path / "x.lmdb")
+    with pytest.raises(SourceError, match="bucket 'no-such-bucket-fd' does not exist"):
+        fastdata.convert("s3://no-such-bucket-fd/imgs", dst, progress=False)
+    with pytest.raises(SourceError, match="no objects under this prefix"):
+        fastdata.convert(f"{remote_tree.bucket}/nothing-here", dst, progress=False)
+    # credentials that cannot be used: a profile that does not exist (SeaweedFS here accepts any key)
+    with pytest.raises(SourceError, match="credentials were refused or are missing.*ProfileNotFound"):
+        fastdata.convert(f"{remote_tree.bucket}/imgs", dst, progress=False, storage_options={"profile": "nope-fd"})
+    with pytest.raises(SourceError, match="cannot be listed"):
+        fastdata.convert("https://example.invalid/imgs/", dst, progress=False)
+    with pytest.raises(RemotePathError, match="Parquet, WebDataset"):
+        fastdata.convert(f"{remote_tree.bucket}/data/train.parquet", dst, progress=False)
+    assert not os.path.exists(os.path.join(dst, "manifest.json"))
+    cli = cli_in_process(capsys, "convert", "s3://no-such-bucket-fd/imgs", dst)
+    assert cli.returncode != 0 and "no-such-bucket-fd" in cli.stderr and "Traceback" not in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    cli = cli_in_process(capsys, "convert", f"{remote_tree.bucket}/imgs", dst, "--storage-option", "profile=nope-fd")
+    assert cli.returncode != 0 and "credentials" in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_killed_remote_conversion_resumes_to_the_local_store(remote_tree, tmp_path):
+    dst = tmp_path / "killed.lmdb"
+    command = [sys.executable, "-m", "fastdata", "convert", f"{remote_tree.bucket}/imgs", str(dst),
+               "--shard-size", "20kB", "--workers", "1", "--quiet"]
+    env = dict(os.environ, FASTDATA_MIN_SHARD_SIZE="1")
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sigkill_once_a_shard_is_staged(proc, dst, "convert")
+    assert not (dst / "manifest.json").exists()
+    report = fastdata.convert(f"{remote_tree.bucket}/imgs", str(dst), shard_size="20kB", progress=False, workers=0,
+                              resume=True)
+    assert report.resumed_shards >= 1
+    same_store(str(dst), remote_tree.local)
+
+
+BOUNDED = textwrap.dedent("""
+    import sys
+    import fastdata
+    fastdata.convert(sys.argv[1], sys.argv[2], workers=1, task_size=2, progress=False)
+""")
+
+
+def test_objects_fetched_but_not_written_stay_within_the_pipeline_window(remote_tree, tmp_path):
+    """The converter is stopped (SIGSTOP) as soon as its first input is fetched: its worker can go on
+    only through the tasks already handed to it, so the GETs then stop at the window (4 tasks of 2
+    inputs for one worker, and the task it runs) instead of fetching the whole prefix ahead."""
+    n = 120
+    url = f"{remote_tree.bucket}/many"
+    src = tmp_path / "many"
+    for i in range(n):
+        make_jpeg(src / "c" / f"{i:03d}.jpg", size=(8, 8), seed=i)
+    upload_tree(src, url)
+    proxy = CountingProxy(remote_tree.server.endpoint).start()
+    prefix = f"/{url.split('://')[1]}/c/"
+    try:
+        env = dict(os.environ, AWS_ENDPOINT_URL=proxy.endpoint)
+        proc = subprocess.Popen([sys.executable, "-c", BOUNDED, url, str(tmp_path / "many.lmdb")], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        with reaped(proc):
+            while not [r for r in proxy.gets() if r.path.startswith(prefix)]:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.001)
+            os.kill(proc.pid, signal.SIGSTOP)  # the converter only: its worker runs on
+            try:
+                counts = []
+                for _ in range(3):
+                    time.sleep(0.7)
+                    counts.append(len([r for r in proxy.gets() if r.path.startswith(prefix)]))
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+        fetched = [r.path for r in proxy.gets() if r.path.startswith(prefix)]
+    finally:
+        proxy.stop()
+    window_inputs = (4 + 1) * 2 + 2  # the window's tasks, the one running, and one queued by the pool
+    assert counts[-1] == counts[-2], counts  # settled: nothing more is fetched while nothing is written
+    assert counts[-1] <= window_inputs < n, counts
+    assert sorted(fetched) == sorted(set(fetched)) and len(fetched) == n  # each object read once
+    assert json.loads(Path(tmp_path / "many.lmdb" / "manifest.json").read_text())["num_samples"] == n
