@@ -436,13 +436,21 @@ def _mp_context():
     # forkserver: no inherited threads or handles from the (possibly threaded) caller
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
     if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(["fastdata.writer.ingest", "psutil"])
+        ctx.set_forkserver_preload(["fastdata.writer.ingest", "psutil", *sorted(_WORKER_MODULES)])
     return ctx
 
 
-def prestart_pool() -> None:
+#: modules the workers of this process's pools import besides the ingest module (a remote
+#: source's filesystem library: s3fs and botocore take a second to import), added by
+#: :func:`prestart_pool`; a forkserver started after that imports them once for every worker
+_WORKER_MODULES: set[str] = set()
+
+
+def prestart_pool(modules: tuple[str, ...] = ()) -> None:
     """Start the forkserver (if the pool will use one) without waiting for it, so
-    its ~0.3 s of imports overlap the source scan instead of following it."""
+    its ~0.3 s of imports (and those of ``modules``, which the workers will need) overlap the
+    source scan instead of following it."""
+    _WORKER_MODULES.update(modules)
     if _mp_context().get_start_method() == "forkserver":
         from multiprocessing import forkserver
 

@@ -276,7 +276,7 @@ class WriteSession:
         writer_options = {"initial_map_size": parse_size(o.lmdb_map_size)} if o.lmdb_map_size else {}
         started = time.perf_counter()
         if workers:
-            prestart_pool()  # the forkserver's imports overlap the scan
+            prestart_pool(source.worker_modules)  # the forkserver's imports overlap the scan
         plans = source.plan(run, dst)
         report = ConvertReport(dst=dst, backend=run.backend, unit=source.unit, options=source.options_text(run) + (
             " (recorded by the interrupted run)" if recorded and not recorded.complete else ""))

@@ -11,18 +11,18 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from helpers.counting_proxy import CountingProxy
 from helpers.images import make_jpeg, make_small_tree
-from helpers.procs import cli_in_process, reaped, sigkill_once_a_shard_is_staged
+from helpers.procs import cli_in_process, sigkill_once_a_shard_is_staged
 
 import fastdata
 from fastdata.errors import RemotePathError, SourceError
 from fastdata.format.manifest import read_manifest
+from fastdata.format.names import STAGING_DIR
 from fastdata.remote.location import RemoteLocation, SourceChangedError
 from fastdata.writer.options import WriteOptions
 from fastdata.writer.session import WriteSession
@@ -33,12 +33,11 @@ LIST_ROWS = ["path,label", "../imgs/bee/img_0.jpg,bee", "../imgs/ant/img_1.jpg,a
 
 
 def upload_tree(local: str | Path, url: str) -> None:
-    """Every file under ``local`` to ``url``/<its relative path>, as `aws s3 sync` would."""
+    """Every file under ``local`` to ``url``/<its relative path>, as `aws s3 sync` would (all at once)."""
     loc = RemoteLocation(url)
-    for root, _, files in os.walk(local):
-        for name in files:
-            path = os.path.join(root, name)
-            loc.upload(path, os.path.relpath(path, local).replace(os.sep, "/"))
+    paths = [os.path.join(root, name) for root, _, files in os.walk(local) for name in files]
+    targets = [loc.child(os.path.relpath(p, local).replace(os.sep, "/")).split("://", 1)[1] for p in paths]
+    loc.filesystem().put(paths, targets)
 
 
 def same_store(a: str, b: str) -> None:
@@ -159,7 +158,55 @@ def test_missing_bucket_prefix_and_failing_credentials_are_one_line_errors(remot
     assert cli.returncode != 0 and "credentials" in cli.stderr and "Traceback" not in cli.stderr
 
 
+def _convert_until_killed(url: str, dst: str) -> None:
+    """In a forked child: convert ``url`` into ``dst`` and, once a shard's sidecar is staged, block at
+    the next file opened, to be SIGKILLed there (an audit hook: no race with a fast conversion)."""
+    staged = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "os.rename" and len(args) > 1 and isinstance(args[1], str | bytes | os.PathLike):
+            base = os.path.basename(os.fsdecode(args[1]))
+            if base.startswith("shard-") and base.endswith(".json"):
+                staged.append(base)
+        elif event == "open" and staged:
+            time.sleep(120)
+    try:
+        sys.addaudithook(hook)
+        fastdata.convert(url, dst, shard_size="20kB", progress=False, workers=0)
+    finally:
+        os._exit(1)
+
+
 def test_killed_remote_conversion_resumes_to_the_local_store(remote_tree, tmp_path):
+    """SIGKILLed once a shard is finished (a forked converter), then ``resume=True``: the store of the
+    uninterrupted local conversion. (The CLI in a subprocess: the slow variant below.)"""
+    import multiprocessing
+
+    dst = tmp_path / "killed.lmdb"
+    child = multiprocessing.get_context("fork").Process(target=_convert_until_killed,
+                                                        args=(f"{remote_tree.bucket}/imgs", str(dst)))
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        staging = dst / STAGING_DIR
+        while not (staging.exists() and any(staging.glob("shard-*.json"))):
+            assert child.is_alive() and time.monotonic() < deadline, "no shard finished"
+            time.sleep(0.005)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+    assert not (dst / "manifest.json").exists()
+    report = fastdata.convert(f"{remote_tree.bucket}/imgs", str(dst), shard_size="20kB", progress=False, workers=0,
+                              resume=True)
+    assert report.resumed_shards >= 1
+    same_store(str(dst), remote_tree.local)
+
+
+@pytest.mark.slow
+def test_killed_remote_cli_conversion_resumes_to_the_local_store(remote_tree, tmp_path):
     dst = tmp_path / "killed.lmdb"
     command = [sys.executable, "-m", "fastdata", "convert", f"{remote_tree.bucket}/imgs", str(dst),
                "--shard-size", "20kB", "--workers", "1", "--quiet"]
@@ -173,18 +220,30 @@ def test_killed_remote_conversion_resumes_to_the_local_store(remote_tree, tmp_pa
     same_store(str(dst), remote_tree.local)
 
 
-BOUNDED = textwrap.dedent("""
-    import sys
-    import fastdata
-    fastdata.convert(sys.argv[1], sys.argv[2], workers=1, task_size=2, progress=False)
-""")
+def _convert_through(endpoint: str, url: str, dst: str) -> None:
+    """In a forked child: convert ``url`` with one worker and tasks of 2 inputs, through ``endpoint``."""
+    try:
+        from multiprocessing import forkserver
+
+        # this child inherited the test process's forkserver handle, but that server is not its child
+        # (multiprocessing would waitpid it and fail with ECHILD): let the pool start one of its own
+        server = forkserver._forkserver  # type: ignore[attr-defined]
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        fastdata.convert(url, dst, workers=1, task_size=2, progress=False)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
 
 
 def test_objects_fetched_but_not_written_stay_within_the_pipeline_window(remote_tree, tmp_path):
     """The converter is stopped (SIGSTOP) as soon as its first input is fetched: its worker can go on
     only through the tasks already handed to it, so the GETs then stop at the window (4 tasks of 2
     inputs for one worker, and the task it runs) instead of fetching the whole prefix ahead."""
-    n = 120
+    n = 48
     url = f"{remote_tree.bucket}/many"
     src = tmp_path / "many"
     for i in range(n):
@@ -192,24 +251,32 @@ def test_objects_fetched_but_not_written_stay_within_the_pipeline_window(remote_
     upload_tree(src, url)
     proxy = CountingProxy(remote_tree.server.endpoint).start()
     prefix = f"/{url.split('://')[1]}/c/"
+    import multiprocessing
+
     try:
-        env = dict(os.environ, AWS_ENDPOINT_URL=proxy.endpoint)
-        proc = subprocess.Popen([sys.executable, "-c", BOUNDED, url, str(tmp_path / "many.lmdb")], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        with reaped(proc):
+        # forked (the imports are done here), and single-threaded there: its pool forks its worker
+        child = multiprocessing.get_context("fork").Process(
+            target=_convert_through, args=(proxy.endpoint, url, str(tmp_path / "many.lmdb")))
+        child.start()
+        try:
+            deadline = time.monotonic() + 60
             while not [r for r in proxy.gets() if r.path.startswith(prefix)]:
-                assert proc.poll() is None, proc.communicate()
+                assert child.is_alive() and time.monotonic() < deadline, "no input fetched"
                 time.sleep(0.001)
-            os.kill(proc.pid, signal.SIGSTOP)  # the converter only: its worker runs on
+            os.kill(child.pid, signal.SIGSTOP)  # the converter only: its worker runs on
             try:
                 counts = []
                 for _ in range(3):
-                    time.sleep(0.7)
+                    time.sleep(0.4)
                     counts.append(len([r for r in proxy.gets() if r.path.startswith(prefix)]))
             finally:
-                os.kill(proc.pid, signal.SIGCONT)
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
+                os.kill(child.pid, signal.SIGCONT)
+            child.join(120)
+            assert child.exitcode == 0
+        finally:
+            if child.is_alive():
+                child.kill()
+                child.join(10)
         fetched = [r.path for r in proxy.gets() if r.path.startswith(prefix)]
     finally:
         proxy.stop()

@@ -59,6 +59,8 @@ class WriteSource(abc.ABC):
     #: whether the input is read from URLs (then the write's ``storage_options`` are its own too,
     #: given by :meth:`use_storage_options`, also when the destination is a local path)
     reads_urls: bool = False
+    #: modules the pipeline's worker processes will import (preloaded by a forkserver started for them)
+    worker_modules: tuple[str, ...] = ()
 
     def __init__(self, recorded_source: str) -> None:
         #: what the manifest's ``options.source`` names (an absolute path, or ``fastdata.write``)

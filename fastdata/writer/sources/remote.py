@@ -56,6 +56,10 @@ from fastdata.writer.sources.folder import (
     SPLIT_NAMES,
 )
 
+#: the fsspec implementation each scheme's workers import (preloaded by the pool's forkserver)
+FILESYSTEM_MODULES = {"s3": ("s3fs",), "s3a": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",), "az": ("adlfs",),
+                      "abfs": ("adlfs",), "abfss": ("adlfs",), "http": ("fsspec.implementations.http",),
+                      "https": ("fsspec.implementations.http",)}
 #: GETs one worker keeps in flight while fetching its task's inputs
 FETCH_CONCURRENCY = 8
 _POOL: dict[int, cf.ThreadPoolExecutor] = {}
@@ -253,6 +257,8 @@ class RemoteFolderInput(FolderInput):
         super().__init__(src, **keywords)
         self.src = self.recorded_source = src.rstrip("/") if not src.lower().endswith((".csv", ".tsv")) else src
         self.storage_options: dict[str, Any] = dict(storage_options or {})
+        scheme = src.split("://", 1)[0].lower()
+        self.worker_modules = FILESYSTEM_MODULES.get(scheme, ())
 
     def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
         """The write's ``storage_options`` for this source's URL, unless the source was given its own."""
