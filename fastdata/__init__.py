@@ -98,6 +98,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.tools.diagnose import diagnose  # noqa: F401
     from fastdata.tools.verify import info, verify  # noqa: F401
     from fastdata.writer.api import convert, convert_coco, convert_table, write  # noqa: F401
+    from fastdata.writer.add_fields import add_fields, drop_fields, gc, rename_field  # noqa: F401
     from fastdata.writer.merge import merge  # noqa: F401
     from fastdata.writer.options import WriteOptions  # noqa: F401
     from fastdata.writer.report import ConvertReport  # noqa: F401

@@ -199,6 +199,8 @@ class VerifyReport:
     records_checked: int = 0
     shards_checked: int = 0
     decoded: int = 0
+    #: values of added fields checked (``fastdata.add_fields``: their field files)
+    field_values_checked: int = 0
     problems: list[str] = field(default_factory=list)
     status: str = SOUND
 
@@ -218,6 +220,8 @@ class VerifyReport:
             return f"{self.store}: {self.problems[0]}"
         if self.ok:
             extra = f", {self.decoded} decoded" if self.decoded else ""
+            if self.field_values_checked:
+                extra += f", {self.field_values_checked} values of added fields"
             return f"{self.store}: OK ({self.shards_checked} shard(s), {self.records_checked} records verified{extra})"
         head = f"{self.store}: DAMAGED ({len(self.problems)} problem(s))"
         return "\n".join([head] + [f"  {p}" for p in self.problems[:50]] +
@@ -602,7 +606,7 @@ def _check_field_files(report: VerifyReport, m: dict, path_of: Callable[[str], s
         for gen, entry in sorted(field_files(shard).items()):
             name = entry["name"]
             try:
-                report.records_checked += check_field_file(
+                report.field_values_checked += check_field_file(
                     path_of(name), [a for a in fields if a.generation == gen], shard["count"], entry, name)
             except FastdataError as err:
                 report.fail(str(err))

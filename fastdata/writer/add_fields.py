@@ -495,7 +495,7 @@ def _column_values(name: str, cells: list) -> Any:
 
 def values_from_file(store: str | os.PathLike, path: str | os.PathLike, *, names: Sequence[str] = (),
                      key: str = "index") -> dict[str, Any]:
-    """``add_fields`` values read from a file (what ``fastdata add-fields --from`` reads).
+    """``add_fields`` values read from a file (what the ``add-fields`` command reads).
 
     Args:
         store: the store the values are for.
@@ -517,7 +517,7 @@ def values_from_file(store: str | os.PathLike, path: str | os.PathLike, *, names
         raise AddFieldsError(f"{path}: values are read from {', '.join(VALUE_FILE_SUFFIXES)} files")
     if path.endswith(".npy"):
         if len(names) != 1:
-            raise AddFieldsError(f"{path}: a .npy file holds one field: give its name (--name)")
+            raise AddFieldsError(f"{path}: a .npy file holds one field: give its name (names=NAME)")
         if key != "index":
             raise AddFieldsError(f"{path}: a .npy file's rows are in store order (key 'index'); use a table to key "
                                  "values by path")

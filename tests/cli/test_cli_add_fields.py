@@ -67,7 +67,7 @@ def test_errors_are_one_line_and_publish_nothing(store, tmp_path, capsys):
     before = read_manifest(store)["checksum"]
     np.save(tmp_path / "short.npy", np.zeros(3))
     assert main(["add-fields", store, "--from", str(tmp_path / "short.npy")]) == 2
-    assert "give its name (--name)" in capsys.readouterr().err
+    assert "give its name (--name NAME)" in capsys.readouterr().err
     assert main(["add-fields", store, "--from", str(tmp_path / "short.npy"), "--name", "s"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("fastdata: error: field 's': 3 values for a store of") and len(err) == 2

@@ -25,6 +25,7 @@ from helpers.docblocks import LANGUAGES, ROOT, Block, all_blocks, blocks_of, pag
 #: blocks marked "Not run in the tests", per page: a new one must be added here, on purpose
 NOT_RUN = {
     "docs/RELIABILITY.md": 1,  # the nightly reliability runs
+    "docs/guides/adding-fields.md": 1,  # the benchmark
 }
 #: pages whose commands measure for minutes (bench, tune): run nightly (the slow marker)
 SLOW_PAGES = {"docs/guides/tuning.md"}
@@ -285,7 +286,23 @@ def _volumes(tmp: Path, monkeypatch) -> dict:
     return {"fastdata": fastdata, "my_volumes": _ct_store(name="", fields=("ct", "label"))}
 
 
+def _adding_fields(tmp: Path, monkeypatch) -> dict:
+    """``train.lmdb``, and the files its CLI examples read: ``scores.csv`` keyed by the samples'
+    paths and ``emb.npy`` in store order."""
+    import numpy as np
+
+    import fastdata
+
+    _store("train.lmdb")
+    ds = fastdata.open_dataset("train.lmdb")
+    with open("scores.csv", "w") as fh:
+        fh.write("path,score\n" + "".join(f"{ds.relpath(i)},{i / 10}\n" for i in range(len(ds))))
+    np.save("emb.npy", np.zeros((len(ds), 8), dtype=np.float32))
+    return {}
+
+
 PRELUDES: dict[str, Callable] = {
+    "docs/guides/adding-fields.md": _adding_fields,
     "README.md": _readme,
     "docs/FORMAT.md": _format,
     "docs/PATCHES.md": _patches,
