@@ -283,3 +283,43 @@ def test_classification_store(small_tree, tmp_path):
     assert sample["note"] == f"n{n - 1}" and sample["label"] == ds.targets[n - 1]
     assert fastdata.verify(dst).ok
     assert json.loads(json.dumps(fastdata.info(dst)["added_fields"]))[0]["name"] == "loss"
+
+
+_KILLED_ADD = """
+import os, signal, sys
+import numpy as np
+import fastdata
+
+def progress(done, total):
+    if done == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+fastdata.add_fields(sys.argv[1], {"emb": np.load(sys.argv[2]), "caption": [f"c{i}" for i in range(%d)]},
+                    progress=progress)
+""" % N
+
+
+def test_sigkill_during_add_then_again_equals_an_uninterrupted_add(store, tmp_path):
+    import subprocess
+    import sys
+
+    emb = np.random.default_rng(3).random((N, 8)).astype(np.float32)
+    np.save(tmp_path / "emb.npy", emb)
+    clean = str(tmp_path / ("clean" + os.path.splitext(store)[1]))
+    shutil.copytree(store, clean)
+    before = read_manifest(store)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_ADD, store, str(tmp_path / "emb.npy")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert [n for n in os.listdir(store) if n.startswith("fields-")]  # it had written some field files
+    assert read_manifest(store)["checksum"] == before["checksum"]  # the previous version, published
+    ds = fastdata.open_dataset(store)
+    assert ds.columns() == ("x",) and fastdata.verify(store).ok
+    values = {"emb": emb, "caption": [f"c{i}" for i in range(N)]}
+    fastdata.add_fields(store, values)  # again: what the killed call left is removed, then written anew
+    fastdata.add_fields(clean, values)
+    a, b = read_manifest(store), read_manifest(clean)
+    assert [s.get(FIELD_FILES_KEY) for s in a["shards"]] == [s.get(FIELD_FILES_KEY) for s in b["shards"]]
+    assert sorted(os.listdir(store)) == sorted(os.listdir(clean))
+    assert _checksums(store) == _checksums(clean)
+    np.testing.assert_array_equal(fastdata.open_dataset(store).column("emb"), emb)
