@@ -8,12 +8,12 @@ Run it (seconds on 2 cores; no data needed, the images are synthesized, nothing 
 What it does, printing each step:
 
 1. a folder of photo-like JPEGs is converted to ``train.lmdb``;
-2. a small torchvision model (``resnet18``, untrained unless ``--weights DEFAULT``, which downloads
-   torchvision's ImageNet weights; a tiny CNN of the same output when torchvision is not installed)
-   embeds every image on the CPU through ``fastdata.loader``: a 512-d float16 embedding, and the
-   model's per-sample loss against the store's labels;
-3. ``fastdata.add_fields`` adds both to the store as a new version: new field files beside the
-   shards, no shard rewritten (their checksums are compared), the manifest replaced last;
+2. ``fastdata.compute_fields`` runs a small torchvision model (``resnet18``, untrained unless
+   ``--weights DEFAULT``, which downloads torchvision's ImageNet weights; a tiny CNN of the same
+   output when torchvision is not installed) over every batch of the store on the CPU (the loader's
+   workers decode): a 512-d float16 embedding, and the model's per-sample loss against the labels;
+3. both are added to the store as a new version: new field files beside the shards, no shard
+   rewritten (their checksums are compared), the manifest replaced last;
 4. the hard examples (highest loss) are selected with ``ds.column("loss")``, which reads no
    record, and read through ``ds.subset`` and ``fastdata.loader`` with their embeddings.
 """
@@ -68,27 +68,29 @@ def main(argv: list[str] | None = None) -> dict:
         ds = fastdata.open_dataset(store, output="tensor", decode=fastdata.transforms.CenterCrop(64))
         print(f"1. converted {len(ds)} images of {len(ds.classes)} classes to {store}")
 
-        # 2. embeddings and losses, computed through the loader (the user's model, on the CPU here)
+        # 2.-3. embeddings and losses computed by the model over every batch of the store, added as
+        # fields: a new version of the store, no shard rewritten
         model, name = embedding_model(args.weights)
         head = torch.nn.Linear(512, len(ds.classes))
-        embeddings, losses = [], []
-        with torch.no_grad():
-            for images, labels in fastdata.loader(ds, batch_size=16, shuffle=False, num_workers=args.workers):
-                features = model(images.float() / 255)
-                embeddings.append(features.half().numpy())
-                losses.append(torch.nn.functional.cross_entropy(head(features), labels, reduction="none").numpy())
-        clip, loss = np.concatenate(embeddings), np.concatenate(losses)
-        print(f"2. embedded every image with {name}: {clip.shape[0]} x {clip.shape[1]} {clip.dtype}")
 
-        # 3. add them: a new version of the store, no shard rewritten
+        def embed(batch):
+            images, labels = batch
+            with torch.no_grad():
+                features = model(images.float() / 255)
+                loss = torch.nn.functional.cross_entropy(head(features), labels, reduction="none")
+            return {"clip": features.half(), "loss": loss}
+
         shards = {s["name"]: file_checksum(os.path.join(store, s["name"])) for s in fastdata.info(store)["shards"]}
-        fastdata.add_fields(store, {"clip": clip, "loss": loss})
+        fastdata.compute_fields(store, embed, batch_size=16, num_workers=args.workers, output="tensor",
+                                decode=fastdata.transforms.CenterCrop(64))
+        ds = fastdata.open_dataset(store, output="tensor", decode=fastdata.transforms.CenterCrop(64))
+        clip = ds.column("clip")
+        print(f"2. embedded every image with {name}: {clip.shape[0]} x {clip.shape[1]} {clip.dtype}")
         unchanged = all(file_checksum(os.path.join(store, n)) == c for n, c in shards.items())
         report = fastdata.verify(store)
         print(f"3. added clip and loss; shard files unchanged: {unchanged}; verify: {report.summary()}")
 
         # 4. hard examples, chosen from the index alone, read with their embeddings
-        ds = fastdata.open_dataset(store, output="tensor", decode=fastdata.transforms.CenterCrop(64))
         keep = int(len(ds) * args.hard)
         hard = np.sort(np.argsort(ds.column("loss"))[-keep:])
         subset = ds.subset(hard)

@@ -11,6 +11,7 @@ Public API::
     fastdata.WriteOptions(format=, workers=, shard_size=, resume=, overwrite=, append=, task_size=, ...)
     fastdata.merge([store_a, store_b, ...], dst) -> MergeReport
     fastdata.add_fields(store, {"name": values}) -> manifest; drop_fields, rename_field, gc
+    fastdata.compute_fields(store, fn, batch_size=64, resume=False) -> manifest (fn over every batch)
     fastdata.verify(store, decode=False) -> VerifyReport
     fastdata.info(store) -> dict
     fastdata.LMDBImageDataset, fastdata.HDF5ImageDataset, fastdata.open_dataset
@@ -52,6 +53,7 @@ _LAZY = {
     "drop_fields": "fastdata.writer.add_fields",
     "rename_field": "fastdata.writer.add_fields",
     "gc": "fastdata.writer.add_fields",
+    "compute_fields": "fastdata.tools.compute",
     "convert_coco": "fastdata.writer.api",
     "WriteOptions": "fastdata.writer.options",
     "ConvertReport": "fastdata.writer.report",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name load
     from fastdata.reader.sampler import DistributedShardSampler  # noqa: F401
     from fastdata.reader.seeding import seed_worker  # noqa: F401
     from fastdata.reader.subset import StoreSubset, random_split  # noqa: F401
+    from fastdata.tools.compute import compute_fields  # noqa: F401
     from fastdata.tools.diagnose import diagnose  # noqa: F401
     from fastdata.tools.verify import info, verify  # noqa: F401
     from fastdata.writer.api import convert, convert_coco, convert_table, write  # noqa: F401

@@ -52,6 +52,9 @@ from fastdata.format.names import check_file_name
 ADDED_FIELDS_KEY = "added_fields"
 #: shard entry key: the shard's field files
 FIELD_FILES_KEY = "field_files"
+#: only while values computed shard by shard are being added (``fastdata.compute_fields``): the
+#: run's plan and each finished shard's field file, for ``resume=True``
+FIELDS_STAGING_DIR = ".fastdata-fields-staging"
 #: the first bytes of every field file (the last two: the layout version)
 FIELD_FILE_MAGIC = b"FDFIELD\x01"
 FIELD_FILE_FORMAT = "fastdata-field-file"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from fastdata.errors import FastdataError
 from fastdata.format.added import (
     ADDED_FIELDS_KEY,
     FIELD_FILES_KEY,
+    FIELDS_STAGING_DIR,
     MAX_GENERATION,
     AddedField,
     addable,
@@ -86,8 +88,8 @@ def _array_field(name: str, array: np.ndarray) -> Field:
 class _Column:
     """One field's values, checked: a fixed-size field as one array, any other as encoded bytes."""
 
-    def __init__(self, name: str, field: Field, count: int, values: Any):
-        self.name, self.field = name, field
+    def __init__(self, name: str, field: Field, count: int, values: Any, first: int = 0):
+        self.name, self.field, self.first = name, field, first
         self.fixed = field.index_shape is not None
         self.array: np.ndarray | None = None
         self.encoded: list[bytes] | None = None
@@ -97,11 +99,11 @@ class _Column:
             if array is not None and array.dtype.kind in "biuf":
                 self.array = self._checked_array(array, dtype, shape)
             else:
-                rows = [field.check(v, f"field {name!r} sample {i}") for i, v in enumerate(_each(name, values))]
+                rows = [field.check(v, f"field {name!r} sample {i}") for i, v in enumerate(_each(name, values), first)]
                 self.array = np.asarray(rows, dtype=dtype).reshape((len(rows), *shape))
         else:
             self.encoded = [encode_value(field, field.check(v, f"field {name!r} sample {i}"))
-                            for i, v in enumerate(_each(name, values))]
+                            for i, v in enumerate(_each(name, values), first)]
         got = len(self.array) if self.array is not None else len(self.encoded or ())
         if got != count:
             raise AddFieldsError(f"field {name!r}: {got} values for a store of {count} samples (give one a sample, "
@@ -119,18 +121,19 @@ class _Column:
         if cast.dtype != array.dtype:
             bad = ~((back == array) | (np.isnan(array) & np.isnan(back)) if array.dtype.kind == "f" else back == array)
             if bad.any():
-                i = int(np.flatnonzero(bad.reshape(len(array), -1).any(axis=1))[0])
+                i = self.first + int(np.flatnonzero(bad.reshape(len(array), -1).any(axis=1))[0])
                 raise AddFieldsError(f"field {name!r} sample {i}: values of dtype {array.dtype} do not fit "
                                      f"{dtype.name} exactly")
         if isinstance(self.field, Float) and not self.field.allow_nan and cast.dtype.kind == "f":
             nan = np.isnan(cast)
             if nan.any():
-                raise AddFieldsError(f"field {name!r} sample {int(np.flatnonzero(nan)[0])}: NaN (declare "
+                raise AddFieldsError(f"field {name!r} sample {self.first + int(np.flatnonzero(nan)[0])}: NaN (declare "
                                      "Float(allow_nan=True) if NaN is meant)")
         if isinstance(self.field, Int) and self.field.dtype.kind == "b" and array.dtype.kind != "b":
             bad = (array != 0) & (array != 1)
             if bad.any():
-                raise AddFieldsError(f"field {name!r} sample {int(np.flatnonzero(bad)[0])}: not a bool (0 or 1)")
+                raise AddFieldsError(f"field {name!r} sample {self.first + int(np.flatnonzero(bad)[0])}: not a bool "
+                                     "(0 or 1)")
         return np.ascontiguousarray(cast)
 
     def shard_arrays(self, first: int, count: int) -> dict[str, np.ndarray]:
@@ -311,6 +314,161 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         return _publish(store, manifest, new_fields, shards, entry)
     finally:
         lock.release()
+
+
+class FieldsRun:
+    """Adding fields whose values arrive shard by shard (computed by a function over the store:
+    :func:`fastdata.tools.compute.compute_fields`), resumable after a crash.
+
+    Each finished shard's field file is written into the store's fields staging folder with a
+    sidecar of its size and checksum; :meth:`publish` moves them into place and publishes the
+    manifest. The store's lock is held from construction to :meth:`close`. The fields' kinds are
+    those declared, else inferred from the first shard's values, and recorded in the plan, so a
+    resumed run checks its values against the same kinds.
+
+    Args:
+        store: a published local store.
+        resume: finish the run a crash left (its staged shards are kept); without it, a staging
+            folder left behind is discarded.
+        fields: declared kinds by name.
+        replace: replace added fields of the names the values give.
+
+    Raises:
+        AddFieldsError: ``resume`` with nothing to resume, or with a store changed since.
+        StoreLockedError: the store is being written.
+    """
+
+    def __init__(self, store: str | os.PathLike, *, resume: bool = False, fields: Mapping[str, Field] | None = None,
+                 replace: bool = False):
+        import json
+
+        self.store = os.fspath(store)
+        self.manifest = _published(self.store)
+        self._lock: StoreLock | None = _lock(self.store)
+        try:
+            self.manifest = _published(self.store)
+            self.staging = os.path.join(self.store, FIELDS_STAGING_DIR)
+            self.replace = replace
+            plan_path = os.path.join(self.staging, "plan.json")
+            plan = None
+            if os.path.exists(plan_path):
+                with open(plan_path, encoding="utf-8") as fh:
+                    plan = json.load(fh)
+            if resume and (plan is None or plan.get("base") != self.manifest["checksum"]):
+                why = ("nothing to resume (no interrupted run)" if plan is None else
+                       "the store has another version than when the interrupted run started")
+                raise AddFieldsError(f"{self.store}: cannot resume: {why}; run it without resume=True")
+            if not resume:
+                shutil.rmtree(self.staging, ignore_errors=True)
+                plan = None
+            self.declared = dict(fields or {})
+            if plan is None:
+                os.makedirs(self.staging, exist_ok=True)
+                plan = {"base": self.manifest["checksum"], "generation": _next_generation(self.manifest, self.store),
+                        "fields": None, "replace": replace}
+                _write_json(plan_path, plan)
+                _remove_unpublished(self.store, self.manifest, set())
+            self.plan, self._plan_path = plan, plan_path
+            self.generation = int(plan["generation"])
+        except BaseException:
+            self.close()
+            raise
+
+    def done(self, shard: int) -> bool:
+        """Whether shard ``shard`` (its position in the manifest) has its field file staged."""
+        return os.path.exists(self._sidecar(shard))
+
+    def _sidecar(self, shard: int) -> str:
+        return os.path.join(self.staging, f"{shard:05d}.json")
+
+    def put(self, shard: int, values: Mapping[str, Any]) -> None:
+        """Stage shard ``shard``'s values (one a sample of the shard, by field name), checked
+        against the run's field kinds (inferred from the first shard's values when not declared).
+
+        Raises:
+            AddFieldsError: values of the wrong count, dtype, shape or kind (naming the field and
+                the sample's index in the store), or other names than the first shard gave.
+        """
+        entry = self.manifest["shards"][shard]
+        known = self.plan["fields"]
+        if known is None:
+            self._check_names(values)
+            kinds = {name: _field_of(name, vals, self.declared.get(name)) for name, vals in values.items()}
+            self.plan["fields"] = {name: f.to_json() for name, f in kinds.items()}
+            _write_json(self._plan_path, self.plan)
+            known = self.plan["fields"]
+        if sorted(values) != sorted(known):
+            raise AddFieldsError(f"{self.store}: shard {entry['name']}: values for {', '.join(sorted(values))}, "
+                                 f"the run adds {', '.join(sorted(known))}")
+        from fastdata.format.fields import field_from_json
+
+        arrays: dict[str, np.ndarray] = {}
+        for name in known:
+            column = _Column(name, field_from_json(known[name], name), entry["count"], values[name],
+                             first=entry["first_index"])
+            arrays.update(column.shard_arrays(0, entry["count"]))
+        name = field_file_name(self.generation, entry["name"])
+        size, xxh = _write_file(os.path.join(self.staging, name), build_field_file(entry["count"], arrays))
+        _write_json(self._sidecar(shard), {"name": name, "bytes": size, "xxh": xxh})
+
+    def _check_names(self, values: Mapping[str, Any]) -> None:
+        base = schema_of(self.manifest, self.store).names
+        current = {a.name for a in added_fields(self.manifest, self.store)}
+        for name in values:
+            if name in base:
+                raise AddFieldsError(f"{self.store}: field {name!r} is one the store was written with")
+            if name in current and not self.replace:
+                raise AddFieldsError(f"{self.store}: field {name!r} was added already; pass replace=True to "
+                                     "replace it")
+        try:
+            Schema(tuple((n, Int()) for n in values))
+        except SchemaError as err:
+            raise AddFieldsError(f"{self.store}: {err}") from None
+
+    def publish(self) -> dict:
+        """Move every staged field file into place and publish the manifest (last); the staging
+        folder is removed.
+
+        Raises:
+            AddFieldsError: a shard has no staged values.
+        """
+        import json
+
+        from fastdata.format.fields import field_from_json
+
+        shards = [dict(s) for s in self.manifest["shards"]]
+        missing = [s["name"] for k, s in enumerate(shards) if not self.done(k)]
+        if missing or self.plan["fields"] is None:
+            raise AddFieldsError(f"{self.store}: no values for shard(s) {', '.join(missing[:5])}")
+        for k, shard in enumerate(shards):
+            with open(self._sidecar(k), encoding="utf-8") as fh:
+                staged = json.load(fh)
+            os.replace(os.path.join(self.staging, staged["name"]), os.path.join(self.store, staged["name"]))
+            shard[FIELD_FILES_KEY] = list(shard.get(FIELD_FILES_KEY, [])) + [
+                {"name": staged["name"], "generation": self.generation, "bytes": staged["bytes"],
+                 "xxh": staged["xxh"]}]
+        names = list(self.plan["fields"])
+        when = _now()
+        fields = [a for a in added_fields(self.manifest, self.store) if a.name not in names]
+        fields += [AddedField(n, field_from_json(self.plan["fields"][n], n), self.generation, when, n) for n in names]
+        entry = {"generation": self.generation, "action": "add", "fields": names, "at": when}
+        new = _publish(self.store, self.manifest, fields, shards, entry)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return new
+
+    def close(self) -> None:
+        """Release the store's lock (what was staged stays, for ``resume=True``)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def _write_json(path: str, obj: Any) -> None:
+    import json
+
+    from fastdata.common.fileio import atomic_write
+
+    atomic_write(path, json.dumps(obj).encode("utf-8"))
 
 
 def _publish(store: str, manifest: dict, fields: list[AddedField], shards: list[dict], entry: dict) -> dict:

@@ -294,9 +294,9 @@ def progress(done, total):
     if done == 2:
         os.kill(os.getpid(), signal.SIGKILL)
 
-fastdata.add_fields(sys.argv[1], {"emb": np.load(sys.argv[2]), "caption": [f"c{i}" for i in range(%d)]},
+fastdata.add_fields(sys.argv[1], {"emb": np.load(sys.argv[2]), "caption": [f"c{i}" for i in range(N_SAMPLES)]},
                     progress=progress)
-""" % N
+""".replace("N_SAMPLES", str(N))
 
 
 def test_sigkill_during_add_then_again_equals_an_uninterrupted_add(store, tmp_path):
