@@ -323,3 +323,23 @@ def test_sigkill_during_add_then_again_equals_an_uninterrupted_add(store, tmp_pa
     assert sorted(os.listdir(store)) == sorted(os.listdir(clean))
     assert _checksums(store) == _checksums(clean)
     np.testing.assert_array_equal(fastdata.open_dataset(store).column("emb"), emb)
+
+
+def test_subsets_and_mixes_carry_added_fields(store, tmp_path):
+    other = str(tmp_path / ("other" + os.path.splitext(store)[1]))
+    shutil.copytree(store, other)
+    fastdata.add_fields(store, {"score": np.arange(N, dtype=np.float64), "tag": [f"a{i}" for i in range(N)]})
+    fastdata.add_fields(other, {"score": -np.arange(N, dtype=np.float64), "tag": [f"b{i}" for i in range(N)]})
+    part = fastdata.random_split(fastdata.open_dataset(store), [0.5, 0.5], seed=0)[0]
+    picked = np.asarray(part.indices)
+    np.testing.assert_array_equal(part.column("score"), picked.astype(float))
+    assert part[1]["tag"] == f"a{picked[1]}"
+    mixed = fastdata.mix([fastdata.MixPart(store, weight=1), fastdata.MixPart(other, weight=1)], epoch_size=20,
+                         seed=0)
+    letters = set()
+    for batch in loader(mixed, batch_size=10, num_workers=0, sampler=mixed.sampler()):
+        for score, tag in zip(batch["score"].tolist(), batch["tag"], strict=True):
+            sign = 1 if tag[0] == "a" else -1  # each sample's fields from its own store's field files
+            assert score == sign * int(tag[1:])
+            letters.add(tag[0])
+    assert letters == {"a", "b"}

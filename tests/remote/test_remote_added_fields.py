@@ -1,0 +1,45 @@
+"""Added fields of a store read from S3 (SeaweedFS): each field file downloaded whole into the
+cache and checked against the manifest; verify checks the server's copies."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_remote_read import upload_store
+
+import fastdata
+from fastdata.errors import CorruptRecordError
+from fastdata.format.added import FIELD_FILES_KEY
+from fastdata.format.manifest import read_manifest
+from fastdata.remote.location import RemoteLocation
+from helpers.backends import SUFFIXES
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_added_fields_read_from_s3(s3, tmp_path, suffix):
+    _server, bucket = s3
+    local = str(tmp_path / f"s{suffix}")
+    n = 24
+    fastdata.write([{"x": float(i)} for i in range(n)], local, shard_size=300, progress=False)
+    emb = np.random.default_rng(0).random((n, 8)).astype(np.float16)
+    fastdata.add_fields(local, {"emb": emb, "tag": [f"t{i}" for i in range(n)]})
+    url = f"{bucket}/s{suffix}"
+    upload_store(local, url)
+    ds = fastdata.open_dataset(url)
+    np.testing.assert_array_equal(ds.column("emb"), emb)
+    assert [ds[i]["tag"] for i in (0, n - 1)] == ["t0", f"t{n - 1}"]
+    assert fastdata.verify(url).ok
+    assert [f["name"] for f in fastdata.info(url)["added_fields"]] == ["emb", "tag"]
+    # a field file changed on the server: refused when downloaded (cache of another version: fresh)
+    name = read_manifest(local)["shards"][-1][FIELD_FILES_KEY][0]["name"]
+    path = os.path.join(local, name)
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    RemoteLocation(url).upload(path, name)
+    report = fastdata.verify(url)
+    assert not report.ok and any(name in p for p in report.problems)
+    with pytest.raises(CorruptRecordError, match="do not match the manifest's size"):
+        fastdata.open_dataset(url, cache_dir=str(tmp_path / "fresh-cache"))
