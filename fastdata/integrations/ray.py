@@ -57,7 +57,7 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
 
 import numpy as np
 
-from fastdata.errors import FastdataError
+from fastdata.errors import FastdataError, RejectedInputError
 from fastdata.format.backends.registry import backend_for_path, get_backend, suffix_hint
 from fastdata.format.fields import Chunked, Image, Schema, SchemaError
 from fastdata.remote.store import is_remote, locate_store
@@ -195,10 +195,13 @@ class StoreSink(Datasink):
 
         try:
             report = write_samples(chained(), part, self.schema, options=self.part_options, metadata=self.metadata)
-        except SchemaError as err:
-            raise SchemaError(f"Ray write task {task} (its rows counted from 0, in the order it received them): "
-                              f"{err}; nothing was published: fix the rows or the schema and run the job again") \
-                from None
+        except (SchemaError, RejectedInputError) as err:
+            # the same error, named where it is in the job ("sample k" is the task's k-th row)
+            if err.args and isinstance(err.args[0], str):
+                err.args = (f"Ray write task {task} (its rows counted from 0, in the order it received them): "
+                            f"{err.args[0]}; nothing was published: fix the rows or the schema and run the job "
+                            "again", *err.args[1:])
+            raise
         return {"task": task, "part": part, "samples": int(report.images)}
 
     def on_write_complete(self, write_result: WriteResult) -> None:

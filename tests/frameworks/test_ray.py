@@ -76,6 +76,7 @@ def dying_rows(batch: dict, marker: str, kill_at: int) -> dict:
 def cluster():
     """One local Ray cluster for the module, rows in a deterministic order."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # (Ray would report the cluster's start to its servers)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
              configure_logging=False)
     context = ray.data.DataContext.get_current()
@@ -213,3 +214,17 @@ def test_read_remote_store(cluster, written, s3, tmp_path):
     rows = fray.read(url, storage_options=options, cache_dir=str(tmp_path / "cache"), index_column="index").take_all()
     assert sorted(r["id"] for r in rows) == list(range(ROWS))
     assert sorted(r["index"] for r in rows) == list(range(ROWS))
+
+
+def unreadable_image(batch: dict) -> dict:
+    rows = make_rows(batch)
+    rows["image"][3] = b"not an image"
+    return rows
+
+
+@pytest.mark.slow
+def test_unusable_image_names_its_task_and_row(cluster, tmp_path):
+    with pytest.raises(fastdata.errors.RejectedInputError) as err:
+        fray.write(source(60, 1).map_batches(unreadable_image, batch_size=20), tmp_path / "bad.lmdb", SCHEMA)
+    assert "Ray write task 0" in str(err.value) and "sample 3 field 'image'" in str(err.value)
+    assert os.listdir(tmp_path) == []
