@@ -343,13 +343,18 @@ def decode_value(field: Field, raw: bytes, checksum: int, where: str) -> Any:
         raise CorruptRecordError(str(err)) from None
 
 
-def check_field_file(path: str, fields: list[AddedField], count: int, entry: dict, where: str) -> int:
-    """Check one field file completely (``fastdata verify``): its size and checksum against the
-    manifest's ``entry``, its header, every array's checksum, and every value of a
-    record-resident field (offsets, checksum, decoding). Returns the values checked.
+def load_field_file(path: str, fields: list[AddedField], count: int, entry: dict, where: str, *,
+                    check_values: bool = True) -> dict[str, dict[str, np.ndarray]]:
+    """Read one field file completely: its size and checksum against the manifest's ``entry``,
+    its header, every array's checksum, and (``check_values``) every value of a record-resident
+    field (offsets, checksum, decoding).
+
+    Returns:
+        ``{field name: {"values": array}}`` for a fixed-size field, ``{"offsets", "checksums",
+        "data"}`` arrays for any other (what :func:`build_field_file` takes, keyed by part).
 
     Raises:
-        CorruptRecordError: the first problem, naming ``where``, the field and the sample.
+        CorruptRecordError: the first problem, naming ``where``, the field and the record.
         OSError: the file cannot be read.
     """
     from fastdata.common import portable
@@ -368,24 +373,36 @@ def check_field_file(path: str, fields: list[AddedField], count: int, entry: dic
             raise CorruptRecordError(f"{where}: file checksum mismatch (the field file was modified or damaged)")
         head = portable.pread(fd, header_bytes(portable.pread(fd, _HEAD.size, 0)), 0)
         arrays = parse_header(head, size, fields, count, where)
-        checked = 0
+        out: dict[str, dict[str, np.ndarray]] = {}
         for a in fields:
             if a.fixed:
                 e = arrays[a.key]
-                array_of(e, portable.pread(fd, e.nbytes, e.offset), where, a.key)
-                checked += count
+                out[a.name] = {"values": array_of(e, portable.pread(fd, e.nbytes, e.offset), where, a.key)}
                 continue
             loaded = {}
             for part in ("offsets", "checksums", "data"):
                 e = arrays[f"{a.key}.{part}"]
                 loaded[part] = array_of(e, portable.pread(fd, e.nbytes, e.offset), where, f"{a.key}.{part}")
             check_offsets(loaded["offsets"], len(loaded["data"]), where, a.name)
-            data = loaded["data"].tobytes()
-            offsets = loaded["offsets"].tolist()
-            for i in range(count):
-                decode_value(a.field, data[offsets[i]:offsets[i + 1]], int(loaded["checksums"][i]),
-                             f"{where} field {a.name!r} record {i}")
-            checked += count
-        return checked
+            if check_values:
+                data = loaded["data"].tobytes()
+                offsets = loaded["offsets"].tolist()
+                for i in range(count):
+                    decode_value(a.field, data[offsets[i]:offsets[i + 1]], int(loaded["checksums"][i]),
+                                 f"{where} field {a.name!r} record {i}")
+            out[a.name] = loaded
+        return out
     finally:
         os.close(fd)
+
+
+def check_field_file(path: str, fields: list[AddedField], count: int, entry: dict, where: str) -> int:
+    """Check one field file completely (``fastdata verify``: :func:`load_field_file`); returns
+    the values checked.
+
+    Raises:
+        CorruptRecordError: the first problem, naming ``where``, the field and the record.
+        OSError: the file cannot be read.
+    """
+    load_field_file(path, fields, count, entry, where)
+    return count * len(fields)

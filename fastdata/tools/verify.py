@@ -54,7 +54,9 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         dict: JSON-serialisable: backend, version, storage mode, counts, classes with
         per-class counts, shards with sizes, rejected inputs; for a detection store (converted
         from COCO) also ``categories`` (each ``id``, ``name`` and ``supercategory`` when the file
-        gives one) and ``num_categories``, else None and 0.
+        gives one) and ``num_categories``, else None and 0; ``added_fields``: the fields added
+        since the store was written (``fastdata.add_fields``), each its ``name``, kind and
+        parameters, ``generation`` and ``added`` (UTC time), in the order they were added.
     """
     remote: RemoteStore | None = None
     if is_remote(store):

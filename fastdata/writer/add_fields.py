@@ -712,3 +712,61 @@ def values_from_file(store: str | os.PathLike, path: str | os.PathLike, *, names
         raise AddFieldsError(f"{path}: no row for sample {int(np.flatnonzero(rows < 0)[0])} ({int((rows < 0).sum())} "
                              f"of {count} samples have none)")
     return {n: _column_values(n, [columns[n][r] for r in rows.tolist()]) for n in wanted}
+
+
+def added_fields_differences(stores: Sequence[tuple[str, dict]]) -> list[str]:
+    """How the added fields of stores to be merged differ (each named), empty when every store
+    has the same added fields (names and kinds; generations may differ)."""
+    def described(m: dict) -> dict[str, dict]:
+        return {a.name: a.field.to_json() for a in added_fields(m)}
+
+    first_path, first = stores[0]
+    want = described(first)
+    out = []
+    for path, m in stores[1:]:
+        have = described(m)
+        if have != want:
+            out.append(f"{path} has added fields {sorted(have) or 'none'}, {first_path} "
+                       f"{sorted(want) or 'none'} (or of other kinds): a merge needs the same added fields")
+    return out
+
+
+def carry_added_fields(dst: str, sources: Sequence[tuple[str, dict, dict]], body: dict) -> None:
+    """Give a merged store the added fields of its inputs: for each new shard, one field file of
+    generation 1 holding every added field's values, read from its input shard's field files
+    (checked: sizes, checksums, arrays) and written beside it; the manifest ``body`` gets the
+    fields (as the first input declares them) and the files.
+
+    Args:
+        dst: the merged store's directory.
+        sources: ``(input store, its manifest, its shard entry)`` of each new shard, in order.
+        body: the merged manifest body, its ``shards`` the new shards in the same order.
+    """
+    from fastdata.format.added import field_files, load_field_file
+
+    if not sources:
+        return
+    first = added_fields(sources[0][1])
+    if not first:
+        return
+    for (path, m, shard), new in zip(sources, body["shards"], strict=True):
+        mine = added_fields(m)
+        loaded: dict[str, dict[str, np.ndarray]] = {}
+        for gen, entry in field_files(shard).items():
+            loaded.update(load_field_file(os.path.join(path, entry["name"]), [a for a in mine if a.generation == gen],
+                                          shard["count"], entry, os.path.join(path, entry["name"]),
+                                          check_values=False))
+        arrays: dict[str, np.ndarray] = {}
+        for a in first:
+            parts = loaded[a.name]
+            if "values" in parts:
+                arrays[a.name] = parts["values"]
+            else:
+                arrays.update({f"{a.name}.{part}": parts[part] for part in ("offsets", "checksums", "data")})
+        name = field_file_name(1, new["name"])
+        size, xxh = _write_file(os.path.join(dst, name), build_field_file(shard["count"], arrays))
+        new[FIELD_FILES_KEY] = [{"name": name, "generation": 1, "bytes": size, "xxh": xxh}]
+    body[ADDED_FIELDS_KEY] = [AddedField(a.name, a.field, 1, a.added, a.name).to_json() for a in first]
+    body["options"] = dict(body["options"])
+    body["options"][HISTORY_KEY] = [{"generation": 1, "action": "merge", "fields": [a.name for a in first],
+                                     "at": _now()}]

@@ -52,6 +52,7 @@ from fastdata.format.names import MANIFEST_NAME, PLAN_FILE, REJECTED_NAME, STAGI
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import build_store_index, manifest_entry
 from fastdata.remote.store import is_remote
+from fastdata.writer.add_fields import added_fields_differences, carry_added_fields
 from fastdata.writer.append import added_field_names, open_base, schema_differences
 from fastdata.writer.lock import StoreLock, raise_if_locked
 from fastdata.writer.pipeline import PublishedBase, clear_store, io_error
@@ -188,6 +189,8 @@ def _merge_local(given: list[str], dst: str, overwrite: bool, link: bool, source
             return _place(os.path.join(paths[i], shard["name"]), os.path.join(dst, name), shard["bytes"], link)
 
         body, entries = _assemble(paths, bases, report, place, source)
+        carry_added_fields(dst, [(p, b.manifest, shard) for p, b in zip(paths, bases, strict=True)
+                                 for shard in b.manifest["shards"]], body)
         fsync_dir(dst)
         try:
             _write_metadata(dst, body, entries)
@@ -222,6 +225,10 @@ def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: 
         data = loc.read_bytes(name, limit=m[STORE_INDEX_KEY]["bytes"])
         bases.append(PublishedBase(manifest=m, index_entries=shard_entries(data, m, loc.child(name))))
     urls = [loc.url for loc in locations]
+    added = [u for u, b in zip(urls, bases, strict=True) if added_field_names(b.manifest)]
+    if added:
+        raise MergeError(f"{', '.join(added)}: stores at URLs with added fields are not merged yet (local stores "
+                         "are): drop the fields (fastdata.drop_fields), merge, and add them to the merged store")
     _check_same_kind(urls, bases)
     lock = RemoteLock(target)
     lock.check()
@@ -313,9 +320,7 @@ def _tsv(text: str) -> str:
 
 def _check_same_kind(paths: list[str], bases: list[PublishedBase]) -> None:
     first, where = bases[0].manifest, paths[0]
-    problems = [f"{path} has added fields ({', '.join(added_field_names(base.manifest))}), which merge does not "
-                "carry yet: drop them (fastdata.drop_fields), merge, and add them to the merged store"
-                for path, base in zip(paths, bases, strict=True) if added_field_names(base.manifest)]
+    problems = added_fields_differences([(p, b.manifest) for p, b in zip(paths, bases, strict=True)])
     for path, base in zip(paths[1:], bases[1:], strict=True):
         m = base.manifest
         if m["backend"] != first["backend"]:

@@ -261,13 +261,30 @@ def test_manifest_with_field_files_of_no_field_refused(store):
         write_manifest(store, body)
 
 
-def test_append_and_merge_refuse_added_fields(store, tmp_path):
+def test_append_refuses_added_fields(store):
     fastdata.add_fields(store, {"score": np.zeros(N)})
     with pytest.raises(fastdata.errors.FastdataError, match="it has added fields \\(score\\)"):
         fastdata.write(_samples()[:3], store, append=True)
-    with pytest.raises(fastdata.errors.FastdataError, match="has added fields \\(score\\), which merge"):
-        fastdata.merge([store, store + "-copy" if shutil.copytree(store, store + "-copy") else ""],
-                       str(tmp_path / ("m" + os.path.splitext(store)[1])))
+
+
+def test_merge_carries_added_fields(store, tmp_path):
+    suffix = os.path.splitext(store)[1]
+    other = str(tmp_path / ("other" + suffix))
+    shutil.copytree(store, other)
+    fastdata.add_fields(store, {"score": np.arange(N, dtype=np.float64)})
+    fastdata.add_fields(store, {"tag": [f"a{i}" for i in range(N)]})  # two generations here ...
+    fastdata.add_fields(other, {"tag": [f"b{i}" for i in range(N)], "score": -np.arange(N, dtype=np.float64)})
+    merged = str(tmp_path / ("m" + suffix))
+    before = _checksums(store)
+    fastdata.merge([store, other], merged)  # ... one there: the merged store has one
+    assert _checksums(store) == before
+    ds = fastdata.open_dataset(merged)
+    np.testing.assert_array_equal(ds.column("score"), np.r_[np.arange(N), -np.arange(N)])
+    assert [ds[i]["tag"] for i in (0, N - 1, N, 2 * N - 1)] == ["a0", f"a{N - 1}", "b0", f"b{N - 1}"]
+    assert fastdata.verify(merged).ok
+    fastdata.drop_fields(other, ["tag"])
+    with pytest.raises(fastdata.errors.FastdataError, match="a merge needs the same added fields"):
+        fastdata.merge([store, other], str(tmp_path / ("m2" + suffix)))
 
 
 def test_classification_store(small_tree, tmp_path):
