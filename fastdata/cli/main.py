@@ -160,10 +160,13 @@ def _cmd_info(args) -> int:
 def _cmd_add_fields(args) -> int:
     from fastdata.writer.add_fields import add_fields, values_from_file
 
+    from fastdata.remote.location import parse_storage_options
+
+    options = parse_storage_options(args.storage_options) if args.storage_options else None
     values = values_from_file(args.store, args.values_file, names=args.names or (), key=args.key)
     say = (lambda *a: None) if args.quiet else (lambda text: print(printable(text), file=sys.stderr))
     say(f"adding {', '.join(values)} to {args.store} ...")
-    m = add_fields(args.store, values, replace=args.replace,
+    m = add_fields(args.store, values, replace=args.replace, storage_options=options,
                    progress=None if args.quiet else lambda done, total: say(f"  field files: {done}/{total} shards"))
     if not args.quiet:
         added = [f for f in m.get("added_fields", []) if f["name"] in values]
@@ -208,7 +211,7 @@ def _add_field_commands(sub) -> None:
                                    "into new field files beside each shard (no shard is rewritten) and the manifest "
                                    "is replaced last. Datasets opened before keep their version. Fixed-size numbers "
                                    "(scores, N x D embeddings) are read by ds.column(NAME) without reading a record.")
-    a.add_argument("store", metavar="STORE")
+    a.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
     a.add_argument("--from", dest="values_file", required=True, metavar="FILE",
                    help="the values: a .npy array (one field, rows in store order; give --name), or a .parquet or "
                         ".csv table (one field a column)")
@@ -219,6 +222,8 @@ def _add_field_commands(sub) -> None:
                    help="how table rows find their samples: index (row order, or the table's 'index' column), or "
                         "path (the table's 'path' column: each sample's stored path, e.g. cat/001.jpg)")
     a.add_argument("--replace", action="store_true", help="replace added fields of these names")
+    a.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
+                   help="fsspec option for a STORE at a URL (repeatable), e.g. endpoint_url=http://host:9000")
     a.add_argument("--quiet", action="store_true", help="no progress and no summary")
     a.set_defaults(func=_cmd_add_fields)
     d = sub.add_parser("drop-fields", help="drop added fields (a new version)",

@@ -234,11 +234,13 @@ def _write_file(path: str, pieces: list) -> tuple[int, str]:
 
 
 def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: Mapping[str, Field] | None = None,
-               replace: bool = False, progress: Callable[[int, int], None] | None = None) -> dict:
-    """Add fields to a published local store without rewriting it, as a new version.
+               replace: bool = False, progress: Callable[[int, int], None] | None = None,
+               storage_options: Mapping[str, Any] | None = None) -> dict:
+    """Add fields to a published store without rewriting it, as a new version.
 
     Args:
-        store: the store directory.
+        store: the store directory, or its URL (``s3://...``: the field files are uploaded and
+            checked, then the manifest, last, under the store's lock object).
         values: ``{name: values}``, one value a sample in store order: an array indexed like the
             store (``N`` numbers: an int or float field; ``N x ...``: an ndarray field, e.g. an
             ``N x 512`` float16 embedding), or a list (ragged arrays, strings, JSON values; the
@@ -248,6 +250,7 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         replace: replace added fields of these names (a field the store was written with is
             never replaced).
         progress: called ``progress(done, total)`` after each shard's field file.
+        storage_options: fsspec options of a store at a URL (endpoint, credentials...).
 
     Returns:
         dict: the new manifest.
@@ -265,53 +268,125 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         raise AddFieldsError(f"fields= declares {', '.join(unknown)}, which values= does not give")
     if not values:
         raise AddFieldsError("no fields to add")
+    if _is_url(store):
+        return _add_fields_remote(store, values, declared, replace, progress, storage_options)
     manifest = _published(store)
     lock = _lock(store)
     try:
         manifest = _published(store)  # (the version under the lock)
-        count = manifest["num_samples"]
-        base = schema_of(manifest, store).names
-        current = added_fields(manifest, store)
-        current_names = {a.name for a in current}
-        for name in values:
-            if not isinstance(name, str):
-                raise AddFieldsError(f"field name {name!r} is not a string")
-            if name in base:
-                raise AddFieldsError(f"{store}: field {name!r} is one the store was written with; it cannot be "
-                                     "replaced (choose another name)")
-            if name in current_names and not replace:
-                raise AddFieldsError(f"{store}: field {name!r} was added already; pass replace=True to replace it "
-                                     "(or drop_fields first)")
-        columns = []
-        for name, vals in values.items():
-            try:
-                columns.append(_Column(name, _field_of(name, vals, declared.get(name)), count, vals))
-            except SchemaError as err:
-                raise AddFieldsError(str(err)) from None
-        try:
-            Schema(tuple((c.name, c.field) for c in columns))
-        except SchemaError as err:
-            raise AddFieldsError(f"{store}: {err}") from None
-        gen = _next_generation(manifest, store)
+        columns, gen, new_fields = _prepare(store, manifest, values, declared, replace)
         _remove_unpublished(store, manifest, set())
-        when = _now()
-        new_fields = [a for a in current if a.name not in values]
-        new_fields += [AddedField(c.name, c.field, gen, when, c.name) for c in columns]
-        shards = [dict(s) for s in manifest["shards"]]
-        for k, shard in enumerate(shards):
-            name = field_file_name(gen, shard["name"])
-            if check_file_name(name) is not None:
-                raise AddFieldsError(f"{store}: shard {shard['name']}: its field file name would be too long")
-            arrays: dict[str, np.ndarray] = {}
-            for c in columns:
-                arrays.update(c.shard_arrays(shard["first_index"], shard["count"]))
-            size, xxh = _write_file(os.path.join(store, name), build_field_file(shard["count"], arrays))
-            shard[FIELD_FILES_KEY] = list(shard.get(FIELD_FILES_KEY, [])) + [
-                {"name": name, "generation": gen, "bytes": size, "xxh": xxh}]
-            if progress is not None:
-                progress(k + 1, len(shards))
-        entry = {"generation": gen, "action": "add", "fields": [c.name for c in columns], "at": when}
+
+        def place(name: str, pieces: list) -> tuple[int, str]:
+            return _write_file(os.path.join(store, name), pieces)
+
+        shards = _write_shard_files(store, manifest, columns, gen, place, progress)
+        entry = {"generation": gen, "action": "add", "fields": [c.name for c in columns], "at": new_fields[-1].added}
         return _publish(store, manifest, new_fields, shards, entry)
+    finally:
+        lock.release()
+
+
+def _is_url(store: str) -> bool:
+    from fastdata.common.paths import remote_scheme
+
+    return remote_scheme(store) is not None
+
+
+def _prepare(store: str, manifest: dict, values: Mapping[str, Any], declared: Mapping[str, Field],
+             replace: bool) -> tuple[list[_Column], int, list[AddedField]]:
+    """The checked columns of ``values``, the new generation, and the store's added fields after the
+    call (those kept, then the new ones)."""
+    count = manifest["num_samples"]
+    base = schema_of(manifest, store).names
+    current = added_fields(manifest, store)
+    current_names = {a.name for a in current}
+    for name in values:
+        if not isinstance(name, str):
+            raise AddFieldsError(f"field name {name!r} is not a string")
+        if name in base:
+            raise AddFieldsError(f"{store}: field {name!r} is one the store was written with; it cannot be "
+                                 "replaced (choose another name)")
+        if name in current_names and not replace:
+            raise AddFieldsError(f"{store}: field {name!r} was added already; pass replace=True to replace it "
+                                 "(or drop_fields first)")
+    columns = []
+    for name, vals in values.items():
+        try:
+            columns.append(_Column(name, _field_of(name, vals, declared.get(name)), count, vals))
+        except SchemaError as err:
+            raise AddFieldsError(str(err)) from None
+    try:
+        Schema(tuple((c.name, c.field) for c in columns))
+    except SchemaError as err:
+        raise AddFieldsError(f"{store}: {err}") from None
+    gen = _next_generation(manifest, store)
+    when = _now()
+    new_fields = [a for a in current if a.name not in values]
+    new_fields += [AddedField(c.name, c.field, gen, when, c.name) for c in columns]
+    return columns, gen, new_fields
+
+
+def _write_shard_files(store: str, manifest: dict, columns: list[_Column], gen: int,
+                       place: Callable[[str, list], tuple[int, str]],
+                       progress: Callable[[int, int], None] | None) -> list[dict]:
+    """Each shard's field file of generation ``gen`` (``place(name, pieces) -> (bytes, xxh)`` puts
+    it in the store); returns the shard entries with it listed."""
+    shards = [dict(s) for s in manifest["shards"]]
+    for k, shard in enumerate(shards):
+        name = field_file_name(gen, shard["name"])
+        if check_file_name(name) is not None:
+            raise AddFieldsError(f"{store}: shard {shard['name']}: its field file name would be too long")
+        arrays: dict[str, np.ndarray] = {}
+        for c in columns:
+            arrays.update(c.shard_arrays(shard["first_index"], shard["count"]))
+        size, xxh = place(name, build_field_file(shard["count"], arrays))
+        shard[FIELD_FILES_KEY] = list(shard.get(FIELD_FILES_KEY, [])) + [
+            {"name": name, "generation": gen, "bytes": size, "xxh": xxh}]
+        if progress is not None:
+            progress(k + 1, len(shards))
+    return shards
+
+
+def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str, Field], replace: bool,
+                       progress: Callable[[int, int], None] | None,
+                       storage_options: Mapping[str, Any] | None) -> dict:
+    """:func:`add_fields` of a store at a URL: each field file written locally and uploaded (its size
+    and ETag checked), then the new manifest uploaded last, under the store's lock object. Datasets
+    opened before read on in their version (their cache is keyed by the manifest's checksum)."""
+    import tempfile
+
+    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from fastdata.format.names import MANIFEST_NAME
+    from fastdata.remote.location import RemoteLocation
+    from fastdata.writer.remote_sink import RemoteLock, upload_checked
+
+    location = RemoteLocation(url, dict(storage_options or {}))
+    lock = RemoteLock(location)
+    lock.check()
+    lock.write()
+    try:
+        try:
+            raw = location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
+        manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
+        columns, gen, new_fields = _prepare(location.url, manifest, values, declared, replace)
+        with tempfile.TemporaryDirectory(prefix="fastdata-add-fields-") as tmp:
+            def place(name: str, pieces: list) -> tuple[int, str]:
+                path = os.path.join(tmp, name)
+                size, xxh = _write_file(path, pieces)
+                upload_checked(location, path, name)
+                os.remove(path)
+                return size, xxh
+
+            shards = _write_shard_files(location.url, manifest, columns, gen, place, progress)
+            entry = {"generation": gen, "action": "add", "fields": [c.name for c in columns],
+                     "at": new_fields[-1].added}
+            write_manifest(tmp, _new_body(manifest, new_fields, shards, entry))
+            upload_checked(location, os.path.join(tmp, MANIFEST_NAME), MANIFEST_NAME)  # last
+            return parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
+                                  where=location.child(MANIFEST_NAME))
     finally:
         lock.release()
 
@@ -471,8 +546,9 @@ def _write_json(path: str, obj: Any) -> None:
     atomic_write(path, json.dumps(obj).encode("utf-8"))
 
 
-def _publish(store: str, manifest: dict, fields: list[AddedField], shards: list[dict], entry: dict) -> dict:
-    """Write the new manifest (last), then remove the field files neither it nor the previous one lists."""
+def _new_body(manifest: dict, fields: list[AddedField], shards: list[dict], entry: dict) -> dict:
+    """The new manifest's body: ``fields`` added, ``shards`` listing the field files of their
+    generations only, ``entry`` appended to the history."""
     live = {a.generation for a in fields}
     for shard in shards:
         kept = [e for e in shard.get(FIELD_FILES_KEY, []) if e["generation"] in live]
@@ -485,6 +561,12 @@ def _publish(store: str, manifest: dict, fields: list[AddedField], shards: list[
         body[ADDED_FIELDS_KEY] = [a.to_json() for a in fields]
     body["options"] = dict(manifest["options"])
     body["options"][HISTORY_KEY] = list(manifest["options"].get(HISTORY_KEY) or []) + [entry]
+    return body
+
+
+def _publish(store: str, manifest: dict, fields: list[AddedField], shards: list[dict], entry: dict) -> dict:
+    """Write the new manifest (last), then remove the field files neither it nor the previous one lists."""
+    body = _new_body(manifest, fields, shards, entry)
     portable.fsync_dir(store)  # the field files' names are durable before the manifest names them
     new = write_manifest(store, body)
     previous = {e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])}
@@ -693,6 +775,9 @@ def values_from_file(store: str | os.PathLike, path: str | os.PathLike, *, names
         raise AddFieldsError(f"{path}: no column(s) {', '.join(missing)} (columns: {', '.join(columns)})")
     if key_column is None:
         return {n: _column_values(n, columns[n]) for n in wanted}
+    if _is_url(store):
+        raise AddFieldsError(f"{path}: a table keyed by {'path' if key == 'path' else 'an index column'} needs a "
+                             "local store; for a store at a URL, give the rows in store order (no index column)")
     manifest = read_manifest(store)
     count = manifest["num_samples"]
     if key == "path":

@@ -43,3 +43,27 @@ def test_added_fields_read_from_s3(s3, tmp_path, suffix):
     assert not report.ok and any(name in p for p in report.problems)
     with pytest.raises(CorruptRecordError, match="do not match the manifest's size"):
         fastdata.open_dataset(url, cache_dir=str(tmp_path / "fresh-cache"))
+
+
+def test_add_fields_to_a_store_on_s3(s3, tmp_path):
+    _server, bucket = s3
+    local = str(tmp_path / "s.lmdb")
+    n = 24
+    fastdata.write([{"x": float(i)} for i in range(n)], local, shard_size=300, progress=False)
+    url = f"{bucket}/s.lmdb"
+    upload_store(local, url)
+    loc = RemoteLocation(url)
+    shards = {s["name"]: loc.read_bytes(s["name"]) for s in read_manifest(local)["shards"]}
+    before = fastdata.open_dataset(url)
+    before[3]
+    score = np.arange(n, dtype=np.float32) / 2
+    fastdata.add_fields(url, {"score": score, "tag": [f"t{i}" for i in range(n)]})
+    assert all(loc.read_bytes(name) == data for name, data in shards.items())  # no shard object rewritten
+    assert before.columns() == ("x",) and before[n - 1] == {"x": float(n - 1)}  # its version
+    ds = fastdata.open_dataset(url)
+    np.testing.assert_array_equal(ds.column("score"), score)
+    assert ds[5]["tag"] == "t5"
+    assert fastdata.verify(url).ok
+    assert not loc.size(".fastdata.lock")  # the lock object is gone
+    with pytest.raises(fastdata.errors.FastdataError, match="field 'score' was added already"):
+        fastdata.add_fields(url, {"score": score})
