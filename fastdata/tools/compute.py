@@ -43,6 +43,19 @@ def _as_rows(name: str, value: Any, count: int, where: str) -> Any:
     return rows
 
 
+def _first_failing(ds: Any, fn: Callable[[Any], Any], idx: list[int]) -> int | None:
+    """The first sample of a batch on which ``fn`` raised that ``fn`` also raises on alone (a batch
+    of one, collated as the loader collates), to name it; None when none does alone."""
+    from fastdata.reader.batching import collate
+
+    for i in idx:
+        try:
+            fn(collate(ds.__getitems__([i])))
+        except Exception:  # noqa: BLE001 - any exception of the user's function names the sample
+            return i
+    return None
+
+
 def _joined(parts: list) -> Any:
     if parts and all(isinstance(p, np.ndarray) for p in parts):
         return np.concatenate(parts)
@@ -73,8 +86,9 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
         dict: the new manifest.
 
     Raises:
-        ComputeFieldsError: ``fn`` raised (its exception chained; the message names the batch's
-            samples and shard) or returned values that are not one a sample.
+        ComputeFieldsError: ``fn`` raised (its exception chained; the message names the first
+            sample it raises on alone, else the batch's samples, and the shard) or returned values
+            that are not one a sample.
         AddFieldsError: values refused as :func:`fastdata.add_fields` refuses them.
     """
     from fastdata.reader.loader import loader
@@ -103,7 +117,9 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
             try:
                 out = fn(batch)
             except Exception as err:
-                raise ComputeFieldsError(f"{where}: the function raised {type(err).__name__}: {err}") from err
+                sample = _first_failing(ds, fn, idx)
+                which = f"{run.store}: sample {sample} (shard {entry['name']})" if sample is not None else where
+                raise ComputeFieldsError(f"{which}: the function raised {type(err).__name__}: {err}") from err
             if not isinstance(out, Mapping) or not out:
                 raise ComputeFieldsError(f"{where}: the function returned {type(out).__name__}, not a dict of "
                                          "field name -> values")

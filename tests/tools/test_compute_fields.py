@@ -56,13 +56,21 @@ def test_a_raising_function_is_named_and_nothing_published(store):
     before = read_manifest(store)["checksum"]
 
     def fails(batch):
-        if float(batch["x"].max()) >= 20:
+        if (batch["x"] == 21).any():
             raise RuntimeError("model exploded")
         return {"y": batch["x"]}
 
-    with pytest.raises(ComputeFieldsError, match=r"samples [0-9]+\.\.2[0-9] \(shard shard-0000[0-9]\.lmdb\): the "
-                                                 r"function raised RuntimeError: model exploded"):
+    with pytest.raises(ComputeFieldsError, match=r"sample 21 \(shard shard-0000[0-9]\.lmdb\): the function raised "
+                                                 r"RuntimeError: model exploded"):
         fastdata.compute_fields(store, fails, batch_size=5, num_workers=0)
+
+    def fails_in_batches(batch):  # only a batch of several fails: its samples are named
+        if len(batch["x"]) > 1 and float(batch["x"].max()) >= 20:
+            raise RuntimeError("model exploded")
+        return {"y": batch["x"]}
+
+    with pytest.raises(ComputeFieldsError, match=r"samples [0-9]+\.\.2[0-9] \(shard shard-0000[0-9]\.lmdb\)"):
+        fastdata.compute_fields(store, fails_in_batches, batch_size=5, num_workers=0)
     assert read_manifest(store)["checksum"] == before
 
     with pytest.raises(ComputeFieldsError, match="returned 2 values for a batch of 5 samples"):
