@@ -62,14 +62,26 @@ def python_rows(ids) -> list[dict]:
             for j in range(len(batch["id"]))]
 
 
-def dying_rows(batch: dict, marker: str, kill_at: int) -> dict:
-    """:func:`make_rows`, except that the first attempt to make row ``kill_at`` kills its worker
-    process outright (``os._exit``: no cleanup, no exception for Ray to see), leaving a marker file."""
-    if kill_at in [int(i) for i in batch["id"]] and not os.path.exists(marker):
-        with open(marker, "w") as fh:
-            fh.write(str(os.getpid()))
-        os._exit(1)
-    return make_rows(batch)
+class DyingSink(fray.StoreSink):
+    """A :class:`StoreSink` whose first attempt of write task ``kill_task`` kills its worker process
+    outright (``os._exit``: no cleanup, no exception for Ray to see) once its part store holds all
+    of its rows but is not finished, leaving a marker file that lists the part files at that moment."""
+
+    def __init__(self, *args, marker: str, kill_task: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.marker, self.kill_task = marker, kill_task
+
+    def write(self, blocks, ctx):
+        def dying(blocks):
+            yield from blocks  # (the write session consumes these rows, writing the part's shards)
+            if ctx.task_idx == self.kill_task and not os.path.exists(self.marker):
+                found = [os.path.relpath(os.path.join(d, f), self.parts_dir)
+                         for d, _, fs in os.walk(self.parts_dir) for f in fs]
+                with open(self.marker, "w") as fh:
+                    json.dump(found, fh)
+                os._exit(1)
+
+        return super().write(dying(blocks), ctx)
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +165,15 @@ def test_read_every_sample_once(written):
 
 def test_killed_worker_is_retried_without_duplicate_or_gap(written, tmp_path):
     root, _ = written
-    marker = tmp_path / "killed"
-    rows = source().map_batches(dying_rows, batch_size=20, fn_kwargs={"marker": str(marker), "kill_at": 150})
-    fray.write(rows, tmp_path / "retried.lmdb", SCHEMA, shard_size="4KiB", ray_remote_args={"max_retries": 3})
-    assert marker.exists()  # (the control: a worker did die mid-write)
+    marker, dst = tmp_path / "killed", tmp_path / "retried.lmdb"
+    # (task_size=8: the part's shards are written as its rows arrive, so some are there at the kill)
+    sink = DyingSink(dst, SCHEMA, shard_size="4KiB", task_size=8, marker=str(marker), kill_task=2)
+    # Ray's own call (what fray.write makes); Ray's default retries for a dead worker run task 2 again
+    source().map_batches(make_rows, batch_size=20).write_datasink(sink)
+    # the control: a worker did die while task 2's part was half written (shards, no manifest)
+    killed = [f for f in json.loads(marker.read_text()) if f.split(os.sep)[0].startswith("part-000002-")]
+    assert any(os.path.basename(f).startswith("shard-") for f in killed), killed
+    assert not any(f.endswith(MANIFEST_NAME) for f in killed), killed
     assert verify(str(tmp_path / "retried.lmdb")).ok
     assert_same_samples(tmp_path / "retried.lmdb", root / "ref.lmdb")
     assert sorted(os.listdir(tmp_path)) == ["killed", "retried.lmdb"]  # the dead attempt's part is gone
@@ -228,3 +245,14 @@ def test_unusable_image_names_its_task_and_row(cluster, tmp_path):
         fray.write(source(60, 1).map_batches(unreadable_image, batch_size=20), tmp_path / "bad.lmdb", SCHEMA)
     assert "Ray write task 0" in str(err.value) and "sample 3 field 'image'" in str(err.value)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_control_killed_worker_without_retries_publishes_nothing(cluster, tmp_path):
+    """The control of the retry test: with no retry the kill fails the job, and the destination
+    and the parts folder are left empty (no half store)."""
+    marker, dst = tmp_path / "killed", tmp_path / "out.lmdb"
+    sink = DyingSink(dst, SCHEMA, marker=str(marker), kill_task=2)
+    with pytest.raises(Exception, match="died|crash|exit|Worker"):
+        source().map_batches(make_rows, batch_size=20).write_datasink(sink, ray_remote_args={"max_retries": 0})
+    assert marker.exists() and os.listdir(tmp_path) == ["killed"]
