@@ -574,41 +574,86 @@ def _publish(store: str, manifest: dict, fields: list[AddedField], shards: list[
     return new
 
 
-def drop_fields(store: str | os.PathLike, names: Sequence[str]) -> dict:
+def _change(store: str, storage_options: Mapping[str, Any] | None,
+            build: Callable[[dict], tuple[list[AddedField], dict]]) -> dict:
+    """Publish a new version whose added fields ``build(manifest)`` gives (``(fields, history
+    entry)``; no field file is written): locally under the store's lock, or at a URL by uploading
+    the manifest under its lock object."""
+    if not _is_url(store):
+        lock = _lock(store)
+        try:
+            manifest = _published(store)
+            fields, entry = build(manifest)
+            return _publish(store, manifest, fields, [dict(s) for s in manifest["shards"]], entry)
+        finally:
+            lock.release()
+    import tempfile
+
+    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from fastdata.format.names import MANIFEST_NAME
+    from fastdata.remote.location import RemoteLocation
+    from fastdata.writer.remote_sink import RemoteLock, upload_checked
+
+    location = RemoteLocation(store, dict(storage_options or {}))
+    remote_lock = RemoteLock(location)
+    remote_lock.check()
+    remote_lock.write()
+    try:
+        manifest = parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
+                                  where=location.child(MANIFEST_NAME))
+        fields, entry = build(manifest)
+        with tempfile.TemporaryDirectory(prefix="fastdata-fields-") as tmp:
+            new = write_manifest(tmp, _new_body(manifest, fields, [dict(s) for s in manifest["shards"]], entry))
+            upload_checked(location, os.path.join(tmp, MANIFEST_NAME), MANIFEST_NAME)
+        return new
+    finally:
+        remote_lock.release()
+
+
+def drop_fields(store: str | os.PathLike, names: Sequence[str], *,
+                storage_options: Mapping[str, Any] | None = None) -> dict:
     """Drop added fields, as a new version (their files stay while the previous version may be
     read; :func:`gc` removes them at once).
+
+    Args:
+        store: the store directory, or its URL (the new manifest is uploaded; the files stay).
+        names: added fields of the store.
+        storage_options: fsspec options of a store at a URL.
 
     Raises:
         AddFieldsError: a name that is not an added field of the store.
     """
     store = os.fspath(store)
-    lock = _lock(store)
-    try:
-        manifest = _published(store)
+
+    def build(manifest: dict) -> tuple[list[AddedField], dict]:
         current = added_fields(manifest, store)
         missing = sorted(set(names) - {a.name for a in current})
         if missing:
             raise AddFieldsError(f"{store}: {', '.join(missing)}: not added field(s) of the store (added fields: "
                                  f"{', '.join(a.name for a in current) or 'none'})")
         kept = [a for a in current if a.name not in set(names)]
-        entry = {"generation": _next_generation(manifest, store), "action": "drop", "fields": list(names),
-                 "at": _now()}
-        return _publish(store, manifest, kept, [dict(s) for s in manifest["shards"]], entry)
-    finally:
-        lock.release()
+        return kept, {"generation": _next_generation(manifest, store), "action": "drop", "fields": list(names),
+                      "at": _now()}
+
+    return _change(store, storage_options, build)
 
 
-def rename_field(store: str | os.PathLike, old: str, new: str) -> dict:
+def rename_field(store: str | os.PathLike, old: str, new: str, *,
+                 storage_options: Mapping[str, Any] | None = None) -> dict:
     """Rename an added field, as a new version (no file is written: the manifest maps the new
     name to the values stored under the old one).
+
+    Args:
+        store: the store directory, or its URL (the new manifest is uploaded).
+        old, new: the field's name and its new one.
+        storage_options: fsspec options of a store at a URL.
 
     Raises:
         AddFieldsError: ``old`` is not an added field, or ``new`` is a field of the store.
     """
     store = os.fspath(store)
-    lock = _lock(store)
-    try:
-        manifest = _published(store)
+
+    def build(manifest: dict) -> tuple[list[AddedField], dict]:
         current = added_fields(manifest, store)
         names = {a.name for a in current}
         if old not in names:
@@ -620,11 +665,10 @@ def rename_field(store: str | os.PathLike, old: str, new: str) -> dict:
         except SchemaError as err:
             raise AddFieldsError(str(err)) from None
         renamed = [AddedField(new, a.field, a.generation, a.added, a.key) if a.name == old else a for a in current]
-        entry = {"generation": _next_generation(manifest, store), "action": "rename", "fields": [old, new],
-                 "at": _now()}
-        return _publish(store, manifest, renamed, [dict(s) for s in manifest["shards"]], entry)
-    finally:
-        lock.release()
+        return renamed, {"generation": _next_generation(manifest, store), "action": "rename", "fields": [old, new],
+                         "at": _now()}
+
+    return _change(store, storage_options, build)
 
 
 def gc(store: str | os.PathLike) -> list[str]:

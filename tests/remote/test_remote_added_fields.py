@@ -67,3 +67,9 @@ def test_add_fields_to_a_store_on_s3(s3, tmp_path):
     assert not loc.size(".fastdata.lock")  # the lock object is gone
     with pytest.raises(fastdata.errors.FastdataError, match="field 'score' was added already"):
         fastdata.add_fields(url, {"score": score})
+    fastdata.rename_field(url, "score", "half")
+    fastdata.drop_fields(url, ["tag"])
+    ds = fastdata.open_dataset(url)
+    assert ds.columns() == ("x", "half") and set(ds[2]) == {"x", "half"}
+    np.testing.assert_array_equal(ds.column("half"), score)
+    assert fastdata.verify(url).ok
