@@ -10,7 +10,8 @@ Each Ray write task writes the rows it is given into a store of its own (a *part
 one write session of :func:`fastdata.write`, in the task's process), in a folder beside the
 destination (``.NAME.ray-parts/<job>/``); when every task has finished, the driver publishes the
 parts as one store (:func:`fastdata.writer.merge.publish_parts`: the parts' shard files are
-hard-linked under the store's names, no record is read again, the manifest is written last).
+hard-linked under the store's names, or for a URL copied by the server, no record is read again,
+the manifest is written last).
 So:
 
 * **Retries leave no duplicate and no gap.** A task's part is named by its task index and a name
@@ -34,8 +35,10 @@ Reading (:func:`read`, :class:`StoreDatasource`): a ``ray.data.Dataset`` with on
 shard, images as their stored bytes or decoded arrays, every other field as a column; local stores
 and remote ones (``s3://``..., with ``storage_options``). Every sample exactly once.
 
-Requires Ray Data (``pip install 'fastdata[ray]'``). The destination of a write must be a path
-every node of the cluster sees (one machine, or a shared filesystem).
+Requires Ray Data (``pip install 'fastdata[ray]'``). The destination of a write is a path every
+node of the cluster sees (one machine, or a shared filesystem) or a URL of an S3-compatible
+server (``s3://``, with ``storage_options``: each task uploads its part, the server copies the
+parts' shards into the store).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +66,10 @@ from fastdata.format.backends.registry import backend_for_path, get_backend, suf
 from fastdata.format.fields import Chunked, Image, Schema, SchemaError
 from fastdata.remote.store import is_remote, locate_store
 from fastdata.writer.api import write as write_samples
+from fastdata.remote.location import RemoteLocation
 from fastdata.writer.lock import raise_if_locked
+from fastdata.writer.remote_sink import RemoteLock, check_url_path
+from fastdata.writer.remote_sink import check_destination as check_url_destination
 from fastdata.writer.merge import MergeReport, publish_parts
 from fastdata.writer.options import WriteOptions
 from fastdata.writer.session import check_destination
@@ -83,8 +90,12 @@ class RayWriteError(FastdataError, ValueError):
 
 
 def parts_folder(dst: str) -> str:
-    """The folder beside ``dst`` where the write tasks put their parts (``.NAME.ray-parts``): on the
-    destination's filesystem, so that publishing hard-links the parts' shards instead of copying them."""
+    """The folder (or prefix, for a URL) beside ``dst`` where the write tasks put their parts
+    (``.NAME.ray-parts``): on the destination's filesystem, so that publishing hard-links the parts'
+    shards instead of copying them (on the destination's server: copied there, server-side)."""
+    if is_remote(dst):
+        parent, _, name = dst.rstrip("/").rpartition("/")
+        return f"{parent}/.{name}.ray-parts"
     parent, name = os.path.split(os.path.abspath(dst).rstrip(os.sep))
     return os.path.join(parent, f".{name}.ray-parts")
 
@@ -110,7 +121,8 @@ class StoreSink(Datasink):
 
     Args:
         dst: the store's directory (its suffix picks the backend unless ``options.format`` is
-            given); a path every node of the cluster sees.
+            given), a path every node of the cluster sees; or its URL (``s3://bucket/train.lmdb``,
+            with ``storage_options``; the parts are uploaded beside it and copied server-side).
         schema: a :class:`~fastdata.format.fields.Schema` or ``{name: Field}``; None: each task
             infers it from its first row (parts that infer different schemas are refused when the
             store is published, with the differences named: give ``schema=`` for a stable one).
@@ -118,15 +130,15 @@ class StoreSink(Datasink):
             ``strict``, ``lmdb_map_size``, ``workers``...): each part is written with them;
             ``workers`` is the worker processes of each task and defaults to 0 (the task's own
             process: Ray runs the tasks in parallel). ``overwrite`` replaces a store at ``dst``
-            when the job publishes. ``resume``, ``append``, ``staging_dir`` and URL destinations
-            are refused: a failed job is rerun.
+            when the job publishes. ``resume``, ``append`` and ``staging_dir`` are refused: a
+            failed job is rerun.
         metadata: a JSON object stored in the manifest under ``"metadata"``.
         rows_per_task: the fewest rows Ray gives each write task (its ``min_rows_per_write``):
             fewer, larger parts (each part's last shard is short); None: Ray's choice (its blocks).
         **keywords: fields of :class:`~fastdata.WriteOptions`, overriding ``options``.
 
     Raises:
-        RayWriteError: a URL destination, ``resume``/``append``, an unknown backend.
+        RayWriteError: ``resume``/``append``/``staging_dir``, an unknown backend.
         StoreExistsError, StoreLockedError: the destination, checked here, before the job runs,
             and again when it publishes.
     """
@@ -135,9 +147,6 @@ class StoreSink(Datasink):
                  options: WriteOptions | None = None, metadata: Mapping[str, Any] | None = None,
                  rows_per_task: int | None = None, **keywords: Any) -> None:
         dst = os.fspath(dst)
-        if is_remote(dst):
-            raise RayWriteError(f"{dst}: a Ray write publishes into a local or shared-filesystem path; write there, "
-                                "then upload the store (or merge it to a URL with fastdata merge)")
         options = options if options is not None else WriteOptions()
         if not isinstance(options, WriteOptions):
             raise TypeError(f"options must be a fastdata.WriteOptions, got {type(options).__name__}")
@@ -152,7 +161,9 @@ class StoreSink(Datasink):
         if rows_per_task is not None and (isinstance(rows_per_task, bool) or not isinstance(rows_per_task, int)
                                           or rows_per_task < 1):
             raise ValueError(f"rows_per_task must be an int >= 1 or None, got {rows_per_task!r}")
-        self.dst = os.path.abspath(dst)
+        self.remote = is_remote(dst)
+        self.dst = dst.rstrip("/") if self.remote else os.path.abspath(dst)
+        self.storage_options = dict(options.storage_options or {})
         self.schema = Schema.of(schema) if schema is not None else None
         self.metadata = dict(metadata) if metadata is not None else None
         self.overwrite = bool(options.overwrite)
@@ -162,12 +173,21 @@ class StoreSink(Datasink):
         self.part_options = WriteOptions(**part)
         self.rows_per_task = rows_per_task
         #: this job's folder of parts (removed when the job publishes or fails)
-        self.parts_dir = os.path.join(parts_folder(self.dst), uuid.uuid4().hex[:12])
+        self.parts_dir = self._join(parts_folder(self.dst), uuid.uuid4().hex[:12])
         #: what the job published (set by :meth:`on_write_complete`)
         self.report: MergeReport | None = None
-        raise_if_locked(self.dst)
-        if os.path.exists(self.dst):
-            check_destination(self.dst, resume=False, overwrite=self.overwrite)
+        if self.remote:
+            check_url_path(self.dst)
+            target = RemoteLocation(self.dst, self.storage_options)
+            RemoteLock(target).check()
+            check_url_destination(target, resume=False, overwrite=self.overwrite, clear=False)
+        else:
+            raise_if_locked(self.dst)
+            if os.path.exists(self.dst):
+                check_destination(self.dst, resume=False, overwrite=self.overwrite)
+
+    def _join(self, folder: str, name: str) -> str:
+        return f"{folder}/{name}" if self.remote else os.path.join(folder, name)
 
     @property
     def min_rows_per_write(self) -> int | None:
@@ -186,8 +206,9 @@ class StoreSink(Datasink):
             return {"task": task, "part": None, "samples": 0}
         # a name of this attempt's own: an earlier attempt of the task that died left its part
         # (perhaps half written) under another name, never published
-        part = os.path.join(self.parts_dir, f"part-{task:06d}-{uuid.uuid4().hex[:8]}{self.suffix}")
-        os.makedirs(self.parts_dir, exist_ok=True)
+        part = self._join(self.parts_dir, f"part-{task:06d}-{uuid.uuid4().hex[:8]}{self.suffix}")
+        if not self.remote:
+            os.makedirs(self.parts_dir, exist_ok=True)
 
         def chained() -> Iterator[dict[str, Any]]:
             yield first
@@ -214,7 +235,8 @@ class StoreSink(Datasink):
         parts = [r["part"] for r in returns if r["part"] is not None]
         try:
             if parts:
-                self.report = publish_parts(parts, self.dst, source=RAY_SOURCE, overwrite=self.overwrite)
+                self.report = publish_parts(parts, self.dst, source=RAY_SOURCE, overwrite=self.overwrite,
+                                            storage_options=self.storage_options)
             else:
                 self._write_empty()
         finally:
@@ -233,6 +255,14 @@ class StoreSink(Datasink):
         self._remove_parts()
 
     def _remove_parts(self) -> None:
+        if self.remote:
+            parts = RemoteLocation(self.parts_dir, self.storage_options)
+            try:
+                parts.remove(sorted(parts.listing()))
+            except FastdataError as err:  # the store is published (or the job failed) either way: say what is left
+                warnings.warn(f"{self.parts_dir}: the parts of this Ray write could not be deleted ({err}); delete "
+                              "that prefix", RuntimeWarning, stacklevel=2)
+            return
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(self.parts_dir))  # (only when no other job of this destination uses it)

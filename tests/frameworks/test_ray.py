@@ -256,3 +256,31 @@ def test_control_killed_worker_without_retries_publishes_nothing(cluster, tmp_pa
     with pytest.raises(Exception, match="died|crash|exit|Worker"):
         source().map_batches(make_rows, batch_size=20).write_datasink(sink, ray_remote_args={"max_retries": 0})
     assert marker.exists() and os.listdir(tmp_path) == ["killed"]
+
+
+@pytest.mark.slow
+def test_write_to_url(cluster, written, s3):
+    """A URL destination: each task uploads its part beside it, the server copies the parts' shards
+    into the store, the parts are deleted; the store verifies and equals the local reference."""
+    server, bucket = s3
+    root, _ = written
+    options = {"endpoint_url": server.endpoint, "key": "fastdata-test", "secret": "fastdata-test-secret"}
+    url = f"{bucket}/ray.lmdb"
+    report = fray.write(source().map_batches(make_rows, batch_size=20), url, SCHEMA, shard_size="4KiB",
+                        storage_options=options)
+    assert report is not None and report.server_side == report.shards
+    assert verify(url, storage_options=options).ok
+    assert_same_samples_at(url, options, root / "ref.lmdb")
+    from fastdata.remote.location import RemoteLocation
+
+    left = RemoteLocation(bucket, options).listing()
+    assert left and all(name.startswith("ray.lmdb/") for name in left), sorted(left)[:5]
+
+
+def assert_same_samples_at(url: str, options: dict, reference) -> None:
+    got = fastdata.open_dataset(url, output="numpy", storage_options=options)
+    want = fastdata.open_dataset(reference, output="numpy")
+    assert len(got) == len(want)
+    for i in range(len(want)):
+        for key, value in want[i].items():
+            assert np.array_equal(np.asarray(got[i][key]), np.asarray(value)), (i, key)
