@@ -36,6 +36,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import shutil
 import stat
 import sys
 import threading
@@ -50,6 +51,7 @@ from fastdata.common import portable
 from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write, file_checksum, fsync_dir, read_regular
 from fastdata.common.units import format_size
 from fastdata.errors import ConversionError, FastdataError, RejectedInputError, ResumeMismatchError
+from fastdata.format.added import FIELDS_STAGING_DIR, is_field_file_name
 from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.backends.registry import reader_class, writer_class
 from fastdata.format.fields import Schema
@@ -884,8 +886,8 @@ def store_entries(dst: str) -> list[str]:
     """Names in ``dst`` that a conversion may create (and ``overwrite=True`` may delete)."""
     names = []
     for name in os.listdir(dst):
-        if (name in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR) or name.startswith("shard-")
-                or is_store_index_name(name) or ATOMIC_TMP_MARK in name):
+        if (name in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR, FIELDS_STAGING_DIR) or name.startswith("shard-")
+                or is_store_index_name(name) or is_field_file_name(name) or ATOMIC_TMP_MARK in name):
             names.append(name)
     return names
 
@@ -898,8 +900,9 @@ def check_store_entries(dst: str) -> None:
     Raises:
         UnsafeStoreError: naming the entry.
     """
-    names = store_entries(dst) + [n for n in os.listdir(dst) if n.startswith(".fastdata") and n != STAGING_DIR]
-    check_entries(dst, sorted(set(names)), dirs=(STAGING_DIR,))
+    names = store_entries(dst) + [n for n in os.listdir(dst) if n.startswith(".fastdata")
+                                  and n not in (STAGING_DIR, FIELDS_STAGING_DIR)]
+    check_entries(dst, sorted(set(names)), dirs=(STAGING_DIR, FIELDS_STAGING_DIR))
 
 
 def clear_store(dst: str) -> list[str]:
@@ -930,6 +933,8 @@ def clear_store(dst: str) -> list[str]:
     for name in store_entries(dst):
         if name == STAGING_DIR:
             remove_staging(dst)
+        elif name == FIELDS_STAGING_DIR:  # (an interrupted compute_fields: its staged field files)
+            shutil.rmtree(os.path.join(dst, name))
         elif not _remove_unless_held(os.path.join(dst, name), shard_number(name) is not None):
             left.append(name)
     return left

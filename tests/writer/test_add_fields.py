@@ -360,3 +360,11 @@ def test_subsets_and_mixes_carry_added_fields(store, tmp_path):
             assert score == sign * int(tag[1:])
             letters.add(tag[0])
     assert letters == {"a", "b"}
+
+
+def test_overwrite_removes_added_fields(store):
+    fastdata.add_fields(store, {"score": np.zeros(N)})
+    os.makedirs(os.path.join(store, ".fastdata-fields-staging"))  # (as an interrupted compute_fields leaves)
+    fastdata.write(_samples()[:5], store, overwrite=True, progress=False)
+    assert not [n for n in os.listdir(store) if n.startswith(("fields-", ".fastdata-fields"))]
+    assert fastdata.open_dataset(store).columns() == ("x",)
