@@ -57,6 +57,7 @@ from typing import Any
 from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write
 from fastdata.common.paths import remote_scheme
 from fastdata.errors import FastdataError, RemotePathError, RemoteStoreError, StoreExistsError, StoreLockedError
+from fastdata.format.added import is_field_file_name
 from fastdata.format.names import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -218,7 +219,7 @@ def _is_store_object(name: str) -> bool:
     """Whether object ``name`` (relative to the store URL) is one a conversion writes."""
     top = name.split("/", 1)[0]
     return (top in (MANIFEST_NAME, REJECTED_NAME, STAGING_DIR, LOCK_NAME) or top.startswith("shard-")
-            or is_store_index_name(top) or ATOMIC_TMP_MARK in top)
+            or is_store_index_name(top) or is_field_file_name(top) or ATOMIC_TMP_MARK in top)
 
 
 def _is_run_record(name: str) -> bool:

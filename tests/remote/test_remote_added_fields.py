@@ -73,3 +73,5 @@ def test_add_fields_to_a_store_on_s3(s3, tmp_path):
     assert ds.columns() == ("x", "half") and set(ds[2]) == {"x", "half"}
     np.testing.assert_array_equal(ds.column("half"), score)
     assert fastdata.verify(url).ok
+    fastdata.write([{"x": 1.0}], url, overwrite=True, progress=False)  # field objects are the store's
+    assert not [n for n in loc.listing() if n.startswith("fields-")]
