@@ -109,8 +109,9 @@ class AddedValues:
         return tuple(self._values)
 
     def _fd(self, path: str) -> int:
-        if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share
-            self._fds, self._pid = {}, os.getpid()
+        if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share,
+            self._fds, self._pid = {}, os.getpid()  # and its lock may have been held by a thread at the fork
+            self._lock = threading.Lock()
         fd = self._fds.get(path)
         if fd is None:
             with self._lock:
