@@ -114,7 +114,11 @@ def _cmd_info(args) -> int:
     options = data.get("options") or {}
     merged, appends = options.get("merged") or [], options.get("appends") or []
     if merged:
-        print(f"made by:  fastdata merge of {len(merged)} stores: "
+        # a merge, or the parts of an engine's tasks published as one store (e.g. fastdata.integrations.ray)
+        source = options.get("source") or "fastdata.merge"
+        made = (f"fastdata merge of {len(merged)} stores" if source == "fastdata.merge" else
+                f"{printable(str(source))}, {len(merged)} part(s) published as one store")
+        print(f"made by:  {made}: "
               + ", ".join(f"{printable(str(m.get('store')))} ({m.get('samples')})" for m in merged))
     if appends:
         print(f"appends:  {len(appends)}, adding " + ", ".join(str(a.get("samples")) for a in appends) + " samples")

@@ -125,11 +125,15 @@ def written(cluster, tmp_path_factory):
     return root, report
 
 
-def test_write_equals_fastdata_write(written):
+def test_write_equals_fastdata_write(written, capsys):
+    from fastdata.cli.main import main as cli
+
     root, report = written
     assert report is not None and report.samples == ROWS
     assert_same_samples(root / "ray.lmdb", root / "ref.lmdb")
-    assert verify(str(root / "ray.lmdb")).ok
+    assert cli(["verify", str(root / "ray.lmdb")]) == 0
+    assert cli(["info", str(root / "ray.lmdb")]) == 0
+    assert "made by:  fastdata.integrations.ray, 4 part(s) published as one store" in capsys.readouterr().out
     manifest = json.loads((root / "ray.lmdb" / MANIFEST_NAME).read_text())
     # the order is recorded: the parts in task order, with their sample counts
     assert manifest["options"]["source"] == fray.RAY_SOURCE
