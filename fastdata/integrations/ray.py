@@ -64,14 +64,14 @@ import numpy as np
 from fastdata.errors import FastdataError, RejectedInputError
 from fastdata.format.backends.registry import backend_for_path, get_backend, suffix_hint
 from fastdata.format.fields import Chunked, Image, Schema, SchemaError
+from fastdata.remote.location import RemoteLocation
 from fastdata.remote.store import is_remote, locate_store
 from fastdata.writer.api import write as write_samples
-from fastdata.remote.location import RemoteLocation
 from fastdata.writer.lock import raise_if_locked
-from fastdata.writer.remote_sink import RemoteLock, check_url_path
-from fastdata.writer.remote_sink import check_destination as check_url_destination
 from fastdata.writer.merge import MergeReport, publish_parts
 from fastdata.writer.options import WriteOptions
+from fastdata.writer.remote_sink import RemoteLock, check_url_path
+from fastdata.writer.remote_sink import check_destination as check_url_destination
 from fastdata.writer.session import check_destination
 
 if TYPE_CHECKING:
