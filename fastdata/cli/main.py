@@ -378,7 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "NIfTI paths names label volumes; other columns are kept as fields), or a Decathlon "
                    "dataset.json (its training image/label pairs); or Parquet files: a .parquet file, a folder "
                    "holding .parquet files, or a glob (quote it: 'data/train-*.parquet'); or WebDataset shards: "
-                   "a .tar file, a brace pattern 'train-{000000..000099}.tar', a glob or a folder of .tar files")
+                   "a .tar file, a brace pattern 'train-{000000..000099}.tar', a glob or a folder of .tar files. "
+                   "An image folder or path,label list may be a URL (s3://bucket/imgs/, gs://, az://; an https:// "
+                   "list): read where it lies, each object checked against its listing (--storage-option applies "
+                   "to it)")
     c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
                    "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")
     from fastdata.format.backends.registry import format_choices
@@ -460,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     c.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
-                   help="fsspec option for a URL DST (repeatable), e.g. endpoint_url=http://host:9000; credentials "
-                        "otherwise come from the usual AWS_* / cloud SDK environment")
+                   help="fsspec option for a URL DST or SRC (repeatable), e.g. endpoint_url=http://host:9000; "
+                        "credentials otherwise come from the usual AWS_* / cloud SDK environment")
     c.add_argument("--staging-dir", metavar="DIR",
                    help="local folder a URL DST's shards are written in before upload (at most 3 shards at a "
                         "time; default: under $FASTDATA_CACHE_DIR, else ~/.cache/fastdata)")

@@ -53,7 +53,8 @@ def same_store(a: str, b: str) -> None:
 
 @pytest.fixture(scope="module")
 def remote_tree(s3_server, tmp_path_factory):
-    """The small tree (nested folders, an upper-case .JPG, plus a corrupt JPEG and a text file)
+    """The small tree (nested folders, an upper-case .JPG, plus a corrupt JPEG, a text file and a
+    name with a space, a plus sign and a non-ASCII letter)
     beside a path,label list under ``lists/``, locally and in a bucket of its own; with the
     local conversions of both. Yields a namespace of the URLs and paths."""
     mp = pytest.MonkeyPatch()
@@ -64,6 +65,7 @@ def remote_tree(s3_server, tmp_path_factory):
     tree = make_small_tree(root / "data" / "imgs")
     Path(tree, "bee", "broken.jpg").write_bytes(b"\xff\xd8not a jpeg")
     Path(tree, "ant", "notes.txt").write_text("not an image")
+    make_jpeg(Path(tree, "ant", "odd name+1 ü~.jpg"), size=(24, 20), seed=99)  # quoted in a URL path
     Path(root, "data", "lists").mkdir()
     Path(root, "data", "lists", "train.csv").write_text("\n".join(LIST_ROWS) + "\n")
     bucket = f"s3://{s3_server.take_bucket(f'rsrc{os.getpid()}')}"
@@ -84,7 +86,7 @@ def remote_tree(s3_server, tmp_path_factory):
 def test_remote_folder_converts_to_the_local_store(remote_tree, tmp_path):
     dst = str(tmp_path / "remote.lmdb")
     report = fastdata.convert(f"{remote_tree.bucket}/imgs/", dst, shard_size="20kB", progress=False, workers=0)
-    assert report.images == 24 and len(read_manifest(dst)["shards"]) > 1
+    assert report.images == 25 and len(read_manifest(dst)["shards"]) > 1
     assert [r[0] for r in report.rejected_items] == ["bee/broken.jpg"]  # reported like a corrupt local file
     same_store(dst, remote_tree.local)
     assert read_manifest(dst)["options"]["source"] == f"{remote_tree.bucket}/imgs"
@@ -285,3 +287,34 @@ def test_objects_fetched_but_not_written_stay_within_the_pipeline_window(remote_
     assert counts[-1] <= window_inputs < n, counts
     assert sorted(fetched) == sorted(set(fetched)) and len(fetched) == n  # each object read once
     assert json.loads(Path(tmp_path / "many.lmdb" / "manifest.json").read_text())["num_samples"] == n
+
+
+@pytest.mark.parametrize("token", [None, "FQoGZXIvYXdzE+token/with=chars"])
+def test_the_plain_get_is_signed_as_botocore_signs_it(token):
+    """The signed GETs of fastdata.remote.direct carry the Authorization botocore's S3SigV4Auth gives
+    the same request (the test server checks no signatures, so this is where they are checked)."""
+    from urllib.parse import quote
+
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    from fastdata.remote.direct import canonical_query, sigv4_headers
+
+    keys: dict = {}
+    listing = canonical_query({"list-type": "2", "prefix": "a b/c+\u00fc/", "encoding-type": "url",
+                               "continuation-token": "1/x+y=="})
+    for key, query in (("imagenet/class_000/img_00001.jpg", ""), ("a b/c+d~e/\u00fc.jpg", ""), ("", listing)):
+        path = "/bucket-1/" + quote(key, safe="/~")
+        request = AWSRequest(method="GET", url="https://s3.example.test:9000" + path + (f"?{query}" if query else ""),
+                             headers={})
+        S3SigV4Auth(Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG", token), "s3", "eu-west-1").add_auth(request)
+        ours = sigv4_headers("GET", "s3.example.test:9000", path, "eu-west-1", "AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG",
+                             token, request.headers["X-Amz-Date"], keys, query)
+        assert ours["Authorization"] == request.headers["Authorization"]
+        assert {k: v for k, v in ours.items() if k != "Authorization"} == \
+            {k: v for k, v in request.headers.items() if k != "Authorization"}
+        # the control: another secret signs differently
+        other = sigv4_headers("GET", "s3.example.test:9000", path, "eu-west-1", "AKIDEXAMPLE", "other", token,
+                              request.headers["X-Amz-Date"])
+        assert other["Authorization"] != request.headers["Authorization"]

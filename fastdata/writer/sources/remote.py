@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
-import os
 import posixpath
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -62,21 +60,6 @@ FILESYSTEM_MODULES = {"s3": ("s3fs",), "s3a": ("s3fs",), "gs": ("gcsfs",), "gcs"
                       "https": ("fsspec.implementations.http",)}
 #: GETs one worker keeps in flight while fetching its task's inputs
 FETCH_CONCURRENCY = 8
-_POOL: dict[int, cf.ThreadPoolExecutor] = {}
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> cf.ThreadPoolExecutor:
-    """This process's fetch threads (made on first use in each process: never inherited)."""
-    pid = os.getpid()
-    with _POOL_LOCK:
-        pool = _POOL.get(pid)
-        if pool is None:
-            pool = _POOL[pid] = cf.ThreadPoolExecutor(max_workers=FETCH_CONCURRENCY,
-                                                      thread_name_prefix="fastdata-fetch")
-        return pool
-
-
 def _imagefolder_key(name: bytes) -> tuple[bytes, bytes]:
     """ImageFolder's order of a file below a class folder: by its folder's path, then its name
     (``sorted(os.walk(...))`` compares the walked folders' paths as strings)."""
@@ -144,30 +127,47 @@ def scan_remote_list(url: str, storage_options: Mapping[str, Any]) -> SourceScan
 
 
 def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int],
-                 storage_options: Mapping[str, Any]) -> list[bytes | str]:
-    """The bytes of each input at ``urls`` (a rejection reason instead for one that cannot be
-    stored: missing at listing time, too large), :data:`FETCH_CONCURRENCY` GETs at a time, in order.
+                 storage_options: Mapping[str, Any]) -> Iterator[bytes | str]:
+    """The bytes of each input at ``urls``, in order (a rejection reason instead for one that
+    cannot be stored: missing at listing time, too large), fetched :data:`FETCH_CONCURRENCY` GETs at
+    a time ahead of the one yielded: the caller ingests an input while the next ones arrive.
 
     Raises:
         SourceChangedError: an object changed or was deleted since it was listed.
         RemoteStoreError: the server could not be reached (after retries).
     """
+    readers: dict[str, Callable[[str, int, int], bytes]] = {}  # per bucket (or host): its filesystem looked up once
+
+    def reader(url: str) -> tuple[Callable[[str, int, int], bytes], str]:
+        scheme, _, rest = url.partition("://")
+        bucket, _, name = rest.partition("/")
+        root = f"{scheme}://{bucket}"
+        found = readers.get(root)
+        if found is None:
+            found = readers[root] = RemoteLocation(root, storage_options).object_reader()
+        return found, name
+
     def one(i: int) -> bytes | str:
         size = sizes[i]
         if size == -1:
             return "file not found (a wrong path in the list, or deleted or moved after the scan)"
         if size > MAX_INPUT_BYTES:
             return f"object of {size} bytes exceeds the {MAX_INPUT_BYTES} byte limit for one image"
-        parent, _, name = urls[i].decode().rpartition("/")
-        return RemoteLocation(parent, storage_options).read_object(name, size if size >= 0 else -1, etags[i])
-    if urls:  # this process's filesystem made once, here, not by each fetch thread at once
-        RemoteLocation(urls[0].decode().rpartition("/")[0], storage_options).filesystem()
-    futures = [_pool().submit(one, i) for i in range(len(urls))]
+        read, name = reader(urls[i].decode())
+        return read(name, size if size >= 0 else -1, etags[i])
+    for url in urls:  # the readers (and this process's filesystem) made here, not by each fetch thread at once
+        reader(url.decode())
+    # a pool per task: a long-lived ThreadPoolExecutor reuses its idle threads before making new ones,
+    # and after a first task fetched one object at a time it would never again run more than one
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(FETCH_CONCURRENCY, len(urls))),
+                                 thread_name_prefix="fastdata-fetch")
+    futures = [pool.submit(one, i) for i in range(len(urls))]
     try:
-        return [f.result() for f in futures]
+        for k, future in enumerate(futures):
+            yield future.result()
+            futures[k] = None  # type: ignore[call-overload]  # (its bytes go once the caller is done with them)
     finally:
-        for f in futures:
-            f.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def warm_worker(url: str | None, storage_options: Mapping[str, Any] | None) -> None:
@@ -184,13 +184,11 @@ def ingest_remote_chunk(urls: list[bytes], relpaths: list[bytes], labels: list[i
     """Worker entry point of a remote source: fetch a task's inputs
     (:func:`fetch_inputs`) and ingest each as :func:`fastdata.writer.ingest.ingest_chunk` ingests
     a local file. Returns ``(items, input bytes)``, spilled with ``spill_dir``."""
-    fetched = fetch_inputs(urls, sizes, etags, storage_options)
     out: list = []
     read_bytes = 0
     choices = keep_raw if keep_raw is not None else [None] * len(urls)
-    for k, (url, rel, label, raw) in enumerate(zip(urls, relpaths, labels, choices, strict=True)):
-        data = fetched[k]
-        fetched[k] = b""  # (let each input's bytes go once ingested)
+    fetched = fetch_inputs(urls, sizes, etags, storage_options)
+    for url, rel, label, raw, data in zip(urls, relpaths, labels, choices, fetched, strict=True):
         if isinstance(data, str):
             out.append(data)
             continue
@@ -201,6 +199,7 @@ def ingest_remote_chunk(urls: list[bytes], relpaths: list[bytes], labels: list[i
             out.append(str(reason))
         except MemoryError:
             out.append("out of memory while decoding (image too large for this machine)")
+        del data
     if spill_dir is not None:
         return spill(out, spill_dir), read_bytes
     return out, read_bytes

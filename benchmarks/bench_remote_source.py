@@ -1,0 +1,124 @@
+"""Converting an image folder from S3 (a real SeaweedFS server on this machine) against converting
+the same folder from local disk, into a local LMDB store, in one run (issue 40's target: remote
+>= 0.8x local).
+
+Rows, interleaved (rounds alternate which goes first), each a fresh ``fastdata.convert`` with the
+same options:
+
+* ``local``   ``fastdata.convert("<dir>/imagenet", "<dir>/out.lmdb")``: files read from the page
+              cache (the folder was just written or read; a first cold read is not the point here)
+* ``remote``  ``fastdata.convert("s3://bench/imagenet", "<dir>/out.lmdb")``: the folder uploaded
+              to the server; listed, then each object fetched by the worker that ingests it
+
+Both validate every image by decoding it fully (what dominates a conversion's CPU), so the ratio
+is the cost of listing, the GETs and the worker's fetch threads. The stores are checked equal
+(shard checksums) once. The table gives img/s medians and the ratio remote/local; the server's
+CPU during the remote rounds is reported, since here it shares the converter's machine (with
+``--pin`` it runs on the last core and everything else on the others, as ``bench_remote.py
+--pin`` does: both sides then have the same cores).
+
+    python benchmarks/bench_remote_source.py --pin        # ~2 min on 2 cores
+    python benchmarks/bench_remote_source.py --quick      # smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import fastdata
+from fastdata.format.manifest import read_manifest
+from fastdata.remote.location import RemoteLocation
+from fastdata.tools.synth import make_image_folder
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from bench_remote import pin_cores, server_cpu_s  # noqa: E402  (the remote store bench's helpers)
+from helpers.s3server import S3Server  # noqa: E402  (the tests' SeaweedFS launcher)
+
+
+def upload_folder(src: str, url: str) -> int:
+    """Every file under ``src`` to ``url``/<relative path> (all at once); returns the count."""
+    loc = RemoteLocation(url)
+    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(src) for f in files)
+    loc.filesystem().put(paths, [loc.child(os.path.relpath(p, src)).split("://", 1)[1] for p in paths])
+    return len(paths)
+
+
+def shards(store: str) -> list:
+    return [(s["name"], s["count"], s["xxh"]) for s in read_manifest(store)["shards"]]
+
+
+def run(args) -> dict:
+    work = args.workdir or tempfile.mkdtemp(prefix="fastdata-remote-source-")
+    src = os.path.join(work, "imagenet")
+    if not os.path.isdir(src):
+        make_image_folder(src, num_classes=10, per_class=args.n // 10, size="imagenet", workers=2)
+    server = S3Server(os.path.join(work, "s3")).start()
+    if args.pin:
+        pin_cores(server)
+    try:
+        os.environ.update(server.env())
+        try:
+            server.make_bucket("bench")
+        except FileExistsError:  # a reused --workdir keeps the server's data
+            pass
+        url = "s3://bench/imagenet"
+        count = upload_folder(src, url)
+        print(f"{count} ImageNet-like JPEGs, {args.workers if args.workers is not None else 'all'} converter "
+              f"workers, shard size {args.shard_size}, {args.rounds} rounds; pinned: {args.pin}", flush=True)
+        rates: dict[str, list[float]] = {"local": [], "remote": []}
+        server_share: list[float] = []
+        kept: dict[str, list] = {}
+        for rnd in range(args.rounds):
+            for kind in (("local", "remote") if rnd % 2 == 0 else ("remote", "local")):
+                dst = os.path.join(work, f"out-{kind}.lmdb")
+                shutil.rmtree(dst, ignore_errors=True)
+                server0 = server_cpu_s(server)
+                t0 = time.perf_counter()
+                report = fastdata.convert(src if kind == "local" else url, dst, shard_size=args.shard_size,
+                                          workers=args.workers, progress=False)
+                wall = time.perf_counter() - t0
+                rates[kind].append(report.images / wall)
+                if kind == "remote":
+                    server_share.append((server_cpu_s(server) - server0) / wall)
+                kept.setdefault(kind, shards(dst))
+            print(f"round {rnd + 1}: local {rates['local'][-1]:.0f}, remote {rates['remote'][-1]:.0f} img/s; the "
+                  f"server used {server_share[-1]:.2f} cores meanwhile", flush=True)
+        assert kept["local"] == kept["remote"], "the remote conversion made another store than the local one"
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        print(f"\n  {'source':<8}{'img/s (median)':>16}")
+        for kind in ("local", "remote"):
+            print(f"  {kind:<8}{med[kind]:>16.0f}")
+        print(f"  remote / local  {med['remote'] / med['local']:.2f}  (target >= 0.8; the stores are equal: "
+              f"{len(kept['local'])} shards, same checksums)")
+        print(f"  the S3 server used a median {statistics.median(server_share):.2f} cores during the remote rounds")
+        return {"rates": rates, "median": med, "ratio": med["remote"] / med["local"], "server_cores": server_share}
+    finally:
+        server.kill()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=2000, help="number of ImageNet-like images")
+    p.add_argument("--shard-size", default="32MiB")
+    p.add_argument("--workers", type=int, default=None, help="converter workers (default: all cores)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pin", action="store_true",
+                   help="run the S3 server on the last core and everything else on the others (both sides of "
+                        "the comparison get the same cores; the server takes none of them)")
+    p.add_argument("--workdir", help="reuse generated data here")
+    p.add_argument("--quick", action="store_true", help="smoke size")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.rounds, args.shard_size = 200, 1, "4MiB"
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
