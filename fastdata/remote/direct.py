@@ -118,7 +118,8 @@ class DirectS3:
         if self.credentials is None:
             return {}
         with self._lock:
-            if self._frozen is None or time.monotonic() - self._frozen_at > CREDENTIALS_TTL_S:
+            if self.fs is not None and (self._frozen is None
+                                        or time.monotonic() - self._frozen_at > CREDENTIALS_TTL_S):
                 from fsspec.asyn import sync
 
                 frozen = self.credentials.get_frozen_credentials()
@@ -132,6 +133,29 @@ class DirectS3:
             frozen = self._frozen
             return sigv4_headers("GET", self.host_header, path, self.region, frozen.access_key, frozen.secret_key,
                                  frozen.token, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), self._keys, query)
+
+    def spec(self) -> dict[str, Any]:
+        """What a worker process needs to send the same GETs without a botocore client of its own
+        (making one costs a worker about a second of CPU): the endpoint, region and the credentials
+        as they are now (temporary ones may expire during a long run: a refused GET then falls back
+        to s3fs, which refreshes them)."""
+        frozen = None
+        if self.credentials is not None:
+            self._auth("/")  # (freezes the current credentials)
+            frozen = self._frozen
+        return {"endpoint": f"{'https' if self.secure else 'http'}://{self.host_header}{self.base_path}",
+                "region": self.region, "timeout": self.timeout,
+                "credentials": None if frozen is None else (frozen.access_key, frozen.secret_key, frozen.token)}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> DirectS3:
+        """A :class:`DirectS3` of :meth:`spec` (with its fixed credentials), in this process."""
+        direct = cls(None, spec["endpoint"], spec["region"], spec["credentials"], spec["timeout"])
+        if spec["credentials"] is not None:
+            from collections import namedtuple
+
+            direct._frozen = namedtuple("Frozen", "access_key secret_key token")(*spec["credentials"])
+        return direct
 
     def _socket(self) -> socket.socket:
         sock = getattr(self._local, "sock", None)
@@ -262,6 +286,16 @@ class DirectS3:
 
 _DIRECT: dict[tuple, DirectS3 | None] = {}
 _DIRECT_LOCK = threading.Lock()
+
+
+def direct_from_spec(spec: dict[str, Any]) -> DirectS3:
+    """This process's :class:`DirectS3` of ``spec`` (:meth:`DirectS3.spec`), made on first use."""
+    key = (os.getpid(), repr(sorted(spec.items())))
+    with _DIRECT_LOCK:
+        found = _DIRECT.get(key)
+        if found is None:
+            found = _DIRECT[key] = DirectS3.from_spec(spec)
+        return found
 
 
 def direct_s3(fs, timeout: float) -> DirectS3 | None:

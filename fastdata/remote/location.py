@@ -680,22 +680,44 @@ class RemoteLocation:
             raise SourceChangedError(f"{url}: the object was deleted after it was listed; nothing was published: "
                                      "rerun the conversion (the listing is taken again)") from None
 
-    def object_reader(self) -> Callable[[str, int, int], bytes]:
-        """:meth:`read_object` for many objects under this location, the filesystem looked up once:
-        on ``s3://`` against an S3-compatible endpoint, each object is first asked for with a plain
-        signed GET (:mod:`fastdata.remote.direct`, a fraction of botocore's CPU per request), and
-        read through :meth:`read_object` whenever that cannot answer."""
+    def direct_spec(self) -> dict[str, Any] | None:
+        """What :meth:`object_reader` in another process needs to send plain signed GETs without
+        a botocore client of its own (:meth:`fastdata.remote.direct.DirectS3.spec`: endpoint, region,
+        the current credentials), or None where they go through s3fs. Held in memory and handed
+        to this process's own workers; never written anywhere."""
+        if self.scheme not in ("s3", "s3a"):
+            return None
         fs = self.filesystem()
-        direct = None
-        if self.scheme in ("s3", "s3a") and hasattr(fs, "_call_s3"):
-            from fastdata.remote.direct import direct_s3
+        if not hasattr(fs, "_call_s3"):
+            return None
+        from fastdata.remote.direct import direct_s3
 
-            direct = direct_s3(fs, max(self.timeouts()))
+        direct = direct_s3(fs, max(self.timeouts()))
+        return None if direct is None else direct.spec()
+
+    def object_reader(self, direct_spec: dict[str, Any] | None = None) -> Callable[[str, int, int], bytes]:
+        """:meth:`read_object` for many objects under this location. On ``s3://`` against an
+        S3-compatible endpoint each object is first asked for with a plain signed GET
+        (:mod:`fastdata.remote.direct`, a fraction of botocore's CPU per request; ``direct_spec``:
+        :meth:`direct_spec` of the process that listed the objects, so that no client is made
+        here unless a GET falls back), and read through :meth:`read_object` whenever that cannot
+        answer."""
+        direct = None
+        if self.scheme in ("s3", "s3a"):
+            from fastdata.remote.direct import direct_from_spec, direct_s3
+
+            if direct_spec is not None:
+                direct = direct_from_spec(direct_spec)
+            else:
+                fs = self.filesystem()
+                direct = direct_s3(fs, max(self.timeouts())) if hasattr(fs, "_call_s3") else None
+        bucket = self.url.split("://", 1)[1].split("/", 1)[0]
+        prefix = self.url.split("://", 1)[1][len(bucket):].strip("/")
 
         def read(name: str, size: int, etag: int = 0) -> bytes:
             if direct is not None and size >= 0:
-                bucket, key, version = fs.split_path(self._path(name))
-                data = None if version else direct.get(bucket, key, size, etag, self.child(name))
+                key = f"{prefix}/{name}" if prefix else name
+                data = direct.get(bucket, key, size, etag, self.child(name))
                 if data is not None:
                     return data
             return self.read_object(name, size, etag)

@@ -224,6 +224,8 @@ def stat_objects(urls: Sequence[str], storage_options: Mapping[str, Any]) -> tup
             size = found.get("size")
             sizes[i] = -2 if size is None else int(size)  # -2: exists, size unknown (an HTTP server without it)
             etags[i] = etag_key(found.get("ETag") or found.get("etag"))
+    if urls:  # the filesystem made once, here, not by every thread at once
+        RemoteLocation(urls[0].rpartition("/")[0], storage_options).filesystem()
     with cf.ThreadPoolExecutor(max_workers=max(1, min(STAT_CONCURRENCY, len(urls)))) as pool:
         for done in pool.map(one, range(len(urls))):
             del done

@@ -102,6 +102,11 @@ def test_remote_list_converts_to_the_local_store(remote_tree, tmp_path):
     assert report.images == 3
     assert sorted(r[0] for r in report.rejected_items) == ["../imgs/ant/missing.jpg", "../imgs/bee/broken.jpg"]
     same_store(dst, remote_tree.local_list)
+    # the same list over plain HTTP (the test server answers anonymous GETs): read-only http(s) sources
+    http_list = f"{remote_tree.server.endpoint}/{remote_tree.bucket.split('://')[1]}/lists/train.csv"
+    dst = str(tmp_path / "http-list.lmdb")
+    fastdata.convert(http_list, dst, progress=False, workers=0)
+    same_store(dst, remote_tree.local_list)
 
 
 def _source_changing_after_listing(url: str, change):

@@ -126,11 +126,13 @@ def scan_remote_list(url: str, storage_options: Mapping[str, Any]) -> SourceScan
                       sizes=sizes, etags=etags, is_list=True)
 
 
-def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int],
-                 storage_options: Mapping[str, Any]) -> Iterator[bytes | str]:
+def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int], storage_options: Mapping[str, Any],
+                 direct_spec: dict[str, Any] | None = None) -> Iterator[bytes | str]:
     """The bytes of each input at ``urls``, in order (a rejection reason instead for one that
     cannot be stored: missing at listing time, too large), fetched :data:`FETCH_CONCURRENCY` GETs at
     a time ahead of the one yielded: the caller ingests an input while the next ones arrive.
+    ``direct_spec``: the converter's plain-GET settings for ``s3://`` (see
+    :meth:`~fastdata.remote.location.RemoteLocation.direct_spec`).
 
     Raises:
         SourceChangedError: an object changed or was deleted since it was listed.
@@ -144,7 +146,7 @@ def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int],
         root = f"{scheme}://{bucket}"
         found = readers.get(root)
         if found is None:
-            found = readers[root] = RemoteLocation(root, storage_options).object_reader()
+            found = readers[root] = RemoteLocation(root, storage_options).object_reader(direct_spec)
         return found, name
 
     def one(i: int) -> bytes | str:
@@ -170,24 +172,17 @@ def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int],
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def warm_worker(url: str | None, storage_options: Mapping[str, Any] | None) -> None:
-    """Worker initialiser: make this process's filesystem for ``url`` (importing the SDK, a second
-    or more for botocore) while the converter lists the source, not in the first task. Called
-    again with None by a ``workers=0`` run when it ends: nothing to let go."""
-    if url is not None:
-        RemoteLocation(url, storage_options or {}).filesystem()
-
-
 def ingest_remote_chunk(urls: list[bytes], relpaths: list[bytes], labels: list[int], storage: StorageSpec,
                         keep_raw: list[bool] | None, sizes: list[int], etags: list[int],
-                        storage_options: Mapping[str, Any], spill_dir: str | None = None):
+                        storage_options: Mapping[str, Any], direct_spec: dict[str, Any] | None = None,
+                        spill_dir: str | None = None):
     """Worker entry point of a remote source: fetch a task's inputs
     (:func:`fetch_inputs`) and ingest each as :func:`fastdata.writer.ingest.ingest_chunk` ingests
     a local file. Returns ``(items, input bytes)``, spilled with ``spill_dir``."""
     out: list = []
     read_bytes = 0
     choices = keep_raw if keep_raw is not None else [None] * len(urls)
-    fetched = fetch_inputs(urls, sizes, etags, storage_options)
+    fetched = fetch_inputs(urls, sizes, etags, storage_options, direct_spec)
     for url, rel, label, raw, data in zip(urls, relpaths, labels, choices, fetched, strict=True):
         if isinstance(data, str):
             out.append(data)
@@ -213,7 +208,9 @@ class RemoteFolderSource(FolderSource):
     def __init__(self, scan: SourceScan, storage: StorageSpec, chunk_size: int, storage_options: Mapping[str, Any]):
         super().__init__(scan, storage, chunk_size)
         self.storage_options = dict(storage_options)
-        self.worker_init = (warm_worker, (scan.root, self.storage_options))
+        # the converter's plain-GET settings (endpoint, credentials): workers then make no S3 client
+        # of their own unless a GET falls back (about a second of CPU each); in memory only
+        self.direct_spec = RemoteLocation(scan.root, self.storage_options).direct_spec()
         self._root = scan.root.encode() + b"/"
 
     def _url(self, i: int) -> bytes:
@@ -230,7 +227,7 @@ class RemoteFolderSource(FolderSource):
                 yield Chunk(plan, a, b, b == plan.stop,
                             ([self._url(i) for i in range(a, b)], scan.relpaths[a:b], scan.labels[a:b].tolist(),
                              self.storage, raw, scan.sizes[a:b].tolist(), scan.etags[a:b].tolist(),
-                             self.storage_options))
+                             self.storage_options, self.direct_spec))
 
     def describe(self, start: int, stop: int) -> str:
         return f"{self._url(start).decode()} .. {self._url(stop - 1).decode()}"
