@@ -51,8 +51,32 @@ def _run_convert(convert, args):
         overwrite=args.overwrite, append=args.append, add_classes=args.add_classes,
         progress=False if args.quiet else None, lmdb_map_size=args.lmdb_map_size,
         chunks=args.chunks, codec=args.codec, max_pixels=args.max_pixels, image_column=args.image_column,
-        **_list_options(args), **_upload_options(args),
+        **_list_options(args), **_upload_options(args), **_added_options(args),
     )
+
+
+def _added_options(args) -> dict:
+    """``convert --append``'s values for the store's added fields, as keyword arguments (only those given)."""
+    import json
+
+    from fastdata.writer.add_fields import appended_values_from_files
+
+    out: dict = {}
+    if args.added_values:
+        out["added_values"] = appended_values_from_files(args.added_values)
+    if args.added_default:
+        defaults = {}
+        for spec in args.added_default:
+            name, sep, text = spec.partition("=")
+            if not sep or not name:
+                raise ValueError(f"--added-default takes NAME=JSON (e.g. score=0.0, caption='\"none\"'), got {spec!r}")
+            try:
+                defaults[name] = json.loads(text)
+            except ValueError:
+                raise ValueError(f"--added-default {spec}: {text!r} is not a JSON value (a string needs quotes: "
+                                 f"{name}='\"{text}\"')") from None
+        out["added_defaults"] = defaults
+    return out
 
 
 def _upload_options(args) -> dict:
@@ -459,6 +483,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--add-classes", action="store_true",
                    help="with --append: class names DST lacks are appended at the end of its class table (else an "
                         "error); the table is then no longer sorted as ImageFolder's")
+    c.add_argument("--added-values", action="append", metavar="FILE",
+                   help="with --append to a store with added fields (fastdata add-fields): values of the new samples "
+                        "for them, a .parquet or .csv table (one field a column, rows in the order the samples are "
+                        "appended) or NAME=FILE.npy; repeatable")
+    c.add_argument("--added-default", action="append", metavar="NAME=JSON",
+                   help="with --append: one value (JSON: 0.0, '\"none\"', [0,0]) for every new sample of added "
+                        "field NAME; repeatable. An added field given neither (nor a default declared when it was "
+                        "added) is an error naming it")
     _add_coco_argument(c)
     c.add_argument("--lmdb-map-size", metavar="SIZE", help="initial LMDB map size (it grows as needed)")
     c.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
@@ -647,7 +679,7 @@ def _run_coco(args):
     return convert_coco(args.coco, args.src, args.dst, format=args.format, workers=args.workers,
                         shard_size=args.shard_size, strict=args.strict, resume=args.resume, overwrite=args.overwrite,
                         append=args.append, add_classes=args.add_classes, progress=False if args.quiet else None,
-                        **_upload_options(args))
+                        **_upload_options(args), **_added_options(args))
 
 
 def _add_optional_commands(sub) -> None:

@@ -45,7 +45,7 @@ import xxhash
 
 from fastdata.common.bounded import unpackb_bounded
 from fastdata.errors import CorruptRecordError, FormatError
-from fastdata.format.fields import Chunked, Field, Image, field_from_json
+from fastdata.format.fields import Chunked, Field, Image, SchemaError, field_from_json
 from fastdata.format.names import check_file_name
 
 #: manifest key: the added fields, in the order they were added
@@ -87,6 +87,12 @@ def field_file_generation(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def field_file_shard(name: str) -> str | None:
+    """The shard a field file's name places it beside, None for another name."""
+    match = _FIELD_FILE_RE.fullmatch(name)
+    return match.group(2) if match else None
+
+
 def addable(field: Field) -> str | None:
     """Why ``field`` cannot be added to a store (None: it can). Images and chunked arrays
     need per-sample metadata or chunk storage that field files do not hold yet."""
@@ -108,10 +114,16 @@ class AddedField:
     #: the name its values are stored under in the generation's field files (the name it was
     #: added with: a rename changes only :attr:`name`)
     key: str
+    #: ``(value,)``: the value an append gives the new samples when it is given none for this
+    #: field (a JSON value the field's kind accepts); ``()``: no default, an append must give values
+    default: tuple = ()
 
     def to_json(self) -> dict:
-        return {"name": self.name, "field": self.field.to_json(), "generation": self.generation,
-                "added": self.added, "key": self.key}
+        out = {"name": self.name, "field": self.field.to_json(), "generation": self.generation,
+               "added": self.added, "key": self.key}
+        if self.default:
+            out["default"] = self.default[0]
+        return out
 
     @property
     def fixed(self) -> bool:
@@ -123,18 +135,25 @@ def added_fields(manifest: dict, where: str = "manifest") -> list[AddedField]:
     """The added fields a manifest declares (checked: see :func:`validate_added`)."""
     out = []
     for i, entry in enumerate(manifest.get(ADDED_FIELDS_KEY) or []):
-        if not (isinstance(entry, dict) and set(entry) == {"name", "field", "generation", "added", "key"}
+        if not (isinstance(entry, dict) and set(entry) - {"default"} == {"name", "field", "generation", "added", "key"}
                 and isinstance(entry["name"], str) and isinstance(entry["key"], str)
                 and type(entry["generation"]) is int
                 and 1 <= entry["generation"] <= MAX_GENERATION and isinstance(entry["added"], str)
                 and isinstance(entry["field"], dict) and "name" not in entry["field"]):
             raise FormatError(f"{where}: {ADDED_FIELDS_KEY}[{i}] is not {{'name': str, 'field': {{kind...}}, "
-                              f"'generation': 1..{MAX_GENERATION}, 'added': str, 'key': str}}")
+                              f"'generation': 1..{MAX_GENERATION}, 'added': str, 'key': str[, 'default': value]}}")
         field = field_from_json(entry["field"], f"{where}: added field {entry['name']!r}")
         why = addable(field)
         if why is not None:
             raise FormatError(f"{where}: added field {entry['name']!r}: {why}")
-        out.append(AddedField(entry["name"], field, entry["generation"], entry["added"], entry["key"]))
+        default: tuple = ()
+        if "default" in entry:
+            try:
+                field.check(entry["default"], f"{where}: added field {entry['name']!r}: its default")
+            except SchemaError as err:
+                raise FormatError(str(err)) from None
+            default = (entry["default"],)
+        out.append(AddedField(entry["name"], field, entry["generation"], entry["added"], entry["key"], default))
     return out
 
 
@@ -153,7 +172,7 @@ def validate_added(body: dict, base_names: tuple[str, ...], where: str) -> None:
     if type(body[ADDED_FIELDS_KEY]) is not list:
         raise FormatError(f"{where}: manifest field {ADDED_FIELDS_KEY!r} is not list")
     fields = added_fields(body, where)
-    from fastdata.format.fields import Schema, SchemaError
+    from fastdata.format.fields import Schema
 
     try:  # names: identifiers, unique
         if fields:

@@ -179,6 +179,29 @@ def _field_of(name: str, values: Any, declared: Field | None) -> Field:
     return field
 
 
+def json_default(name: str, field: Field, value: Any) -> tuple:
+    """``(value,)`` as the manifest records a field's default (a JSON value the field's kind
+    accepts: an array as nested lists, a numpy number as a Python one), checked.
+
+    Raises:
+        AddFieldsError: a value the field does not accept, or one JSON cannot hold.
+    """
+    import json
+
+    where = f"field {name!r}: its default"
+    try:
+        checked = field.check(value, where)
+    except SchemaError as err:
+        raise AddFieldsError(str(err)) from None
+    plain = checked.tolist() if isinstance(checked, np.ndarray | np.generic) else checked
+    try:
+        json.dumps(plain, allow_nan=False)
+    except (TypeError, ValueError):
+        raise AddFieldsError(f"{where}: {value!r:.60} cannot be recorded in the manifest (a JSON value without "
+                             "NaN or infinity is needed)") from None
+    return (plain,)
+
+
 def _lock(store: str) -> StoreLock:
     return StoreLock(store).acquire()
 
@@ -234,7 +257,8 @@ def _write_file(path: str, pieces: list) -> tuple[int, str]:
 
 
 def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: Mapping[str, Field] | None = None,
-               replace: bool = False, progress: Callable[[int, int], None] | None = None,
+               replace: bool = False, defaults: Mapping[str, Any] | None = None,
+               progress: Callable[[int, int], None] | None = None,
                storage_options: Mapping[str, Any] | None = None) -> dict:
     """Add fields to a published store without rewriting it, as a new version.
 
@@ -249,6 +273,10 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
             kind is not to be inferred.
         replace: replace added fields of these names (a field the store was written with is
             never replaced).
+        defaults: ``{name: value}``: the value a later append (``convert(..., append=True)``)
+            gives its new samples for these fields when it is given none (recorded in the
+            manifest: a JSON value the field accepts, e.g. ``0.0``, ``""``, ``[0, 0, 0]``).
+            Without one an append must give the field's values (``added_values=``).
         progress: called ``progress(done, total)`` after each shard's field file.
         storage_options: fsspec options of a store at a URL (endpoint, credentials...).
 
@@ -268,13 +296,17 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         raise AddFieldsError(f"fields= declares {', '.join(unknown)}, which values= does not give")
     if not values:
         raise AddFieldsError("no fields to add")
+    unknown = sorted(set(defaults or {}) - set(values))
+    if unknown:
+        raise AddFieldsError(f"defaults= names {', '.join(map(str, unknown))}, which values= does not give")
+    declared_defaults = dict(defaults or {})
     if _is_url(store):
-        return _add_fields_remote(store, values, declared, replace, progress, storage_options)
+        return _add_fields_remote(store, values, declared, replace, progress, storage_options, declared_defaults)
     manifest = _published(store)
     lock = _lock(store)
     try:
         manifest = _published(store)  # (the version under the lock)
-        columns, gen, new_fields = _prepare(store, manifest, values, declared, replace)
+        columns, gen, new_fields = _prepare(store, manifest, values, declared, replace, declared_defaults)
         _remove_unpublished(store, manifest, set())
 
         def place(name: str, pieces: list) -> tuple[int, str]:
@@ -294,7 +326,7 @@ def _is_url(store: str) -> bool:
 
 
 def _prepare(store: str, manifest: dict, values: Mapping[str, Any], declared: Mapping[str, Field],
-             replace: bool) -> tuple[list[_Column], int, list[AddedField]]:
+             replace: bool, defaults: Mapping[str, Any] | None = None) -> tuple[list[_Column], int, list[AddedField]]:
     """The checked columns of ``values``, the new generation, and the store's added fields after the
     call (those kept, then the new ones)."""
     count = manifest["num_samples"]
@@ -323,7 +355,10 @@ def _prepare(store: str, manifest: dict, values: Mapping[str, Any], declared: Ma
     gen = _next_generation(manifest, store)
     when = _now()
     new_fields = [a for a in current if a.name not in values]
-    new_fields += [AddedField(c.name, c.field, gen, when, c.name) for c in columns]
+    new_fields += [AddedField(c.name, c.field, gen, when, c.name,
+                              json_default(c.name, c.field, defaults[c.name]) if defaults and c.name in defaults
+                              else ())
+                   for c in columns]
     return columns, gen, new_fields
 
 
@@ -350,7 +385,7 @@ def _write_shard_files(store: str, manifest: dict, columns: list[_Column], gen: 
 
 def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str, Field], replace: bool,
                        progress: Callable[[int, int], None] | None,
-                       storage_options: Mapping[str, Any] | None) -> dict:
+                       storage_options: Mapping[str, Any] | None, defaults: Mapping[str, Any]) -> dict:
     """:func:`add_fields` of a store at a URL: each field file written locally and uploaded (its size
     and ETag checked), then the new manifest uploaded last, under the store's lock object. Datasets
     opened before read on in their version (their cache is keyed by the manifest's checksum)."""
@@ -371,7 +406,7 @@ def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[st
         except FileNotFoundError:
             raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
         manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
-        columns, gen, new_fields = _prepare(location.url, manifest, values, declared, replace)
+        columns, gen, new_fields = _prepare(location.url, manifest, values, declared, replace, defaults)
         with tempfile.TemporaryDirectory(prefix="fastdata-add-fields-") as tmp:
             def place(name: str, pieces: list) -> tuple[int, str]:
                 path = os.path.join(tmp, name)
@@ -664,7 +699,8 @@ def rename_field(store: str | os.PathLike, old: str, new: str, *,
             Schema(((new, current[0].field),))
         except SchemaError as err:
             raise AddFieldsError(str(err)) from None
-        renamed = [AddedField(new, a.field, a.generation, a.added, a.key) if a.name == old else a for a in current]
+        renamed = [AddedField(new, a.field, a.generation, a.added, a.key, a.default) if a.name == old else a
+                   for a in current]
         return renamed, {"generation": _next_generation(manifest, store), "action": "rename", "fields": [old, new],
                          "at": _now()}
 
@@ -695,8 +731,8 @@ def gc(store: str | os.PathLike) -> list[str]:
         lock.release()
 
 
-__all__ = ["AddFieldsError", "add_fields", "drop_fields", "field_file_generation", "gc", "rename_field",
-           "store_paths", "values_from_file"]
+__all__ = ["AddFieldsError", "add_fields", "appended_values_from_files", "drop_fields", "field_file_generation", "gc",
+           "rename_field", "store_paths", "values_from_file"]
 
 
 #: what ``values_from_file`` reads: NumPy arrays, Parquet and CSV tables
@@ -843,6 +879,36 @@ def values_from_file(store: str | os.PathLike, path: str | os.PathLike, *, names
     return {n: _column_values(n, [columns[n][r] for r in rows.tolist()]) for n in wanted}
 
 
+def appended_values_from_files(specs: Sequence[str]) -> dict[str, Any]:
+    """``added_values`` of an append read from files (the ``convert --append --added-values``
+    option): each spec a ``.parquet`` or ``.csv`` table (one field a column, rows in the order the
+    samples are appended) or ``NAME=FILE.npy`` (one field, rows in that order).
+
+    Raises:
+        AddFieldsError: an unknown suffix, a ``.npy`` file without a name, a field given twice.
+    """
+    out: dict[str, Any] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if sep and path.endswith(".npy"):
+            try:
+                got = {name: np.load(path, allow_pickle=False)}
+            except (OSError, ValueError) as err:
+                raise AddFieldsError(f"{path}: not a readable numeric .npy array ({err})") from None
+        elif spec.endswith((".parquet", ".csv")):
+            if not os.path.isfile(spec):
+                raise AddFieldsError(f"{spec}: no such file")
+            got = {n: _column_values(n, cells) for n, cells in _table_columns(spec).items()}
+        else:
+            raise AddFieldsError(f"--added-values {spec!r}: give a .parquet or .csv table (one field a column, rows "
+                                 "in the order the samples are appended) or NAME=FILE.npy")
+        twice = sorted(set(got) & set(out))
+        if twice:
+            raise AddFieldsError(f"--added-values {spec}: field(s) {', '.join(twice)} given twice")
+        out.update(got)
+    return out
+
+
 def added_fields_differences(stores: Sequence[tuple[str, dict]]) -> list[str]:
     """How the added fields of stores to be merged differ (each named), empty when every store
     has the same added fields (names and kinds; generations may differ)."""
@@ -895,7 +961,7 @@ def carry_added_fields(dst: str, sources: Sequence[tuple[str, dict, dict]], body
         name = field_file_name(1, new["name"])
         size, xxh = _write_file(os.path.join(dst, name), build_field_file(shard["count"], arrays))
         new[FIELD_FILES_KEY] = [{"name": name, "generation": 1, "bytes": size, "xxh": xxh}]
-    body[ADDED_FIELDS_KEY] = [AddedField(a.name, a.field, 1, a.added, a.name).to_json() for a in first]
+    body[ADDED_FIELDS_KEY] = [AddedField(a.name, a.field, 1, a.added, a.name, a.default).to_json() for a in first]
     body["options"] = dict(body["options"])
     body["options"][HISTORY_KEY] = [{"generation": 1, "action": "merge", "fields": [a.name for a in first],
                                      "at": _now()}]

@@ -29,16 +29,20 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
 from fastdata.errors import FastdataError, IncompleteStoreError
-from fastdata.format.added import ADDED_FIELDS_KEY
+from fastdata.format.added import ADDED_FIELDS_KEY, AddedField, added_fields, field_file_shard
+from fastdata.format.fields import SchemaError
 from fastdata.format.manifest import CLASS_TABLES_KEY, is_classification, read_manifest
 from fastdata.format.names import MANIFEST_NAME, STAGING_DIR, shard_number
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import index_file_name, shard_entries
-from fastdata.writer.owned import check_dir
+from fastdata.writer.owned import check_dir, remove_file
 from fastdata.writer.pipeline import PublishedBase, io_error, remove_staging, remove_unlisted_shards
 from fastdata.writer.resume import RecordedRun, RunOptions, describe_storage
 from fastdata.writer.sources.base import WriteSource
@@ -104,13 +108,7 @@ def added_field_names(manifest: dict) -> list[str]:
 
 
 def check_options(dst: str, base: PublishedBase, run: RunOptions) -> None:
-    """Refuse an append whose backend or storage mode differ from the store's (each named), or
-    to a store with added fields (the new samples would have no values for them)."""
-    added = added_field_names(base.manifest)
-    if added:
-        raise AppendError(f"cannot append to {dst}: it has added fields ({', '.join(added)}) that the new samples "
-                          "would lack; drop them first (fastdata.drop_fields), append, then add them again for "
-                          "every sample")
+    """Refuse an append whose backend or storage mode differ from the store's (each named)."""
     stored = recorded_run(base).options
     diffs = []
     if run.backend != stored.backend:
@@ -121,6 +119,146 @@ def check_options(dst: str, base: PublishedBase, run: RunOptions) -> None:
     if diffs:
         raise AppendError(f"cannot append to {dst}: " + "; ".join(diffs) + " (leave the storage options out: an "
                           "append takes the store's)")
+
+
+@dataclass
+class AddedValues:
+    """What an append gives the store's added fields (``fastdata.add_fields``) for its new samples,
+    checked before any shard is written: per field, the given values (a checked column, one a
+    new sample) or a default (``(value,)``: the append's ``added_defaults`` or the one the field
+    was added with)."""
+
+    fields: list[AddedField]
+    columns: dict[str, Any]
+    defaults: dict[str, tuple]
+    #: the manifest checksum of the version it was planned against
+    base_checksum: str
+
+
+def plan_added_values(dst: str, base: PublishedBase, values: Mapping[str, Any] | None,
+                      defaults: Mapping[str, Any] | None) -> AddedValues | None:
+    """Check what an append gives the store's added fields, before anything is written; None for
+    a store without added fields (and no values given).
+
+    Raises:
+        AppendError: an added field with neither values nor a default (saying how to give them),
+            a name that is not an added field of the store, values whose kind, dtype or shape
+            the field refuses (named, with the sample: its position among the appended ones).
+    """
+    from fastdata.writer.add_fields import AddFieldsError, _Column, json_default
+
+    values, defaults = dict(values or {}), dict(defaults or {})
+    fields = added_fields(base.manifest, dst)
+    names = [a.name for a in fields]
+    unknown = [str(n) for n in list(values) + list(defaults) if n not in names]
+    if unknown:
+        raise AppendError(f"cannot append to {dst}: {', '.join(unknown)}: not added field(s) of the store (its added "
+                          f"fields: {', '.join(names) or 'none'}); added_values and added_defaults name those only")
+    both = sorted(set(values) & set(defaults))
+    if both:
+        raise AppendError(f"cannot append to {dst}: field(s) {', '.join(both)} given both values and a default; "
+                          "give one")
+    if not fields:
+        return None
+    missing = [a.name for a in fields if a.name not in values and a.name not in defaults and not a.default]
+    if missing:
+        raise AppendError(
+            f"cannot append to {dst}: it has added field(s) {', '.join(missing)} without a default, and the append "
+            "gives no values for them: give one value a new sample, in the order the samples are appended "
+            f"(added_values={{{missing[0]!r}: [...]}}; CLI: --added-values FILE), or one value for every new "
+            f"sample (added_defaults={{{missing[0]!r}: value}}; CLI: --added-default {missing[0]}=JSON), or "
+            "declare a default when adding the field (add_fields(..., defaults=...)), or drop the field "
+            "(fastdata.drop_fields)")
+    columns: dict[str, Any] = {}
+    given_defaults: dict[str, tuple] = {}
+    for a in fields:
+        if a.name in values:
+            vals = values[a.name]
+            try:
+                try:
+                    count = len(vals)
+                except TypeError:
+                    raise AddFieldsError(f"field {a.name!r}: values must be a sequence with one value a new "
+                                         f"sample, not {type(vals).__name__}") from None
+                columns[a.name] = _Column(a.name, a.field, count, vals)
+            except (AddFieldsError, SchemaError) as err:
+                raise AppendError(f"cannot append to {dst}: added_values: {err} (samples counted from the first "
+                                  "appended one)") from None
+        elif a.name in defaults:
+            try:
+                given_defaults[a.name] = json_default(a.name, a.field, defaults[a.name])
+            except AddFieldsError as err:
+                raise AppendError(f"cannot append to {dst}: added_defaults: {err}") from None
+        else:
+            given_defaults[a.name] = a.default
+    return AddedValues(fields, columns, given_defaults, base.manifest["checksum"])
+
+
+def check_added_count(dst: str, added: AddedValues, planned: int | None) -> None:
+    """Refuse, before anything is written, values for more samples than the append has inputs
+    (inputs the writer rejects make fewer samples: checked again when the shards are written)."""
+    for name, column in added.columns.items():
+        got = len(column.array) if column.array is not None else len(column.encoded)
+        if planned is not None and got > planned:
+            raise AppendError(f"cannot append to {dst}: added_values[{name!r}] has {got} values, the append has "
+                              f"{planned} samples: give one value a new sample, in the order they are appended")
+
+
+def write_added_field_files(dst: str, added: AddedValues, results: list, rejected: int) -> dict[str, list[dict]]:
+    """The field files of the appended shards: for each new shard, one file for every generation
+    of the store's added fields (the invariant of FORMAT.md section 10), holding the given values
+    or the defaults, written into ``dst`` (each to a temporary name, fsynced, renamed) before the
+    manifest that lists them. A kill before the manifest leaves files no manifest lists: the
+    append's resume writes them again, a new append or ``fastdata gc`` removes them.
+
+    Args:
+        dst: the local store directory (a URL append's local staging: the sink uploads them).
+        added: the checked values (:func:`plan_added_values`).
+        results: the appended shards' results (``name``, ``count``, ``shard_id``).
+        rejected: inputs of this append the writer rejected (named in the error of a count that
+            does not match).
+
+    Returns:
+        dict: each new shard's name -> its ``field_files`` entries.
+
+    Raises:
+        AppendError: given values whose count is not the number of samples appended.
+    """
+    from fastdata.format.added import build_field_file, field_file_name
+    from fastdata.writer.add_fields import _Column, _write_file
+
+    results = sorted(results, key=lambda r: r.shard_id)
+    total = sum(r.count for r in results)
+    for name, column in added.columns.items():
+        got = len(column.array) if column.array is not None else len(column.encoded)
+        if got != total:
+            why = f" ({rejected} input(s) were rejected: see the report)" if rejected else ""
+            raise AppendError(f"cannot append to {dst}: added_values[{name!r}] has {got} values, the append stores "
+                              f"{total} samples{why}: give one value a stored sample, in the order they are appended, "
+                              "and run the append again with resume=True (the shards written are kept)")
+    generations = sorted({a.generation for a in added.fields})
+    out: dict[str, list[dict]] = {}
+    first = 0
+    for r in results:
+        entries = []
+        for gen in generations:
+            arrays: dict = {}
+            for a in (a for a in added.fields if a.generation == gen):
+                if a.name in added.columns:
+                    parts = added.columns[a.name].shard_arrays(first, r.count)
+                else:
+                    parts = _Column(a.name, a.field, r.count, [added.defaults[a.name][0]] * r.count).shard_arrays(
+                        0, r.count)
+                arrays.update({a.key + k[len(a.name):]: v for k, v in parts.items()})  # (stored under its key)
+            name = field_file_name(gen, r.name)
+            size, xxh = _write_file(os.path.join(dst, name), build_field_file(r.count, arrays))
+            entries.append({"name": name, "generation": gen, "bytes": size, "xxh": xxh})
+        out[r.name] = entries
+        first += r.count
+    from fastdata.common import portable
+
+    portable.fsync_dir(dst)  # (the files' names are durable before the manifest names them)
+    return out
 
 
 def check_source(dst: str, base: PublishedBase, source: WriteSource, add_classes: bool) -> None:
@@ -187,12 +325,19 @@ def next_shard(base: PublishedBase) -> int:
 
 
 def discard_unpublished(dst: str, base: PublishedBase) -> None:
-    """Remove what an interrupted append left (its staging folder and the shard files the
-    manifest does not list), before a new append (not a resume) starts. A shard file of an
-    earlier version still open in another process (Windows) stays, for a later write to delete:
-    an overwrite numbered the store's shards past it, so no new shard needs its name."""
+    """Remove what an interrupted append left (its staging folder, the shard files the
+    manifest does not list and the field files of those shards), before a new append (not a
+    resume) starts. A shard file of an earlier version still open in another process (Windows)
+    stays, for a later write to delete: an overwrite numbered the store's shards past it, so no
+    new shard needs its name. Field files of listed shards are left alone (a reader of an older
+    version may read them; ``add_fields`` and ``gc`` remove those)."""
     remove_staging(dst)
-    remove_unlisted_shards(dst, {s["name"] for s in base.manifest["shards"]})
+    listed = {s["name"] for s in base.manifest["shards"]}
+    remove_unlisted_shards(dst, listed)
+    for name in os.listdir(dst):
+        shard = field_file_shard(name)
+        if shard is not None and shard not in listed:
+            remove_file(os.path.join(dst, name))
 
 
 def manifest_parts(base: PublishedBase, source: WriteSource, input_fingerprint: str, added: int,

@@ -20,7 +20,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 
 from fastdata.common.units import Size, describe_size, format_size, parse_size, parse_size_spec
 from fastdata.format.backends.base import MIN_RAW_MAX_SIDE, StorageSpec
@@ -86,6 +86,13 @@ class WriteOptions:
         append (bool): add the samples to the published store at the destination as new shards
             (:mod:`fastdata.writer.append`); with ``resume``, finish an interrupted append.
         add_classes (bool): with ``append``: class names the store lacks are appended to its class table.
+        added_values (Mapping | None): with ``append`` to a store with added fields
+            (``fastdata.add_fields``): ``{name: values}``, one value a new sample in the order
+            they are appended (an array or a list, as ``add_fields`` takes them), written into
+            the new shards' field files.
+        added_defaults (Mapping | None): with ``append``: ``{name: value}``, one value for every
+            new sample of these added fields (a field added with ``defaults=`` takes its own
+            when neither is given; an added field with neither values nor a default is an error).
         progress (bool | None): show a progress bar; None: when stderr is a terminal.
         lmdb_map_size (int | str | None): the initial LMDB map size (it grows automatically).
         task_size (int): inputs per worker task (default 32): smaller tasks spread a few large
@@ -109,6 +116,8 @@ class WriteOptions:
     overwrite: bool = False
     append: bool = False
     add_classes: bool = False
+    added_values: Mapping | None = field(default=None, compare=False, repr=False)
+    added_defaults: Mapping | None = field(default=None, compare=False)
     progress: bool | None = None
     lmdb_map_size: int | str | None = None
     task_size: int = DEFAULT_TASK_SIZE
@@ -140,6 +149,10 @@ class WriteOptions:
             _check_flag(getattr(self, name), name)
         for name in ("strict", "progress"):
             _check_flag(getattr(self, name), name, optional=True)
+        for name in ("added_values", "added_defaults"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Mapping):
+                raise TypeError(f"{name} must be a dict of added field names, got {type(value).__name__}")
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(f"storage_options must be a dict of fsspec options, got {self.storage_options!r}")
         if self.staging_dir is not None and not isinstance(self.staging_dir, str | os.PathLike):

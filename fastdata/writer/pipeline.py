@@ -51,7 +51,7 @@ from fastdata.common import portable
 from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write, file_checksum, fsync_dir, read_regular
 from fastdata.common.units import format_size
 from fastdata.errors import ConversionError, FastdataError, RejectedInputError, ResumeMismatchError
-from fastdata.format.added import FIELDS_STAGING_DIR, is_field_file_name
+from fastdata.format.added import FIELD_FILES_KEY, FIELDS_STAGING_DIR, is_field_file_name
 from fastdata.format.backends.base import Sample, StorageSpec
 from fastdata.format.backends.registry import reader_class, writer_class
 from fastdata.format.fields import Schema
@@ -772,7 +772,8 @@ class PublishedBase:
 
 def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[str, str]], storage: StorageSpec,
             results: list[ShardResult], options: dict, schema: Schema | None = None, extra: dict | None = None,
-            base: PublishedBase | None = None, sink: ShardSink | None = None) -> dict:
+            base: PublishedBase | None = None, sink: ShardSink | None = None,
+            field_files: dict[str, list[dict]] | None = None) -> dict:
     """Write ``rejected.tsv``, the store index file and then ``manifest.json`` (last); remove staging.
 
     ``schema`` None publishes a classification store (layout version 1) of ``classes``; a
@@ -786,7 +787,10 @@ def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[s
     version's index file gets the next generation's name (``index-00001.fdi``, ...) so the
     file the current manifest lists is never replaced: a crash before the new manifest is in
     place leaves the store as it was, and a reader of the old version reads on. Index files of
-    versions before the previous one are then deleted."""
+    versions before the previous one are then deleted.
+
+    ``field_files`` (an append to a store with added fields): each new shard's field file
+    entries, the files already written beside it (see :func:`fastdata.writer.append.write_added_field_files`)."""
     results = sorted(results, key=lambda r: r.shard_id)
     shards, first = [], 0
     classes = list(classes)
@@ -803,6 +807,8 @@ def publish(*, dst: str, backend: str, classes: list[str], remarks: list[tuple[s
     for r in results:
         shards.append({"name": r.name, "first_index": first, "count": r.count, "bytes": r.bytes,
                        "xxh": r.xxh, "image_bytes": r.image_bytes})
+        if field_files is not None:
+            shards[-1][FIELD_FILES_KEY] = field_files[r.name]
         first += r.count
         class_counts = [x + y for x, y in zip(class_counts, r.class_counts, strict=False)]
         rejected.extend({"path": p, "reason": why} for p, why in r.rejected)

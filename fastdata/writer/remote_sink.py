@@ -57,7 +57,7 @@ from typing import Any
 from fastdata.common.fileio import ATOMIC_TMP_MARK, atomic_write
 from fastdata.common.paths import remote_scheme
 from fastdata.errors import FastdataError, RemotePathError, RemoteStoreError, StoreExistsError, StoreLockedError
-from fastdata.format.added import is_field_file_name
+from fastdata.format.added import field_file_shard, is_field_file_name
 from fastdata.format.names import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -383,7 +383,8 @@ def _prepare_append(location: RemoteLocation, local: str, objects: dict[str, int
         return
     listed = {s["name"] for s in manifest["shards"]}
     location.remove(sorted(k for k in objects if k.split("/", 1)[0] == STAGING_DIR
-                           or (k.startswith("shard-") and k not in listed)))
+                           or (k.startswith("shard-") and k not in listed)
+                           or (is_field_file_name(k) and field_file_shard(k) not in listed)))
 
 
 class RemoteDestination:
@@ -475,15 +476,21 @@ class RemoteDestination:
         return done
 
     def publish(self, dst: str) -> None:
-        """Upload ``rejected.tsv``, ``index.fdi``, then ``manifest.json`` (last, each checked),
+        """Upload the field files written for the new shards (an append to a store with added
+        fields), ``rejected.tsv``, ``index.fdi``, then ``manifest.json`` (last, each checked),
         then delete the remote staging objects."""
         if not self.publisher:
             return
+        from fastdata.format.added import FIELD_FILES_KEY
         from fastdata.format.store_index import index_file_name
 
         with open(os.path.join(dst, MANIFEST_NAME), "rb") as fh:  # (the local one, just written)
-            index = index_file_name(json.load(fh))  # index.fdi, or an appended version's index-NNNNN.fdi
-        for name in (REJECTED_NAME, index, MANIFEST_NAME):
+            manifest = json.load(fh)
+        index = index_file_name(manifest)  # index.fdi, or an appended version's index-NNNNN.fdi
+        # (the store's earlier field files are on the server already; the new shards' are here)
+        field_files = [e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])
+                       if os.path.isfile(os.path.join(dst, e["name"]))]
+        for name in (*field_files, REJECTED_NAME, index, MANIFEST_NAME):
             upload_checked(self.location, os.path.join(dst, name), name)
         self.remove_staging()
 

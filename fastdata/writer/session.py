@@ -208,6 +208,8 @@ class WriteSession:
         self._fresh_first: int | None = None
         #: shards of an earlier version still open in other processes, left in place (Windows)
         self._left_in_use: list[str] = []
+        #: an append's values for the store's added fields (None: the store has none)
+        self._added: append.AddedValues | None = None
 
     def run(self) -> ConvertReport:
         """Write the store; see the module docstring for the steps.
@@ -227,6 +229,9 @@ class WriteSession:
             raise ValueError("append=True and overwrite=True are exclusive")
         if o.add_classes and not o.append:
             raise ValueError("add_classes=True applies to an append (append=True) only")
+        if (o.added_values is not None or o.added_defaults is not None) and not o.append:
+            raise ValueError("added_values and added_defaults apply to an append (append=True) to a store with added "
+                             "fields only")
         if o.resume and source.resume_refusal:
             raise ValueError(source.resume_refusal)
         group = current_group()
@@ -271,6 +276,7 @@ class WriteSession:
                               strict=o.strict, **source.storage_request)
         if self.base is not None:
             append.check_options(dst, self.base, run)
+            self._added = append.plan_added_values(dst, self.base, o.added_values, o.added_defaults)
             source.raw_budget_used = append.stored_bytes(self.base)
         workers, workers_warning = resolve_workers(o.workers)
         writer_options = {"initial_map_size": parse_size(o.lmdb_map_size)} if o.lmdb_map_size else {}
@@ -283,6 +289,9 @@ class WriteSession:
         report.warnings.extend(source.warnings + ([workers_warning] if workers_warning else []))
         if self.base is not None:
             append.check_source(dst, self.base, source, o.add_classes)
+            if self._added is not None:
+                append.check_added_count(dst, self._added, sum(p.stop - p.start for p in plans)
+                                         if plans is not None else None)
         fingerprint = self.input_fingerprint = source.fingerprint(run)
         if self.base is not None:
             fingerprint = append.fingerprint(fingerprint, self.base)
@@ -368,6 +377,9 @@ class WriteSession:
         append is finished by a resume, discarded by a new append) and None is returned."""
         assert self.base is not None
         self.base = append.open_base(dst)  # (again, under the lock: the version this append extends)
+        if self._added is not None and self._added.base_checksum != self.base.manifest["checksum"]:
+            o = self.options  # (the store changed since the values were checked: check them against it)
+            self._added = append.plan_added_values(dst, self.base, o.added_values, o.added_defaults)
         if self.options.resume:
             if append.already_appended(self.base, self.input_fingerprint) and not os.path.lexists(
                     os.path.join(dst, STAGING_DIR)):
@@ -425,10 +437,14 @@ class WriteSession:
         if self.base is not None:
             options, extra = append.manifest_parts(self.base, source, self.input_fingerprint,
                                                    sum(r.count for r in results), len(results))
+            # the new shards' field files (one for every generation of added fields), before the manifest
+            field_files = (append.write_added_field_files(dst, self._added, results,
+                                                          sum(len(r.rejected) for r in results))
+                           if self._added is not None else None)
             manifest = publish(dst=dst, backend=run.backend,
                                classes=source.classes() or self.base.manifest["classes"], remarks=source.remarks(),
                                storage=run.storage, results=results, options=options, schema=source.schema,
-                               extra=extra, base=self.base, sink=self.sink)
+                               extra=extra, base=self.base, sink=self.sink, field_files=field_files)
         else:
             options = {"source": source.recorded_source, "shard_size": run.shard_size.bytes,
                        "shard_size_unit": run.shard_size.unit, "strict": run.strict, "fingerprint": fingerprint,

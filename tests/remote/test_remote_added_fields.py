@@ -3,6 +3,7 @@ cache and checked against the manifest; verify checks the server's copies."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -75,3 +76,31 @@ def test_add_fields_to_a_store_on_s3(s3, tmp_path):
     assert fastdata.verify(url).ok
     fastdata.write([{"x": 1.0}], url, overwrite=True, progress=False)  # field objects are the store's
     assert not [n for n in loc.listing() if n.startswith("fields-")]
+
+
+def test_append_to_a_store_on_s3_with_added_fields(s3, tmp_path):
+    """The appended shards' field files are uploaded (checked) before the manifest; a new append
+    first deletes field objects an interrupted one left beside shards no manifest lists."""
+    _server, bucket = s3
+    n, m = 10, 5
+    url = f"{bucket}/grow.lmdb"
+    fastdata.write([{"x": float(i)} for i in range(n)], url, shard_size=300, progress=False, workers=0)
+    fastdata.add_fields(url, {"score": np.arange(n, dtype=np.float32), "tag": [f"t{i}" for i in range(n)]},
+                        defaults={"tag": "new"})
+    loc = RemoteLocation(url)
+    stale = "fields-00001.shard-00099.lmdb.fdf"
+    loc.write_bytes(stale, b"left by a killed append")
+    before = fastdata.open_dataset(url)
+    with pytest.raises(fastdata.errors.FastdataError, match=r"added field\(s\) score without a default"):
+        fastdata.write([{"x": float(i)} for i in range(n, n + m)], url, append=True, progress=False, workers=0)
+    fastdata.write([{"x": float(i)} for i in range(n, n + m)], url, append=True, progress=False, workers=0,
+                   added_values={"score": np.arange(n, n + m, dtype=np.float32)})
+    ds = fastdata.open_dataset(url)
+    np.testing.assert_array_equal(ds.column("score"), np.arange(n + m, dtype=np.float32))
+    assert [ds[i]["tag"] for i in (n - 1, n, n + m - 1)] == [f"t{n - 1}", "new", "new"]
+    assert fastdata.verify(url).ok
+    assert len(before) == n and before[n - 1]["tag"] == f"t{n - 1}"  # its version
+    objects = loc.listing()
+    manifest = json.loads(loc.read_bytes("manifest.json"))
+    listed = {e["name"] for s in manifest["shards"] for e in s["field_files"]}
+    assert {k for k in objects if k.startswith("fields-")} == listed  # the stale one deleted, the new uploaded

@@ -261,12 +261,6 @@ def test_manifest_with_field_files_of_no_field_refused(store):
         write_manifest(store, body)
 
 
-def test_append_refuses_added_fields(store):
-    fastdata.add_fields(store, {"score": np.zeros(N)})
-    with pytest.raises(fastdata.errors.FastdataError, match="it has added fields \\(score\\)"):
-        fastdata.write(_samples()[:3], store, append=True)
-
-
 def test_merge_carries_added_fields(store, tmp_path):
     suffix = os.path.splitext(store)[1]
     other = str(tmp_path / ("other" + suffix))
