@@ -937,30 +937,52 @@ def carry_added_fields(dst: str, sources: Sequence[tuple[str, dict, dict]], body
         sources: ``(input store, its manifest, its shard entry)`` of each new shard, in order.
         body: the merged manifest body, its ``shards`` the new shards in the same order.
     """
-    from fastdata.format.added import field_files, load_field_file
-
-    if not sources:
+    if not sources or not added_fields(sources[0][1]):
         return
     first = added_fields(sources[0][1])
-    if not first:
-        return
     for (path, m, shard), new in zip(sources, body["shards"], strict=True):
-        mine = added_fields(m)
-        loaded: dict[str, dict[str, np.ndarray]] = {}
-        for gen, entry in field_files(shard).items():
-            loaded.update(load_field_file(os.path.join(path, entry["name"]), [a for a in mine if a.generation == gen],
-                                          shard["count"], entry, os.path.join(path, entry["name"]),
-                                          check_values=False))
-        arrays: dict[str, np.ndarray] = {}
-        for a in first:
-            parts = loaded[a.name]
-            if "values" in parts:
-                arrays[a.name] = parts["values"]
-            else:
-                arrays.update({f"{a.name}.{part}": parts[part] for part in ("offsets", "checksums", "data")})
-        name = field_file_name(1, new["name"])
-        size, xxh = _write_file(os.path.join(dst, name), build_field_file(shard["count"], arrays))
-        new[FIELD_FILES_KEY] = [{"name": name, "generation": 1, "bytes": size, "xxh": xxh}]
+        merged_field_file(dst, _joiner(path), m, shard, new, first)
+    finish_merged_fields(body, first)
+
+
+def _joiner(folder: str) -> Callable[[str], str]:
+    return lambda name: os.path.join(folder, name)
+
+
+def merged_field_file(dst: str, path_of: Callable[[str], str], m: dict, shard: dict, new: dict,
+                      first: list[AddedField]) -> str:
+    """One merged shard's field file of generation 1 (see :func:`carry_added_fields`): the values
+    of input shard ``shard`` (of the store whose manifest is ``m``; ``path_of(name)`` is where its
+    field file ``name`` lies, locally) for the fields ``first``, written into ``dst`` and listed
+    in the new shard entry ``new``.
+
+    Returns:
+        str: the file's name.
+    """
+    from fastdata.format.added import field_files, load_field_file
+
+    mine = added_fields(m)
+    loaded: dict[str, dict[str, np.ndarray]] = {}
+    for gen, entry in field_files(shard).items():
+        path = path_of(entry["name"])
+        loaded.update(load_field_file(path, [a for a in mine if a.generation == gen], shard["count"], entry, path,
+                                      check_values=False))
+    arrays: dict[str, np.ndarray] = {}
+    for a in first:
+        parts = loaded[a.name]
+        if "values" in parts:
+            arrays[a.name] = parts["values"]
+        else:
+            arrays.update({f"{a.name}.{part}": parts[part] for part in ("offsets", "checksums", "data")})
+    name = field_file_name(1, new["name"])
+    size, xxh = _write_file(os.path.join(dst, name), build_field_file(shard["count"], arrays))
+    new[FIELD_FILES_KEY] = [{"name": name, "generation": 1, "bytes": size, "xxh": xxh}]
+    return name
+
+
+def finish_merged_fields(body: dict, first: list[AddedField]) -> None:
+    """The merged manifest ``body``'s added fields (those of the first input, all of generation
+    1, each under its own name) and its history entry."""
     body[ADDED_FIELDS_KEY] = [AddedField(a.name, a.field, 1, a.added, a.name, a.default).to_json() for a in first]
     body["options"] = dict(body["options"])
     body["options"][HISTORY_KEY] = [{"generation": 1, "action": "merge", "fields": [a.name for a in first],

@@ -52,8 +52,14 @@ from fastdata.format.names import MANIFEST_NAME, PLAN_FILE, REJECTED_NAME, STAGI
 from fastdata.format.store_index import MANIFEST_KEY as STORE_INDEX_KEY
 from fastdata.format.store_index import build_store_index, manifest_entry
 from fastdata.remote.store import is_remote
-from fastdata.writer.add_fields import added_fields_differences, carry_added_fields
-from fastdata.writer.append import added_field_names, open_base, schema_differences
+from fastdata.format.added import FIELD_FILES_KEY, added_fields
+from fastdata.writer.add_fields import (
+    added_fields_differences,
+    carry_added_fields,
+    finish_merged_fields,
+    merged_field_file,
+)
+from fastdata.writer.append import open_base, schema_differences
 from fastdata.writer.lock import StoreLock, raise_if_locked
 from fastdata.writer.pipeline import PublishedBase, clear_store, io_error
 from fastdata.writer.session import check_destination, refuse_input_as_destination
@@ -225,10 +231,6 @@ def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: 
         data = loc.read_bytes(name, limit=m[STORE_INDEX_KEY]["bytes"])
         bases.append(PublishedBase(manifest=m, index_entries=shard_entries(data, m, loc.child(name))))
     urls = [loc.url for loc in locations]
-    added = [u for u, b in zip(urls, bases, strict=True) if added_field_names(b.manifest)]
-    if added:
-        raise MergeError(f"{', '.join(added)}: stores at URLs with added fields are not merged yet (local stores "
-                         "are): drop the fields (fastdata.drop_fields), merge, and add them to the merged store")
     _check_same_kind(urls, bases)
     lock = RemoteLock(target)
     lock.check()
@@ -245,6 +247,7 @@ def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: 
 
         body, entries = _assemble(urls, bases, report, place, source)
         with tempfile.TemporaryDirectory(prefix="fastdata-merge-") as local:
+            _carry_remote_added_fields(locations, bases, target, body, local)
             _write_metadata(local, body, entries)
             for name in (REJECTED_NAME, STORE_INDEX_NAME, MANIFEST_NAME):
                 upload_checked(target, os.path.join(local, name), name)
@@ -252,6 +255,35 @@ def _merge_remote(given: list[str], dst: str, overwrite: bool, storage_options: 
         lock.release()
     report.server_side = report.copied
     return report
+
+
+def _carry_remote_added_fields(locations: list, bases: list[PublishedBase], target: Any, body: dict,
+                               local: str) -> None:
+    """:func:`carry_added_fields` for stores at URLs: for each merged shard, its input's field
+    files downloaded (bounded by and checked against their manifest entries), the merged shard's
+    field file written locally, uploaded and checked, and the local copies deleted, one shard
+    at a time (the local disk holds one shard's field files)."""
+    from fastdata.writer.remote_sink import upload_checked
+
+    first = added_fields(bases[0].manifest)
+    if not first:
+        return
+    inputs = os.path.join(local, "inputs")
+    os.makedirs(inputs)
+    new_shards = iter(body["shards"])
+    for loc, base in zip(locations, bases, strict=True):
+        for shard in base.manifest["shards"]:
+            fetched = []
+            for entry in shard.get(FIELD_FILES_KEY, []):
+                path = os.path.join(inputs, entry["name"])
+                atomic_write(path, loc.read_bytes(entry["name"], limit=entry["bytes"]))
+                fetched.append(path)
+            name = merged_field_file(local, lambda n: os.path.join(inputs, n), base.manifest, shard, next(new_shards),
+                                     first)
+            upload_checked(target, os.path.join(local, name), name)
+            for path in [*fetched, os.path.join(local, name)]:
+                os.remove(path)
+    finish_merged_fields(body, first)
 
 
 def _assemble(inputs: list[str], bases: list[PublishedBase], report: MergeReport,

@@ -104,3 +104,31 @@ def test_append_to_a_store_on_s3_with_added_fields(s3, tmp_path):
     manifest = json.loads(loc.read_bytes("manifest.json"))
     listed = {e["name"] for s in manifest["shards"] for e in s["field_files"]}
     assert {k for k in objects if k.startswith("fields-")} == listed  # the stale one deleted, the new uploaded
+
+
+def test_merge_of_stores_on_s3_with_added_fields(s3, tmp_path):
+    """Inputs with the same added fields in other generations: each merged shard gets one field
+    file of generation 1 (the inputs' files downloaded and checked, the new one uploaded and
+    checked before the manifest); defaults are carried."""
+    _server, bucket = s3
+    n = 6
+    a, b, out = f"{bucket}/a.h5", f"{bucket}/b.h5", f"{bucket}/ab.h5"
+    for url, first in ((a, 0), (b, n)):
+        fastdata.write([{"x": float(i)} for i in range(first, first + n)], url, shard_size=300, progress=False,
+                       workers=0)
+    fastdata.add_fields(a, {"score": np.arange(n, dtype=np.float32)})
+    fastdata.add_fields(a, {"tag": [f"t{i}" for i in range(n)]}, defaults={"tag": ""})  # two generations
+    fastdata.add_fields(b, {"score": np.arange(n, 2 * n, dtype=np.float32),
+                            "tag": [f"t{i}" for i in range(n, 2 * n)]})
+    report = fastdata.merge([a, b], out)
+    assert report.samples == 2 * n
+    ds = fastdata.open_dataset(out)
+    np.testing.assert_array_equal(ds.column("score"), np.arange(2 * n, dtype=np.float32))
+    assert [ds[i]["tag"] for i in (0, n - 1, n, 2 * n - 1)] == ["t0", f"t{n - 1}", f"t{n}", f"t{2 * n - 1}"]
+    assert fastdata.verify(out).ok
+    manifest = json.loads(RemoteLocation(out).read_bytes("manifest.json"))
+    assert {e["generation"] for s in manifest["shards"] for e in s["field_files"]} == {1}
+    assert [f.get("default") for f in manifest["added_fields"]] == [None, ""]  # the first input's fields
+    fastdata.add_fields(b, {"other": np.zeros(n)})
+    with pytest.raises(fastdata.errors.FastdataError, match="a merge needs the same added fields"):
+        fastdata.merge([a, b], f"{bucket}/ab2.h5")
