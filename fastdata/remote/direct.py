@@ -20,8 +20,8 @@ retries and the error translation:
   reply, and any error of the connection, falls back (a kept-alive connection the server closed
   is tried once more afresh first).
 
-A reply whose ETag or length is not the listing's is a :class:`~fastdata.remote.location.SourceChangedError`
-here too. Connections are per thread and per process (made on first use: never inherited).
+The caller compares a reply's ETag and length with the listing's (a changed object is an error
+there too). Connections are per thread and per process (made on first use: never inherited).
 """
 
 from __future__ import annotations
@@ -259,29 +259,22 @@ class DirectS3:
                 yield None
                 return
 
-    def get(self, bucket: str, key: str, size: int, etag: int, url: str) -> bytes | None:
-        """Object ``key`` of ``bucket``, checked against its listing (``size``; ``etag``, 0: not
-        compared); None when this path cannot answer (the caller reads through s3fs)."""
-        from fastdata.remote.location import etag_key, SourceChangedError
-
+    def get(self, bucket: str, key: str, size: int) -> tuple[str | None, int, bytes | None] | None:
+        """Object ``key`` of ``bucket``, listed with ``size`` bytes: ``(ETag, length, body)`` of a
+        ``200`` reply, the body None (not read) when the length is not ``size``; None when this
+        path cannot answer (the caller reads through s3fs). The caller compares the ETag."""
         path = f"{self.base_path}/{urllib.parse.quote(bucket)}/{urllib.parse.quote(key, safe='/~')}"
         for attempt in range(2):
             reused = getattr(self._local, "sock", None) is not None
             try:
                 headers, data = self._exchange(path, size)
-                break
+                length = int(headers["content-length"])
+                return headers.get("etag"), length, data if length == size else None
             except (_Fallback, OSError, ValueError, IndexError):
                 self._drop()
                 if not reused or attempt:  # (a kept-alive connection the server closed: once more, afresh)
                     return None
-        length = int(headers["content-length"])
-        now = etag_key(headers.get("etag"))
-        why = (["its ETag differs"] if etag and now and now != etag else []) + (
-            [f"{length:,} bytes, listed as {size:,}"] if length != size else [])
-        if why:
-            raise SourceChangedError(f"{url}: the object changed after it was listed ({'; '.join(why)}); nothing "
-                                     "was published: rerun the conversion once the input stops changing")
-        return data
+        return None
 
 
 _DIRECT: dict[tuple, DirectS3 | None] = {}

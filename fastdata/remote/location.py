@@ -716,9 +716,16 @@ class RemoteLocation:
 
         def read(name: str, size: int, etag: int = 0) -> bytes:
             if direct is not None and size >= 0:
-                key = f"{prefix}/{name}" if prefix else name
-                data = direct.get(bucket, key, size, etag, self.child(name))
-                if data is not None:
+                got = direct.get(bucket, f"{prefix}/{name}" if prefix else name, size)
+                if got is not None:
+                    reply_etag, length, data = got
+                    now = etag_key(reply_etag)
+                    why = (["its ETag differs"] if etag and now and now != etag else []) + (
+                        [f"{length:,} bytes, listed as {size:,}"] if length != size else [])
+                    if why or data is None:
+                        raise SourceChangedError(f"{self.child(name)}: the object changed after it was listed "
+                                                 f"({'; '.join(why)}); nothing was published: rerun the conversion "
+                                                 "once the input stops changing")
                     return data
             return self.read_object(name, size, etag)
         return read

@@ -232,6 +232,14 @@ def _remote(tmp: Path, monkeypatch, request) -> dict:
         monkeypatch.setenv(key, value)
     server.make_bucket("bucket")
     _image_folder()
+    # "Remote sources": the folder in the bucket too, and a path,label list beside it
+    from fastdata.remote.location import RemoteLocation
+
+    files = sorted(p for p in Path("imgs").rglob("*") if p.is_file())
+    RemoteLocation("s3://bucket/imgs").filesystem().put([str(p) for p in files],
+                                                         [f"bucket/{p.as_posix()}" for p in files])
+    rows = "".join(f"../{p.as_posix()},{p.parent.name}\n" for p in files)
+    RemoteLocation("s3://bucket/lists").write_bytes("train.csv", ("path,label\n" + rows).encode())
     return {"fastdata": fastdata, "transforms": transforms}
 
 
