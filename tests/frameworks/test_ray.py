@@ -220,6 +220,16 @@ def test_hdf5_and_one_task(cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_inferred_schema(cluster, tmp_path):
+    """No schema=: fray.write infers it once from the first row, as fastdata.write does from its first sample."""
+    fray.write(source(60, 2).map_batches(make_rows, batch_size=20), tmp_path / "inferred.lmdb")
+    fastdata.write(python_rows(range(60)), tmp_path / "ref.lmdb")
+    inferred, reference = (fastdata.open_dataset(tmp_path / name) for name in ("inferred.lmdb", "ref.lmdb"))
+    assert inferred.schema == reference.schema
+    assert_same_samples(tmp_path / "inferred.lmdb", tmp_path / "ref.lmdb")
+
+
+@pytest.mark.slow
 def test_empty_dataset(cluster, tmp_path):
     fray.write(source(0, 1).map_batches(make_rows, batch_size=20), tmp_path / "empty.lmdb", SCHEMA)
     assert len(fastdata.open_dataset(tmp_path / "empty.lmdb")) == 0
