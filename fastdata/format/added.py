@@ -22,7 +22,10 @@ length of a msgpack header, then the arrays it places, each at a 64-byte aligned
 dtype, shape ``[n, *shape]``: what ``ds.column`` returns, read without opening a shard), or
 ``<name>.offsets`` (``<i8 [n + 1]``), ``<name>.checksums`` (``<u8 [n]``, xxh3-64 of each
 value's bytes) and ``<name>.data`` (``|u1``: the values one after another, each the msgpack of
-the field kind's stored value, exactly what a record would hold for it) for any other field.
+the field kind's stored value, exactly what a record would hold for it) for any other field; an
+image field also has ``<name>.format|.width|.height|.dtype|.channels`` (``IMAGE_META_ARRAYS``:
+each image's format code, size, pixel dtype code and channels, as a written image field's index
+arrays hold them).
 ``OFFSET`` is from the file's start, ``XXH`` the xxh3-64 hex digest of the array's bytes.
 
 A file is untrusted input: the header is read with a bound, every array is checked against the
@@ -94,13 +97,18 @@ def field_file_shard(name: str) -> str | None:
 
 
 def addable(field: Field) -> str | None:
-    """Why ``field`` cannot be added to a store (None: it can). Images and chunked arrays
-    need per-sample metadata or chunk storage that field files do not hold yet."""
-    if isinstance(field, Image):
-        return "image fields cannot be added yet (add a mask as an ndarray or ragged field)"
+    """Why ``field`` cannot be added to a store (None: it can). A chunked array's chunks live
+    in its shard's storage, addressed from the shard index; a field file has none."""
     if isinstance(field, Chunked):
-        return "chunked fields cannot be added yet"
+        return ("chunked fields cannot be added (their chunks live inside the shard files); add the array as an "
+                "ndarray or ragged field, or an image")
     return None
+
+
+#: per-sample arrays an added image field's field file holds besides its values (the
+#: ``fields/<image>.*`` index arrays of a written image field: format code, size, pixel dtype
+#: code and channel count, from the validation decode when it was added)
+IMAGE_META_ARRAYS = {"format": "|u1", "width": "<i4", "height": "<i4", "dtype": "|u1", "channels": "<u2"}
 
 
 @dataclass(frozen=True)
@@ -277,7 +285,34 @@ def expected_arrays(fields: list[AddedField], count: int) -> dict[str, tuple[np.
             out[a.key + ".offsets"] = (np.dtype("<i8"), (count + 1,))
             out[a.key + ".checksums"] = (np.dtype("<u8"), (count,))
             out[a.key + ".data"] = (np.dtype("|u1"), None)
+            if isinstance(a.field, Image):
+                out.update({f"{a.key}.{meta}": (np.dtype(dtype), (count,))
+                            for meta, dtype in IMAGE_META_ARRAYS.items()})
     return out
+
+
+def value_parts(field: Field) -> tuple[str, ...]:
+    """The parts (``<key>.<part>`` arrays) of a record-resident added field's values."""
+    return ("offsets", "checksums", "data", *(IMAGE_META_ARRAYS if isinstance(field, Image) else ()))
+
+
+def check_image_meta(arrays: dict[str, np.ndarray], where: str, name: str) -> None:
+    """Refuse an added image field's per-sample format or dtype codes that name no format or
+    dtype (``arrays``: its parts by name), and negative sizes.
+
+    Raises:
+        CorruptRecordError: naming ``where``, the field and the first bad record.
+    """
+    from fastdata.format.record import FORMAT_NAMES, IMAGE_DTYPE_NAMES, NOT_RECORDED
+
+    for part, allowed in (("format", list(FORMAT_NAMES)), ("dtype", [NOT_RECORDED, *IMAGE_DTYPE_NAMES])):
+        bad = ~np.isin(arrays[part], allowed)
+        if bad.any():
+            raise CorruptRecordError(f"{where}: added image field {name!r} record {int(np.flatnonzero(bad)[0])}: "
+                                     f"unknown {part} code {int(arrays[part][bad][0])}")
+    for part in ("width", "height"):
+        if (arrays[part] < 0).any():
+            raise CorruptRecordError(f"{where}: added image field {name!r}: a negative {part}")
 
 
 def parse_header(head: bytes, size: int, fields: list[AddedField], count: int, where: str) -> dict[str, ArrayEntry]:
@@ -370,7 +405,8 @@ def load_field_file(path: str, fields: list[AddedField], count: int, entry: dict
 
     Returns:
         ``{field name: {"values": array}}`` for a fixed-size field, ``{"offsets", "checksums",
-        "data"}`` arrays for any other (what :func:`build_field_file` takes, keyed by part).
+        "data"}`` arrays for any other, an image's also its ``IMAGE_META_ARRAYS`` (what
+        :func:`build_field_file` takes, keyed by part: :func:`value_parts`).
 
     Raises:
         CorruptRecordError: the first problem, naming ``where``, the field and the record.
@@ -399,10 +435,12 @@ def load_field_file(path: str, fields: list[AddedField], count: int, entry: dict
                 out[a.name] = {"values": array_of(e, portable.pread(fd, e.nbytes, e.offset), where, a.key)}
                 continue
             loaded = {}
-            for part in ("offsets", "checksums", "data"):
+            for part in value_parts(a.field):
                 e = arrays[f"{a.key}.{part}"]
                 loaded[part] = array_of(e, portable.pread(fd, e.nbytes, e.offset), where, f"{a.key}.{part}")
             check_offsets(loaded["offsets"], len(loaded["data"]), where, a.name)
+            if isinstance(a.field, Image):
+                check_image_meta(loaded, where, a.name)
             if check_values:
                 data = loaded["data"].tobytes()
                 offsets = loaded["offsets"].tolist()

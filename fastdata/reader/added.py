@@ -19,11 +19,14 @@ import numpy as np
 from fastdata.common import portable
 from fastdata.common.fileio import open_regular
 from fastdata.errors import CorruptRecordError, StoreChangedError
+from fastdata.format.fields import Image
 from fastdata.format.added import (
+    IMAGE_META_ARRAYS,
     AddedField,
     ArrayEntry,
     added_fields,
     array_of,
+    check_image_meta,
     check_offsets,
     decode_value,
     field_files,
@@ -61,6 +64,15 @@ class AddedValues:
         self._values: dict[str, list[_ValueFile]] = {}
         self.shard_starts = np.array([s["first_index"] for s in manifest["shards"]], dtype=np.int64)
         parts: dict[str, list[np.ndarray]] = {a.name: [] for a in self.fields if a.fixed}
+        #: (dtype, row shape) of each array of ``self.arrays``: the fixed fields' values, and each
+        #: added image field's per-sample format, size, dtype and channels (``<name>.<meta>``)
+        layouts: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+            a.name: a.field.index_shape for a in self.fields if a.fixed}  # type: ignore[misc]
+        for a in self.fields:
+            if isinstance(a.field, Image):
+                for meta, code in IMAGE_META_ARRAYS.items():
+                    parts[f"{a.name}.{meta}"] = []
+                    layouts[f"{a.name}.{meta}"] = (np.dtype(code), ())
         for shard in manifest["shards"]:
             files = field_files(shard)
             for gen in sorted({a.generation for a in self.fields}):
@@ -69,8 +81,7 @@ class AddedValues:
                 path = store.field_file(entry["name"], entry["bytes"], entry["xxh"])
                 self._read_file(path, mine, shard, entry, parts)
         for name, arrays in parts.items():
-            field = next(a.field for a in self.fields if a.name == name)
-            dtype, shape = field.index_shape  # type: ignore[misc]
+            dtype, shape = layouts[name]
             self.arrays[name] = (np.concatenate(arrays).astype(dtype, copy=False) if arrays
                                  else np.zeros((0, *shape), dtype=dtype))
         self._fds: dict[str, int] = {}
@@ -100,6 +111,13 @@ class AddedValues:
                 check_offsets(offsets, data.nbytes, where, a.name)
                 checksums = array_of(sums, portable.pread(fd, sums.nbytes, sums.offset), where, a.key + ".checksums")
                 self._values.setdefault(a.name, []).append(_ValueFile(path, offsets, checksums, data))
+                if isinstance(a.field, Image):  # its index arrays, as a written image field has them
+                    meta = {}
+                    for part in IMAGE_META_ARRAYS:
+                        e = arrays[f"{a.key}.{part}"]
+                        meta[part] = array_of(e, portable.pread(fd, e.nbytes, e.offset), where, f"{a.key}.{part}")
+                        parts[f"{a.name}.{part}"].append(meta[part])
+                    check_image_meta(meta, where, a.name)
         finally:
             os.close(fd)
 

@@ -83,9 +83,9 @@ from fastdata.remote.store import StoreLocation, locate_store
 OUTPUTS = ("pil", "numpy", "tensor", "bytes")
 #: how a field of a sample is read (see :meth:`StoreDataset._field_plan`): an image decoded, an int
 #: or float of the index, an array of the index, another index value, an array or a chunk table
-#: of the record, another record value
+#: of the record, another record value; an added field's array, value or image (from its field file)
 (_IMAGE, _SCALAR, _INDEX_ARRAY, _INDEX_VALUE, _RECORD_ARRAY, _CHUNKED, _RECORD_VALUE, _ADDED_ARRAY,
- _ADDED_VALUE) = range(9)
+ _ADDED_VALUE, _ADDED_IMAGE) = range(10)
 #: the columns of :class:`ImageFolderDataset` (ImageFolder-like stores), in this order
 CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "format", "nbytes")
 
@@ -456,7 +456,9 @@ class StoreDataset(Dataset):
 
     def _resolve_modes(self, image_mode: str | Mapping[str, str] | None) -> dict[str, str]:
         names = self.schema.image_fields()
-        modes = {name: self._records.default_mode(name, self.root) for name in names}
+        added = {a.name: a.field for a in self._added.fields if isinstance(a.field, Image)} if self._added else {}
+        modes = {name: added[name].default_mode(name) if name in added  # (an added image: its declared mode)
+                 else self._records.default_mode(name, self.root) for name in names}
         if isinstance(image_mode, str):
             check_mode(image_mode)
             return dict.fromkeys(names, image_mode)
@@ -820,7 +822,9 @@ class StoreDataset(Dataset):
         plan: list[tuple[str, int, Any, np.ndarray | None]] = []
         for name, field in self.schema:
             if isinstance(field, Image):
-                plan.append((name, _IMAGE, field, self.index_arrays[f"{FIELD_PREFIX}{name}.format"]))
+                added = self._added is not None and name in self._added.record_fields  # (its bytes: a field file)
+                plan.append((name, _ADDED_IMAGE if added else _IMAGE, field,
+                             self.index_arrays[f"{FIELD_PREFIX}{name}.format"]))
             elif field.index_shape is not None:
                 how = _INDEX_ARRAY if isinstance(field, NDArray) else _SCALAR if isinstance(field, Int | Float) \
                     else _INDEX_VALUE
@@ -839,14 +843,15 @@ class StoreDataset(Dataset):
         record = self._records.record_fields(data, lambda: self._where(index))
         out: dict[str, Any] = {}
         for name, how, field, array in self._plan:
-            if how == _IMAGE:
+            if how == _IMAGE or how == _ADDED_IMAGE:
                 fmt = FORMAT_NAMES[int(array[index])]  # type: ignore[index]
+                data = record[name] if how == _IMAGE else self._added_value(name, index)
                 slot = slots.get(name) if slots else None
                 if slot is not None:
-                    self._decode_image(record[name], fmt, index, name, epoch, into=slot.numpy())
+                    self._decode_image(data, fmt, index, name, epoch, into=slot.numpy())
                     out[name] = slot.permute(2, 0, 1)
                     continue
-                image = self._decode_image(record[name], fmt, index, name, epoch)
+                image = self._decode_image(data, fmt, index, name, epoch)
                 if self.output == "tensor" and isinstance(image, np.ndarray):
                     image = to_tensor(np.ascontiguousarray(image))
                 out[name] = image

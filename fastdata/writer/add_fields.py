@@ -29,6 +29,7 @@ from fastdata.common import portable
 from fastdata.errors import FastdataError
 from fastdata.format.added import (
     ADDED_FIELDS_KEY,
+    IMAGE_META_ARRAYS,
     FIELD_FILES_KEY,
     FIELDS_STAGING_DIR,
     MAX_GENERATION,
@@ -41,7 +42,7 @@ from fastdata.format.added import (
     field_file_name,
     is_field_file_name,
 )
-from fastdata.format.fields import NDArray, Field, Float, Int, SchemaError, infer_field
+from fastdata.format.fields import NDArray, Field, Float, Image, Int, SchemaError, infer_field
 from fastdata.format.fields import Schema
 from fastdata.format.manifest import read_manifest, schema_of, write_manifest
 from fastdata.format.names import ATOMIC_TMP_MARK, check_file_name
@@ -93,6 +94,8 @@ class _Column:
         self.fixed = field.index_shape is not None
         self.array: np.ndarray | None = None
         self.encoded: list[bytes] | None = None
+        #: an image field's per-sample arrays (format code, width, height, dtype code, channels)
+        self.image_meta: dict[str, np.ndarray] = {}
         array = _as_numpy(values)
         if self.fixed:
             dtype, shape = field.index_shape  # type: ignore[misc]
@@ -101,6 +104,8 @@ class _Column:
             else:
                 rows = [field.check(v, f"field {name!r} sample {i}") for i, v in enumerate(_each(name, values), first)]
                 self.array = np.asarray(rows, dtype=dtype).reshape((len(rows), *shape))
+        elif isinstance(field, Image):
+            self.encoded, self.image_meta = _images(name, values, first)
         else:
             self.encoded = [encode_value(field, field.check(v, f"field {name!r} sample {i}"))
                             for i, v in enumerate(_each(name, values), first)]
@@ -146,7 +151,38 @@ class _Column:
         np.cumsum([len(v) for v in values], out=offsets[1:])
         checksums = np.fromiter((xxhash.xxh3_64_intdigest(v) for v in values), dtype="<u8", count=count)
         data = np.frombuffer(b"".join(values), dtype=np.uint8)
-        return {f"{self.name}.offsets": offsets, f"{self.name}.checksums": checksums, f"{self.name}.data": data}
+        out = {f"{self.name}.offsets": offsets, f"{self.name}.checksums": checksums, f"{self.name}.data": data}
+        out.update({f"{self.name}.{meta}": array[first:first + count] for meta, array in self.image_meta.items()})
+        return out
+
+
+def _images(name: str, values: Any, first: int) -> tuple[list[bytes], dict[str, np.ndarray]]:
+    """An image field's values encoded as a record holds them (the encoded file's bytes: bytes as
+    they are, a path read, a PIL image, a numpy array or torch tensor encoded losslessly, as
+    :func:`fastdata.write` takes them), each fully decoded once to check it and to record its
+    format, size, pixel dtype and channels (the index arrays of a written image field)."""
+    from fastdata.common.imageio import ImageDecodeError, inspect_image
+    from fastdata.errors import RejectedInputError
+    from fastdata.format.record import FORMAT_CODES, image_dtype_code
+    from fastdata.writer.sources.python import _image_bytes
+
+    encoded: list[bytes] = []
+    rows: list[tuple[int, int, int, int, int]] = []
+    for i, value in enumerate(_each(name, values), first):
+        where = f"field {name!r} sample {i}"
+        try:
+            data, _path, info = _image_bytes(value, where)
+            if info is None:
+                info = inspect_image(data)
+        except (SchemaError, RejectedInputError) as err:
+            raise AddFieldsError(str(err)) from None
+        except ImageDecodeError as err:
+            raise AddFieldsError(f"{where}: not a usable image ({err})") from None
+        encoded.append(encode_value(Image(), data))
+        rows.append((FORMAT_CODES[info.format], info.width, info.height, image_dtype_code(info.dtype), info.channels))
+    table = np.asarray(rows, dtype=np.int64).reshape(len(rows), 5)
+    meta = {part: table[:, k].astype(dtype) for k, (part, dtype) in enumerate(IMAGE_META_ARRAYS.items())}
+    return encoded, meta
 
 
 def _each(name: str, values: Any):
@@ -972,8 +1008,8 @@ def merged_field_file(dst: str, path_of: Callable[[str], str], m: dict, shard: d
         parts = loaded[a.name]
         if "values" in parts:
             arrays[a.name] = parts["values"]
-        else:
-            arrays.update({f"{a.name}.{part}": parts[part] for part in ("offsets", "checksums", "data")})
+        else:  # (an image's per-sample format, size, dtype and channels too)
+            arrays.update({f"{a.name}.{part}": array for part, array in parts.items()})
     name = field_file_name(1, new["name"])
     size, xxh = _write_file(os.path.join(dst, name), build_field_file(shard["count"], arrays))
     new[FIELD_FILES_KEY] = [{"name": name, "generation": 1, "bytes": size, "xxh": xxh}]

@@ -155,7 +155,7 @@ def _unchanged(store, before_manifest, before_files):
     ({"score": [1.0] * 9 + ["high"] + [1.0] * (N - 10)}, None, "field 'score' sample 9: expected a number"),
     ({"score": np.r_[np.zeros(N - 1), np.nan]}, {"score": Float("float32")}, "field 'score' sample 39: NaN"),
     ({"x": np.zeros(N)}, None, "field 'x' is one the store was written with"),
-    ({"img": [b"\xff\xd8"] * N}, None, "image fields cannot be added yet"),
+    ({"img": [b"\xff\xd8"] * N}, None, "field 'img' sample 0: not a usable image"),
 ], ids=["length", "shape", "dtype", "kind", "nan", "original", "image"])
 def test_bad_values_refused_nothing_published(store, values, fields, message):
     m, files = read_manifest(store), sorted(os.listdir(store))
