@@ -11,7 +11,7 @@ store is published as with :func:`fastdata.add_fields`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -62,14 +62,99 @@ def _joined(parts: list) -> Any:
     return [v for p in parts for v in p]
 
 
+#: what ``on_error`` takes
+ON_ERROR = ("raise", "skip")
+
+
+def _per_sample(ds: Any, fn: Callable[[Any], Any], idx: list[int], names: list[str], defaults: Mapping[str, Any],
+                where: str) -> tuple[dict[str, list], list[tuple[int, str]]]:
+    """``fn`` over a batch's samples one at a time (a batch of one each, collated as the loader
+    collates): the values of those it returns for, its fields' defaults for those it raises on.
+
+    Returns:
+        ``({name: one value a sample}, [(sample, why) skipped])``.
+    """
+    from fastdata.reader.batching import collate
+
+    got: list[Mapping[str, Any] | None] = []
+    skipped: list[tuple[int, str]] = []
+    for i in idx:
+        try:
+            out = fn(collate(ds.__getitems__([i])))
+        except Exception as err:  # noqa: BLE001 - any exception of the user's function skips the sample
+            got.append(None)
+            skipped.append((i, f"{type(err).__name__}: {err}"[:300]))
+            continue
+        if not isinstance(out, Mapping) or not out:
+            raise ComputeFieldsError(f"{where}: the function returned {type(out).__name__} for sample {i}, not a dict "
+                                     "of field name -> values")
+        got.append({str(n): _as_rows(str(n), v, 1, f"{where} sample {i}")[0] for n, v in out.items()})
+    names = names or next((list(o) for o in got if o is not None), list(defaults))
+    missing = [n for n in names if n not in defaults]
+    if skipped and missing:
+        raise ComputeFieldsError(f"{where}: on_error='skip' skipped sample {skipped[0][0]} ({skipped[0][1]}) but "
+                                 f"field(s) {', '.join(missing)} have no default to give it: pass defaults="
+                                 f"{{{missing[0]!r}: value}}")
+    values = {n: [o[n] if o is not None else defaults[n] for o in got] for n in names}
+    for i, o in zip(idx, got, strict=True):
+        if o is not None and sorted(o) != sorted(names):
+            raise ComputeFieldsError(f"{where}: the function returned fields {', '.join(sorted(o))} for sample {i}, "
+                                     f"{', '.join(sorted(names))} for others")
+    return values, skipped
+
+
+def _shard_values(ds: Any, fn: Callable[[Any], Any], shards: list[dict], todo: list[int], batch_size: int,
+                  loader_options: dict, on_error: str, defaults: Mapping[str, Any], store: str,
+                  names: list[str]) -> Iterator[tuple[int, dict[str, Any], list[tuple[int, str]]]]:
+    """``(shard, {name: its values}, skipped samples)`` for each shard of ``todo`` with samples, in order:
+    ``fn`` over the loader's batches of the shard (store order, never crossing a shard)."""
+    from fastdata.reader.loader import loader
+
+    batches = [list(range(start, min(start + batch_size, s["first_index"] + s["count"])))
+               for k in todo for s in [shards[k]]
+               for start in range(s["first_index"], s["first_index"] + s["count"], batch_size)]
+    pending = iter([k for k in todo if shards[k]["count"] > 0])
+    shard = next(pending, None)
+    parts: dict[str, list] = {}
+    skipped: list[tuple[int, str]] = []
+    filled = 0
+    for idx, batch in zip(batches, loader(ds, batch_sampler=batches, **loader_options), strict=True):
+        assert shard is not None  # (as many batches as the shards to do hold samples)
+        entry = shards[shard]
+        where = f"{store}: samples {idx[0]}..{idx[-1]} (shard {entry['name']})"
+        try:
+            out = fn(batch)
+        except Exception as err:
+            if on_error != "skip":
+                sample = _first_failing(ds, fn, idx)
+                which = f"{store}: sample {sample} (shard {entry['name']})" if sample is not None else where
+                raise ComputeFieldsError(f"{which}: the function raised {type(err).__name__}: {err}") from err
+            out, lost = _per_sample(ds, fn, idx, names or list(parts), defaults, where)
+            skipped += lost
+        if not isinstance(out, Mapping) or not out:
+            raise ComputeFieldsError(f"{where}: the function returned {type(out).__name__}, not a dict of "
+                                     "field name -> values")
+        for name, value in out.items():
+            parts.setdefault(str(name), []).append(_as_rows(str(name), value, len(idx), where))
+        names = names or list(parts)
+        filled += len(idx)
+        if filled == entry["count"]:
+            yield shard, {name: _joined(p) for name, p in parts.items()}, skipped
+            parts, skipped, filled = {}, [], 0
+            shard = next(pending, None)
+
+
 def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, Any]], *, batch_size: int = 64,
                    num_workers: int | None = None, resume: bool = False, replace: bool = False,
                    fields: Mapping[str, Field] | None = None, progress: Callable[[int, int], None] | None = None,
-                   **dataset_options: Any) -> dict:
-    """Add fields computed by ``fn`` over every sample of a local store, as a new version.
+                   on_error: str = "raise", defaults: Mapping[str, Any] | None = None,
+                   storage_options: Mapping[str, Any] | None = None, **dataset_options: Any) -> dict:
+    """Add fields computed by ``fn`` over every sample of a store, as a new version.
 
     Args:
-        store: the store directory.
+        store: the store directory, or its URL (``s3://...``: read through the dataset's cache,
+            the values kept in memory until every shard is done, then added as
+            :func:`fastdata.add_fields` adds them to a URL; ``resume`` is for local stores).
         fn: called with each batch as :func:`fastdata.loader` gives it (``(images, targets)`` for a
             folder store, a dict of fields for a general one), in store order; returns
             ``{name: values}``, one value a sample of the batch (a numpy array, a tensor, or a list).
@@ -80,6 +165,16 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
         replace: replace added fields of these names.
         fields: declared kinds by name (else inferred from the first shard's values).
         progress: ``progress(done, total)`` after each shard.
+        on_error: ``"raise"`` (default): a sample ``fn`` raises on stops the run, naming it, and
+            nothing is published. ``"skip"``: a batch ``fn`` raises on is run again one sample at a
+            time; the samples it raises on get their fields' ``defaults`` and are reported: the
+            new version's history entry (``manifest["options"]["field_history"][-1]``) lists them
+            (``skipped``: ``[index, "Error: message"]``, the first 1000; ``skipped_count``), and a
+            :class:`ComputeFieldsWarning` names the count and the first ones.
+        defaults: ``{name: value}``: each field's default (recorded as ``add_fields(defaults=)``
+            records it: appends use it too); with ``on_error="skip"``, the value of a skipped sample
+            (required for every field then).
+        storage_options: fsspec options of a store at a URL.
         dataset_options: for :func:`fastdata.open_dataset` (``output="tensor"``, ``decode=...``).
 
     Returns:
@@ -88,54 +183,98 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
     Raises:
         ComputeFieldsError: ``fn`` raised (its exception chained; the message names the first
             sample it raises on alone, else the batch's samples, and the shard) or returned values
-            that are not one a sample.
-        AddFieldsError: values refused as :func:`fastdata.add_fields` refuses them.
+            that are not one a sample; with ``on_error="skip"``, a skipped sample's field without a
+            default.
+        AddFieldsError: values refused as :func:`fastdata.add_fields` refuses them; ``resume`` of a
+            store at a URL; a store at a URL changed while its values were computed.
     """
-    from fastdata.reader.loader import loader
+    from fastdata.common.paths import remote_scheme
     from fastdata.reader.open import open_dataset
 
-    run = FieldsRun(store, resume=resume, fields=fields, replace=replace)
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {', '.join(map(repr, ON_ERROR))}, got {on_error!r}")
+    defaults = dict(defaults or {})
+    options: dict[str, Any] = {} if num_workers is None else {"num_workers": num_workers}
+    if remote_scheme(os.fspath(store)) is not None:
+        if resume:
+            raise AddFieldsError(f"{os.fspath(store)}: resume=True is for local stores: a run over a store at a URL "
+                                 "keeps its values in memory; run it again without resume")
+        return _compute_remote(os.fspath(store), fn, batch_size, options, replace, fields, progress, on_error,
+                               defaults, storage_options, dataset_options)
+    if storage_options:
+        raise ValueError("storage_options apply to a store at a URL only")
+    run = FieldsRun(store, resume=resume, fields=fields, replace=replace, defaults=defaults)
     try:
         shards = run.manifest["shards"]
         ds = open_dataset(run.store, **dataset_options)
         if ds._store.manifest["checksum"] != run.manifest["checksum"]:  # (the lock is held: cannot differ)
             raise AddFieldsError(f"{run.store} changed while it was opened")
         todo = [k for k in range(len(shards)) if not run.done(k)]
-        batches = [list(range(start, min(start + batch_size, s["first_index"] + s["count"])))
-                   for k in todo for s in [shards[k]]
-                   for start in range(s["first_index"], s["first_index"] + s["count"], batch_size)]
-        options: dict[str, Any] = {} if num_workers is None else {"num_workers": num_workers}
-        pending = iter([k for k in todo if shards[k]["count"] > 0])
-        shard = next(pending, None)
-        parts: dict[str, list] = {}
-        filled = 0
         done = len(shards) - len(todo)
-        for idx, batch in zip(batches, loader(ds, batch_sampler=batches, **options), strict=True):
-            assert shard is not None  # (as many batches as the shards to do hold samples)
-            entry = shards[shard]
-            where = (f"{run.store}: samples {idx[0]}..{idx[-1]} (shard {entry['name']})")
-            try:
-                out = fn(batch)
-            except Exception as err:
-                sample = _first_failing(ds, fn, idx)
-                which = f"{run.store}: sample {sample} (shard {entry['name']})" if sample is not None else where
-                raise ComputeFieldsError(f"{which}: the function raised {type(err).__name__}: {err}") from err
-            if not isinstance(out, Mapping) or not out:
-                raise ComputeFieldsError(f"{where}: the function returned {type(out).__name__}, not a dict of "
-                                         "field name -> values")
-            for name, value in out.items():
-                parts.setdefault(str(name), []).append(_as_rows(str(name), value, len(idx), where))
-            filled += len(idx)
-            if filled == entry["count"]:
-                run.put(shard, {name: _joined(p) for name, p in parts.items()})
-                parts, filled, done = {}, 0, done + 1
-                shard = next(pending, None)
-                if progress is not None:
-                    progress(done, len(shards))
+        skipped: list[tuple[int, str]] = []
+        for shard, values, lost in _shard_values(ds, fn, shards, todo, batch_size, options, on_error, defaults,
+                                                 run.store, list(run.plan["fields"] or {})):
+            run.put(shard, values, lost)
+            skipped += lost
+            done += 1
+            if progress is not None:
+                progress(done, len(shards))
         for k in todo:  # shards without samples (none read)
             if not run.done(k) and shards[k]["count"] == 0:
                 run.put(k, {name: [] for name in (run.plan["fields"] or {})})
         ds.close()
-        return run.publish()
+        manifest = run.publish()
+        _warn_skipped(run.store, manifest)
+        return manifest
     finally:
         run.close()
+
+
+class ComputeFieldsWarning(UserWarning):
+    """``compute_fields(on_error="skip")`` skipped samples (named; the version's history lists them)."""
+
+
+def _warn_skipped(store: str, manifest: dict) -> None:
+    import warnings
+
+    entry = (manifest["options"].get("field_history") or [{}])[-1]
+    if entry.get("skipped_count"):
+        first = "; ".join(f"sample {i}: {why}" for i, why in entry["skipped"][:3])
+        warnings.warn(f"{store}: compute_fields skipped {entry['skipped_count']} sample(s) the function raised on "
+                      f"(given the fields' defaults): {first}{'; ...' if entry['skipped_count'] > 3 else ''} (all "
+                      "listed in manifest['options']['field_history'][-1]['skipped'])", ComputeFieldsWarning,
+                      stacklevel=3)
+
+
+def _compute_remote(url: str, fn: Callable, batch_size: int, options: dict, replace: bool,
+                    fields: Mapping[str, Field] | None, progress: Callable[[int, int], None] | None, on_error: str,
+                    defaults: Mapping[str, Any], storage_options: Mapping[str, Any] | None,
+                    dataset_options: dict) -> dict:
+    """:func:`compute_fields` of a store at a URL: the version opened is read through the dataset
+    (its shards cached as any remote read caches them), every shard's values kept in memory, then
+    added with the store's lock object held, refused when a new version was published meanwhile."""
+    from fastdata.reader.open import open_dataset
+    from fastdata.writer.add_fields import MAX_SKIPPED_LISTED, _add_fields_remote
+
+    ds = open_dataset(url, storage_options=storage_options, **dataset_options) if storage_options else \
+        open_dataset(url, **dataset_options)
+    manifest = ds._store.manifest
+    shards = manifest["shards"]
+    per_shard: dict[int, dict[str, Any]] = {}
+    skipped: list[tuple[int, str]] = []
+    for shard, values, lost in _shard_values(ds, fn, shards, list(range(len(shards))), batch_size, options,
+                                             on_error, defaults, url, []):
+        per_shard[shard] = values
+        skipped += lost
+        if progress is not None:
+            progress(len(per_shard), len(shards))
+    ds.close()
+    names = list(next(iter(per_shard.values()), {}))
+    values = {n: _joined([per_shard[k][n] for k in sorted(per_shard)]) for n in names}
+    history = ({"skipped_count": len(skipped), "skipped": [[i, why] for i, why in skipped[:MAX_SKIPPED_LISTED]]}
+               if skipped else None)
+    new = _add_fields_remote(url, values, dict(fields or {}), replace, None, storage_options,
+                             {n: v for n, v in defaults.items() if n in values}, base_checksum=manifest["checksum"],
+                             history=history)
+    _warn_skipped(url, new)
+    return new

@@ -421,7 +421,8 @@ def _write_shard_files(store: str, manifest: dict, columns: list[_Column], gen: 
 
 def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str, Field], replace: bool,
                        progress: Callable[[int, int], None] | None,
-                       storage_options: Mapping[str, Any] | None, defaults: Mapping[str, Any]) -> dict:
+                       storage_options: Mapping[str, Any] | None, defaults: Mapping[str, Any],
+                       base_checksum: str | None = None, history: Mapping[str, Any] | None = None) -> dict:
     """:func:`add_fields` of a store at a URL: each field file written locally and uploaded (its size
     and ETag checked), then the new manifest uploaded last, under the store's lock object. Datasets
     opened before read on in their version (their cache is keyed by the manifest's checksum)."""
@@ -442,6 +443,9 @@ def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[st
         except FileNotFoundError:
             raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
         manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
+        if base_checksum is not None and manifest["checksum"] != base_checksum:
+            raise AddFieldsError(f"{location.url}: the store was changed (a new version published) while its values "
+                                 "were computed; nothing was added: run it again")
         columns, gen, new_fields = _prepare(location.url, manifest, values, declared, replace, defaults)
         with tempfile.TemporaryDirectory(prefix="fastdata-add-fields-") as tmp:
             def place(name: str, pieces: list) -> tuple[int, str]:
@@ -453,13 +457,18 @@ def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[st
 
             shards = _write_shard_files(location.url, manifest, columns, gen, place, progress)
             entry = {"generation": gen, "action": "add", "fields": [c.name for c in columns],
-                     "at": new_fields[-1].added}
+                     "at": new_fields[-1].added, **(history or {})}
             write_manifest(tmp, _new_body(manifest, new_fields, shards, entry))
             upload_checked(location, os.path.join(tmp, MANIFEST_NAME), MANIFEST_NAME)  # last
             return parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
                                   where=location.child(MANIFEST_NAME))
     finally:
         lock.release()
+
+
+#: the samples a field history entry lists by index and reason (``compute_fields(on_error="skip")``;
+#: ``skipped_count`` counts them all)
+MAX_SKIPPED_LISTED = 1000
 
 
 class FieldsRun:
@@ -485,7 +494,7 @@ class FieldsRun:
     """
 
     def __init__(self, store: str | os.PathLike, *, resume: bool = False, fields: Mapping[str, Field] | None = None,
-                 replace: bool = False):
+                 replace: bool = False, defaults: Mapping[str, Any] | None = None):
         import json
 
         self.store = os.fspath(store)
@@ -508,6 +517,7 @@ class FieldsRun:
                 shutil.rmtree(self.staging, ignore_errors=True)
                 plan = None
             self.declared = dict(fields or {})
+            self.defaults = dict(defaults or {})
             if plan is None:
                 os.makedirs(self.staging, exist_ok=True)
                 plan = {"base": self.manifest["checksum"], "generation": _next_generation(self.manifest, self.store),
@@ -527,9 +537,11 @@ class FieldsRun:
     def _sidecar(self, shard: int) -> str:
         return os.path.join(self.staging, f"{shard:05d}.json")
 
-    def put(self, shard: int, values: Mapping[str, Any]) -> None:
+    def put(self, shard: int, values: Mapping[str, Any], skipped: Sequence[tuple[int, str]] = ()) -> None:
         """Stage shard ``shard``'s values (one a sample of the shard, by field name), checked
-        against the run's field kinds (inferred from the first shard's values when not declared).
+        against the run's field kinds (inferred from the first shard's values when not declared);
+        ``skipped``: ``(sample index, why)`` of its samples given their fields' defaults instead
+        of computed values (recorded in the published version's history).
 
         Raises:
             AddFieldsError: values of the wrong count, dtype, shape or kind (naming the field and
@@ -555,7 +567,8 @@ class FieldsRun:
             arrays.update(column.shard_arrays(0, entry["count"]))
         name = field_file_name(self.generation, entry["name"])
         size, xxh = _write_file(os.path.join(self.staging, name), build_field_file(entry["count"], arrays))
-        _write_json(self._sidecar(shard), {"name": name, "bytes": size, "xxh": xxh})
+        _write_json(self._sidecar(shard), {"name": name, "bytes": size, "xxh": xxh,
+                                           "skipped": [[int(i), str(why)] for i, why in skipped]})
 
     def _check_names(self, values: Mapping[str, Any]) -> None:
         base = schema_of(self.manifest, self.store).names
@@ -586,9 +599,11 @@ class FieldsRun:
         missing = [s["name"] for k, s in enumerate(shards) if not self.done(k)]
         if missing or self.plan["fields"] is None:
             raise AddFieldsError(f"{self.store}: no values for shard(s) {', '.join(missing[:5])}")
+        skipped: list = []
         for k, shard in enumerate(shards):
             with open(self._sidecar(k), encoding="utf-8") as fh:
                 staged = json.load(fh)
+            skipped += staged.get("skipped") or []
             os.replace(os.path.join(self.staging, staged["name"]), os.path.join(self.store, staged["name"]))
             shard[FIELD_FILES_KEY] = list(shard.get(FIELD_FILES_KEY, [])) + [
                 {"name": staged["name"], "generation": self.generation, "bytes": staged["bytes"],
@@ -596,8 +611,13 @@ class FieldsRun:
         names = list(self.plan["fields"])
         when = _now()
         fields = [a for a in added_fields(self.manifest, self.store) if a.name not in names]
-        fields += [AddedField(n, field_from_json(self.plan["fields"][n], n), self.generation, when, n) for n in names]
+        kinds = {n: field_from_json(self.plan["fields"][n], n) for n in names}
+        fields += [AddedField(n, kinds[n], self.generation, when, n,
+                              json_default(n, kinds[n], self.defaults[n]) if n in self.defaults else ())
+                   for n in names]
         entry = {"generation": self.generation, "action": "add", "fields": names, "at": when}
+        if skipped:
+            entry.update(skipped_count=len(skipped), skipped=skipped[:MAX_SKIPPED_LISTED])
         new = _publish(self.store, self.manifest, fields, shards, entry)
         shutil.rmtree(self.staging, ignore_errors=True)
         return new

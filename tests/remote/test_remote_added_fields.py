@@ -132,3 +132,29 @@ def test_merge_of_stores_on_s3_with_added_fields(s3, tmp_path):
     fastdata.add_fields(b, {"other": np.zeros(n)})
     with pytest.raises(fastdata.errors.FastdataError, match="a merge needs the same added fields"):
         fastdata.merge([a, b], f"{bucket}/ab2.h5")
+
+
+def test_compute_fields_over_a_store_on_s3(s3, tmp_path):
+    """The function runs over the version opened (read through the cache); its values are added
+    under the store's lock object, the samples it raises on skipped and listed (on_error="skip")."""
+    _server, bucket = s3
+    n = 12
+    url = f"{bucket}/c.lmdb"
+    fastdata.write([{"x": float(i)} for i in range(n)], url, shard_size=300, progress=False, workers=0)
+
+    def fn(batch):
+        if (batch["x"] == 7).any():
+            raise RuntimeError("no")
+        return {"double": batch["x"] * 2}
+
+    with pytest.raises(fastdata.errors.FastdataError, match="resume=True is for local stores"):
+        fastdata.compute_fields(url, fn, resume=True)
+    with pytest.warns(fastdata.tools.compute.ComputeFieldsWarning, match="skipped 1 sample"):
+        m = fastdata.compute_fields(url, fn, batch_size=4, num_workers=0, on_error="skip",
+                                    defaults={"double": -1.0}, cache_dir=str(tmp_path / "cache"))
+    assert m["options"]["field_history"][-1]["skipped"] == [[7, "RuntimeError: no"]]
+    ds = fastdata.open_dataset(url)
+    want = np.arange(n) * 2.0
+    want[7] = -1.0
+    np.testing.assert_array_equal(ds.column("double"), want)
+    assert fastdata.verify(url).ok

@@ -77,6 +77,35 @@ def test_a_raising_function_is_named_and_nothing_published(store):
         fastdata.compute_fields(store, lambda b: {"y": [1, 2]}, batch_size=5, num_workers=0)
 
 
+def test_on_error_skip_gives_the_failing_samples_their_defaults_and_reports_them(store):
+    def picky(batch):
+        x = batch["x"]
+        if ((x == 5) | (x == 21)).any():
+            raise ValueError(f"cannot score {x.tolist()}")
+        return {"score": x * 10, "note": [f"n{int(v)}" for v in x]}
+
+    before = read_manifest(store)["checksum"]
+    with pytest.raises(ComputeFieldsError, match=r"skipped sample 5 \(ValueError: cannot score \[5.0\]\) but "
+                                                 r"field\(s\) note have no default"):
+        fastdata.compute_fields(store, picky, batch_size=4, num_workers=0, on_error="skip", defaults={"score": -1.0})
+    assert read_manifest(store)["checksum"] == before  # nothing published
+    with pytest.warns(fastdata.tools.compute.ComputeFieldsWarning, match=r"skipped 2 sample\(s\).*sample 5: "
+                                                                            r"ValueError: cannot score \[5.0\]"):
+        m = fastdata.compute_fields(store, picky, batch_size=4, num_workers=0, on_error="skip",
+                                    defaults={"score": -1.0, "note": "none"})
+    ds = fastdata.open_dataset(store)
+    want = np.arange(N) * 10.0
+    want[[5, 21]] = -1.0
+    np.testing.assert_array_equal(ds.column("score"), want)  # the batches' other samples computed one by one
+    assert [ds[i]["note"] for i in (4, 5, 6, 21)] == ["n4", "none", "n6", "none"]
+    entry = m["options"]["field_history"][-1]
+    assert entry["skipped_count"] == 2 and entry["skipped"] == [[5, "ValueError: cannot score [5.0]"],
+                                                                [21, "ValueError: cannot score [21.0]"]]
+    assert fastdata.verify(store).ok
+    with pytest.raises(ValueError, match="on_error must be one of"):
+        fastdata.compute_fields(store, picky, on_error="ignore")
+
+
 def test_interrupted_run_resumes_computing_only_the_rest(store, tmp_path):
     seen = []
 
