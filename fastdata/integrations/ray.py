@@ -152,9 +152,11 @@ class StoreSink(Datasink):
             raise TypeError(f"options must be a fastdata.WriteOptions, got {type(options).__name__}")
         options = WriteOptions(**{**{f: getattr(options, f) for f in options.__dataclass_fields__
                                      if f != "chunk_size"}, **keywords})
-        if options.resume or options.append or options.staging_dir is not None:
-            raise RayWriteError("a Ray write takes no resume, append or staging_dir: a failed job publishes nothing "
-                                "and is run again; to add to a store, write a new one and fastdata merge them")
+        if (options.resume or options.append or options.staging_dir is not None or options.added_values is not None
+                or options.added_defaults is not None):
+            raise RayWriteError("a Ray write takes no resume, append (added_values, added_defaults) or staging_dir: a "
+                                "failed job publishes nothing and is run again; to add to a store, write a new one and "
+                                "fastdata merge them")
         backend = options.format or backend_for_path(dst)
         if backend is None:
             raise RayWriteError(f"{dst}: cannot tell the backend from the destination's suffix; {suffix_hint()}")

@@ -101,3 +101,27 @@ def test_value_offsets_checked():
     for bad in ([1, 3, 8], [0, 5, 3, 8], [0, 3, 7], []):
         with pytest.raises(CorruptRecordError, match="value offsets are damaged"):
             check_offsets(np.array(bad, dtype=np.int64), 8, "f", "boxes")
+
+
+def test_image_field_files_need_their_per_sample_arrays_and_known_codes():
+    from fastdata.fields import Image
+    from fastdata.format.added import IMAGE_META_ARRAYS, check_image_meta
+
+    mask = [AddedField("mask", Image(), 1, "t", "mask")]
+    values = {"mask.offsets": np.zeros(COUNT + 1, "<i8"), "mask.checksums": np.zeros(COUNT, "<u8"),
+              "mask.data": np.zeros(0, "|u1")}
+    with pytest.raises(CorruptRecordError, match="lacks arrays.*mask.channels"):  # a file without them
+        raw = _file(values)
+        parse_header(raw, len(raw), mask, COUNT, "f")
+    meta = {f"mask.{k}": np.ones(COUNT, dtype=v) for k, v in IMAGE_META_ARRAYS.items()}
+    raw = _file({**values, **meta})
+    assert set(parse_header(raw, len(raw), mask, COUNT, "f")) == set(values) | set(meta)
+    good = {k: np.ones(COUNT, dtype=v) for k, v in IMAGE_META_ARRAYS.items()}
+    check_image_meta(good, "f", "mask")
+    for part, bad, message in (("format", 99, "record 2: unknown format code 99"),
+                               ("dtype", 250, "record 2: unknown dtype code 250"),
+                               ("width", -1, "a negative width")):
+        damaged = {k: v.copy() for k, v in good.items()}
+        damaged[part][2] = bad
+        with pytest.raises(CorruptRecordError, match=message):
+            check_image_meta(damaged, "f", "mask")

@@ -205,6 +205,8 @@ def test_refused_before_the_job(cluster, written, tmp_path):
         fray.StoreSink(root / "ray.lmdb", SCHEMA)
     with pytest.raises(fray.RayWriteError, match="resume"):
         fray.StoreSink(tmp_path / "x.lmdb", SCHEMA, resume=True)
+    with pytest.raises(fray.RayWriteError, match="added_values"):  # (they go with an append)
+        fray.StoreSink(tmp_path / "x.lmdb", SCHEMA, added_values={"score": [1.0]})
     with pytest.raises(ValueError, match="no field 'nope'"):
         fray.read(root / "ray.lmdb", columns=["nope"])
 
