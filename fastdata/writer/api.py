@@ -88,7 +88,9 @@ def convert(
             ``path,label`` CSV/TSV (an image folder), a JSONL list or a CSV/TSV with more columns
             (a table), NIfTI volumes (a folder, a list naming them, a Decathlon ``dataset.json``),
             Parquet files (a file, a folder or a glob), WebDataset shards (a ``.tar``, a brace
-            pattern, a glob or a folder).
+            pattern, a glob or a folder). An image folder or ``path,label`` list may be a URL
+            (``s3://bucket/imgs/``, ``gs://``, ``az://``; an ``https://`` list), read where it lies
+            with ``storage_options`` (see "Remote sources" in the remote guide).
         dst: destination directory, or a URL (``s3://bucket/train.lmdb``, ``gs://``, ``az://``:
             shards are staged locally and uploaded as each finishes, manifest last; see
             :mod:`fastdata.writer.remote_sink`); its suffix picks the backend unless ``format`` is given.
@@ -196,10 +198,12 @@ def source_for_path(
 ) -> Source:
     """The source object a path is, with ``convert``'s older keywords as its options.
 
-    The kind is sniffed in this order: Parquet files, WebDataset shards, NIfTI volumes (or a
-    folder given ``chunks``/``max_pixels``: TIFF images as chunked arrays), a list with more
-    fields than ``path,label`` (or ``schema`` given), a folder with ``dicom_tags``, else an image
-    folder or ``path,label`` list.
+    A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is an image folder prefix or, ending in
+    ``.csv``/``.tsv``, a ``path,label`` list read remotely; other kinds of input are refused from a
+    URL (:class:`~fastdata.errors.RemotePathError`). For a path, the kind is sniffed in this order:
+    Parquet files, WebDataset shards, NIfTI volumes (or a folder given ``chunks``/``max_pixels``:
+    TIFF images as chunked arrays), a list with more fields than ``path,label`` (or ``schema``
+    given), a folder with ``dicom_tags``, else an image folder or ``path,label`` list.
 
     Returns:
         Source: a :mod:`fastdata.sources` object.
