@@ -56,7 +56,8 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         from COCO) also ``categories`` (each ``id``, ``name`` and ``supercategory`` when the file
         gives one) and ``num_categories``, else None and 0; ``added_fields``: the fields added
         since the store was written (``fastdata.add_fields``), each its ``name``, kind and
-        parameters, ``generation`` and ``added`` (UTC time), in the order they were added.
+        parameters, ``generation``, ``added`` (UTC time) and ``default`` when one was declared
+        (what an append gives new samples), in the order they were added.
     """
     remote: RemoteStore | None = None
     if is_remote(store):
@@ -87,8 +88,8 @@ def info(store: str, *, storage_options: Mapping[str, Any] | None = None, cache_
         "rejected_items": m["rejected"],
         "options": m["options"],
         "schema": m.get("schema"),
-        "added_fields": [{"name": a.name, **a.field.to_json(), "generation": a.generation, "added": a.added}
-                         for a in added_fields(m, where)],
+        "added_fields": [{"name": a.name, **a.field.to_json(), "generation": a.generation, "added": a.added,
+                          **({"default": a.default[0]} if a.default else {})} for a in added_fields(m, where)],
         "images": images,
         "arrays": arrays,
         "images_error": images_error,

@@ -92,6 +92,7 @@ def test_append_with_values_and_a_declared_default(store):
     assert ds[2]["boxes"].tolist() == [[2, 2], [2, 2]]
     assert fastdata.verify(store).ok
     assert len(old) == N and old[N - 1]["caption"] == f"c{N - 1}"  # a dataset opened before: its version
+    assert [f.get("default") for f in fastdata.info(store)["added_fields"]] == [None, "none", None, None]
     # the append's own defaults; then a second append keeps the invariant on its shards too
     _write(store, N + M, 3, append=True,
                    added_values={"boxes": [np.zeros((0, 2), np.int16)] * 3},
