@@ -29,6 +29,8 @@ class Seen:
     range: str | None
     status: int
     body_bytes: int
+    #: the request's User-Agent header ("" when it sent none)
+    agent: str = ""
 
 
 class CountingProxy:
@@ -75,7 +77,8 @@ class CountingProxy:
                     with proxy._lock:  # (before the client has its reply: it may count at once)
                         proxy.requests.append(Seen(self.command, urllib.parse.unquote(self.path),
                                                    self.headers.get("Range"), reply.status,
-                                                   0 if self.command == "HEAD" else len(data)))
+                                                   0 if self.command == "HEAD" else len(data),
+                                                   self.headers.get("User-Agent") or ""))
                     self.send_response(reply.status, reply.reason)
                     for k, v in reply.getheaders():
                         if k.lower() not in _HOP and k.lower() != "content-length":

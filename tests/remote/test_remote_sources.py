@@ -285,12 +285,21 @@ def test_objects_fetched_but_not_written_stay_within_the_pipeline_window(remote_
                 child.kill()
                 child.join(10)
         fetched = [r.path for r in proxy.gets() if r.path.startswith(prefix)]
+        agents = {r.agent for r in proxy.gets() if r.path.startswith(prefix)}
+        # the control: a read through s3fs (botocore) names botocore in its User-Agent
+        proxy.clear()
+        RemoteLocation(f"{url}/c", {"endpoint_url": proxy.endpoint}).read_object(
+            "000.jpg", (src / "c" / "000.jpg").stat().st_size)
+        control_agents = {r.agent for r in proxy.gets()}
     finally:
         proxy.stop()
     window_inputs = (4 + 1) * 2 + 2  # the window's tasks, the one running, and one queued by the pool
     assert counts[-1] == counts[-2], counts  # settled: nothing more is fetched while nothing is written
     assert counts[-1] <= window_inputs < n, counts
     assert sorted(fetched) == sorted(set(fetched)) and len(fetched) == n  # each object read once
+    # by the plain signed GETs of fastdata.remote.direct (botocore's requests name it in User-Agent)
+    assert not any("botocore" in agent.lower() for agent in agents), agents
+    assert control_agents and all("botocore" in agent.lower() for agent in control_agents), control_agents
     assert json.loads(Path(tmp_path / "many.lmdb" / "manifest.json").read_text())["num_samples"] == n
 
 
