@@ -212,3 +212,28 @@ def test_cli_append_names_what_to_give_then_takes_values_and_defaults(store, tmp
     assert ds[N + 1]["boxes"].tolist() == [[7, 8]] and ds[N]["caption"] == "cli"
     proc = cli_in_process(capsys, "convert", str(src), store, "--append", "--workers", "0", "--added-default", "score")
     assert proc.returncode != 0 and "--added-default takes NAME=JSON" in proc.stderr
+
+
+def test_inputs_the_writer_rejects_are_named_when_the_values_counted_them(tmp_path):
+    """An image folder append whose bad image is rejected stores fewer samples than the values
+    given for its inputs: refused once the shards are written (nothing published), naming the
+    rejected count; resume=True with values for the stored samples publishes without writing a
+    shard again."""
+    from helpers.stores import make_folder
+
+    store = str(tmp_path / "c.lmdb")
+    fastdata.convert(str(make_folder(tmp_path / "w1", {"a": 3, "b": 3}, seed=1)), store, workers=0, progress=False)
+    fastdata.add_fields(store, {"loss": np.arange(6, dtype=np.float32)})
+    new = make_folder(tmp_path / "w2", {"b": 3}, seed=2)
+    (new / "b" / "s2_001.jpg").write_bytes(b"not a jpeg")  # rejected (strict=False: skipped and reported)
+    before = read_manifest(store)["checksum"]
+    with pytest.raises(AppendError, match=r"has 3 values, the append stores 2 samples \(1 input\(s\) were "
+                                          r"rejected: see the report\).*resume=True"):
+        fastdata.convert(str(new), store, append=True, workers=0, progress=False,
+                         added_values={"loss": [10.0, 11.0, 12.0]})
+    assert read_manifest(store)["checksum"] == before
+    report = fastdata.convert(str(new), store, append=True, resume=True, workers=0, progress=False,
+                              added_values={"loss": [10.0, 12.0]})
+    assert report.resumed_shards == report.shards and report.rejected == 1
+    ds = fastdata.open_dataset(store)
+    assert ds.column("loss").tolist() == [0, 1, 2, 3, 4, 5, 10, 12] and fastdata.verify(store).ok
