@@ -158,3 +158,52 @@ def test_compute_fields_over_a_store_on_s3(s3, tmp_path):
     want[7] = -1.0
     np.testing.assert_array_equal(ds.column("double"), want)
     assert fastdata.verify(url).ok
+
+
+_KILLED_URL_APPEND = """
+import os, signal, sys
+import numpy as np
+import fastdata
+import fastdata.writer.remote_sink as sink
+
+upload = sink.upload_checked
+
+def killed_at_the_manifest(location, path, name):  # the new field files are uploaded; the manifest is not
+    if name == "manifest.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    upload(location, path, name)
+
+sink.upload_checked = killed_at_the_manifest
+fastdata.write([{"x": float(i)} for i in range(10, 15)], sys.argv[1], append=True, progress=False, workers=0,
+               staging_dir=sys.argv[2], added_values={"score": np.arange(10, 15, dtype=np.float32)})
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_s3_append_with_added_fields_then_resume(s3, tmp_path):
+    import subprocess
+    import sys
+
+    _server, bucket = s3
+    n = 10
+    url = f"{bucket}/killed.lmdb"
+    fastdata.write([{"x": float(i)} for i in range(n)], url, shard_size=300, progress=False, workers=0)
+    fastdata.add_fields(url, {"score": np.arange(n, dtype=np.float32)})
+    loc = RemoteLocation(url)
+    published = loc.read_bytes("manifest.json")
+    staging = str(tmp_path / "staging")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_URL_APPEND, url, staging], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    listed = {e["name"] for s in json.loads(published)["shards"] for e in s["field_files"]}
+    assert {k for k in loc.listing() if k.startswith("fields-")} - listed  # uploaded, listed by no manifest
+    assert loc.read_bytes("manifest.json") == published
+    assert len(fastdata.open_dataset(url)) == n and fastdata.verify(url).ok
+    fastdata.write([{"x": float(i)} for i in range(n, n + 5)], url, append=True, resume=True, progress=False,
+                   workers=0, staging_dir=staging, added_values={"score": np.arange(n, n + 5, dtype=np.float32)})
+    ds = fastdata.open_dataset(url)
+    np.testing.assert_array_equal(ds.column("score"), np.arange(n + 5, dtype=np.float32))
+    assert fastdata.verify(url).ok
+    manifest = json.loads(loc.read_bytes("manifest.json"))
+    assert {k for k in loc.listing() if k.startswith("fields-")} == {
+        e["name"] for s in manifest["shards"] for e in s["field_files"]}
