@@ -47,8 +47,10 @@ def test_a_sound_manifest_passes():
     (lambda m: m["added_fields"][0].update(generation=0), "'generation': 1..99999"),
     (lambda m: m["added_fields"].append(dict(m["added_fields"][0], name="other")), "read the same values"),
     (lambda m: m.pop("added_fields"), "declares no added fields"),
+    (lambda m: m["added_fields"][0].update(default="high"), "added field 'score': its default: expected a number"),
+    (lambda m: m["added_fields"][0].update(extra=1), "'added': str, 'key': str\\[, 'default': value\\]"),
 ], ids=["traversal", "a shard's name", "generation", "missing file", "written name", "bad name", "chunked",
-        "generation 0", "same key", "no fields"])
+        "generation 0", "same key", "no fields", "bad default", "unknown key"])
 def test_damaged_manifest_entries_refused(damage, message):
     m = copy.deepcopy(_manifest())
     damage(m)
