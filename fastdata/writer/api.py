@@ -198,9 +198,10 @@ def source_for_path(
 ) -> Source:
     """The source object a path is, with ``convert``'s older keywords as its options.
 
-    A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is an image folder prefix or, ending in
-    ``.csv``/``.tsv``, a ``path,label`` list read remotely; other kinds of input are refused from a
-    URL (:class:`~fastdata.errors.RemotePathError`). For a path, the kind is sniffed in this order:
+    A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is read remotely: a ``.jsonl`` list (or
+    any list given ``schema``) as a table, a ``.csv``/``.tsv`` as a ``path,label`` list, anything
+    else as an image folder prefix; other kinds of input are refused from a URL
+    (:class:`~fastdata.errors.RemotePathError`). For a path, the kind is sniffed in this order:
     Parquet files, WebDataset shards, NIfTI volumes (or a folder given ``chunks``/``max_pixels``:
     TIFF images as chunked arrays), a list with more fields than ``path,label`` (or ``schema``
     given), a folder with ``dicom_tags``, else an image folder or ``path,label`` list.
@@ -214,9 +215,14 @@ def source_for_path(
     """
     src = os.fspath(src)
     if is_remote(src):
-        _refuse({"dicom_tags": dicom_tags, "schema": schema, "chunks": chunks, "codec": codec,
-                 "max_pixels": max_pixels, "image_column": image_column}, "a URL source",
-                "remote sources are image folders and path,label lists so far")
+        _refuse({"dicom_tags": dicom_tags, "chunks": chunks, "codec": codec, "max_pixels": max_pixels,
+                 "image_column": image_column}, "a URL source",
+                "remote sources are image folders and lists so far")
+        if src.rstrip("/").lower().endswith((".jsonl", ".ndjson")) or schema is not None:
+            _refuse({"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
+                     "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode},
+                    "a list with more fields than path,label", "each image's bytes are kept as they are")
+            return Table(src, schema=schema)
         if not remote_image_source(src):
             refuse_remote_source(src)
         return ImageFolder(src, storage=storage_from_keywords(

@@ -89,12 +89,12 @@ LOCK_STALE_S = 3600.0
 
 #: suffixes of inputs that are read from URLs only as image files or path,label lists (a URL
 #: with none of these is taken as an image folder prefix)
-_LOCAL_ONLY_SUFFIXES = (".jsonl", ".json", ".parquet", ".tar", ".tgz", ".tar.gz", ".nii", ".nii.gz", ".txt")
+_LOCAL_ONLY_SUFFIXES = (".json", ".parquet", ".tar", ".tgz", ".tar.gz", ".nii", ".nii.gz", ".txt")
 
 
 def remote_image_source(src: str | os.PathLike) -> bool:
     """Whether the URL ``src`` names an input read remotely: an image folder prefix or a
-    ``.csv``/``.tsv`` ``path,label`` list (not a Parquet, WebDataset, JSONL, COCO or NIfTI input)."""
+    ``.csv``/``.tsv``/``.jsonl`` list (not a Parquet, WebDataset, COCO or NIfTI input)."""
     name = os.fspath(src).rstrip("/").lower()
     return not name.endswith(_LOCAL_ONLY_SUFFIXES) and not any(c in name.rsplit("/", 1)[-1] for c in "*?[{")
 
@@ -105,9 +105,9 @@ def refuse_remote_source(src: str | os.PathLike, what: str = "source") -> None:
     scheme = remote_scheme(src)
     if scheme is not None:
         raise RemotePathError(f"{what} {os.fspath(src)}: this kind of input is read from a local or mounted "
-                              f"filesystem (from {scheme}:// URLs fastdata reads image folders and .csv/.tsv "
-                              "path,label lists; Parquet, WebDataset, JSONL/COCO and volume inputs not yet): copy or "
-                              "mount the data and give that path")
+                              f"filesystem (from {scheme}:// URLs fastdata reads image folders and .csv/.tsv/.jsonl "
+                              "lists; Parquet, WebDataset, COCO and volume inputs not yet): copy or mount the data and "
+                              "give that path")
 
 
 def check_url_path(url: str) -> None:

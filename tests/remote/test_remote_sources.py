@@ -68,17 +68,23 @@ def remote_tree(s3_server, tmp_path_factory):
     make_jpeg(Path(tree, "ant", "odd name+1 ü~.jpg"), size=(24, 20), seed=99)  # quoted in a URL path
     Path(root, "data", "lists").mkdir()
     Path(root, "data", "lists", "train.csv").write_text("\n".join(LIST_ROWS) + "\n")
+    rows = [{"path": path, "label": label, "score": k / 4} for k, (path, label) in
+            enumerate(row.split(",") for row in LIST_ROWS[1:])]
+    Path(root, "data", "lists", "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     bucket = f"s3://{s3_server.take_bucket(f'rsrc{os.getpid()}')}"
     upload_tree(root / "data", bucket)
     local = str(root / "local.lmdb")
     fastdata.convert(tree, local, shard_size="20kB", progress=False, workers=0)
     local_list = str(root / "local-list.lmdb")
     fastdata.convert(str(root / "data" / "lists" / "train.csv"), local_list, progress=False, workers=0)
+    local_table = str(root / "local-table.lmdb")
+    fastdata.convert(str(root / "data" / "lists" / "rows.jsonl"), local_table, progress=False, workers=0)
 
     class Tree:
         pass
     t = Tree()
     t.server, t.bucket, t.tree, t.local, t.local_list, t.root = s3_server, bucket, tree, local, local_list, root
+    t.local_table = local_table
     yield t
     mp.undo()
 
@@ -107,6 +113,14 @@ def test_remote_list_converts_to_the_local_store(remote_tree, tmp_path):
     dst = str(tmp_path / "http-list.lmdb")
     fastdata.convert(http_list, dst, progress=False, workers=0)
     same_store(dst, remote_tree.local_list)
+
+
+def test_remote_jsonl_list_converts_to_the_local_store(remote_tree, tmp_path):
+    dst = str(tmp_path / "table.lmdb")
+    report = fastdata.convert(f"{remote_tree.bucket}/lists/rows.jsonl", dst, progress=False, workers=0)
+    assert report.images == 3 and len(report.rejected_items) == 2
+    same_store(dst, remote_tree.local_table)
+    assert fastdata.open_dataset(dst)[0]["score"] == 0.0
 
 
 def _source_changing_after_listing(url: str, change):

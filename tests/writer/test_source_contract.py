@@ -264,6 +264,34 @@ def table_change(path: Path, root: Path) -> Path:
     return path
 
 
+# -- a JSONL list on the S3 test server (RemoteTableInput)
+
+def remote_table_build(root: Path, items: range) -> str:
+    """The list and its images uploaded to a prefix of their own; returns the list's URL."""
+    from fastdata.remote.location import RemoteLocation
+
+    path = table_build(root, items)
+    url = f"{REMOTE['bucket']}/t{len(REMOTE['trees'])}"
+    loc = RemoteLocation(url)
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        loc.upload(str(file), file.relative_to(root).as_posix())
+    REMOTE["trees"][f"{url}/rows.jsonl"] = path
+    return f"{url}/rows.jsonl"
+
+
+def remote_table_expected(url: str) -> list:
+    return table_expected(REMOTE["trees"][url])
+
+
+def remote_table_change(url: str, root: Path) -> str:
+    from fastdata.remote.location import RemoteLocation
+
+    path = REMOTE["trees"][url]
+    table_change(path, root)
+    RemoteLocation(url.rsplit("/", 1)[0]).upload(str(path), "rows.jsonl")
+    return url
+
+
 # -- Python samples (MapInput, IterInput)
 
 SAMPLE_SCHEMA = Schema.of({"image": Image(), "label": Int("int64"), "vec": NDArray("float32", (3,))})
@@ -526,6 +554,8 @@ CASES = [
          changed="an image file of another size"),
     Case("remote folder (S3)", "RemoteFolderInput", 21, remote_folder_build, _convert_path, remote_folder_change,
          remote_folder_expected, split=12, changed="an object of another size", marks=(pytest.mark.slow,)),
+    Case("remote table (S3)", "RemoteTableInput", 21, remote_table_build, _convert_path, remote_table_change,
+         remote_table_expected, split=12, changed="a row's value", marks=(pytest.mark.slow,)),
     Case("path,label list", "FolderInput", 21, list_build, _convert_path, list_change, list_expected, split=12,
          changed="a row's label"),
     Case("table", "TableInput", 21, table_build, _convert_path, table_change, table_expected, split=12,
@@ -560,13 +590,13 @@ CASES = [
 @pytest.fixture(scope="module", params=[pytest.param(c, id=c.name.replace(" ", "-"), marks=c.marks) for c in CASES])
 def case(request) -> Case:
     c = request.param
-    if c.source == "RemoteFolderInput":  # the session's S3 server, a bucket of the module's
+    if c.source in ("RemoteFolderInput", "RemoteTableInput"):  # the session's S3 server, a bucket of the module's
         server = request.getfixturevalue("s3_server")
         patch = pytest.MonkeyPatch()
         request.addfinalizer(patch.undo)
         for name, value in server.env().items():
             patch.setenv(name, value)
-        REMOTE["bucket"] = f"s3://{server.take_bucket(f'contract{os.getpid()}')}"
+        REMOTE["bucket"] = f"s3://{server.take_bucket(f'contract{os.getpid()}-{c.source.lower()}')}"
     for module in c.needs:
         try:
             importlib.import_module(module)

@@ -37,7 +37,7 @@ from fastdata.writer.sources.coco import CocoInput
 from fastdata.writer.sources.dicom import DicomFolderInput, parse_dicom_tags
 from fastdata.writer.sources.folder import FolderInput
 from fastdata.writer.sources.parquet.detect import hf_kind, parquet_files
-from fastdata.writer.sources.remote import RemoteFolderInput
+from fastdata.writer.sources.remote import RemoteFolderInput, RemoteTableInput
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput
 from fastdata.writer.sources.volumes.input import (
@@ -422,9 +422,12 @@ class Table(Source):
     them). Converts in one process (and its workers), not under ``torchrun``.
 
     Args:
-        path (str | os.PathLike): the list file.
+        path (str | os.PathLike): the list file, or its URL (``s3://``, ``gs://``, ``az://``,
+            ``https://``; rows then name URLs or keys relative to the list's folder; one image
+            field: see "Remote sources" in the remote guide).
         schema: the declared fields (an inline spec, a JSON file's path, or a loaded JSON value;
             :func:`fastdata.writer.sources.table.spec.parse_schema`); None: inferred from the rows.
+        storage_options (Mapping | None): fsspec options for a URL ``path``; None: the write's.
 
     Raises:
         TypeError: ``path`` is not a path.
@@ -432,12 +435,17 @@ class Table(Source):
 
     kind = "a list file (JSONL/CSV/TSV)"
 
-    def __init__(self, path: str | os.PathLike, *, schema: Any = None):
+    def __init__(self, path: str | os.PathLike, *, schema: Any = None,
+                 storage_options: Mapping[str, Any] | None = None):
         self.path = _path(path, "path")
         self.schema = schema
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
+        self.storage_options = storage_options
 
     def write_source(self) -> TableInput:
-        refuse_remote_source(self.path)
+        if is_remote(self.path):
+            return RemoteTableInput(self.path, self.schema, storage_options=self.storage_options)
         check_local_path(self.path, "source")
         if os.path.isdir(self.path):
             raise ValueError(f"{self.path} is a folder: a Table (schema) is a JSONL/CSV/TSV list file (path plus "

@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
+import json
+import os
 import posixpath
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from fastdata.common.extensions import has_image_extension
 from fastdata.errors import SourceError
@@ -42,9 +45,12 @@ from fastdata.format.backends.base import StorageSpec
 from fastdata.remote.location import RemoteLocation
 from fastdata.remote.sources import join_url, list_objects, read_text, stat_objects
 from fastdata.writer.ingest import ingest, MAX_INPUT_BYTES, Rejected, spill
-from fastdata.writer.pipeline import Chunk
-from fastdata.writer.plan import ShardPlan
+from fastdata.format.manifest import target_field
+from fastdata.writer.options import check_shard_count
+from fastdata.writer.pipeline import Chunk, ChunkSource
+from fastdata.writer.plan import plan_shards, ShardPlan
 from fastdata.writer.resume import RunOptions
+from fastdata.writer.sources.base import record_run
 from fastdata.writer.sources.folder import (
     FolderInput,
     FolderSource,
@@ -53,6 +59,7 @@ from fastdata.writer.sources.folder import (
     SourceScan,
     SPLIT_NAMES,
 )
+from fastdata.writer.sources.table.input import TableInput
 
 #: the fsspec implementation each scheme's workers import (preloaded by the pool's forkserver)
 FILESYSTEM_MODULES = {"s3": ("s3fs",), "s3a": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",), "az": ("adlfs",),
@@ -271,3 +278,179 @@ class RemoteFolderInput(FolderInput):
     def chunks(self, run: RunOptions, chunk_size: int) -> RemoteFolderSource:
         return RemoteFolderSource(self._scan(), run.storage, chunk_size, self.storage_options)
 
+
+
+# --------------------------------------------------------------------------- lists with fields (tables)
+
+
+def _list_copy(url: str, storage_options: Mapping[str, Any]) -> tuple[str, str]:
+    """The list file at ``url`` copied into a new local temporary folder under its own name (what
+    the table reader parses; at most :data:`fastdata.remote.sources.MAX_LIST_BYTES`), and the
+    xxh3-128 of its bytes; the caller removes the folder."""
+    import tempfile
+
+    import xxhash
+
+    data = read_text(url, storage_options)
+    folder = tempfile.mkdtemp(prefix="fastdata-list-")
+    path = os.path.join(folder, url.rstrip("/").rsplit("/", 1)[-1])
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return path, xxhash.xxh3_128_hexdigest(data)
+
+
+def scan_remote_table(url: str, storage_options: Mapping[str, Any], schema: Any = None):
+    """A JSONL or CSV/TSV list with fields at ``url`` (rows naming URLs or keys relative to the
+    list's folder) as the table reader parses it, with each image's URL, size and ETag looked up.
+
+    Returns:
+        tuple[TableSource, list[bytes], np.ndarray, str]: the table (its ``list_file`` the URL,
+        sizes and missing images from the object store), each row's image URL, the ETags, and the
+        digest of the list file's bytes.
+
+    Raises:
+        SourceError: as :func:`~fastdata.writer.sources.table.reader.scan_table`, or a list with
+            a second image field (its paths are read from local files only).
+    """
+    import dataclasses
+    import shutil
+
+    from fastdata.writer.sources.table.reader import MAX_ROW_ERRORS, scan_table
+
+    local, digest = _list_copy(url, storage_options)
+    try:
+        table = scan_table(local, schema)
+    finally:
+        shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+    images = list(table.schema.image_fields())
+    if images != ["image"]:
+        raise SourceError(f"{url}: a list read from a URL has one image field (its path column); the fields "
+                          f"{', '.join(n for n in images if n != 'image')} name image files too: convert a local copy")
+    base = url.rsplit("/", 1)[0]
+    urls = [join_url(base, os.fsdecode(rel)) for rel in table.relpaths]
+    sizes, etags = stat_objects(urls, storage_options)
+    missing = np.flatnonzero(sizes == -1).astype(np.int64)
+    problems = [(urls[i], f"{url}:{int(table.lines[i])}: image file not found") for i in missing[:MAX_ROW_ERRORS]]
+    if len(missing) > MAX_ROW_ERRORS:
+        problems.append((url, f"... and {len(missing) - MAX_ROW_ERRORS} more missing image files"))
+    table = dataclasses.replace(table, list_file=url, root=base, sizes=sizes, missing=missing, problems=problems)
+    return table, [u.encode() for u in urls], etags, digest
+
+
+#: the list of this worker process (set by the pool initializer :func:`set_remote_table`)
+_REMOTE_TABLE: Any = None
+
+
+def set_remote_table(table: Any) -> None:
+    """Worker initializer: keep the remote list for :func:`encode_remote_table_chunk` (None: let it go)."""
+    global _REMOTE_TABLE
+    _REMOTE_TABLE = table
+
+
+def encode_remote_table_chunk(schema, start: int, stop: int, urls: list[bytes], sizes: list[int], etags: list[int],
+                              storage_options: Mapping[str, Any], direct_spec: dict[str, Any] | None,
+                              spill_dir: str | None = None):
+    """Worker entry point of a remote list with fields: rows ``start .. stop-1``, their images
+    fetched (:func:`fetch_inputs`) and each row encoded as a local list's row is
+    (:func:`fastdata.writer.sources.table.input.encode_table_row`), or the reason it is rejected."""
+    from fastdata.errors import RejectedInputError
+    from fastdata.writer.sources.table.input import encode_table_row
+
+    table = _REMOTE_TABLE
+    assert table is not None, "encode_remote_table_chunk runs in workers started with set_remote_table"
+    results: list = []
+    nbytes = 0
+    name = table.list_file.rsplit("/", 1)[-1]
+    fetched = fetch_inputs(urls, sizes, etags, storage_options, direct_spec)
+    for i, data in zip(range(start, stop), fetched, strict=True):
+        line = f"{name}:{int(table.lines[i])}"
+        if isinstance(data, str):
+            results.append(f"{data} ({line})")
+            continue
+        nbytes += len(data)
+        row = table.row(i)
+        row["image"] = data
+        try:
+            results.append(encode_table_row(schema, row, i, table.relpaths[i]))
+        except RejectedInputError as err:
+            results.append(f"{err} ({line})")
+    return (spill(results, spill_dir) if spill_dir is not None else results), nbytes
+
+
+class RemoteTableChunks(ChunkSource):
+    """The pipeline's feed for a remote list with fields: row ranges with their image URLs, the
+    list itself given once to each worker (:func:`set_remote_table`)."""
+
+    worker = staticmethod(encode_remote_table_chunk)
+
+    def __init__(self, table: Any, urls: list[bytes], etags: np.ndarray, chunk_size: int,
+                 storage_options: Mapping[str, Any]):
+        self.table, self.urls, self.etags, self.chunk_size = table, urls, etags, chunk_size
+        self.storage_options = dict(storage_options)
+        self.direct_spec = RemoteLocation(table.root, self.storage_options).direct_spec()
+        self.worker_init = (set_remote_table, (table,))
+
+    def chunks(self, plans: list[ShardPlan] | None) -> Iterator[Chunk]:
+        for plan in plans or []:
+            for a in range(plan.start, plan.stop, self.chunk_size):
+                b = min(a + self.chunk_size, plan.stop)
+                yield Chunk(plan, a, b, b == plan.stop,
+                            (self.table.schema, a, b, self.urls[a:b], self.table.sizes[a:b].tolist(),
+                             self.etags[a:b].tolist(), self.storage_options, self.direct_spec))
+
+    def describe(self, start: int, stop: int) -> str:
+        return f"{self.table.list_file} lines {int(self.table.lines[start])} .. {int(self.table.lines[stop - 1])}"
+
+    def input_name(self, i: int) -> str:
+        return os.fsdecode(self.table.relpaths[i])
+
+    def input_path(self, i: int) -> str:
+        return self.urls[i].decode()
+
+
+class RemoteTableInput(TableInput):
+    """A JSONL or CSV/TSV list with fields at a URL (rows naming URLs, or keys relative to the
+    list's folder) as a general store: the store a local copy of the list and its images gives.
+    The fingerprint hashes the list's bytes and each image's size and ETag."""
+
+    reads_urls = True
+
+    def __init__(self, src: str, schema=None, *, storage_options: Mapping[str, Any] | None = None):
+        super().__init__(src, schema)
+        self.recorded_source = src
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.worker_modules = FILESYSTEM_MODULES.get(src.split("://", 1)[0].lower(), ())
+        self.urls: list[bytes] = []
+        self.etags = np.zeros(0, np.uint64)
+        self.list_digest = ""
+
+    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
+        """The write's ``storage_options`` for the list's URLs, unless the source was given its own."""
+        if options and not self.storage_options:
+            self.storage_options = dict(options)
+
+    def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
+        table, self.urls, self.etags, self.list_digest = scan_remote_table(self.src, self.storage_options,
+                                                                           self.declared)
+        self.table = table
+        self.schema = table.schema
+        self.target = target_field(table.schema, table.class_tables)
+        sizes = table.sizes.clip(min=0) + 64  # (as a local list plans: image sizes plus a little)
+        plans = plan_shards(sizes, run.shard_size.bytes)
+        check_shard_count(plans, int(sizes.sum()), run.shard_size)
+        return plans
+
+    def fingerprint(self, run: RunOptions) -> str:
+        table = self._table()
+        h = xxhash.xxh3_128()
+        h.update(json.dumps([run.backend, run.shard_size.bytes, table.schema.to_json(), table.class_tables,
+                             self.list_digest]).encode())
+        h.update(table.sizes.astype("<i8").tobytes())
+        h.update(self.etags.astype("<u8").tobytes())
+        return h.hexdigest()
+
+    def chunks(self, run: RunOptions, chunk_size: int) -> RemoteTableChunks:  # type: ignore[override]
+        return RemoteTableChunks(self._table(), self.urls, self.etags, chunk_size, self.storage_options)
+
+    def record(self, dst: str, run: RunOptions, fingerprint: str) -> None:
+        record_run(dst, self.src, run, fingerprint)

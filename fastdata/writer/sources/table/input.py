@@ -60,7 +60,7 @@ def _table_row(table: TableSource, i: int) -> dict | str:
     return row
 
 
-def _encode_table_row(schema, row: dict, i: int, relpath: bytes) -> EncodedSample:
+def encode_table_row(schema, row: dict, i: int, relpath: bytes) -> EncodedSample:
     """Row ``i`` (its first image already read) validated and encoded as a version-2
     record keeping ``relpath``: every image fully decoded under the image policy (which
     gives its stored format, size, dtype and channels), the other values checked against the schema."""
@@ -96,7 +96,7 @@ def encode_table_chunk(schema, start: int, stop: int, spill_dir: str | None):
             continue
         nbytes += len(row["image"])
         try:
-            results.append(_encode_table_row(schema, row, i, table.relpaths[i]))
+            results.append(encode_table_row(schema, row, i, table.relpaths[i]))
         except RejectedInputError as err:  # an image that does not decode, or a second image file unreadable
             results.append(f"{err} ({line})")
     return (spill(results, spill_dir) if spill_dir is not None else results), nbytes
