@@ -4,41 +4,15 @@ Writing (:class:`StoreSink`, :func:`write`)::
 
     ds = ray.data.read_parquet("s3://bucket/raw/").map_batches(preprocess)
     fastdata.integrations.ray.write(ds, "/shared/train.lmdb", schema={"image": Image(), "label": Int()})
-    # or: ds.write_datasink(fastdata.integrations.ray.StoreSink("/shared/train.lmdb", schema=...))
 
-Each Ray write task writes the rows it is given into a store of its own (a *part*, through the
-one write session of :func:`fastdata.write`, in the task's process), in a folder beside the
-destination (``.NAME.ray-parts/<job>/``); when every task has finished, the driver publishes the
-parts as one store (:func:`fastdata.writer.merge.publish_parts`: the parts' shard files are
-hard-linked under the store's names, or for a URL copied by the server, no record is read again,
-the manifest is written last).
-So:
-
-* **Retries leave no duplicate and no gap.** A task's part is named by its task index and a name
-  of its own attempt; only the parts that the successful attempts returned to the driver are
-  published, in task-index order; the part of an attempt that died (a worker killed, a node
-  lost) is never published, and is deleted with the parts folder.
-* **Atomic.** Nothing is written at the destination until every task has succeeded; the store
-  appears with its manifest. A failed job (a bad row, a task out of retries) publishes nothing
-  and removes its parts folder (``on_write_failed``): nothing to resume, run the job again. A
-  driver killed outright leaves its ``.NAME.ray-parts/<job>/`` folder behind (delete it).
-* **Order.** The store holds the parts in task-index order, each part's rows in the order the
-  task received them (Ray's order; deterministic with
-  ``DataContext.get_current().execution_options.preserve_order = True``). The manifest records it:
-  ``options.merged`` lists each part (its task index is in its name) with its sample count, and
-  each record keeps its row within its part as its source path (``ds.relpath(i)``).
-* **The same store.** Each sample is encoded as :func:`fastdata.write` encodes it, so the store's
-  samples equal those of a single-process ``fastdata.write`` of the same rows in the same order
-  (only the shard boundaries differ: each part ends its last shard, and the source paths, above).
-
-Reading (:func:`read`, :class:`StoreDatasource`): a ``ray.data.Dataset`` with one read task per
-shard, images as their stored bytes or decoded arrays, every other field as a column; local stores
-and remote ones (``s3://``..., with ``storage_options``). Every sample exactly once.
-
-Requires Ray Data (``pip install 'fastdata[ray]'``). The destination of a write is a path every
-node of the cluster sees (one machine, or a shared filesystem) or a URL of an S3-compatible
-server (``s3://``, with ``storage_options``: each task uploads its part, the server copies the
-parts' shards into the store).
+Each Ray write task writes its rows into a store of its own (a *part*, through :func:`fastdata.write`)
+beside the destination (``.NAME.ray-parts/<job>/``); when every task has succeeded, the driver
+publishes the parts as one store (:func:`fastdata.writer.merge.publish_parts`: shard files linked,
+or copied by the server for a URL; the manifest last). Only the parts the successful attempts
+returned are published, in task order, so Ray's retries leave no duplicate and no gap; a failed job
+publishes nothing and removes its parts. Reading (:func:`read`, :class:`StoreDatasource`): one read
+task per shard, images as stored bytes or arrays, every other field a column. The guide "Ray Data"
+(``docs/guides/ray.md``) says the rest: order, atomicity, URLs, Spark and Dask.
 """
 
 from __future__ import annotations
