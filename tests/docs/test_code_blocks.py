@@ -240,6 +240,8 @@ def _remote(tmp: Path, monkeypatch, request) -> dict:
                                                          [f"bucket/{p.as_posix()}" for p in files])
     rows = "".join(f"../{p.as_posix()},{p.parent.name}\n" for p in files)
     RemoteLocation("s3://bucket/lists").write_bytes("train.csv", ("path,label\n" + rows).encode())
+    jsonl = "".join(f'{{"path": "../{p.as_posix()}", "label": "{p.parent.name}", "score": 0.5}}\n' for p in files)
+    RemoteLocation("s3://bucket/lists").write_bytes("rows.jsonl", jsonl.encode())
     return {"fastdata": fastdata, "transforms": transforms}
 
 
