@@ -64,9 +64,9 @@ def _added_options(args) -> dict:
     out: dict = {}
     if args.added_values:
         out["added_values"] = appended_values_from_files(args.added_values)
-    if args.added_default:
+    if args.added_defaults:
         defaults = {}
-        for spec in args.added_default:
+        for spec in args.added_defaults:
             name, sep, text = spec.partition("=")
             if not sep or not name:
                 raise ValueError(f"--added-default takes NAME=JSON (e.g. score=0.0, caption='\"none\"'), got {spec!r}")
@@ -487,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --append to a store with added fields (fastdata add-fields): values of the new samples "
                         "for them, a .parquet or .csv table (one field a column, rows in the order the samples are "
                         "appended) or NAME=FILE.npy; repeatable")
-    c.add_argument("--added-default", action="append", metavar="NAME=JSON",
+    c.add_argument("--added-default", action="append", metavar="NAME=JSON", dest="added_defaults",
                    help="with --append: one value (JSON: 0.0, '\"none\"', [0,0]) for every new sample of added "
                         "field NAME; repeatable. An added field given neither (nor a default declared when it was "
                         "added) is an error naming it")

@@ -254,7 +254,7 @@ def _compute_remote(url: str, fn: Callable, batch_size: int, options: dict, repl
     (its shards cached as any remote read caches them), every shard's values kept in memory, then
     added with the store's lock object held, refused when a new version was published meanwhile."""
     from fastdata.reader.open import open_dataset
-    from fastdata.writer.add_fields import MAX_SKIPPED_LISTED, _add_fields_remote
+    from fastdata.writer.add_fields import MAX_SKIPPED_LISTED, add_fields_remote
 
     ds = open_dataset(url, storage_options=storage_options, **dataset_options) if storage_options else \
         open_dataset(url, **dataset_options)
@@ -273,7 +273,7 @@ def _compute_remote(url: str, fn: Callable, batch_size: int, options: dict, repl
     values = {n: _joined([per_shard[k][n] for k in sorted(per_shard)]) for n in names}
     history = ({"skipped_count": len(skipped), "skipped": [[i, why] for i, why in skipped[:MAX_SKIPPED_LISTED]]}
                if skipped else None)
-    new = _add_fields_remote(url, values, dict(fields or {}), replace, None, storage_options,
+    new = add_fields_remote(url, values, dict(fields or {}), replace, None, storage_options,
                              {n: v for n, v in defaults.items() if n in values}, base_checksum=manifest["checksum"],
                              history=history)
     _warn_skipped(url, new)

@@ -86,7 +86,7 @@ def _array_field(name: str, array: np.ndarray) -> Field:
     return NDArray(array.dtype.name, array.shape[1:])
 
 
-class _Column:
+class AddedColumn:
     """One field's values, checked: a fixed-size field as one array, any other as encoded bytes."""
 
     def __init__(self, name: str, field: Field, count: int, values: Any, first: int = 0):
@@ -164,14 +164,14 @@ def _images(name: str, values: Any, first: int) -> tuple[list[bytes], dict[str, 
     from fastdata.common.imageio import ImageDecodeError, inspect_image
     from fastdata.errors import RejectedInputError
     from fastdata.format.record import FORMAT_CODES, image_dtype_code
-    from fastdata.writer.sources.python import _image_bytes
+    from fastdata.writer.sources.python import encoded_image_bytes
 
     encoded: list[bytes] = []
     rows: list[tuple[int, int, int, int, int]] = []
     for i, value in enumerate(_each(name, values), first):
         where = f"field {name!r} sample {i}"
         try:
-            data, _path, info = _image_bytes(value, where)
+            data, _path, info = encoded_image_bytes(value, where)
             if info is None:
                 info = inspect_image(data)
         except (SchemaError, RejectedInputError) as err:
@@ -268,7 +268,7 @@ def _remove_unpublished(store: str, manifest: dict, keep: set[str]) -> None:
             portable.remove_unless_held(os.remove, os.path.join(store, name))
 
 
-def _write_file(path: str, pieces: list) -> tuple[int, str]:
+def write_field_file(path: str, pieces: list) -> tuple[int, str]:
     """Write ``pieces`` to ``path`` through a temporary (fsync, rename); ``(bytes, xxh3-64 hex)``."""
     tmp = f"{path}{ATOMIC_TMP_MARK}{os.getpid()}"
     digest = xxhash.xxh3_64()
@@ -337,7 +337,7 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         raise AddFieldsError(f"defaults= names {', '.join(map(str, unknown))}, which values= does not give")
     declared_defaults = dict(defaults or {})
     if _is_url(store):
-        return _add_fields_remote(store, values, declared, replace, progress, storage_options, declared_defaults)
+        return add_fields_remote(store, values, declared, replace, progress, storage_options, declared_defaults)
     manifest = _published(store)
     lock = _lock(store)
     try:
@@ -346,7 +346,7 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         _remove_unpublished(store, manifest, set())
 
         def place(name: str, pieces: list) -> tuple[int, str]:
-            return _write_file(os.path.join(store, name), pieces)
+            return write_field_file(os.path.join(store, name), pieces)
 
         shards = _write_shard_files(store, manifest, columns, gen, place, progress)
         entry = {"generation": gen, "action": "add", "fields": [c.name for c in columns], "at": new_fields[-1].added}
@@ -362,7 +362,8 @@ def _is_url(store: str) -> bool:
 
 
 def _prepare(store: str, manifest: dict, values: Mapping[str, Any], declared: Mapping[str, Field],
-             replace: bool, defaults: Mapping[str, Any] | None = None) -> tuple[list[_Column], int, list[AddedField]]:
+             replace: bool, defaults: Mapping[str, Any] | None = None
+             ) -> tuple[list[AddedColumn], int, list[AddedField]]:
     """The checked columns of ``values``, the new generation, and the store's added fields after the
     call (those kept, then the new ones)."""
     count = manifest["num_samples"]
@@ -381,7 +382,7 @@ def _prepare(store: str, manifest: dict, values: Mapping[str, Any], declared: Ma
     columns = []
     for name, vals in values.items():
         try:
-            columns.append(_Column(name, _field_of(name, vals, declared.get(name)), count, vals))
+            columns.append(AddedColumn(name, _field_of(name, vals, declared.get(name)), count, vals))
         except SchemaError as err:
             raise AddFieldsError(str(err)) from None
     try:
@@ -398,7 +399,7 @@ def _prepare(store: str, manifest: dict, values: Mapping[str, Any], declared: Ma
     return columns, gen, new_fields
 
 
-def _write_shard_files(store: str, manifest: dict, columns: list[_Column], gen: int,
+def _write_shard_files(store: str, manifest: dict, columns: list[AddedColumn], gen: int,
                        place: Callable[[str, list], tuple[int, str]],
                        progress: Callable[[int, int], None] | None) -> list[dict]:
     """Each shard's field file of generation ``gen`` (``place(name, pieces) -> (bytes, xxh)`` puts
@@ -419,7 +420,7 @@ def _write_shard_files(store: str, manifest: dict, columns: list[_Column], gen: 
     return shards
 
 
-def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str, Field], replace: bool,
+def add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str, Field], replace: bool,
                        progress: Callable[[int, int], None] | None,
                        storage_options: Mapping[str, Any] | None, defaults: Mapping[str, Any],
                        base_checksum: str | None = None, history: Mapping[str, Any] | None = None) -> dict:
@@ -450,7 +451,7 @@ def _add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[st
         with tempfile.TemporaryDirectory(prefix="fastdata-add-fields-") as tmp:
             def place(name: str, pieces: list) -> tuple[int, str]:
                 path = os.path.join(tmp, name)
-                size, xxh = _write_file(path, pieces)
+                size, xxh = write_field_file(path, pieces)
                 upload_checked(location, path, name)
                 os.remove(path)
                 return size, xxh
@@ -562,11 +563,11 @@ class FieldsRun:
 
         arrays: dict[str, np.ndarray] = {}
         for name in known:
-            column = _Column(name, field_from_json(known[name], name), entry["count"], values[name],
+            column = AddedColumn(name, field_from_json(known[name], name), entry["count"], values[name],
                              first=entry["first_index"])
             arrays.update(column.shard_arrays(0, entry["count"]))
         name = field_file_name(self.generation, entry["name"])
-        size, xxh = _write_file(os.path.join(self.staging, name), build_field_file(entry["count"], arrays))
+        size, xxh = write_field_file(os.path.join(self.staging, name), build_field_file(entry["count"], arrays))
         _write_json(self._sidecar(shard), {"name": name, "bytes": size, "xxh": xxh,
                                            "skipped": [[int(i), str(why)] for i, why in skipped]})
 
@@ -936,9 +937,9 @@ def values_from_file(store: str | os.PathLike, path: str | os.PathLike, *, names
 
 
 def appended_values_from_files(specs: Sequence[str]) -> dict[str, Any]:
-    """``added_values`` of an append read from files (the ``convert --append --added-values``
-    option): each spec a ``.parquet`` or ``.csv`` table (one field a column, rows in the order the
-    samples are appended) or ``NAME=FILE.npy`` (one field, rows in that order).
+    """``added_values`` of an append read from files (what the command line's append takes): each
+    spec a ``.parquet`` or ``.csv`` table (one field a column, rows in the order the samples are
+    appended) or ``NAME=FILE.npy`` (one field, rows in that order).
 
     Raises:
         AddFieldsError: an unknown suffix, a ``.npy`` file without a name, a field given twice.
@@ -956,11 +957,11 @@ def appended_values_from_files(specs: Sequence[str]) -> dict[str, Any]:
                 raise AddFieldsError(f"{spec}: no such file")
             got = {n: _column_values(n, cells) for n, cells in _table_columns(spec).items()}
         else:
-            raise AddFieldsError(f"--added-values {spec!r}: give a .parquet or .csv table (one field a column, rows "
+            raise AddFieldsError(f"added values {spec!r}: give a .parquet or .csv table (one field a column, rows "
                                  "in the order the samples are appended) or NAME=FILE.npy")
         twice = sorted(set(got) & set(out))
         if twice:
-            raise AddFieldsError(f"--added-values {spec}: field(s) {', '.join(twice)} given twice")
+            raise AddFieldsError(f"added values {spec}: field(s) {', '.join(twice)} given twice")
         out.update(got)
     return out
 
@@ -1031,7 +1032,7 @@ def merged_field_file(dst: str, path_of: Callable[[str], str], m: dict, shard: d
         else:  # (an image's per-sample format, size, dtype and channels too)
             arrays.update({f"{a.name}.{part}": array for part, array in parts.items()})
     name = field_file_name(1, new["name"])
-    size, xxh = _write_file(os.path.join(dst, name), build_field_file(shard["count"], arrays))
+    size, xxh = write_field_file(os.path.join(dst, name), build_field_file(shard["count"], arrays))
     new[FIELD_FILES_KEY] = [{"name": name, "generation": 1, "bytes": size, "xxh": xxh}]
     return name
 

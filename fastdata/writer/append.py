@@ -145,7 +145,7 @@ def plan_added_values(dst: str, base: PublishedBase, values: Mapping[str, Any] |
             a name that is not an added field of the store, values whose kind, dtype or shape
             the field refuses (named, with the sample: its position among the appended ones).
     """
-    from fastdata.writer.add_fields import AddFieldsError, _Column, json_default
+    from fastdata.writer.add_fields import AddFieldsError, AddedColumn, json_default
 
     values, defaults = dict(values or {}), dict(defaults or {})
     fields = added_fields(base.manifest, dst)
@@ -165,10 +165,8 @@ def plan_added_values(dst: str, base: PublishedBase, values: Mapping[str, Any] |
         raise AppendError(
             f"cannot append to {dst}: it has added field(s) {', '.join(missing)} without a default, and the append "
             "gives no values for them: give one value a new sample, in the order the samples are appended "
-            f"(added_values={{{missing[0]!r}: [...]}}; CLI: --added-values FILE), or one value for every new "
-            f"sample (added_defaults={{{missing[0]!r}: value}}; CLI: --added-default {missing[0]}=JSON), or "
-            "declare a default when adding the field (add_fields(..., defaults=...)), or drop the field "
-            "(fastdata.drop_fields)")
+            "(added_values=VALUES), or one value for every new sample (added_defaults=DEFAULTS), or declare a "
+            "default when adding the field (add_fields(..., defaults=...)), or drop the field (fastdata.drop_fields)")
     columns: dict[str, Any] = {}
     given_defaults: dict[str, tuple] = {}
     for a in fields:
@@ -180,7 +178,7 @@ def plan_added_values(dst: str, base: PublishedBase, values: Mapping[str, Any] |
                 except TypeError:
                     raise AddFieldsError(f"field {a.name!r}: values must be a sequence with one value a new "
                                          f"sample, not {type(vals).__name__}") from None
-                columns[a.name] = _Column(a.name, a.field, count, vals)
+                columns[a.name] = AddedColumn(a.name, a.field, count, vals)
             except (AddFieldsError, SchemaError) as err:
                 raise AppendError(f"cannot append to {dst}: added_values: {err} (samples counted from the first "
                                   "appended one)") from None
@@ -225,7 +223,7 @@ def write_added_field_files(dst: str, added: AddedValues, results: list, rejecte
         AppendError: given values whose count is not the number of samples appended.
     """
     from fastdata.format.added import build_field_file, field_file_name
-    from fastdata.writer.add_fields import _Column, _write_file
+    from fastdata.writer.add_fields import AddedColumn, write_field_file
 
     results = sorted(results, key=lambda r: r.shard_id)
     total = sum(r.count for r in results)
@@ -247,11 +245,11 @@ def write_added_field_files(dst: str, added: AddedValues, results: list, rejecte
                 if a.name in added.columns:
                     parts = added.columns[a.name].shard_arrays(first, r.count)
                 else:
-                    parts = _Column(a.name, a.field, r.count, [added.defaults[a.name][0]] * r.count).shard_arrays(
+                    parts = AddedColumn(a.name, a.field, r.count, [added.defaults[a.name][0]] * r.count).shard_arrays(
                         0, r.count)
                 arrays.update({a.key + k[len(a.name):]: v for k, v in parts.items()})  # (stored under its key)
             name = field_file_name(gen, r.name)
-            size, xxh = _write_file(os.path.join(dst, name), build_field_file(r.count, arrays))
+            size, xxh = write_field_file(os.path.join(dst, name), build_field_file(r.count, arrays))
             entries.append({"name": name, "generation": gen, "bytes": size, "xxh": xxh})
         out[r.name] = entries
         first += r.count

@@ -88,13 +88,20 @@ def _array_image(array: np.ndarray, where: str) -> tuple[bytes, ImageInfo]:
     return data, ImageInfo(fmt, int(array.shape[1]), int(array.shape[0]), array.dtype.name, channels)
 
 
-def _image_bytes(value: Any, where: str) -> tuple[bytes, bytes, ImageInfo | None]:
+class SourcedBytes(bytes):
+    """An image's bytes read from elsewhere than a local path (a URL), with where they came from
+    (``source``, UTF-8): kept as the sample's source path, as a path value's path is."""
+
+    source: bytes = b""
+
+
+def encoded_image_bytes(value: Any, where: str) -> tuple[bytes, bytes, ImageInfo | None]:
     """``(encoded bytes, relpath, info)`` of an image field value: bytes as they are, a path
     read (its path kept as the sample's source path), a PIL image encoded as PNG (16-bit, 32-bit
     and float grayscale ones losslessly as TIFF), a numpy array or torch tensor encoded losslessly
     (:func:`_array_image`). ``info`` is known for the values encoded here (None: validate the bytes)."""
     if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value), b"", None
+        return bytes(value), getattr(value, "source", b""), None  # (SourcedBytes: fetched from a URL)
     if isinstance(value, str | os.PathLike):
         path = os.fsencode(value)
         try:
@@ -141,7 +148,7 @@ def prepare_sample(schema: Schema, sample: Any, index: int, chunk_dir: str | Non
         if name not in values:
             continue  # Schema.check names the missing key
         field_where = f"{where} field {name!r}"
-        data, path, info = _image_bytes(values[name], field_where)
+        data, path, info = encoded_image_bytes(values[name], field_where)
         relpath = relpath or path
         if info is None:
             try:
