@@ -718,15 +718,23 @@ class CocoInput(MapInput):
         self.index: CocoIndex | None = None
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
-        index = self.index = load_coco(self.ann_file, self.image_dir)
+        index = self.index = self._load()
         refusals = [(index.path(i), why) for i, why in sorted(index.refused.items())]
         if run.strict and (index.problems or refusals):
             raise _strict_error(index.ann_file, index.problems + refusals)
         missing = _missing_files(index) | {path for path, _ in refusals}
         problems = [(where, why) for where, why in index.problems if where not in missing]
-        self.samples, self.metadata = CocoSamples(index), coco_metadata(index, problems)
+        self.samples, self.metadata = self._samples(index), coco_metadata(index, problems)
         self.warnings.extend(f"{where}: {why}" for where, why in problems)
         return super().plan(run, dst)
+
+    def _load(self) -> CocoIndex:
+        """The parsed annotation file (a remote source reads it from its URL)."""
+        return load_coco(self.ann_file, self.image_dir)
+
+    def _samples(self, index: CocoIndex) -> CocoSamples:
+        """The samples the workers encode (a remote source's fetch their images)."""
+        return CocoSamples(index)
 
     def fingerprint(self, run: RunOptions) -> str:
         """:meth:`MapInput.fingerprint` (a few encoded samples) and, for every image, its id, file

@@ -460,23 +460,39 @@ class Coco(Source):
     reported and skipped unless ``strict`` (which then stops before writing anything).
 
     Args:
-        annotations (str | os.PathLike): the annotation JSON (``instances_*.json``).
-        images (str | os.PathLike): the folder the images' ``file_name`` is relative to.
+        annotations (str | os.PathLike): the annotation JSON (``instances_*.json``), or its URL.
+        images (str | os.PathLike): the folder the images' ``file_name`` is relative to, or its
+            URL (both URLs or both local paths).
+        storage_options (Mapping | None): fsspec options for URLs (``s3://``, ``gs://``, ``az://``,
+            ``https://``); None: the write's ``storage_options``. See "Remote sources" in the
+            remote guide.
 
     Raises:
-        TypeError, ValueError: not paths.
+        TypeError, ValueError: not paths, or a URL beside a local path.
     """
 
     kind = "a COCO annotation file"
     default_strict = False
 
-    def __init__(self, annotations: str | os.PathLike, images: str | os.PathLike):
+    def __init__(self, annotations: str | os.PathLike, images: str | os.PathLike, *,
+                 storage_options: Mapping[str, Any] | None = None):
         self.annotations = _path(annotations, "annotations")
         self.images = _path(images, "images")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
+        self.storage_options = storage_options
 
     def write_source(self) -> CocoInput:
-        refuse_remote_source(self.annotations, "annotation file")
-        refuse_remote_source(self.images, "image folder")
+        if is_remote(self.annotations) or is_remote(self.images):
+            if not (is_remote(self.annotations) and is_remote(self.images)):
+                raise ValueError(f"annotation file {self.annotations} and image folder {self.images}: give both as "
+                                 "URLs or both as local paths")
+            from fastdata.writer.sources.remote_coco import RemoteCocoInput
+
+            return RemoteCocoInput(self.annotations, self.images, storage_options=self.storage_options)
+        if self.storage_options is not None:
+            raise ValueError(f"{self.annotations}: storage_options apply to URL sources (s3://, gs://, az://, "
+                             "https://), not to local paths")
         return CocoInput(self.annotations, self.images)
 
 

@@ -1,0 +1,168 @@
+"""A COCO annotation file at a URL and its images relative to a folder URL (``s3://``, ``gs://``,
+``az://``; ``https://``): the remote twin of :class:`~fastdata.writer.sources.coco.CocoInput`.
+
+* **the annotation file** is read once, whole, by the converter (at most
+  :data:`fastdata.remote.sources.MAX_LIST_BYTES`), into a local temporary file that
+  :func:`~fastdata.writer.sources.coco.load_coco` parses as it parses a local one (and that is
+  removed at once): the index, its order, problems and refusals are the local ones;
+* **the images** are looked up (:func:`~fastdata.remote.sources.stat_objects`: size and ETag) while
+  planning, and each is fetched by the worker that encodes its sample
+  (:meth:`~fastdata.remote.location.RemoteLocation.read_object`, which checks the listed ETag and
+  size: an image changed or deleted since the lookup stops the run naming it, nothing published).
+  A missing image is rejected and reported, as a local missing file is; a ``file_name`` that leaves
+  the image folder (an absolute path, ``..`` above it, a URL) is refused, as locally.
+
+The fingerprint is the local one (sizes included) plus each image's ETag and the annotation file's
+bytes, so ``resume`` refuses an annotation file or an image rewritten at the same size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from fastdata.errors import RejectedInputError
+from fastdata.remote.location import RemoteLocation
+from fastdata.remote.sources import read_text, stat_objects
+from fastdata.writer.resume import RunOptions
+from fastdata.writer.sources.coco import CocoIndex, CocoInput, CocoSamples, load_coco, MAX_LISTED_PROBLEMS
+from fastdata.writer.sources.python import SourcedBytes
+from fastdata.writer.sources.remote import FILESYSTEM_MODULES
+
+
+def _inside(image_dir: str, file_name: str) -> str | None:
+    """The key of ``file_name`` below ``image_dir`` (``..`` resolved), or None when it leaves it."""
+    if "://" in file_name or file_name.startswith("/") or "\0" in file_name:
+        return None
+    key = posixpath.normpath(file_name)
+    if key == "." or key.startswith("../") or key == "..":
+        return None
+    return key
+
+
+def load_remote_coco(ann_url: str, image_url: str, storage_options: Mapping[str, Any]
+                     ) -> tuple[CocoIndex, np.ndarray, str]:
+    """The annotation file at ``ann_url`` parsed as :func:`~fastdata.writer.sources.coco.load_coco`
+    parses a local one, its images looked up below ``image_url``.
+
+    Returns:
+        tuple[CocoIndex, np.ndarray, str]: the index (``ann_file`` and ``image_dir`` the URLs,
+        ``sizes`` the objects' sizes, -1 when missing), each image's ETag (uint64), and the
+        xxh3-128 of the annotation file's bytes.
+
+    Raises:
+        SourceError: the annotation file is missing, too large, not COCO (as locally), or the
+            credentials fail.
+    """
+    data = read_text(ann_url, storage_options)
+    digest = xxhash.xxh3_128_hexdigest(data)
+    folder = tempfile.mkdtemp(prefix="fastdata-coco-")
+    try:
+        local = os.path.join(folder, ann_url.rstrip("/").rsplit("/", 1)[-1] or "annotations.json")
+        with open(local, "wb") as fh:
+            fh.write(data)
+        del data
+        index = load_coco(local, None)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    # the problems name the temporary copy: name the URL instead
+    problems = [(where.replace(local, ann_url), why) for where, why in index.problems]
+    image_url = image_url.rstrip("/")
+    refused = dict(index.refused)
+    keys: list[str | None] = []
+    for i in range(len(index)):
+        key = _inside(image_url, index.file_name(i))
+        keys.append(key)
+        if key is None:
+            refused[i] = (f"file_name {index.file_name(i)!r} resolves outside the image folder {image_url} (an "
+                          "absolute path, a URL or '..' leading out): only objects inside it are read; copy the "
+                          "image into the folder")
+    looked_up = [i for i, key in enumerate(keys) if key is not None]
+    sizes = np.full(len(index), -1, dtype=np.int64)
+    etags = np.zeros(len(index), dtype=np.uint64)
+    if looked_up:
+        found_sizes, found_etags = stat_objects([f"{image_url}/{keys[i]}" for i in looked_up], storage_options)
+        sizes[looked_up], etags[looked_up] = found_sizes, found_etags
+    missing = [i for i in looked_up if sizes[i] == -1]
+    for i in missing[:MAX_LISTED_PROBLEMS]:
+        problems.append((f"{image_url}/{index.file_name(i)}", "image file cannot be read (no such object)"))
+    if len(missing) > MAX_LISTED_PROBLEMS:
+        problems.append((image_url, f"... and {len(missing) - MAX_LISTED_PROBLEMS} more missing image files (the "
+                                    f"first {MAX_LISTED_PROBLEMS} are listed)"))
+    index = dataclasses.replace(index, ann_file=ann_url, image_dir=image_url, sizes=sizes, problems=problems,
+                                refused=refused)
+    return index, etags, digest
+
+
+class RemoteCocoSamples(CocoSamples):
+    """:class:`~fastdata.writer.sources.coco.CocoSamples` whose ``image`` is the object's bytes,
+    fetched (ETag and size checked) where the sample is encoded: in a worker. Holds the URL and
+    ``storage_options`` only; the filesystem is made in the process that reads."""
+
+    def __init__(self, index: CocoIndex, etags: np.ndarray, storage_options: Mapping[str, Any],
+                 direct_spec: dict[str, Any] | None):
+        super().__init__(index)
+        self.etags, self.storage_options, self.direct_spec = etags, dict(storage_options), direct_spec
+        self._reader: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_reader": None}  # (no filesystem, no socket travels to a worker)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        sample = super().__getitem__(i)  # (raises RejectedInputError for a refused image)
+        size = int(self.index.sizes[i])
+        if size == -1:
+            raise RejectedInputError(f"file not found: {sample['image']} (no such object)")
+        if self._reader is None:
+            assert self.index.image_dir is not None, "a remote COCO index has its image folder URL"
+            self._reader = RemoteLocation(self.index.image_dir, self.storage_options).object_reader(self.direct_spec)
+        key = posixpath.normpath(self.index.file_name(i))
+        image = SourcedBytes(self._reader(key, size if size >= 0 else -1, int(self.etags[i])))
+        image.source = f"{self.index.image_dir}/{key}".encode()  # (the store's source path, as a local file's)
+        sample["image"] = image
+        return sample
+
+
+class RemoteCocoInput(CocoInput):
+    """A COCO annotation file at a URL with its images below a folder URL (see the module
+    docstring): the store the local copy of both converts to, but for ``metadata.coco``'s
+    ``annotation_file`` and ``image_dir`` (the URLs)."""
+
+    reads_urls = True
+
+    def __init__(self, ann_url: str, image_url: str, *, storage_options: Mapping[str, Any] | None = None):
+        super().__init__(ann_url, image_url)
+        self.recorded_source = ann_url
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.worker_modules = FILESYSTEM_MODULES.get(image_url.split("://", 1)[0].lower(), ())
+        self.etags = np.zeros(0, np.uint64)
+        self.digest = ""
+
+    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
+        """The write's ``storage_options`` for the URLs, unless the source was given its own."""
+        if options and not self.storage_options:
+            self.storage_options = dict(options)
+
+    def _load(self) -> CocoIndex:
+        index, self.etags, self.digest = load_remote_coco(str(self.ann_file), str(self.image_dir),
+                                                          self.storage_options)
+        return index
+
+    def _samples(self, index: CocoIndex) -> CocoSamples:
+        direct = RemoteLocation(str(index.image_dir), self.storage_options).direct_spec()
+        return RemoteCocoSamples(index, self.etags, self.storage_options, direct)
+
+    def fingerprint(self, run: RunOptions) -> str:
+        """:meth:`CocoInput.fingerprint` with every image's ETag and the annotation file's bytes."""
+        h = xxhash.xxh3_128(super().fingerprint(run).encode())
+        h.update(self.etags.astype("<u8").tobytes())
+        h.update(self.digest.encode())
+        return h.hexdigest()
