@@ -1,9 +1,9 @@
-"""Plain signed GETs of S3 objects, for a conversion's inputs: botocore's request pipeline (event
-hooks, serialisers, the response parser) costs about 2.5 ms of CPU per GET, twice the decoding
-of an ImageNet-like JPEG it feeds; a GET signed here (SigV4, the day's key cached) and sent on a
-kept-alive connection of this thread, its reply parsed only as far as a ``200`` with a length,
-costs a fraction of that (measured against SeaweedFS on this project's test machine; see the
-remote guide).
+"""Plain signed GETs of S3 objects, for a conversion's inputs: botocore's full request pipeline
+(event hooks, serialisers, the response parser) costs about 2.5 ms of CPU per GET, twice the
+decoding of an ImageNet-like JPEG it feeds. Here each GET is signed by botocore's own SigV4 signer
+(``S3SigV4Auth``) and sent by urllib3 (which botocore itself sends with) on a kept-alive connection
+of a pool per process, its reply taken only when it is a plain ``200`` with a length: a fraction
+of the CPU (see the remote guide). Nothing of HTTP or of the signature is implemented here.
 
 Only the common, unsurprising case takes this path; everything else returns None and the caller
 reads through s3fs (:meth:`~fastdata.remote.location.RemoteLocation.read_object`), which has the
@@ -14,23 +14,17 @@ retries and the error translation:
   redirects) always go through botocore;
 * no proxy configured (``HTTP(S)_PROXY`` or botocore's ``proxies``);
 * credentials as botocore resolved them for the filesystem (refreshed through it; session tokens
-  included), signed by :func:`sigv4_headers` (what botocore's ``S3SigV4Auth`` signs: a test
-  compares them), or unsigned when the filesystem is anonymous;
-* a ``200`` reply with a ``Content-Length`` and no transfer or content encoding: any other
-  reply, and any error of the connection, falls back (a kept-alive connection the server closed
-  is tried once more afresh first).
+  included), or unsigned requests when the filesystem is anonymous;
+* a ``200`` reply with a ``Content-Length`` and no content encoding: any other reply, and any
+  error of the connection (after one retry on a fresh connection), falls back.
 
 The caller compares a reply's ETag and length with the listing's (a changed object is an error
-there too). Connections are per thread and per process (made on first use: never inherited).
+there too). The pools are per process (made on first use: never inherited across a fork).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
-import socket
-import ssl
 import threading
 import time
 import urllib.parse
@@ -39,84 +33,38 @@ from typing import Any
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
 #: frozen credentials are taken again after this many seconds (refreshable ones renew themselves)
 CREDENTIALS_TTL_S = 60.0
-#: SHA-256 of an empty body: a GET's payload hash, as botocore signs it
-EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-#: the most bytes of a reply's status line and headers read
-MAX_HEADER_BYTES = 64 << 10
-#: the longest listing page read (1,000 keys of up to 1,024 bytes, with their XML)
-MAX_LISTING_PAGE_BYTES = 8 << 20
-
-
-def canonical_query(params: dict[str, str]) -> str:
-    """``params`` as SigV4's canonical query string (names sorted, names and values URI-encoded),
-    which is also how the request sends them."""
-    def enc(text: str) -> str:
-        return urllib.parse.quote(text, safe="-_.~")
-    return "&".join(f"{enc(k)}={enc(v)}" for k, v in sorted(params.items()))
-
-
-def sigv4_headers(method: str, host: str, path: str, region: str, access_key: str, secret_key: str,
-                  token: str | None, amz_date: str, key_cache: dict | None = None, query: str = "") -> dict[str, str]:
-    """AWS Signature Version 4 headers of a bodiless S3 request for ``path`` (already URI-encoded,
-    as sent; S3 does not normalise it) on ``host`` (``name[:port]`` as in the Host header), at
-    ``amz_date`` (``YYYYMMDDTHHMMSSZ``): what botocore's ``S3SigV4Auth`` adds (a test compares
-    them). ``key_cache`` keeps the day's signing key (four HMACs) between requests; ``query``: the
-    canonical query string (:func:`canonical_query`)."""
-    day = amz_date[:8]
-    scope = f"{day}/{region}/s3/aws4_request"
-    headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": amz_date}
-    if token:
-        headers["x-amz-security-token"] = token
-    names = sorted(headers)
-    canonical = "\n".join([method, path, query, *(f"{n}:{headers[n]}" for n in names), "", ";".join(names),
-                           EMPTY_SHA256])
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    cache_key = (day, region, secret_key)
-    key = key_cache.get(cache_key) if key_cache is not None else None
-    if key is None:
-        key = ("AWS4" + secret_key).encode()
-        for part in (day, region, "s3", "aws4_request"):
-            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-        if key_cache is not None:
-            key_cache.clear()
-            key_cache[cache_key] = key
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    out = {"X-Amz-Date": amz_date, "X-Amz-Content-SHA256": EMPTY_SHA256,
-           "Authorization": f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, SignedHeaders={';'.join(names)}, "
-                            f"Signature={signature}"}
-    if token:
-        out["X-Amz-Security-Token"] = token
-    return out
-
-
-class _Fallback(Exception):
-    """Internal: this reply is not one the plain path reads (the caller goes through s3fs)."""
+#: kept-alive connections per process (the fetch threads of a worker: FETCH_CONCURRENCY)
+POOL_CONNECTIONS = 8
 
 
 class DirectS3:
-    """What a signed GET needs of one s3fs filesystem: its endpoint, region and credentials."""
+    """What a signed GET needs of one s3fs filesystem: its endpoint, region and credentials.
+
+    Args:
+        fs: the s3fs filesystem whose credentials are refreshed through it (None: ``credentials``
+            are fixed, as :meth:`from_spec` makes them).
+        endpoint: ``http(s)://host[:port][/base]``, the endpoint the filesystem's client uses.
+        region: the signing region.
+        credentials: botocore credentials (with ``get_frozen_credentials``), or None: unsigned.
+        timeout: seconds to connect and between reads.
+    """
 
     def __init__(self, fs, endpoint: str, region: str, credentials, timeout: float):
         self.fs = fs
         parts = urllib.parse.urlsplit(endpoint)
-        self.secure = parts.scheme == "https"
-        self.host = parts.hostname or ""
-        self.port = parts.port or (443 if self.secure else 80)
-        self.host_header = parts.netloc.rsplit("@", 1)[-1]
+        self.origin = f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"
         self.base_path = parts.path.rstrip("/")
         self.region = region
         self.credentials = credentials  # None: anonymous (unsigned requests)
         self.timeout = timeout
         self._frozen: Any = None
         self._frozen_at = 0.0
-        self._keys: dict = {}
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._ssl = ssl.create_default_context() if self.secure else None
+        self._pools: dict[int, Any] = {}
 
-    def _auth(self, path: str, query: str = "") -> dict[str, str]:
-        if self.credentials is None:
-            return {}
+    def _frozen_credentials(self):
+        """The credentials to sign with now (refreshed through the filesystem every
+        :data:`CREDENTIALS_TTL_S` seconds; fixed ones as given)."""
         with self._lock:
             if self.fs is not None and (self._frozen is None
                                         or time.monotonic() - self._frozen_at > CREDENTIALS_TTL_S):
@@ -130,21 +78,46 @@ class DirectS3:
                         return await pending
                     frozen = sync(self.fs.loop, thaw)
                 self._frozen, self._frozen_at = frozen, time.monotonic()
-            frozen = self._frozen
-            return sigv4_headers("GET", self.host_header, path, self.region, frozen.access_key, frozen.secret_key,
-                                 frozen.token, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), self._keys, query)
+            return self._frozen
+
+    def _headers(self, path: str) -> dict[str, str]:
+        """The headers of a GET of ``path`` (already URI-encoded, as sent): botocore's SigV4
+        signature of it, or none for an anonymous filesystem."""
+        if self.credentials is None:
+            return {}
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+
+        request = AWSRequest(method="GET", url=self.origin + path)
+        S3SigV4Auth(self._frozen_credentials(), "s3", self.region).add_auth(request)
+        return dict(request.headers.items())
+
+    def _pool(self):
+        """This process's urllib3 connection pool to the endpoint (made on first use)."""
+        pid = os.getpid()
+        pool = self._pools.get(pid)
+        if pool is None:
+            import urllib3
+
+            with self._lock:
+                pool = self._pools.get(pid)
+                if pool is None:
+                    # one retry, on a connection error only (a kept-alive connection the server
+                    # closed): any other trouble falls back to s3fs, which has the retry policy
+                    pool = self._pools[pid] = urllib3.connection_from_url(
+                        self.origin, maxsize=POOL_CONNECTIONS, block=False,
+                        timeout=urllib3.Timeout(connect=self.timeout, read=self.timeout),
+                        retries=urllib3.Retry(total=1, connect=1, read=0, status=0, other=0, redirect=0,
+                                              raise_on_status=False, raise_on_redirect=False))
+        return pool
 
     def spec(self) -> dict[str, Any]:
         """What a worker process needs to send the same GETs without a botocore client of its own
         (making one costs a worker about a second of CPU): the endpoint, region and the credentials
         as they are now (temporary ones may expire during a long run: a refused GET then falls back
-        to s3fs, which refreshes them)."""
-        frozen = None
-        if self.credentials is not None:
-            self._auth("/")  # (freezes the current credentials)
-            frozen = self._frozen
-        return {"endpoint": f"{'https' if self.secure else 'http'}://{self.host_header}{self.base_path}",
-                "region": self.region, "timeout": self.timeout,
+        to s3fs, which refreshes them). Held in memory and handed to this process's own workers."""
+        frozen = None if self.credentials is None else self._frozen_credentials()
+        return {"endpoint": self.origin + self.base_path, "region": self.region, "timeout": self.timeout,
                 "credentials": None if frozen is None else (frozen.access_key, frozen.secret_key, frozen.token)}
 
     @classmethod
@@ -152,129 +125,41 @@ class DirectS3:
         """A :class:`DirectS3` of :meth:`spec` (with its fixed credentials), in this process."""
         direct = cls(None, spec["endpoint"], spec["region"], spec["credentials"], spec["timeout"])
         if spec["credentials"] is not None:
-            from collections import namedtuple
+            from botocore.credentials import ReadOnlyCredentials
 
-            direct._frozen = namedtuple("Frozen", "access_key secret_key token")(*spec["credentials"])
+            direct._frozen = ReadOnlyCredentials(*spec["credentials"])
         return direct
-
-    def _socket(self) -> socket.socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is not None:
-                sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
-            self._local.sock = sock
-        return sock
-
-    def _drop(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        self._local.sock = None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-    def _exchange(self, path: str, size: int | None, query: str = "") -> tuple[dict[str, str], bytes]:
-        """Send the GET, read a ``200`` reply of a declared length (its body only when that is
-        ``size``; None: any length up to :data:`MAX_LISTING_PAGE_BYTES`); raise :class:`_Fallback`
-        for anything else."""
-        sock = self._socket()
-        target = f"{path}?{query}" if query else path
-        lines = [f"GET {target} HTTP/1.1", f"Host: {self.host_header}", "Accept-Encoding: identity"]
-        lines += [f"{k}: {v}" for k, v in self._auth(path, query).items()]
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            part = sock.recv(65536)
-            if not part or len(buf) > MAX_HEADER_BYTES:
-                raise _Fallback
-            buf += part
-        head, _, body = buf.partition(b"\r\n\r\n")
-        status, *header_lines = head.decode("latin-1").split("\r\n")
-        if status.split(" ", 2)[1:2] != ["200"]:
-            raise _Fallback
-        headers = {}
-        for line in header_lines:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        if "content-length" not in headers or "transfer-encoding" in headers or "content-encoding" in headers:
-            raise _Fallback
-        length = int(headers["content-length"])
-        if size is None and length > MAX_LISTING_PAGE_BYTES:
-            raise _Fallback
-        if length == size or size is None:  # (otherwise the caller raises before the body is read)
-            chunks = [body]
-            have = len(body)
-            while have < length:
-                part = sock.recv(min(1 << 20, length - have))
-                if not part:
-                    raise _Fallback
-                chunks.append(part)
-                have += len(part)
-            body = b"".join(chunks)
-            if have > length:
-                raise _Fallback
-        if headers.get("connection", "").lower() == "close" or (size is not None and length != size):
-            self._drop()
-        return headers, body
-
-    def list_objects(self, bucket: str, prefix: str):
-        """``(key, size, ETag)`` of every object of ``bucket`` under ``prefix``, page by page
-        (ListObjectsV2, keys URL-encoded by the server and decoded here as botocore decodes them:
-        unquote_plus), or None as soon as a page
-        cannot be read this way (the caller lists through s3fs from the start)."""
-        import xml.etree.ElementTree as ET
-
-        path = f"{self.base_path}/{urllib.parse.quote(bucket)}"
-        token: str | None = None
-        while True:
-            params = {"list-type": "2", "prefix": prefix, "encoding-type": "url", "max-keys": "1000"}
-            if token:
-                params["continuation-token"] = token
-            for attempt in range(2):
-                reused = getattr(self._local, "sock", None) is not None
-                try:
-                    _, body = self._exchange(path, None, canonical_query(params))
-                    page = ET.fromstring(body)
-                    break
-                except (_Fallback, OSError, ValueError, IndexError, ET.ParseError):
-                    self._drop()
-                    if not reused or attempt:
-                        yield None
-                        return
-            ns = page.tag[:page.tag.index("}") + 1] if page.tag.startswith("{") else ""
-            for item in page.iter(f"{ns}Contents"):
-                key = item.findtext(f"{ns}Key")
-                if key is None:
-                    yield None
-                    return
-                yield urllib.parse.unquote_plus(key), int(item.findtext(f"{ns}Size") or 0), item.findtext(f"{ns}ETag")
-            if (page.findtext(f"{ns}IsTruncated") or "").lower() != "true":
-                return
-            token = page.findtext(f"{ns}NextContinuationToken")
-            if not token:
-                yield None
-                return
 
     def get(self, bucket: str, key: str, size: int) -> tuple[str | None, int, bytes | None] | None:
         """Object ``key`` of ``bucket``, listed with ``size`` bytes: ``(ETag, length, body)`` of a
         ``200`` reply, the body None (not read) when the length is not ``size``; None when this
         path cannot answer (the caller reads through s3fs). The caller compares the ETag."""
+        import urllib3
+
         path = f"{self.base_path}/{urllib.parse.quote(bucket)}/{urllib.parse.quote(key, safe='/~')}"
-        for attempt in range(2):
-            reused = getattr(self._local, "sock", None) is not None
-            try:
-                headers, data = self._exchange(path, size)
-                length = int(headers["content-length"])
-                return headers.get("etag"), length, data if length == size else None
-            except (_Fallback, OSError, ValueError, IndexError):
-                self._drop()
-                if not reused or attempt:  # (a kept-alive connection the server closed: once more, afresh)
-                    return None
-        return None
+        try:
+            reply = self._pool().urlopen("GET", path, headers=self._headers(path), preload_content=False,
+                                         decode_content=False, redirect=False)
+        except (urllib3.exceptions.HTTPError, OSError, ValueError):
+            return None
+        done = False
+        try:
+            length_text = reply.headers.get("content-length")
+            if reply.status != 200 or length_text is None or reply.headers.get("content-encoding"):
+                return None
+            length = int(length_text)
+            if length != size:  # (the caller raises: the object changed; its body is not read)
+                return reply.headers.get("etag"), length, None
+            body = reply.read()  # urllib3 checks that the body has the declared length
+            done = len(body) == length
+            return (reply.headers.get("etag"), length, body) if done else None
+        except (urllib3.exceptions.HTTPError, OSError, ValueError):
+            return None
+        finally:
+            if done:
+                reply.release_conn()  # kept alive for the next GET
+            else:
+                reply.close()  # a reply not read to its end: its connection is not reused
 
 
 _DIRECT: dict[tuple, DirectS3 | None] = {}
@@ -304,7 +189,7 @@ def direct_s3(fs, timeout: float) -> DirectS3 | None:
 
 def _make(fs, timeout: float) -> DirectS3 | None:
     try:
-        import botocore  # type: ignore[import-untyped]
+        import botocore
         from fsspec.asyn import sync
 
         if any(os.environ.get(name) for name in _PROXY_ENV):

@@ -315,34 +315,3 @@ def test_objects_fetched_but_not_written_stay_within_the_pipeline_window(remote_
     assert not any("botocore" in agent.lower() for agent in agents), agents
     assert control_agents and all("botocore" in agent.lower() for agent in control_agents), control_agents
     assert json.loads(Path(tmp_path / "many.lmdb" / "manifest.json").read_text())["num_samples"] == n
-
-
-@pytest.mark.parametrize("token", [None, "FQoGZXIvYXdzE+token/with=chars"])
-def test_the_plain_get_is_signed_as_botocore_signs_it(token):
-    """The signed GETs of fastdata.remote.direct carry the Authorization botocore's S3SigV4Auth gives
-    the same request (the test server checks no signatures, so this is where they are checked)."""
-    from urllib.parse import quote
-
-    from botocore.auth import S3SigV4Auth
-    from botocore.awsrequest import AWSRequest
-    from botocore.credentials import Credentials
-
-    from fastdata.remote.direct import canonical_query, sigv4_headers
-
-    keys: dict = {}
-    listing = canonical_query({"list-type": "2", "prefix": "a b/c+\u00fc/", "encoding-type": "url",
-                               "continuation-token": "1/x+y=="})
-    for key, query in (("imagenet/class_000/img_00001.jpg", ""), ("a b/c+d~e/\u00fc.jpg", ""), ("", listing)):
-        path = "/bucket-1/" + quote(key, safe="/~")
-        request = AWSRequest(method="GET", url="https://s3.example.test:9000" + path + (f"?{query}" if query else ""),
-                             headers={})
-        S3SigV4Auth(Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG", token), "s3", "eu-west-1").add_auth(request)
-        ours = sigv4_headers("GET", "s3.example.test:9000", path, "eu-west-1", "AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG",
-                             token, request.headers["X-Amz-Date"], keys, query)
-        assert ours["Authorization"] == request.headers["Authorization"]
-        assert {k: v for k, v in ours.items() if k != "Authorization"} == \
-            {k: v for k, v in request.headers.items() if k != "Authorization"}
-        # the control: another secret signs differently
-        other = sigv4_headers("GET", "s3.example.test:9000", path, "eu-west-1", "AKIDEXAMPLE", "other", token,
-                              request.headers["X-Amz-Date"])
-        assert other["Authorization"] != request.headers["Authorization"]
