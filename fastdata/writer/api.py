@@ -199,8 +199,9 @@ def source_for_path(
     """The source object a path is, with ``convert``'s older keywords as its options.
 
     A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is read remotely: a ``.jsonl`` list (or
-    any list given ``schema``) as a table, a ``.csv``/``.tsv`` as a ``path,label`` list, anything
-    else as an image folder prefix; other kinds of input are refused from a URL
+    any list given ``schema``) as a table, a ``.csv``/``.tsv`` as a ``path,label`` list, a
+    ``.parquet`` file or glob as Parquet files (a folder of them: :class:`~fastdata.sources.Parquet`),
+    anything else as an image folder prefix; other kinds of input are refused from a URL
     (:class:`~fastdata.errors.RemotePathError`). For a path, the kind is sniffed in this order:
     Parquet files, WebDataset shards, NIfTI volumes (or a folder given ``chunks``/``max_pixels``:
     TIFF images as chunked arrays), a list with more fields than ``path,label`` (or ``schema``
@@ -223,6 +224,12 @@ def source_for_path(
                      "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode},
                     "a list with more fields than path,label", "each image's bytes are kept as they are")
             return Table(src, schema=schema)
+        if src.rstrip("/").lower().endswith(".parquet"):  # a file or a glob of them (a folder: sources.Parquet)
+            _refuse({"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
+                     "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode,
+                     "schema": schema}, "Parquet files",
+                    "every column becomes a field and image bytes are stored as they are")
+            return Parquet(src)
         if not remote_image_source(src):
             refuse_remote_source(src)
         return ImageFolder(src, storage=storage_from_keywords(

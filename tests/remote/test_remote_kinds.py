@@ -18,6 +18,9 @@ from fastdata.format.names import STAGING_DIR
 from fastdata.remote.location import RemoteLocation, SourceChangedError
 from fastdata.tools.synth_coco import make_coco
 
+pq = pytest.importorskip("pyarrow.parquet")
+from helpers.parquet import hf_rows, hf_table, write_hf_parquet  # noqa: E402
+
 
 def upload_tree(local: str | Path, url: str) -> None:
     """Every file under ``local`` to ``url``/<its relative path>."""
@@ -65,15 +68,30 @@ def inputs(s3_server, tmp_path_factory):
     Path(coco.ann_file).write_text(json.dumps(doc))
     Path(root, "data", "coco", "outside.jpg").write_bytes(Path(coco.image_dir, os.listdir(coco.image_dir)[0])
                                                              .read_bytes())
+    # Hub-named Parquet shards (row groups of 4) under hf/data/, their ClassLabel in hf/dataset_info.json
+    rows = hf_rows(14, seed=2)
+    half = {k: v[:8] for k, v in rows.items()}, {k: v[8:] for k, v in rows.items()}
+    pq_dir = root / "data" / "hf" / "data"
+    for k, part in enumerate(half):
+        write_hf_parquet(pq_dir / f"train-0000{k}-of-00002.parquet", part)
+        table = pq.read_table(pq_dir / f"train-0000{k}-of-00002.parquet")
+        pq.write_table(table.replace_schema_metadata(None), pq_dir / f"train-0000{k}-of-00002.parquet",
+                       row_group_size=4)
+    features = json.loads(hf_table(half[0]).schema.metadata[b"huggingface"])["info"]["features"]
+    Path(root, "data", "hf", "dataset_info.json").write_text(json.dumps({"features": features}))
     bucket = f"s3://{s3_server.take_bucket(f'rkind{os.getpid()}')}"
     upload_tree(root / "data", bucket)
     local_coco = root / "local-coco.lmdb"
     fastdata.convert_coco(coco.ann_file, coco.image_dir, local_coco, shard_size="20kB", progress=False, workers=0)
+    local_parquet = root / "local-parquet.lmdb"
+    fastdata.convert(fastdata.sources.Parquet(str(pq_dir)), local_parquet, shard_size="4kB", progress=False,
+                     workers=0)
 
     class NS:
         pass
     t = NS()
     t.server, t.bucket, t.root, t.local_coco = s3_server, bucket, root, local_coco
+    t.local_parquet, t.parquet = local_parquet, f"{bucket}/hf/data"
     rel = os.path.relpath(coco.ann_file, root / "data").replace(os.sep, "/")
     t.coco_ann = f"{bucket}/{rel}"
     t.coco_images = f"{bucket}/{os.path.relpath(coco.image_dir, root / 'data').replace(os.sep, '/')}"
@@ -167,3 +185,48 @@ def test_remote_coco_resumes_after_an_interrupted_run_and_refuses_a_changed_inpu
     fastdata.convert_coco(inputs.coco_ann, inputs.coco_images, dst, shard_size="20kB", progress=False, workers=0,
                           resume=True)
     same_records(inputs.local_coco, dst, same_bytes=False)
+
+
+def test_remote_parquet_folder_and_glob_convert_to_the_local_store(inputs, tmp_path):
+    folder = tmp_path / "folder.lmdb"
+    fastdata.convert(fastdata.sources.Parquet(inputs.parquet), folder, shard_size="4kB", progress=False, workers=2)
+    same_records(inputs.local_parquet, folder)
+    assert len(read_manifest(folder)["shards"]) > 1
+    assert read_manifest(folder)["classes"] == ["airplane", "bird", "cat"]  # from dataset_info.json, one folder up
+    globbed = tmp_path / "glob.lmdb"
+    fastdata.convert(f"{inputs.parquet}/train-*.parquet", globbed, shard_size="4kB", progress=False, workers=0)
+    same_records(inputs.local_parquet, globbed)
+
+
+def test_a_parquet_file_changed_after_planning_stops_the_run_naming_it(inputs, tmp_path):
+    from fastdata.writer.options import WriteOptions
+    from fastdata.writer.session import WriteSession
+    from fastdata.writer.sources.remote_parquet import RemoteParquetInput
+
+    loc = RemoteLocation(inputs.parquet)
+    name = "train-00001-of-00002.parquet"
+    original = loc.read_bytes(name)
+
+    class Changing(RemoteParquetInput):
+        def plan(self, run, dst):
+            plans = super().plan(run, dst)
+            loc.write_bytes(name, original[:-9] + bytes([original[-9] ^ 0xFF]) + original[-8:])  # same size
+            return plans
+    dst = tmp_path / "changed.lmdb"
+    try:
+        with pytest.raises(SourceChangedError, match=f"{inputs.parquet}/{name}: the object changed") as caught:
+            WriteSession(Changing(inputs.parquet), str(dst), WriteOptions(progress=False, workers=0)).run()
+        assert "\n" not in str(caught.value)
+    finally:
+        loc.write_bytes(name, original)
+    assert not (dst / "manifest.json").exists()
+
+
+def test_remote_parquet_errors_are_one_line(inputs, tmp_path):
+    with pytest.raises(SourceError, match="no file matches .*/val-"):
+        fastdata.convert(f"{inputs.parquet}/val-*.parquet", tmp_path / "a.lmdb", progress=False, workers=0)
+    with pytest.raises(SourceError, match="Parquet file not found: .*/nothing.parquet"):
+        fastdata.convert(f"{inputs.parquet}/nothing.parquet", tmp_path / "b.lmdb", progress=False, workers=0)
+    with pytest.raises(SourceError, match="no .parquet objects directly under this prefix"):
+        fastdata.convert(fastdata.sources.Parquet(f"{inputs.bucket}/hf"), tmp_path / "c.lmdb", progress=False,
+                         workers=0)

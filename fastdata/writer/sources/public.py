@@ -507,6 +507,9 @@ class Parquet(Source):
             recognised (a Hugging Face image struct, a binary column whose first value is an
             image): a name, a comma-separated list or a list of names; each a binary,
             ``struct<bytes, path>`` or file path column.
+        storage_options (Mapping | None): fsspec options for a URL ``path`` (``s3://``, ``gs://``,
+            ``az://``); None: the write's ``storage_options``. From a URL, images must be stored in
+            the files (not named by path). See "Remote sources" in the remote guide.
 
     Raises:
         TypeError: naming the parameter.
@@ -514,12 +517,23 @@ class Parquet(Source):
 
     kind = "Parquet files"
 
-    def __init__(self, path: str | os.PathLike, *, image_columns: str | Sequence[str] | None = None):
+    def __init__(self, path: str | os.PathLike, *, image_columns: str | Sequence[str] | None = None,
+                 storage_options: Mapping[str, Any] | None = None):
         self.path = _path(path, "path")
         self.image_columns = _names(image_columns, "image_columns")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
+        self.storage_options = storage_options
 
     def write_source(self) -> WriteSource:
-        refuse_remote_source(self.path)
+        if is_remote(self.path):
+            require("pyarrow", "converting Parquet files")
+            from fastdata.writer.sources.remote_parquet import RemoteParquetInput
+
+            return RemoteParquetInput(self.path, self.image_columns, storage_options=self.storage_options)
+        if self.storage_options is not None:
+            raise ValueError(f"{self.path}: storage_options apply to a URL source (s3://, gs://, az://), not to a "
+                             "local path")
         files = parquet_files(self.path)
         if files is None:
             raise ValueError(f"{self.path}: not Parquet files (a .parquet file, a folder or a glob of them)")

@@ -443,6 +443,9 @@ def _image_values(col: Column, arr: pa.Array, base_dir: str) -> tuple[list[Any],
             out.append(Bad("null (no image)"))
         elif data:
             out.append(bytes(data))
+        elif path and "://" in base_dir:  # (a remote file's paths would name files on the converter's disk)
+            out.append(Bad(f"{path}: an image named by path in a Parquet file at a URL is not read; only image "
+                           "bytes stored in the file are"))
         elif path:
             full = path if os.path.isabs(path) or not base_dir else os.path.join(base_dir, path)
             try:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import xxhash
 
 from fastdata.common.imageio import ImageDecodeError, inspect_image
@@ -99,6 +100,11 @@ class ParquetRows:
     def __init__(self, files: list[ParquetFileInfo], layout: Layout, names: list[str]):
         self.files, self.layout, self.names = files, layout, names
 
+    def open_file(self, file_index: int) -> pq.ParquetFile:
+        """File ``file_index`` opened for reading row groups (in the worker; a remote source's
+        rows open a URL)."""
+        return open_parquet(self.files[file_index].path)
+
 
 class _Cursor:
     """An open row group of one file, read forward a batch at a time."""
@@ -106,7 +112,7 @@ class _Cursor:
     def __init__(self, rows: ParquetRows, file_index: int, group: int, batch_rows: int):
         info = self.info = rows.files[file_index]
         self.key = (file_index, group)
-        self.file = open_parquet(info.path)
+        self.file = rows.open_file(file_index)
         meta = self.file.metadata
         if meta.num_row_groups != len(info.row_groups) or meta.row_group(group).num_rows != info.row_groups[group]:
             self.file.close()
@@ -326,6 +332,10 @@ class ParquetInput(ArrowInput):
             common = os.path.commonpath([i.path for i in infos])
             names = [os.path.relpath(i.path, common) for i in infos]
         self.rows = ParquetRows(infos, layout, names)
+        return self._plan_units(run, infos, names)
+
+    def _plan_units(self, run: RunOptions, infos: list[ParquetFileInfo], names: list[str]) -> list[ShardPlan]:
+        """Shards of whole row groups of ``infos`` (the files' footers), about ``shard_size`` bytes each."""
         self.units = [(f, g, rows) for f, info in enumerate(infos) for g, rows in enumerate(info.row_groups) if rows]
         sizes = np.asarray([infos[f].group_bytes[g] + ROW_OVERHEAD * rows for f, g, rows in self.units],
                            dtype=np.int64)
