@@ -235,10 +235,12 @@ def _cmd_gc(args) -> int:
 def _add_field_commands(sub) -> None:
     a = sub.add_parser("add-fields", help="add fields (embeddings, predictions, scores) to a store without "
                                           "rewriting it",
-                       description="Add fields to the published local store STORE, as a new version: the values go "
-                                   "into new field files beside each shard (no shard is rewritten) and the manifest "
-                                   "is replaced last. Datasets opened before keep their version. Fixed-size numbers "
-                                   "(scores, N x D embeddings) are read by ds.column(NAME) without reading a record.")
+                       description="Add fields to the published store STORE (a directory or a URL), as a new "
+                                   "version: the values go into new field files beside each shard (no shard is "
+                                   "rewritten) and the manifest is replaced last; an interrupted call leaves the "
+                                   "previous version, and running it again finishes it. Datasets opened before "
+                                   "keep their version. Fixed-size numbers (scores, N x D embeddings) are read by "
+                                   "ds.column(NAME) without reading a record.")
     a.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
     a.add_argument("--from", dest="values_file", required=True, metavar="FILE",
                    help="the values: a .npy array (one field, rows in store order; give --name), or a .parquet or "
