@@ -230,3 +230,29 @@ def test_remote_parquet_errors_are_one_line(inputs, tmp_path):
     with pytest.raises(SourceError, match="no .parquet objects directly under this prefix"):
         fastdata.convert(fastdata.sources.Parquet(f"{inputs.bucket}/hf"), tmp_path / "c.lmdb", progress=False,
                          workers=0)
+
+
+@pytest.mark.slow
+def test_remote_parquet_resumes_after_an_interrupted_run(inputs, tmp_path):
+    """A run interrupted after its first shards resumes to the local store (records and checksums)."""
+    from fastdata.writer.sources.remote_parquet import RemoteParquetRows
+
+    dst = tmp_path / "resumed.lmdb"
+    real, calls = RemoteParquetRows.open_file, {"n": 0}
+
+    def failing(self, file_index):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt
+        return real(self, file_index)
+    RemoteParquetRows.open_file = failing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fastdata.convert(fastdata.sources.Parquet(inputs.parquet), dst, shard_size="4kB", progress=False,
+                             workers=0)
+    finally:
+        RemoteParquetRows.open_file = real  # type: ignore[method-assign]
+    assert list((dst / STAGING_DIR).glob("shard-*")) and not (dst / "manifest.json").exists()
+    fastdata.convert(fastdata.sources.Parquet(inputs.parquet), dst, shard_size="4kB", progress=False, workers=0,
+                     resume=True)
+    same_records(inputs.local_parquet, dst)

@@ -12,9 +12,9 @@ of the files gives.
 * **rows**: each worker opens the file of its chunk itself (:class:`RemoteParquetRows`) and streams
   its row group a page at a time, as for a local file: memory stays a chunk's rows and fsspec's
   read-ahead block (:data:`BLOCK_SIZE`). The file must still have its planned ETag and size when a
-  worker opens it (a changed one stops the run naming it, nothing published); on ``s3://`` every
-  ranged read then carries ``If-Match`` with that ETag, so a file rewritten while a worker reads it
-  fails the read instead of mixing two versions.
+  worker opens it (a changed one stops the run naming it, nothing published). On ``s3://`` s3fs
+  sends each later ranged read with ``If-Match`` on that ETag, so a server that honours it fails a
+  read of a file rewritten while a worker holds it open (not tested against the test server).
 
 Image columns must hold their bytes: an image named by a path inside a remote Parquet file is
 rejected (it would name a file on the converter's disk). The fingerprint is the local one with
