@@ -182,8 +182,10 @@ def test_remote_coco_resumes_after_an_interrupted_run_and_refuses_a_changed_inpu
                                   workers=0, resume=True)
     finally:
         ann.write_bytes(ann_name, text)
-    fastdata.convert_coco(inputs.coco_ann, inputs.coco_images, dst, shard_size="20kB", progress=False, workers=0,
-                          resume=True)
+    from fastdata.cli.main import main  # (the CLI's --coco takes URLs too)
+
+    assert main(["convert", "--coco", inputs.coco_ann, inputs.coco_images, str(dst), "--shard-size", "20kB",
+                 "--workers", "0", "--resume", "--quiet"]) == 0
     same_records(inputs.local_coco, dst, same_bytes=False)
 
 
