@@ -204,7 +204,11 @@ def encode_chunk(schema: Schema, start: int, stop: int, items: list | None, stri
     """Worker entry point: samples ``start .. stop-1`` (``items``, or from the map-style
     dataset given to this worker) as :class:`EncodedSample` objects (or rejection reasons
     when not ``strict``), the chunks of chunked fields written into files in ``chunk_dir``;
-    see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value."""
+    see :class:`~fastdata.writer.pipeline.ChunkSource` for the return value. A dataset with a
+    ``prefetch(start, stop)`` method is told the range first (a remote source starts its GETs)."""
+    prefetch = getattr(_SAMPLES, "prefetch", None) if items is None else None
+    if prefetch is not None:
+        prefetch(start, stop)
     results = [_item_or_reject(schema, items if items is not None else _SAMPLES, k if items is not None else start + k,
                                start + k, strict, chunk_dir) for k in range(stop - start)]
     nbytes = sum(r.stored_bytes for r in results if not isinstance(r, str))

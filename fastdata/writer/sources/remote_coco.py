@@ -35,7 +35,7 @@ from fastdata.remote.sources import read_text, stat_objects
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.coco import CocoIndex, CocoInput, CocoSamples, load_coco, MAX_LISTED_PROBLEMS
 from fastdata.writer.sources.python import SourcedBytes
-from fastdata.writer.sources.remote import FILESYSTEM_MODULES
+from fastdata.writer.sources.remote import fetch_inputs, FILESYSTEM_MODULES
 
 
 def _inside(image_dir: str, file_name: str) -> str | None:
@@ -112,20 +112,55 @@ class RemoteCocoSamples(CocoSamples):
         super().__init__(index)
         self.etags, self.storage_options, self.direct_spec = etags, dict(storage_options), direct_spec
         self._reader: Any = None
+        self._fetched: tuple[int, int, Any] | None = None
+        self._next = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_reader": None}  # (no filesystem, no socket travels to a worker)
+        # (no filesystem, socket or fetch thread travels to a worker)
+        return {**self.__dict__, "_reader": None, "_fetched": None}
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        sample = super().__getitem__(i)  # (raises RejectedInputError for a refused image)
-        size = int(self.index.sizes[i])
-        if size == -1:
-            raise RejectedInputError(f"file not found: {sample['image']} (no such object)")
+    def _url(self, i: int) -> str:
+        return f"{self.index.image_dir}/{posixpath.normpath(self.index.file_name(i))}"
+
+    def prefetch(self, start: int, stop: int) -> None:
+        """Start fetching the images of samples ``start .. stop-1`` (a worker's task), a few GETs at
+        a time ahead of the sample being encoded (:func:`~fastdata.writer.sources.remote.fetch_inputs`):
+        :meth:`__getitem__` takes them in order. Refused and missing images are not fetched."""
+        sizes = [int(self.index.sizes[i]) if i not in self.index.refused else -1 for i in range(start, stop)]
+        urls = [self._url(i).encode() for i in range(start, stop)]
+        self._fetched = (start, stop, fetch_inputs(urls, sizes, self.etags[start:stop].tolist(),
+                                                   self.storage_options, self.direct_spec))
+        self._next = start
+
+    def _take(self, i: int, size: int) -> bytes | str:
+        """Image ``i``'s bytes (or the reason it cannot be stored): from the prefetch when it is the
+        next one there, else fetched now."""
+        fetched = getattr(self, "_fetched", None)
+        if fetched is not None and fetched[0] <= i < fetched[1] and i == self._next:
+            self._next += 1
+            data = next(fetched[2])
+            if self._next == fetched[1]:
+                self._fetched = None
+            return data
         if self._reader is None:
             assert self.index.image_dir is not None, "a remote COCO index has its image folder URL"
             self._reader = RemoteLocation(self.index.image_dir, self.storage_options).object_reader(self.direct_spec)
+        return self._reader(posixpath.normpath(self.index.file_name(i)), size if size >= 0 else -1,
+                            int(self.etags[i]))
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        size = int(self.index.sizes[i])
+        if i in self.index.refused or size == -1:
+            if self._fetched is not None and i == self._next:  # (its slot in the prefetch: a reason, no GET)
+                self._take(i, size)
+        sample = super().__getitem__(i)  # (raises RejectedInputError for a refused image)
+        if size == -1:
+            raise RejectedInputError(f"file not found: {sample['image']} (no such object)")
+        data = self._take(i, size)
+        if isinstance(data, str):
+            raise RejectedInputError(f"{sample['image']}: {data}")
         key = posixpath.normpath(self.index.file_name(i))
-        image = SourcedBytes(self._reader(key, size if size >= 0 else -1, int(self.etags[i])))
+        image = SourcedBytes(data)
         image.source = f"{self.index.image_dir}/{key}".encode()  # (the store's source path, as a local file's)
         sample["image"] = image
         return sample
