@@ -243,6 +243,41 @@ def step_merge(ctx: dict) -> dict:
             "problems": [str(p) for p in getattr(verified, "problems", [])][:3]}
 
 
+def step_add_fields(ctx: dict) -> dict:
+    """``fastdata.add_fields`` on the merged store (a number and a string a sample), replaced by a
+    second call while a dataset opened on the first version is still open, then ``gc`` with that
+    dataset open (Windows cannot remove the field file it holds: it stays) and after it closed."""
+    from fastdata.errors import FastdataError
+    from fastdata.reader.dataset import StoreDataset
+
+    merged = os.path.join(os.path.dirname(ctx["dst"]), f"merged.{ctx['backend']}")
+    n = len(fastdata.open_dataset(merged))
+    fastdata.add_fields(merged, {"score": np.arange(n, dtype=np.float32), "tag": [f"a{i}" for i in range(n)]})
+    old = StoreDataset(merged)
+    old_first = old[0]["tag"]
+    fastdata.add_fields(merged, {"score": np.arange(n, dtype=np.float32) * 2, "tag": [f"b{i}" for i in range(n)]},
+                        replace=True)
+    removed_while_open = fastdata.gc(merged)
+    old_after = old[0]["tag"]  # the old version, from the field file it holds open
+    try:  # a field file it had not opened yet is gone: said, never misread
+        old_unopened = old[n - 1]["tag"]
+    except FastdataError as err:
+        old_unopened = type(err).__name__
+    old.close()
+    removed_after = fastdata.gc(merged)
+    new = StoreDataset(merged)
+    try:
+        scores = [float(x) for x in new.column("score")]
+        tags = [new[i]["tag"] for i in range(n)]
+    finally:
+        new.close()
+    return {"samples": n, "old_first": old_first, "old_after": old_after, "old_unopened": old_unopened,
+            "scores": scores, "tags": tags,
+            "removed_while_open": len(removed_while_open), "removed_after": len(removed_after),
+            "field_files": sorted(f for f in os.listdir(merged) if f.startswith("fields-")),
+            "verified": bool(fastdata.verify(merged).ok)}
+
+
 def _s3_settings() -> dict[str, str]:
     """The S3 server's variables (AWS_*, ``FASTDATA_PROXY_S3``: a bucket URL), from the file
     ``FASTDATA_PROXY_S3_FILE`` names, waiting for the test to write it; empty without a server."""
@@ -334,7 +369,7 @@ def loader_epoch(stores: dict[str, str], truth: dict, worker_type: str = "proces
 
 
 STEPS = [step_convert_cli, step_verify, step_append, step_overwrite, step_lock, step_resume, step_volumes,
-         step_open_read, step_write, step_merge, step_remote]
+         step_open_read, step_write, step_merge, step_add_fields, step_remote]
 
 
 def proxy_check() -> dict:
