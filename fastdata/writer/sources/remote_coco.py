@@ -5,8 +5,9 @@
   :data:`fastdata.remote.sources.MAX_LIST_BYTES`), into a local temporary file that
   :func:`~fastdata.writer.sources.coco.load_coco` parses as it parses a local one (and that is
   removed at once): the index, its order, problems and refusals are the local ones;
-* **the images** are looked up (:func:`~fastdata.remote.sources.stat_objects`: size and ETag) while
-  planning, and each is fetched by the worker that encodes its sample
+* **the images** are looked up (size and ETag) in one paged listing of the image folder
+  (:func:`~fastdata.remote.sources.list_objects`; ``https://``: one request per image) while
+  planning, and each is fetched by the worker that encodes its sample, a few GETs at a time
   (:meth:`~fastdata.remote.location.RemoteLocation.read_object`, which checks the listed ETag and
   size: an image changed or deleted since the lookup stops the run naming it, nothing published).
   A missing image is rejected and reported, as a local missing file is; a ``file_name`` that leaves
@@ -31,7 +32,7 @@ import xxhash
 
 from fastdata.errors import RejectedInputError
 from fastdata.remote.location import RemoteLocation
-from fastdata.remote.sources import read_text, stat_objects
+from fastdata.remote.sources import list_objects, read_text, stat_objects
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.coco import CocoIndex, CocoInput, CocoSamples, load_coco, MAX_LISTED_PROBLEMS
 from fastdata.writer.sources.python import SourcedBytes
@@ -88,7 +89,17 @@ def load_remote_coco(ann_url: str, image_url: str, storage_options: Mapping[str,
     looked_up = [i for i, key in enumerate(keys) if key is not None]
     sizes = np.full(len(index), -1, dtype=np.int64)
     etags = np.zeros(len(index), dtype=np.uint64)
-    if looked_up:
+    loc = RemoteLocation(image_url, storage_options)
+    if looked_up and not loc.read_only:
+        # one paged listing of the folder (1,000 keys a request) instead of a HEAD per image
+        listing = list_objects(loc)
+        where = {name: k for k, name in enumerate(listing.names)}
+        for i in looked_up:
+            k = where.get(str(keys[i]).encode())
+            if k is not None:
+                sizes[i], etags[i] = listing.sizes[k], listing.etags[k]
+        del where, listing
+    elif looked_up:  # (https:// has no listing: each image looked up)
         found_sizes, found_etags = stat_objects([f"{image_url}/{keys[i]}" for i in looked_up], storage_options)
         sizes[looked_up], etags[looked_up] = found_sizes, found_etags
     missing = [i for i in looked_up if sizes[i] == -1]
