@@ -191,7 +191,7 @@ def test_remote_coco_resumes_after_an_interrupted_run_and_refuses_a_changed_inpu
 
 def test_remote_parquet_folder_and_glob_convert_to_the_local_store(inputs, tmp_path):
     folder = tmp_path / "folder.lmdb"
-    fastdata.convert(fastdata.sources.Parquet(inputs.parquet), folder, shard_size="4kB", progress=False, workers=2)
+    fastdata.convert(fastdata.sources.Parquet(inputs.parquet), folder, shard_size="4kB", progress=False, workers=1)
     same_records(inputs.local_parquet, folder)
     assert len(read_manifest(folder)["shards"]) > 1
     assert read_manifest(folder)["classes"] == ["airplane", "bird", "cat"]  # from dataset_info.json, one folder up
