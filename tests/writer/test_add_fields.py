@@ -22,6 +22,7 @@ from fastdata.reader.loader import loader
 from fastdata.writer.add_fields import AddFieldsError
 from fastdata.writer.lock import StoreLock
 from helpers.backends import NAME_SUFFIXES
+from helpers.hostile import copy_store
 
 N = 40
 
@@ -42,9 +43,8 @@ def base_store(request, tmp_path_factory):
 
 @pytest.fixture
 def store(base_store, tmp_path):
-    dst = str(tmp_path / os.path.basename(base_store))
-    shutil.copytree(base_store, dst)
-    return dst
+    """A copy of the module's store, for a test that changes it."""
+    return copy_store(base_store, tmp_path / os.path.basename(base_store))
 
 
 def _values():

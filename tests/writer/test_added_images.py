@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 
 import numpy as np
 import pytest
 from helpers.backends import NAME_SUFFIXES
+from helpers.hostile import copy_store
 from PIL import Image as PILImage
 
 import fastdata
@@ -51,9 +51,8 @@ def base_store(request, tmp_path_factory):
 
 @pytest.fixture
 def store(base_store, tmp_path):
-    dst = str(tmp_path / os.path.basename(base_store))
-    shutil.copytree(base_store, dst)
-    return dst
+    """A copy of the module's store, for a test that changes it."""
+    return copy_store(base_store, tmp_path / os.path.basename(base_store))
 
 
 def test_masks_and_encoded_images_read_back_like_written_image_fields(store, tmp_path):

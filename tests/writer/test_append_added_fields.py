@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers.backends import NAME_SUFFIXES
 from helpers.procs import cli_in_process
+from helpers.hostile import copy_store
 
 import fastdata
 from fastdata.fields import Float
@@ -55,9 +56,8 @@ def base_store(request, tmp_path_factory):
 
 @pytest.fixture
 def store(base_store, tmp_path):
-    dst = str(tmp_path / os.path.basename(base_store))
-    shutil.copytree(base_store, dst)
-    return dst
+    """A copy of the module's store, for a test that changes it."""
+    return copy_store(base_store, tmp_path / os.path.basename(base_store))
 
 
 def _checksums(store: str) -> dict[str, str]:
