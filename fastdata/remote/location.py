@@ -680,6 +680,44 @@ class RemoteLocation:
             raise SourceChangedError(f"{url}: the object was deleted after it was listed; nothing was published: "
                                      "rerun the conversion (the listing is taken again)") from None
 
+    def worker_storage_options(self) -> dict[str, Any]:
+        """``storage_options`` for this location in a worker process, with what this process resolved
+        from its environment made explicit: on ``s3://``, the credentials (key, secret, session
+        token) and an endpoint set by ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``. A worker pool's
+        processes may have been started before the environment was set (a forkserver outlives a
+        conversion), so they cannot be trusted to see it. Options that name credentials themselves
+        (``key``, ``secret``, ``profile``, ``anon``) are kept as given. Held in memory and handed to
+        this process's own workers; never written anywhere."""
+        options = dict(self.storage_options)
+        if self.scheme not in ("s3", "s3a"):
+            return options
+        client_kwargs = dict(options.get("client_kwargs") or {})
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint and not options.get("endpoint_url") and not client_kwargs.get("endpoint_url"):
+            options["endpoint_url"] = endpoint
+        if any(options.get(k) for k in ("key", "secret", "profile", "anon")):
+            return options
+        try:
+            from fsspec.asyn import sync
+
+            fs = self.filesystem()
+            client = sync(fs.loop, fs.set_session)
+            credentials = client._request_signer._credentials
+            frozen: Any = credentials.get_frozen_credentials() if credentials is not None else None
+            if hasattr(frozen, "__await__"):  # aiobotocore's credentials are refreshed on its loop
+                pending = frozen
+
+                async def thaw():
+                    return await pending
+                frozen = sync(fs.loop, thaw)
+        except Exception:  # noqa: BLE001 - none resolved here: the workers resolve their own, as before
+            return options
+        if frozen is not None and frozen.access_key:
+            options.update(key=frozen.access_key, secret=frozen.secret_key)
+            if frozen.token:
+                options["token"] = frozen.token
+        return options
+
     def direct_spec(self) -> dict[str, Any] | None:
         """What :meth:`object_reader` in another process needs to send plain signed GETs without
         a botocore client of its own (:meth:`fastdata.remote.direct.DirectS3.spec`: endpoint, region,

@@ -101,13 +101,13 @@ def remote_image_source(src: str | os.PathLike) -> bool:
 
 def refuse_remote_source(src: str | os.PathLike, what: str = "source") -> None:
     """Raise :class:`RemotePathError` when ``src`` is a URL of an input kind that is read from a
-    local or mounted filesystem only (every kind but image folders, lists and COCO)."""
+    local or mounted filesystem only (every kind but image folders, lists, COCO and Parquet)."""
     scheme = remote_scheme(src)
     if scheme is not None:
         raise RemotePathError(f"{what} {os.fspath(src)}: this kind of input is read from a local or mounted "
-                              f"filesystem (from {scheme}:// URLs fastdata reads image folders, .csv/.tsv/.jsonl lists "
-                              "and COCO; Parquet, WebDataset and volume inputs not yet): copy or mount the data and "
-                              "give that path")
+                              f"filesystem (from {scheme}:// URLs fastdata reads image folders, .csv/.tsv/.jsonl "
+                              "lists, COCO and Parquet files; WebDataset tars and NIfTI/DICOM volumes not yet): copy "
+                              "or mount the data and give that path")
 
 
 def check_url_path(url: str) -> None:

@@ -258,3 +258,35 @@ def test_remote_parquet_resumes_after_an_interrupted_run(inputs, tmp_path):
     fastdata.convert(fastdata.sources.Parquet(inputs.parquet), dst, shard_size="4kB", progress=False, workers=0,
                      resume=True)
     same_records(inputs.local_parquet, dst)
+
+
+_LATE_CREDENTIALS = r"""
+import os, sys
+import fastdata
+from fastdata.synth import make_image_folder
+# a local conversion with workers first: its pool's forkserver starts without the S3 settings
+make_image_folder(sys.argv[3], num_classes=2, per_class=3, size=(16, 12))
+fastdata.convert(sys.argv[3], sys.argv[4], workers=2, progress=False)
+os.environ.update(dict(arg.split("=", 1) for arg in sys.argv[5:]))  # the settings come only now
+report = fastdata.convert(fastdata.sources.Parquet(sys.argv[1]), sys.argv[2], shard_size="4kB", workers=2,
+                          progress=False)
+print(report.images)
+"""
+
+
+def test_parquet_workers_get_the_credentials_set_after_the_pool_started(inputs, tmp_path, monkeypatch):
+    """A process that ran a conversion before its S3 settings were in its environment (a notebook)
+    converts remote Parquet with workers: the workers of a pool started before then get the
+    credentials and endpoint the converter resolved, not their own (empty) environment's."""
+    import subprocess
+    import sys
+
+    settings = inputs.server.env()
+    for name in settings:
+        monkeypatch.delenv(name, raising=False)
+    proc = subprocess.run([sys.executable, "-c", _LATE_CREDENTIALS, inputs.parquet, str(tmp_path / "late.lmdb"),
+                           str(tmp_path / "imgs"), str(tmp_path / "local.lmdb"),
+                           *(f"{k}={v}" for k, v in settings.items())],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same_records(inputs.local_parquet, tmp_path / "late.lmdb")

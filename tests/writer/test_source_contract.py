@@ -468,6 +468,67 @@ def coco_change(inp, root: Path):
     return inp
 
 
+# -- a COCO file and its images on the S3 test server (RemoteCocoInput)
+
+def _upload_tree(root: Path, prefix: str) -> str:
+    """Every file under ``root`` uploaded to ``<bucket>/<prefix>``; returns that URL."""
+    from fastdata.remote.location import RemoteLocation
+
+    url = f"{REMOTE['bucket']}/{prefix}{len(REMOTE['trees'])}"
+    loc = RemoteLocation(url)
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        loc.upload(str(file), file.relative_to(root).as_posix())
+    return url
+
+
+def remote_coco_build(root: Path, items: range) -> tuple[str, str]:
+    ann_file, _ = coco_build(root, items)
+    url = _upload_tree(root, "coco")
+    REMOTE["trees"][url] = (ann_file, root / "images")
+    return f"{url}/{ann_file.name}", f"{url}/images"
+
+
+def remote_coco_expected(inp) -> list:
+    return coco_expected(REMOTE["trees"][inp[1].rsplit("/", 1)[0]])
+
+
+def remote_coco_change(inp, root: Path):
+    from fastdata.remote.location import RemoteLocation
+
+    local = REMOTE["trees"][inp[1].rsplit("/", 1)[0]]
+    coco_change(local, root)
+    RemoteLocation(inp[1]).upload(str(local[1] / "007.jpg"), "007.jpg")
+    return inp
+
+
+# -- Parquet files (a Hub dataset folder) on the S3 test server (RemoteParquetInput)
+
+def remote_parquet_build(root: Path, items: range) -> str:
+    folder = parquet_build(root, items)
+    url = _upload_tree(folder, "pq")
+    REMOTE["trees"][url] = folder
+    return url
+
+
+def remote_parquet_convert(inp, dst, **options):
+    return fastdata.convert(fastdata.sources.Parquet(inp), dst, **{**FAST, **options})
+
+
+def remote_parquet_expected(url: str) -> list:
+    return parquet_expected(REMOTE["trees"][url])
+
+
+def remote_parquet_change(url: str, root: Path) -> str:
+    folder = REMOTE["trees"][url]
+    parquet_change(folder, root)
+    from fastdata.remote.location import RemoteLocation
+
+    loc = RemoteLocation(url)
+    for file in sorted(p for p in folder.rglob("*.parquet")):
+        loc.upload(str(file), file.relative_to(folder).as_posix())
+    return url
+
+
 # -- NIfTI volumes (VolumeInput)
 
 def nifti_build(root: Path, items: range) -> Path:
@@ -572,6 +633,12 @@ CASES = [
          split=12, needs=("pyarrow", "datasets"), resume_refused=ValueError, changed="(an iterable cannot resume)"),
     Case("webdataset", "TarInput", 20, tar_build, _convert_path, tar_change, tar_expected, split=12,
          changed="a member's bytes (the tar rewritten)"),
+    Case("remote coco (S3)", "RemoteCocoInput", 20, remote_coco_build, coco_convert, remote_coco_change,
+         remote_coco_expected, split=12, changed="an image object of another size", marks=(pytest.mark.slow,),
+         keeps_input_paths="each record keeps its image's URL as the store index's relpath"),
+    Case("remote parquet (S3)", "RemoteParquetInput", 20, remote_parquet_build, remote_parquet_convert,
+         remote_parquet_change, remote_parquet_expected, split=12, needs=("pyarrow",),
+         changed="a row (its file rewritten)", marks=(pytest.mark.slow,)),
     Case("coco", "CocoInput", 20, coco_build, coco_convert, coco_change, coco_expected, split=12,
          changed="an image file of another size",
          keeps_input_paths="each record keeps its image file's absolute path (image_dir joined with file_name) "
@@ -590,7 +657,7 @@ CASES = [
 @pytest.fixture(scope="module", params=[pytest.param(c, id=c.name.replace(" ", "-"), marks=c.marks) for c in CASES])
 def case(request) -> Case:
     c = request.param
-    if c.source in ("RemoteFolderInput", "RemoteTableInput"):  # the session's S3 server, a bucket of the module's
+    if c.source.startswith("Remote"):  # the session's S3 server, a bucket of the module's
         server = request.getfixturevalue("s3_server")
         patch = pytest.MonkeyPatch()
         request.addfinalizer(patch.undo)

@@ -290,7 +290,10 @@ class RemoteParquetInput(ParquetInput):
                               "copy with the images beside it")
         self._set_layout(layout, self.recorded_source, found or "the Parquet files")
         names = [url.rsplit("/", 1)[-1] for url in self.paths]
-        self.rows = RemoteParquetRows(infos, layout, names, self.etags, self.storage_options)
+        # the workers get the credentials and endpoint this process resolved (their pool may have
+        # started before the environment named them)
+        worker_options = RemoteLocation(self.paths[0].rsplit("/", 1)[0], self.storage_options).worker_storage_options()
+        self.rows = RemoteParquetRows(infos, layout, names, self.etags, worker_options)
         return self._plan_units(run, infos, names)
 
     def fingerprint(self, run: RunOptions) -> str:
