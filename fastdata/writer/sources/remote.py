@@ -214,10 +214,13 @@ class RemoteFolderSource(FolderSource):
 
     def __init__(self, scan: SourceScan, storage: StorageSpec, chunk_size: int, storage_options: Mapping[str, Any]):
         super().__init__(scan, storage, chunk_size)
-        self.storage_options = dict(storage_options)
+        root = RemoteLocation(scan.root, dict(storage_options))
+        # what the workers use when a GET falls back to s3fs (or always, off S3-compatible
+        # endpoints): the credentials this process resolved, since their pool may predate them
+        self.storage_options = root.worker_storage_options()
         # the converter's plain-GET settings (endpoint, credentials): workers then make no S3 client
         # of their own unless a GET falls back (about a second of CPU each); in memory only
-        self.direct_spec = RemoteLocation(scan.root, self.storage_options).direct_spec()
+        self.direct_spec = root.direct_spec()
         self._root = scan.root.encode() + b"/"
 
     def _url(self, i: int) -> bytes:

@@ -203,8 +203,9 @@ class RemoteCocoInput(CocoInput):
         return index
 
     def _samples(self, index: CocoIndex) -> CocoSamples:
-        direct = RemoteLocation(str(index.image_dir), self.storage_options).direct_spec()
-        return RemoteCocoSamples(index, self.etags, self.storage_options, direct)
+        images = RemoteLocation(str(index.image_dir), self.storage_options)
+        # the workers get the credentials this process resolved (their pool may predate them)
+        return RemoteCocoSamples(index, self.etags, images.worker_storage_options(), images.direct_spec())
 
     def fingerprint(self, run: RunOptions) -> str:
         """:meth:`CocoInput.fingerprint` with every image's ETag and the annotation file's bytes."""
