@@ -7,7 +7,8 @@ of the CPU (see the remote guide). Nothing of HTTP or of the signature is implem
 
 Only the common, unsurprising case takes this path; everything else returns None and the caller
 reads through s3fs (:meth:`~fastdata.remote.location.RemoteLocation.read_object`), which has the
-retries and the error translation:
+retries and the error translation. The listing pages of a source prefix go the same way
+(:meth:`DirectS3.list_objects`), their XML read by ElementTree. The path is taken for:
 
 * an S3-compatible endpoint set by ``AWS_ENDPOINT_URL`` or the storage options (MinIO, SeaweedFS,
   Ceph, R2, ...) addressed path-style; AWS's own endpoints (virtual-hosted buckets, region
@@ -28,6 +29,7 @@ import os
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from typing import Any
 
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -35,6 +37,10 @@ _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PRO
 CREDENTIALS_TTL_S = 60.0
 #: kept-alive connections per process (the fetch threads of a worker: FETCH_CONCURRENCY)
 POOL_CONNECTIONS = 8
+#: keys asked for in one listing page (S3's most)
+LISTING_PAGE_KEYS = 1000
+#: the longest listing page read (1,000 keys of up to 1,024 bytes, with their XML)
+MAX_LISTING_PAGE_BYTES = 8 << 20
 
 
 class DirectS3:
@@ -129,6 +135,46 @@ class DirectS3:
 
             direct._frozen = ReadOnlyCredentials(*spec["credentials"])
         return direct
+
+    def list_objects(self, bucket: str, prefix: str) -> Iterator[tuple[str, int, str | None] | None]:
+        """``(key, size, ETag)`` of every object of ``bucket`` under ``prefix``, one ListObjectsV2
+        page (1,000 keys) at a time, the page's XML read by ElementTree (botocore's generic parser
+        costs several times the CPU a key); a None is yielded, and the listing ends, as soon as a
+        page cannot be read this way (the caller then lists through s3fs from the start)."""
+        import urllib3
+        import xml.etree.ElementTree as ET
+
+        path = f"{self.base_path}/{urllib.parse.quote(bucket)}"
+        token: str | None = None
+        while True:
+            params = {"list-type": "2", "prefix": prefix, "encoding-type": "url", "max-keys": str(LISTING_PAGE_KEYS)}
+            if token:
+                params["continuation-token"] = token
+            target = f"{path}?{urllib.parse.urlencode(sorted(params.items()), quote_via=urllib.parse.quote)}"
+            try:
+                reply = self._pool().urlopen("GET", target, headers=self._headers(target), redirect=False,
+                                             preload_content=True)
+                if reply.status != 200 or len(reply.data) > MAX_LISTING_PAGE_BYTES:
+                    yield None
+                    return
+                page = ET.fromstring(reply.data)
+            except (urllib3.exceptions.HTTPError, OSError, ValueError, ET.ParseError):
+                yield None
+                return
+            ns = page.tag[:page.tag.index("}") + 1] if page.tag.startswith("{") else ""
+            for item in page.iter(f"{ns}Contents"):
+                key = item.findtext(f"{ns}Key")
+                if key is None:
+                    yield None
+                    return
+                # (keys come URL-encoded, as asked: decoded as botocore decodes them)
+                yield urllib.parse.unquote_plus(key), int(item.findtext(f"{ns}Size") or 0), item.findtext(f"{ns}ETag")
+            if (page.findtext(f"{ns}IsTruncated") or "").lower() != "true":
+                return
+            token = page.findtext(f"{ns}NextContinuationToken")
+            if not token:
+                yield None
+                return
 
     def get(self, bucket: str, key: str, size: int) -> tuple[str | None, int, bytes | None] | None:
         """Object ``key`` of ``bucket``, listed with ``size`` bytes: ``(ETag, length, body)`` of a

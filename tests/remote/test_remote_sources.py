@@ -315,3 +315,32 @@ def test_objects_fetched_but_not_written_stay_within_the_pipeline_window(remote_
     assert not any("botocore" in agent.lower() for agent in agents), agents
     assert control_agents and all("botocore" in agent.lower() for agent in control_agents), control_agents
     assert json.loads(Path(tmp_path / "many.lmdb" / "manifest.json").read_text())["num_samples"] == n
+
+
+def test_the_signed_listing_pages_equal_s3fs_listing(remote_tree, monkeypatch):
+    """A prefix listed through the signed ListObjectsV2 pages (two keys a page here, so continuation
+    tokens are followed; keys with a space, a plus sign and a non-ASCII letter) gives what the
+    listing through s3fs gives. Control: the pages were read by that path (it is counted), and with
+    it refused the s3fs listing alone gives the same."""
+    from fastdata.remote import direct
+    from fastdata.remote.sources import list_objects
+
+    url = f"{remote_tree.bucket}/imgs"
+    pages = []
+    real = direct.DirectS3.list_objects
+
+    def counted(self, bucket, prefix):
+        for entry in real(self, bucket, prefix):
+            pages.append(entry)
+            yield entry
+
+    monkeypatch.setattr(direct, "LISTING_PAGE_KEYS", 2)
+    monkeypatch.setattr(direct.DirectS3, "list_objects", counted)
+    signed = list_objects(RemoteLocation(url))
+    assert len(pages) == len(signed) > 4 and None not in pages
+    monkeypatch.setattr(direct.DirectS3, "list_objects", lambda self, bucket, prefix: iter([None]))
+    through_s3fs = list_objects(RemoteLocation(url))
+    assert signed.names == through_s3fs.names
+    assert "odd name+1 ü~.jpg".encode() in [n.split(b"/")[-1] for n in signed.names]
+    assert signed.sizes.tolist() == through_s3fs.sizes.tolist()
+    assert signed.etags.tolist() == through_s3fs.etags.tolist()
