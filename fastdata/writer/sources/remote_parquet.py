@@ -44,8 +44,8 @@ from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.parquet.columns import make_layout
 from fastdata.writer.sources.parquet.detect import split_of
 from fastdata.writer.sources.parquet.files import (
-    check_row_counts,
     column_minimum,
+    footer_entry,
     hf_features,
     MAX_CARD_BYTES,
     MAX_SIDECAR_BYTES,
@@ -170,17 +170,8 @@ def _read_footers(files: list[tuple[str, int, int]], storage_options: Mapping[st
             raise SourceError(f"{url}: not a readable Parquet file ({type(err).__name__}: {err})") from None
         finally:
             fh.close()
-        if schema is None:
-            schema = file_schema
-        elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
-            raise SourceError(f"{files[0][0]} and {url} have different columns: convert files of one schema into "
-                              "one store")
-        groups = tuple(int(meta.row_group(g).num_rows) for g in range(meta.num_row_groups))
-        total += check_row_counts(url, groups, total)
-        sizes = tuple(min(max(sum(int(meta.row_group(g).column(c).total_compressed_size)
-                                  for c in range(meta.num_columns)), 0), size)
-                      for g in range(meta.num_row_groups))
-        infos.append(ParquetFileInfo(url, size, 0, groups, sizes))
+        info, schema, total = footer_entry(url, size, 0, meta, file_schema, schema, files[0][0], total)
+        infos.append(info)
         metas.append(meta)
     assert schema is not None, "remote_parquet_files never gives an empty list"
     return infos, schema, metas

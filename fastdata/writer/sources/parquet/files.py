@@ -27,8 +27,8 @@ from fastdata.common.fileio import open_regular, read_regular
 from fastdata.errors import SourceError, UnsafeStoreError
 from fastdata.writer.sources.parquet.columns import check_class_names
 
-__all__ = ["ParquetFileInfo", "read_footers", "hf_features", "null_counts", "first_value", "open_parquet",
-           "column_minimum"]
+__all__ = ["ParquetFileInfo", "read_footers", "footer_entry", "hf_features", "null_counts", "first_value",
+           "open_parquet", "column_minimum"]
 
 #: the schema metadata key ``datasets`` writes its features under
 HF_METADATA_KEY = b"huggingface"
@@ -91,21 +91,37 @@ def read_footers(paths: list[str]) -> tuple[list[ParquetFileInfo], pa.Schema, li
             file_schema = meta.schema.to_arrow_schema()
         except (pa.ArrowException, OSError, ValueError) as err:
             raise _unreadable(path, err) from None
-        if schema is None:
-            schema = file_schema
-        elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
-            raise SourceError(f"{paths[0]} and {path} have different columns ({_difference(schema, file_schema)}): "
-                              "convert files of one schema into one store")
-        groups = tuple(int(meta.row_group(g).num_rows) for g in range(meta.num_row_groups))
-        total += check_row_counts(path, groups, total)
-        # (a plan estimate: a crafted size is held within the file, never refused for itself)
-        sizes = tuple(min(max(sum(int(meta.row_group(g).column(c).total_compressed_size)
-                                  for c in range(meta.num_columns)), 0), st.st_size)
-                      for g in range(meta.num_row_groups))
-        infos.append(ParquetFileInfo(os.path.abspath(path), st.st_size, st.st_mtime_ns, groups, sizes))
+        info, schema, total = footer_entry(os.path.abspath(path), st.st_size, st.st_mtime_ns, meta, file_schema,
+                                           schema, paths[0], total)
+        infos.append(info)
         metas.append(meta)
     assert schema is not None, "parquet_files never gives an empty list"
     return infos, schema, metas
+
+
+def footer_entry(path: str, size: int, mtime_ns: int, meta: Any, file_schema: pa.Schema, schema: pa.Schema | None,
+                 first: str, total: int) -> tuple[ParquetFileInfo, pa.Schema, int]:
+    """One file's plan entry from its footer ``meta`` (a local file's or a remote one's): its
+    columns checked against ``schema`` (the first file's, named ``first``; None for the first file),
+    its row counts (:func:`check_row_counts`, after ``total`` rows of the files before it) and each
+    row group's bytes. Returns ``(info, the store's schema, total rows so far)``.
+
+    Raises:
+        SourceError: its columns differ from the first file's (both named, with the first
+            difference), or its row counts are out of bounds.
+    """
+    if schema is None:
+        schema = file_schema
+    elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
+        raise SourceError(f"{first} and {path} have different columns ({_difference(schema, file_schema)}): "
+                          "convert files of one schema into one store")
+    groups = tuple(int(meta.row_group(g).num_rows) for g in range(meta.num_row_groups))
+    total += check_row_counts(path, groups, total)
+    # (a plan estimate: a crafted size is held within the file, never refused for itself)
+    sizes = tuple(min(max(sum(int(meta.row_group(g).column(c).total_compressed_size)
+                              for c in range(meta.num_columns)), 0), size)
+                  for g in range(meta.num_row_groups))
+    return ParquetFileInfo(path, size, mtime_ns, groups, sizes), schema, total
 
 
 def check_row_counts(path: str, groups: tuple[int, ...], before: int = 0) -> int:
