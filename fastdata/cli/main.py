@@ -204,10 +204,17 @@ def _cmd_add_fields(args) -> int:
     return EXIT_OK
 
 
+def _storage_options(args) -> dict | None:
+    """``--storage-option`` pairs as ``storage_options`` (None when none were given)."""
+    from fastdata.remote.location import parse_storage_options
+
+    return parse_storage_options(args.storage_options) if args.storage_options else None
+
+
 def _cmd_drop_fields(args) -> int:
     from fastdata.writer.add_fields import drop_fields
 
-    drop_fields(args.store, args.names)
+    drop_fields(args.store, args.names, storage_options=_storage_options(args))
     if not args.quiet:
         print(printable(f"{args.store}: dropped {', '.join(args.names)} (their files go with the next change, or "
                         "with 'fastdata gc')"))
@@ -217,7 +224,7 @@ def _cmd_drop_fields(args) -> int:
 def _cmd_rename_field(args) -> int:
     from fastdata.writer.add_fields import rename_field
 
-    rename_field(args.store, args.old, args.new)
+    rename_field(args.store, args.old, args.new, storage_options=_storage_options(args))
     if not args.quiet:
         print(printable(f"{args.store}: renamed {args.old} to {args.new}"))
     return EXIT_OK
@@ -259,22 +266,26 @@ def _add_field_commands(sub) -> None:
     d = sub.add_parser("drop-fields", help="drop added fields (a new version)",
                        description="Drop added fields of STORE as a new version; their files are removed by the next "
                                    "change or by 'fastdata gc' (a dataset opened before may still read them).")
-    d.add_argument("store", metavar="STORE")
-    d.add_argument("names", nargs="+", metavar="NAME")
+    d.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
+    d.add_argument("names", nargs="+", metavar="NAME", help="an added field to drop (repeatable)")
+    d.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
+                   help="fsspec option for a STORE at a URL (repeatable), e.g. endpoint_url=http://host:9000")
     d.add_argument("--quiet", action="store_true", help="no summary")
     d.set_defaults(func=_cmd_drop_fields)
     r = sub.add_parser("rename-field", help="rename an added field (a new version)",
                        description="Rename added field OLD of STORE to NEW, as a new version (no file is written).")
-    r.add_argument("store", metavar="STORE")
-    r.add_argument("old", metavar="OLD")
-    r.add_argument("new", metavar="NEW")
+    r.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
+    r.add_argument("old", metavar="OLD", help="the added field's name")
+    r.add_argument("new", metavar="NEW", help="its new name (not a field of the store)")
+    r.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
+                   help="fsspec option for a STORE at a URL (repeatable), e.g. endpoint_url=http://host:9000")
     r.add_argument("--quiet", action="store_true", help="no summary")
     r.set_defaults(func=_cmd_rename_field)
     g = sub.add_parser("gc", help="remove field files a store no longer lists",
                        description="Remove the field files STORE's manifest no longer lists (dropped or replaced "
                                    "fields, an interrupted add-fields). A dataset still open on an older version "
                                    "then cannot read those fields: run it when none is.")
-    g.add_argument("store", metavar="STORE")
+    g.add_argument("store", metavar="STORE", help="a local store directory (gc of a store at a URL: not yet)")
     g.add_argument("--quiet", action="store_true", help="no summary")
     g.set_defaults(func=_cmd_gc)
 

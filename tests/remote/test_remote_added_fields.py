@@ -16,6 +16,7 @@ from fastdata.format.added import FIELD_FILES_KEY
 from fastdata.format.manifest import read_manifest
 from fastdata.remote.location import RemoteLocation
 from helpers.backends import SUFFIXES
+from helpers.procs import cli_in_process
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)
@@ -46,8 +47,8 @@ def test_added_fields_read_from_s3(s3, tmp_path, suffix):
         fastdata.open_dataset(url, cache_dir=str(tmp_path / "fresh-cache"))
 
 
-def test_add_fields_to_a_store_on_s3(s3, tmp_path):
-    _server, bucket = s3
+def test_add_fields_to_a_store_on_s3(s3, tmp_path, monkeypatch, capsys):
+    server, bucket = s3
     local = str(tmp_path / "s.lmdb")
     n = 24
     fastdata.write([{"x": float(i)} for i in range(n)], local, shard_size=300, progress=False)
@@ -68,8 +69,13 @@ def test_add_fields_to_a_store_on_s3(s3, tmp_path):
     assert not loc.size(".fastdata.lock")  # the lock object is gone
     with pytest.raises(fastdata.errors.FastdataError, match="field 'score' was added already"):
         fastdata.add_fields(url, {"score": score})
-    fastdata.rename_field(url, "score", "half")
-    fastdata.drop_fields(url, ["tag"])
+    # the command line's rename and drop, the endpoint given as a storage option (not in the environment)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    option = ("--storage-option", f"endpoint_url={server.endpoint}")
+    assert cli_in_process(capsys, "rename-field", url, "score", "half", *option).returncode == 0
+    done = cli_in_process(capsys, "drop-fields", url, "tag", *option)
+    assert done.returncode == 0 and "dropped tag" in done.stdout, done.stderr
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
     ds = fastdata.open_dataset(url)
     assert ds.columns() == ("x", "half") and set(ds[2]) == {"x", "half"}
     np.testing.assert_array_equal(ds.column("half"), score)
