@@ -91,13 +91,18 @@ def _upload_options(args) -> dict:
     return out
 
 
+def _storage_options(args) -> dict | None:
+    """``--storage-option`` pairs as ``storage_options`` (None when none were given)."""
+    from fastdata.remote.location import parse_storage_options
+
+    return parse_storage_options(args.storage_options) if args.storage_options else None
+
+
 def _cmd_merge(args) -> int:
     from fastdata.writer.merge import merge
 
-    from fastdata.remote.location import parse_storage_options
-
-    options = parse_storage_options(args.storage_options) if args.storage_options else None
-    report = merge(args.stores, args.output, overwrite=args.overwrite, link=not args.copy, storage_options=options)
+    report = merge(args.stores, args.output, overwrite=args.overwrite, link=not args.copy,
+                   storage_options=_storage_options(args))
     if not args.quiet:
         print(printable(args.say(report.summary()), keep_newlines=True))
     return EXIT_OK
@@ -188,9 +193,7 @@ def _cmd_info(args) -> int:
 def _cmd_add_fields(args) -> int:
     from fastdata.writer.add_fields import add_fields, values_from_file
 
-    from fastdata.remote.location import parse_storage_options
-
-    options = parse_storage_options(args.storage_options) if args.storage_options else None
+    options = _storage_options(args)
     values = values_from_file(args.store, args.values_file, names=args.names or (), key=args.key)
     say = (lambda *a: None) if args.quiet else (lambda text: print(printable(text), file=sys.stderr))
     say(f"adding {', '.join(values)} to {args.store} ...")
@@ -202,13 +205,6 @@ def _cmd_add_fields(args) -> int:
                         f"to {m['num_samples']} samples in {len(m['shards'])} shard(s), as generation "
                         f"{added[0]['generation'] if added else '?'}; no shard file was rewritten"))
     return EXIT_OK
-
-
-def _storage_options(args) -> dict | None:
-    """``--storage-option`` pairs as ``storage_options`` (None when none were given)."""
-    from fastdata.remote.location import parse_storage_options
-
-    return parse_storage_options(args.storage_options) if args.storage_options else None
 
 
 def _cmd_drop_fields(args) -> int:
@@ -239,6 +235,12 @@ def _cmd_gc(args) -> int:
     return EXIT_OK
 
 
+def _add_store_url_option(parser) -> None:
+    """``--storage-option`` of a command whose STORE may be a URL."""
+    parser.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
+                        help="fsspec option for a STORE at a URL (repeatable), e.g. endpoint_url=http://host:9000")
+
+
 def _add_field_commands(sub) -> None:
     a = sub.add_parser("add-fields", help="add fields (embeddings, predictions, scores) to a store without "
                                           "rewriting it",
@@ -259,8 +261,7 @@ def _add_field_commands(sub) -> None:
                    help="how table rows find their samples: index (row order, or the table's 'index' column), or "
                         "path (the table's 'path' column: each sample's stored path, e.g. cat/001.jpg)")
     a.add_argument("--replace", action="store_true", help="replace added fields of these names")
-    a.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
-                   help="fsspec option for a STORE at a URL (repeatable), e.g. endpoint_url=http://host:9000")
+    _add_store_url_option(a)
     a.add_argument("--quiet", action="store_true", help="no progress and no summary")
     a.set_defaults(func=_cmd_add_fields)
     d = sub.add_parser("drop-fields", help="drop added fields (a new version)",
@@ -268,8 +269,7 @@ def _add_field_commands(sub) -> None:
                                    "change or by 'fastdata gc' (a dataset opened before may still read them).")
     d.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
     d.add_argument("names", nargs="+", metavar="NAME", help="an added field to drop (repeatable)")
-    d.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
-                   help="fsspec option for a STORE at a URL (repeatable), e.g. endpoint_url=http://host:9000")
+    _add_store_url_option(d)
     d.add_argument("--quiet", action="store_true", help="no summary")
     d.set_defaults(func=_cmd_drop_fields)
     r = sub.add_parser("rename-field", help="rename an added field (a new version)",
@@ -277,8 +277,7 @@ def _add_field_commands(sub) -> None:
     r.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
     r.add_argument("old", metavar="OLD", help="the added field's name")
     r.add_argument("new", metavar="NEW", help="its new name (not a field of the store)")
-    r.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_options",
-                   help="fsspec option for a STORE at a URL (repeatable), e.g. endpoint_url=http://host:9000")
+    _add_store_url_option(r)
     r.add_argument("--quiet", action="store_true", help="no summary")
     r.set_defaults(func=_cmd_rename_field)
     g = sub.add_parser("gc", help="remove field files a store no longer lists",

@@ -43,6 +43,22 @@ LISTING_PAGE_KEYS = 1000
 MAX_LISTING_PAGE_BYTES = 8 << 20
 
 
+def freeze(fs, credentials) -> Any:
+    """``credentials`` (of the s3fs filesystem ``fs``'s client) as they are now: access key, secret
+    key and session token. aiobotocore's refreshable credentials are refreshed on the filesystem's
+    event loop."""
+    from fsspec.asyn import sync
+
+    frozen = credentials.get_frozen_credentials()
+    if hasattr(frozen, "__await__"):
+        pending = frozen
+
+        async def thaw():
+            return await pending
+        frozen = sync(fs.loop, thaw)
+    return frozen
+
+
 class DirectS3:
     """What a signed GET needs of one s3fs filesystem: its endpoint, region and credentials.
 
@@ -74,16 +90,7 @@ class DirectS3:
         with self._lock:
             if self.fs is not None and (self._frozen is None
                                         or time.monotonic() - self._frozen_at > CREDENTIALS_TTL_S):
-                from fsspec.asyn import sync
-
-                frozen = self.credentials.get_frozen_credentials()
-                if hasattr(frozen, "__await__"):  # aiobotocore's credentials are refreshed on its loop
-                    pending = frozen
-
-                    async def thaw():
-                        return await pending
-                    frozen = sync(self.fs.loop, thaw)
-                self._frozen, self._frozen_at = frozen, time.monotonic()
+                self._frozen, self._frozen_at = freeze(self.fs, self.credentials), time.monotonic()
             return self._frozen
 
     def _headers(self, path: str) -> dict[str, str]:

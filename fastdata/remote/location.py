@@ -700,16 +700,11 @@ class RemoteLocation:
         try:
             from fsspec.asyn import sync
 
-            fs = self.filesystem()
-            client = sync(fs.loop, fs.set_session)
-            credentials = client._request_signer._credentials
-            frozen: Any = credentials.get_frozen_credentials() if credentials is not None else None
-            if hasattr(frozen, "__await__"):  # aiobotocore's credentials are refreshed on its loop
-                pending = frozen
+            from fastdata.remote.direct import freeze
 
-                async def thaw():
-                    return await pending
-                frozen = sync(fs.loop, thaw)
+            fs = self.filesystem()
+            credentials = sync(fs.loop, fs.set_session)._request_signer._credentials
+            frozen = freeze(fs, credentials) if credentials is not None else None
         except Exception:  # noqa: BLE001 - none resolved here: the workers resolve their own, as before
             return options
         if frozen is not None and frozen.access_key:
