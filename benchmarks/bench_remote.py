@@ -106,15 +106,8 @@ def run(args) -> dict:
     manifest = read_manifest(local)
     shard_bytes = [s["bytes"] for s in manifest["shards"]]
     limit = int(args.cache_shards * max(shard_bytes))
-    server = S3Server(os.path.join(work, "s3")).start()
-    if args.pin:
-        pin_cores(server)
+    server = bench_server(work, args.pin)
     try:
-        os.environ.update(server.env())
-        try:
-            server.make_bucket("bench")
-        except FileExistsError:  # a reused --workdir keeps the server's data
-            pass
         url = "s3://bench/imagenet.lmdb"
         loc = RemoteLocation(url)
         for name in sorted(os.listdir(local)):
@@ -182,6 +175,21 @@ def read_rounds(local: str, url: str, manifest: dict, limit: int, server: S3Serv
 def server_files(server: S3Server) -> list[str]:
     """The S3 server's data files (volumes, filer metadata)."""
     return [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(server.root, "data")) for f in fs]
+
+
+def bench_server(work: str, pin: bool) -> S3Server:
+    """The S3 test server with its data under ``work`` (a reused ``--workdir`` keeps it), pinned
+    with ``pin`` (:func:`pin_cores`), this process's AWS_* variables pointing at it, and its bucket
+    ``bench``; the caller kills it."""
+    server = S3Server(os.path.join(work, "s3")).start()
+    if pin:
+        pin_cores(server)
+    os.environ.update(server.env())
+    try:
+        server.make_bucket("bench")
+    except FileExistsError:  # a reused --workdir keeps the server's data
+        pass
+    return server
 
 
 def pin_cores(server: S3Server) -> None:

@@ -45,8 +45,7 @@ from fastdata.writer.pipeline import prestart_pool
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from bench_remote import pin_cores, server_cpu_s  # noqa: E402  (the remote store bench's helpers)
-from helpers.s3server import S3Server  # noqa: E402  (the tests' SeaweedFS launcher)
+from bench_remote import bench_server, server_cpu_s  # noqa: E402  (the remote store bench's helpers)
 
 
 def upload_folder(src: str, url: str) -> int:
@@ -104,15 +103,8 @@ def run(args) -> dict:
     src = os.path.join(work, "imagenet")
     if not os.path.isdir(src):
         make_image_folder(src, num_classes=10, per_class=args.n // 10, size="imagenet", workers=2)
-    server = S3Server(os.path.join(work, "s3")).start()
-    if args.pin:
-        pin_cores(server)
+    server = bench_server(work, args.pin)
     try:
-        os.environ.update(server.env())
-        try:
-            server.make_bucket("bench")
-        except FileExistsError:  # a reused --workdir keeps the server's data
-            pass
         url = "s3://bench/imagenet"
         count = upload_folder(src, url)
         # A CLI conversion from s3:// starts its pool's forkserver with s3fs imported (the source asks for
