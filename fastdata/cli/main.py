@@ -229,7 +229,7 @@ def _cmd_rename_field(args) -> int:
 def _cmd_gc(args) -> int:
     from fastdata.writer.add_fields import gc
 
-    removed = gc(args.store)
+    removed = gc(args.store, storage_options=_storage_options(args))
     if not args.quiet:
         print(printable(f"{args.store}: removed {len(removed)} field file(s) the store no longer lists"))
     return EXIT_OK
@@ -284,7 +284,8 @@ def _add_field_commands(sub) -> None:
                        description="Remove the field files STORE's manifest no longer lists (dropped or replaced "
                                    "fields, an interrupted add-fields). A dataset still open on an older version "
                                    "then cannot read those fields: run it when none is.")
-    g.add_argument("store", metavar="STORE", help="a local store directory (gc of a store at a URL: not yet)")
+    g.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
+    _add_store_url_option(g)
     g.add_argument("--quiet", action="store_true", help="no summary")
     g.set_defaults(func=_cmd_gc)
 

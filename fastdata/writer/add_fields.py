@@ -764,25 +764,75 @@ def rename_field(store: str | os.PathLike, old: str, new: str, *,
     return _change(store, storage_options, build)
 
 
-def gc(store: str | os.PathLike) -> list[str]:
+def _unlisted_field_files(names: Sequence[str], manifest: dict) -> list[str]:
+    """Of ``names`` (a store's files or objects), the field files ``manifest`` does not list and
+    the temporaries of field files, sorted."""
+    listed = {e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])}
+    out = []
+    for name in sorted(names):
+        base = name.split(ATOMIC_TMP_MARK, 1)[0]
+        if (is_field_file_name(name) and name not in listed) or (base != name and is_field_file_name(base)):
+            out.append(name)
+    return out
+
+
+def gc(store: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """Remove the field files the current manifest does not list (of dropped or replaced fields,
     or of a call that was killed). A dataset still open on an older version may then fail to read
     those fields: run it when none is.
 
+    Args:
+        store: the store directory, or its URL (``s3://...``: the objects are listed and the
+            unlisted field files deleted, under the store's lock object; a file the manifest
+            lists is never deleted).
+        storage_options: fsspec options of a store at a URL.
+
     Returns:
         list[str]: the names removed.
+
+    Raises:
+        StoreLockedError: the store is being written (a conversion, an append, an add).
     """
     store = os.fspath(store)
+    if _is_url(store):
+        return _gc_remote(store, storage_options)
+    if storage_options:
+        raise ValueError("storage_options apply to a store at a URL only")
     lock = _lock(store)
     try:
         manifest = _published(store)
-        listed = {e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])}
         removed = []
-        for name in sorted(os.listdir(store)):
-            base = name.split(ATOMIC_TMP_MARK, 1)[0]
-            if (is_field_file_name(name) and name not in listed) or (base != name and is_field_file_name(base)):
-                if portable.remove_unless_held(os.remove, os.path.join(store, name)):
-                    removed.append(name)
+        for name in _unlisted_field_files(os.listdir(store), manifest):
+            if portable.remove_unless_held(os.remove, os.path.join(store, name)):
+                removed.append(name)
+        return removed
+    finally:
+        lock.release()
+
+
+def _gc_remote(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    """:func:`gc` of a store at a URL: under its lock object (so no add, append or conversion is
+    uploading files the manifest does not list yet), the manifest read, the store's top-level
+    objects listed, and the field files it does not list deleted."""
+    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from fastdata.format.names import MANIFEST_NAME
+    from fastdata.remote.location import RemoteLocation
+    from fastdata.writer.remote_sink import RemoteLock
+
+    location = RemoteLocation(url, dict(storage_options or {}))
+    lock = RemoteLock(location)
+    lock.check()
+    lock.write()
+    try:
+        try:
+            raw = location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
+        manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
+        # (the listing follows the manifest: a field file listed by it exists before it is published)
+        names = [n for n in location.listing() if "/" not in n]
+        removed = _unlisted_field_files(names, manifest)
+        location.remove(removed)
         return removed
     finally:
         lock.release()

@@ -213,3 +213,26 @@ def test_sigkill_during_an_s3_append_with_added_fields_then_resume(s3, tmp_path)
     manifest = json.loads(loc.read_bytes("manifest.json"))
     assert {k for k in loc.listing() if k.startswith("fields-")} == {
         e["name"] for s in manifest["shards"] for e in s["field_files"]}
+
+
+def test_gc_of_a_store_on_s3_removes_only_unlisted_field_files(s3, tmp_path, capsys):
+    _server, bucket = s3
+    n = 12
+    url = f"{bucket}/gc.lmdb"
+    fastdata.write([{"x": float(i)} for i in range(n)], url, shard_size=200, progress=False, workers=0)
+    fastdata.add_fields(url, {"a": np.arange(n, dtype=np.int32)})  # generation 1
+    fastdata.add_fields(url, {"b": [f"b{i}" for i in range(n)]})  # generation 2
+    fastdata.drop_fields(url, ["a"])
+    loc = RemoteLocation(url)
+    live = {e["name"] for s in json.loads(loc.read_bytes("manifest.json"))["shards"] for e in s["field_files"]}
+    gen1 = {k for k in loc.listing() if k.startswith("fields-00001.")}
+    assert gen1 and not gen1 & live  # the dropped generation's files are still on the server (control)
+    leftover = "fields-00009." + sorted(live)[0].split(".", 1)[1]  # what a killed add would leave
+    loc.write_bytes(leftover, b"left by a killed add")
+    done = cli_in_process(capsys, "gc", url)
+    assert done.returncode == 0 and f"removed {len(gen1) + 1} field file(s)" in done.stdout, done.stderr
+    assert {k for k in loc.listing() if k.startswith("fields-")} == live  # every listed file kept
+    assert fastdata.gc(url) == []
+    ds = fastdata.open_dataset(url)
+    assert ds.columns() == ("x",) and ds[n - 1]["b"] == f"b{n - 1}"
+    assert fastdata.verify(url).ok
