@@ -25,7 +25,10 @@ value's bytes) and ``<name>.data`` (``|u1``: the values one after another, each 
 the field kind's stored value, exactly what a record would hold for it) for any other field; an
 image field also has ``<name>.format|.width|.height|.dtype|.channels`` (``IMAGE_META_ARRAYS``:
 each image's format code, size, pixel dtype code and channels, as a written image field's index
-arrays hold them).
+arrays hold them); a chunked field also has ``<name>.shape`` (``<i8 [n, ndim]``), ``<name>.first``
+(``<u8 [n]``) and ``<name>.chunks`` (``|u1``: every value's stored chunks, back to back in grid
+order, compressed with the field's codec exactly as a shard stores them; value ``j``'s start at
+byte ``first[j]``), its values being the chunk tables (``CHUNKED_ARRAYS``).
 ``OFFSET`` is from the file's start, ``XXH`` the xxh3-64 hex digest of the array's bytes.
 
 A file is untrusted input: the header is read with a bound, every array is checked against the
@@ -97,11 +100,8 @@ def field_file_shard(name: str) -> str | None:
 
 
 def addable(field: Field) -> str | None:
-    """Why ``field`` cannot be added to a store (None: it can). A chunked array's chunks live
-    in its shard's storage, addressed from the shard index; a field file has none."""
-    if isinstance(field, Chunked):
-        return ("chunked fields cannot be added (their chunks live inside the shard files); add the array as an "
-                "ndarray or ragged field, or an image")
+    """Why ``field`` cannot be added to a store (None: it can). Every kind can: a chunked field's
+    chunks go into the field file itself (``<key>.chunks``, see the module docstring)."""
     return None
 
 
@@ -109,6 +109,11 @@ def addable(field: Field) -> str | None:
 #: ``fields/<image>.*`` index arrays of a written image field: format code, size, pixel dtype
 #: code and channel count, from the validation decode when it was added)
 IMAGE_META_ARRAYS = {"format": "|u1", "width": "<i4", "height": "<i4", "dtype": "|u1", "channels": "<u2"}
+#: per-sample arrays an added chunked field's field file holds besides its values (its chunk
+#: tables): each value's shape (``[n, ndim]``, a written chunked field's ``fields/<name>.shape``),
+#: where its first chunk starts in ``<key>.chunks`` (``[n]``, bytes) and the stored chunks
+#: themselves, each value's back to back in grid order (``[total]`` bytes)
+CHUNKED_ARRAYS = {"shape": "<i8", "first": "<u8", "chunks": "|u1"}
 
 
 @dataclass(frozen=True)
@@ -288,12 +293,40 @@ def expected_arrays(fields: list[AddedField], count: int) -> dict[str, tuple[np.
             if isinstance(a.field, Image):
                 out.update({f"{a.key}.{meta}": (np.dtype(dtype), (count,))
                             for meta, dtype in IMAGE_META_ARRAYS.items()})
+            if isinstance(a.field, Chunked):
+                out[a.key + ".shape"] = (np.dtype("<i8"), (count, a.field.ndim))
+                out[a.key + ".first"] = (np.dtype("<u8"), (count,))
+                out[a.key + ".chunks"] = (np.dtype("|u1"), None)
     return out
 
 
 def value_parts(field: Field) -> tuple[str, ...]:
     """The parts (``<key>.<part>`` arrays) of a record-resident added field's values."""
-    return ("offsets", "checksums", "data", *(IMAGE_META_ARRAYS if isinstance(field, Image) else ()))
+    extra = IMAGE_META_ARRAYS if isinstance(field, Image) else CHUNKED_ARRAYS if isinstance(field, Chunked) else ()
+    return ("offsets", "checksums", "data", *extra)
+
+
+def chunked_tables(field: Chunked, shapes: np.ndarray, firsts: np.ndarray, chunks_bytes: int, tables: list[bytes],
+                   where: str, name: str) -> list[Any]:
+    """Each value's :class:`~fastdata.format.chunks.ChunkTable` of an added chunked field (one
+    shard's), from its stored shapes, first-chunk offsets and table bytes, refused unless every
+    value's chunks lie inside the ``chunks_bytes`` of its ``<key>.chunks`` array.
+
+    Raises:
+        CorruptRecordError: naming ``where``, the field and the first bad record.
+    """
+    from fastdata.format.chunks import ChunkTable, check_shape
+
+    out = []
+    for i, raw in enumerate(tables):
+        at = f"{where} field {name!r} record {i}"
+        shape = check_shape(shapes[i], field.chunks, field.dtype.itemsize, at)
+        table = ChunkTable.from_bytes(raw, shape, field.chunks, at)
+        if int(firsts[i]) + table.stored_bytes > chunks_bytes:
+            raise CorruptRecordError(f"{at}: its chunks ({table.stored_bytes} bytes from {int(firsts[i])}) end past "
+                                     f"the field file's {chunks_bytes} bytes of chunks")
+        out.append(table)
+    return out
 
 
 def check_image_meta(arrays: dict[str, np.ndarray], where: str, name: str) -> None:
@@ -437,6 +470,10 @@ def load_field_file(path: str, fields: list[AddedField], count: int, entry: dict
             loaded = {}
             for part in value_parts(a.field):
                 e = arrays[f"{a.key}.{part}"]
+                if part == "chunks":  # (possibly large: mapped, not read into memory; the file's size and
+                    # checksum were checked above)
+                    loaded[part] = _mapped(path, e, where, f"{a.key}.{part}")
+                    continue
                 loaded[part] = array_of(e, portable.pread(fd, e.nbytes, e.offset), where, f"{a.key}.{part}")
             check_offsets(loaded["offsets"], len(loaded["data"]), where, a.name)
             if isinstance(a.field, Image):
@@ -444,13 +481,46 @@ def load_field_file(path: str, fields: list[AddedField], count: int, entry: dict
             if check_values:
                 data = loaded["data"].tobytes()
                 offsets = loaded["offsets"].tolist()
-                for i in range(count):
-                    decode_value(a.field, data[offsets[i]:offsets[i + 1]], int(loaded["checksums"][i]),
-                                 f"{where} field {a.name!r} record {i}")
+                values = [decode_value(a.field, data[offsets[i]:offsets[i + 1]], int(loaded["checksums"][i]),
+                                       f"{where} field {a.name!r} record {i}") for i in range(count)]
+                if isinstance(a.field, Chunked):
+                    _check_chunks(a.field, loaded, values, where, a.name)
             out[a.name] = loaded
         return out
     finally:
         os.close(fd)
+
+
+def _mapped(path: str, entry: ArrayEntry, where: str, key: str) -> np.ndarray:
+    """Array ``key`` of a field file mapped read-only (checked against its checksum)."""
+    if entry.nbytes == 0:
+        return array_of(entry, b"", where, key)
+    array = np.memmap(path, dtype=entry.dtype, mode="r", offset=entry.offset, shape=entry.shape)
+    if xxhash.xxh3_64_hexdigest(array.data) != entry.xxh:
+        raise CorruptRecordError(f"{where}: field file array {key!r} does not match its checksum")
+    return array
+
+
+def _check_chunks(field: Chunked, loaded: dict[str, np.ndarray], tables: list[bytes], where: str, name: str) -> None:
+    """Every value of an added chunked field: its shape and table, its chunks inside the file's
+    chunks, each chunk's checksum and decoding to its shape."""
+    from fastdata.format.chunk_codecs import chunk_codec
+    from fastdata.format.chunks import chunk_region, iter_grid
+
+    codec = chunk_codec(field.codec)
+    chunks = loaded["chunks"]
+    for i, table in enumerate(chunked_tables(field, loaded["shape"], loaded["first"], len(chunks), tables, where,
+                                             name)):
+        at = f"{where} field {name!r} record {i}"
+        start = int(loaded["first"][i])
+        for j, (position, size) in enumerate(zip(iter_grid(table.shape, field.chunks), table.nbytes.tolist(),
+                                                 strict=False)):
+            raw = chunks[start:start + size].tobytes()
+            start += size
+            if xxhash.xxh3_64_intdigest(raw) != int(table.xxh[j]):
+                raise CorruptRecordError(f"{at} chunk {j}: does not match its checksum")
+            shape = tuple(r.stop - r.start for r in chunk_region(position, table.shape, field.chunks))
+            codec.decode_into(raw, np.empty(shape, dtype=field.dtype), f"{at} chunk {j}")
 
 
 def check_field_file(path: str, fields: list[AddedField], count: int, entry: dict, where: str) -> int:

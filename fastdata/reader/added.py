@@ -19,8 +19,9 @@ import numpy as np
 from fastdata.common import portable
 from fastdata.common.fileio import open_regular
 from fastdata.errors import CorruptRecordError, StoreChangedError
-from fastdata.format.fields import Image
+from fastdata.format.fields import Chunked, Image
 from fastdata.format.added import (
+    CHUNKED_ARRAYS,
     IMAGE_META_ARRAYS,
     AddedField,
     ArrayEntry,
@@ -28,6 +29,7 @@ from fastdata.format.added import (
     array_of,
     check_image_meta,
     check_offsets,
+    chunked_tables,
     decode_value,
     field_files,
     header_bytes,
@@ -73,6 +75,13 @@ class AddedValues:
                 for meta, code in IMAGE_META_ARRAYS.items():
                     parts[f"{a.name}.{meta}"] = []
                     layouts[f"{a.name}.{meta}"] = (np.dtype(code), ())
+            if isinstance(a.field, Chunked):  # its shapes and first chunks: index arrays, as written ones have
+                chunked_layouts: tuple[tuple[str, tuple[int, ...]], ...] = (("shape", (a.field.ndim,)), ("first", ()))
+                for part, shape in chunked_layouts:
+                    parts[f"{a.name}.{part}"] = []
+                    layouts[f"{a.name}.{part}"] = (np.dtype(CHUNKED_ARRAYS[part]), shape)
+        #: chunked field name -> per shard, (its field file's path, the ``<key>.chunks`` array's place)
+        self._chunks: dict[str, list[tuple[str, ArrayEntry]]] = {}
         for shard in manifest["shards"]:
             files = field_files(shard)
             for gen in sorted({a.generation for a in self.fields}):
@@ -118,6 +127,12 @@ class AddedValues:
                         meta[part] = array_of(e, portable.pread(fd, e.nbytes, e.offset), where, f"{a.key}.{part}")
                         parts[f"{a.name}.{part}"].append(meta[part])
                     check_image_meta(meta, where, a.name)
+                if isinstance(a.field, Chunked):  # shapes, first chunks; tables checked against them when read
+                    for part in ("shape", "first"):
+                        e = arrays[f"{a.key}.{part}"]
+                        parts[f"{a.name}.{part}"].append(
+                            array_of(e, portable.pread(fd, e.nbytes, e.offset), where, f"{a.key}.{part}"))
+                    self._chunks.setdefault(a.name, []).append((path, arrays[a.key + ".chunks"]))
         finally:
             os.close(fd)
 
@@ -157,6 +172,50 @@ class AddedValues:
         field = next(a.field for a in self.fields if a.name == name)
         return decode_value(field, raw, int(vf.checksums[local]), f"{where} added field {name!r}")
 
+    def chunk_table(self, name: str, index: int, where: str) -> tuple[int, Any]:
+        """Added chunked field ``name`` of sample ``index``: ``(shard, its ChunkTable)``, the table
+        checked against the value's shape and the field file's chunks."""
+        field = next(a.field for a in self.fields if a.name == name)
+        assert isinstance(field, Chunked)
+        shard = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
+        table = self.value(name, index, where)
+        shape = self.arrays[f"{name}.shape"][index:index + 1]
+        first = self.arrays[f"{name}.first"][index:index + 1]
+        return shard, chunked_tables(field, shape, first, self._chunks[name][shard][1].nbytes, [table],
+                                     f"{where} ({os.path.basename(self._chunks[name][shard][0])})", name)[0]
+
+    def chunk_source(self, name: str) -> _AddedChunks:
+        """What a :class:`~fastdata.reader.chunked.ChunkedArray` of added chunked field ``name``
+        reads its chunks through (in place of the dataset's shard handles)."""
+        return _AddedChunks(self, name)
+
+    def read_chunks(self, name: str, shard: int, first: int, table: Any, chunks: Any, where: str, consume) -> None:
+        """``consume(k, stored bytes)`` for the ``k``-th of chunks ``chunks`` of a value of added
+        chunked field ``name`` in shard ``shard`` whose chunks start at byte ``first`` of the
+        field file's chunks: one ``pread`` each, checked against the table (length, xxh3-64)."""
+        import xxhash
+
+        path, entry = self._chunks[name][shard]
+        try:
+            fd = self._fd(path)
+        except FileNotFoundError:
+            raise self._gone(path, name) from None
+        for k, j in enumerate(chunks):
+            size = int(table.nbytes[j])
+            start = first + table.starts_of(j)
+            if start + size > entry.nbytes:  # (checked when the table was read: a guard)
+                raise CorruptRecordError(f"{where} chunk {j}: lies past the field file's chunks")
+            data = portable.pread(fd, size, entry.offset + start)
+            if len(data) != size or xxhash.xxh3_64_intdigest(data) != int(table.xxh[j]):
+                raise CorruptRecordError(f"{where} chunk {j}: does not match its checksum (in "
+                                         f"{os.path.basename(path)}); run 'fastdata verify'")
+            consume(k, data)
+
+    def _gone(self, path: str, name: str) -> StoreChangedError:
+        return StoreChangedError(f"{self.where} was changed since it was opened: the field file "
+                                 f"{os.path.basename(path)} of added field {name!r} is gone (removed by "
+                                 "fastdata.gc, or a later add_fields); open it again")
+
     def close(self) -> None:
         """Close this process's field files (reopened on the next read)."""
         if self._pid == os.getpid():
@@ -176,3 +235,33 @@ class AddedValues:
         self.__dict__.update(state)
         self._lock = threading.Lock()
         self._pid = os.getpid()
+
+
+class _AddedChunks:
+    """The shard handles a :class:`~fastdata.reader.chunked.ChunkedArray` of an added chunked field
+    reads through: ``get(shard).read_chunks(...)`` reads from the shard's field file instead of the
+    shard (no OS handle of its own: the :class:`AddedValues` opens files per process)."""
+
+    __slots__ = ("name", "values")
+
+    def __init__(self, values: AddedValues, name: str):
+        self.values, self.name = values, name
+
+    def get(self, shard: int) -> _AddedChunkShard:
+        return _AddedChunkShard(self.values, self.name, shard)
+
+    def __getstate__(self) -> tuple:
+        return (self.values, self.name)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.values, self.name = state
+
+
+class _AddedChunkShard:
+    __slots__ = ("name", "shard", "values")
+
+    def __init__(self, values: AddedValues, name: str, shard: int):
+        self.values, self.name, self.shard = values, name, shard
+
+    def read_chunks(self, first: int, table: Any, chunks: Any, where: str, consume) -> None:
+        self.values.read_chunks(self.name, self.shard, first, table, chunks, where, consume)

@@ -85,7 +85,7 @@ OUTPUTS = ("pil", "numpy", "tensor", "bytes")
 #: or float of the index, an array of the index, another index value, an array or a chunk table
 #: of the record, another record value; an added field's array, value or image (from its field file)
 (_IMAGE, _SCALAR, _INDEX_ARRAY, _INDEX_VALUE, _RECORD_ARRAY, _CHUNKED, _RECORD_VALUE, _ADDED_ARRAY,
- _ADDED_VALUE, _ADDED_IMAGE) = range(10)
+ _ADDED_VALUE, _ADDED_IMAGE, _ADDED_CHUNKED) = range(11)
 #: the columns of :class:`ImageFolderDataset` (ImageFolder-like stores), in this order
 CLASSIFICATION_COLUMNS = ("label", "width", "height", "channels", "dtype", "format", "nbytes")
 
@@ -830,7 +830,9 @@ class StoreDataset(Dataset):
                     else _INDEX_VALUE
                 plan.append((name, how, field, self.index_arrays[FIELD_PREFIX + name]))
             elif self._added is not None and name in self._added.record_fields:
-                plan.append((name, _ADDED_ARRAY if isinstance(field, NDArray | Ragged) else _ADDED_VALUE, field, None))
+                how = _ADDED_ARRAY if isinstance(field, NDArray | Ragged) else _ADDED_CHUNKED if isinstance(
+                    field, Chunked) else _ADDED_VALUE
+                plan.append((name, how, field, None))
             else:
                 how = _RECORD_ARRAY if isinstance(field, NDArray | Ragged) else _CHUNKED if isinstance(field, Chunked) \
                     else _RECORD_VALUE
@@ -865,6 +867,8 @@ class StoreDataset(Dataset):
                 out[name] = self._as_output(record[name])
             elif how == _CHUNKED:
                 out[name] = self._chunked(name, field, record[name], index, f"{self._where(index)} field {name!r}")
+            elif how == _ADDED_CHUNKED:
+                out[name] = self._added_chunked(name, field, index)
             elif how == _ADDED_ARRAY or how == _ADDED_VALUE:
                 value = self._added_value(name, index)
                 out[name] = self._as_output(value) if how == _ADDED_ARRAY else value
@@ -881,6 +885,20 @@ class StoreDataset(Dataset):
             shard, _ = self.locate(index)
             raise CorruptRecordError(f"{err}; run 'fastdata verify' on the store", store=self.root,
                                      shard=self._shard_files[shard], index=index) from None
+
+    def _added_chunked(self, name: str, field: Chunked, index: int) -> ChunkedArray:
+        """The lazy array of added chunked field ``name`` of sample ``index``: read by region from
+        its field file as a written one is from its shard."""
+        assert self._added is not None
+        where = f"{self._where(index)} added field {name!r}"
+        try:
+            shard, table = self._added.chunk_table(name, index, f"{self.root} sample {index}")
+        except CorruptRecordError as err:
+            shard, _ = self.locate(index)
+            raise CorruptRecordError(f"{err}; run 'fastdata verify' on the store", store=self.root,
+                                     shard=self._shard_files[shard], index=index) from None
+        return ChunkedArray(self._added.chunk_source(name), shard,
+                            int(self.index_arrays[chunk_first_key(name)][index]), table, field, where)
 
     def _chunked(self, name: str, field: Chunked, table: bytes, index: int, where: str) -> ChunkedArray:
         """The lazy array of chunked field ``name`` of sample ``index`` (shape and table checked)."""

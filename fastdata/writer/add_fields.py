@@ -42,7 +42,7 @@ from fastdata.format.added import (
     field_file_name,
     is_field_file_name,
 )
-from fastdata.format.fields import NDArray, Field, Float, Image, Int, SchemaError, infer_field
+from fastdata.format.fields import Chunked, NDArray, Field, Float, Image, Int, SchemaError, infer_field
 from fastdata.format.fields import Schema
 from fastdata.format.manifest import read_manifest, schema_of, write_manifest
 from fastdata.format.names import ATOMIC_TMP_MARK, check_file_name
@@ -87,17 +87,27 @@ def _array_field(name: str, array: np.ndarray) -> Field:
 
 
 class AddedColumn:
-    """One field's values, checked: a fixed-size field as one array, any other as encoded bytes."""
+    """One field's values, checked: a fixed-size field as one array, any other as encoded bytes,
+    a chunked field as the array-likes given (their shapes and dtypes checked; each is read and
+    compressed chunk by chunk when its shard's field file is built, never whole)."""
 
     def __init__(self, name: str, field: Field, count: int, values: Any, first: int = 0):
         self.name, self.field, self.first = name, field, first
         self.fixed = field.index_shape is not None
         self.array: np.ndarray | None = None
         self.encoded: list[bytes] | None = None
+        #: a chunked field's values (array-likes, read when their shard's file is built)
+        self.lazy: list[Any] | None = None
+        #: where a chunked field's compressed chunks wait for their field file (None: the system's
+        #: temporary folder); the caller sets the store's own folder where it can
+        self.spill_dir: str | None = None
+        self._spills: list[str] = []
         #: an image field's per-sample arrays (format code, width, height, dtype code, channels)
         self.image_meta: dict[str, np.ndarray] = {}
         array = _as_numpy(values)
-        if self.fixed:
+        if isinstance(field, Chunked):
+            self.lazy = [field.check(v, f"field {name!r} sample {i}") for i, v in enumerate(_each(name, values), first)]
+        elif self.fixed:
             dtype, shape = field.index_shape  # type: ignore[misc]
             if array is not None and array.dtype.kind in "biuf":
                 self.array = self._checked_array(array, dtype, shape)
@@ -109,7 +119,7 @@ class AddedColumn:
         else:
             self.encoded = [encode_value(field, field.check(v, f"field {name!r} sample {i}"))
                             for i, v in enumerate(_each(name, values), first)]
-        got = len(self.array) if self.array is not None else len(self.encoded or ())
+        got = len(self)
         if got != count:
             raise AddFieldsError(f"field {name!r}: {got} values for a store of {count} samples (give one a sample, "
                                  "in store order)")
@@ -141,19 +151,84 @@ class AddedColumn:
                                      "(0 or 1)")
         return np.ascontiguousarray(cast)
 
+    def __len__(self) -> int:
+        """How many values (samples) the column has."""
+        if self.array is not None:
+            return len(self.array)
+        return len(self.lazy if self.lazy is not None else self.encoded or ())
+
     def shard_arrays(self, first: int, count: int) -> dict[str, np.ndarray]:
-        """The field file arrays of this field for samples ``first .. first + count``."""
+        """The field file arrays of this field for samples ``first .. first + count`` (a chunked
+        field's chunks wait in a file until :meth:`release`).
+
+        Raises:
+            AddFieldsError: a chunked value the field refuses once read (a dtype that does not
+                fit, a region of another shape), naming the field and sample.
+        """
         if self.array is not None:
             return {self.name: self.array[first:first + count]}
+        if self.lazy is not None:
+            return self._chunked_arrays(first, count)
         assert self.encoded is not None
-        values = self.encoded[first:first + count]
+        out = self._value_arrays(self.encoded[first:first + count], count)
+        out.update({f"{self.name}.{meta}": array[first:first + count] for meta, array in self.image_meta.items()})
+        return out
+
+    def _chunked_arrays(self, first: int, count: int) -> dict[str, np.ndarray]:
+        """A chunked field's arrays: each value read and compressed chunk by chunk as a conversion
+        writes it (:func:`fastdata.writer.chunking.write_chunks`), its chunks appended to one file
+        (mapped as ``<name>.chunks``), its table the value."""
+        import tempfile
+
+        from fastdata.writer.chunking import write_chunks
+
+        field = self.field
+        assert isinstance(field, Chunked) and self.lazy is not None
+        shapes = np.zeros((count, field.ndim), dtype="<i8")
+        firsts = np.zeros(count, dtype="<u8")
+        tables: list[bytes] = []
+        fd, path = tempfile.mkstemp(prefix=".fastdata-added-chunks-", dir=self.spill_dir)
+        self._spills.append(path)
+        pos = 0
+        with os.fdopen(fd, "wb") as out:
+            for k in range(count):
+                where = f"field {self.name!r} sample {self.first + first + k}"
+                try:
+                    table, pending = write_chunks(field, self.name, self.lazy[first + k], where,
+                                                  self.spill_dir or tempfile.gettempdir())
+                except SchemaError as err:
+                    raise AddFieldsError(str(err)) from None
+                assert pending is not None
+                try:
+                    for data in pending.stored():
+                        out.write(data)
+                finally:
+                    os.unlink(pending.path)
+                shapes[k] = table.shape
+                firsts[k] = pos
+                pos += table.stored_bytes
+                tables.append(encode_value(field, table))
+        chunks = np.memmap(path, dtype=np.uint8, mode="r") if pos else np.zeros(0, dtype=np.uint8)
+        out_arrays = self._value_arrays(tables, count)
+        out_arrays.update({f"{self.name}.shape": shapes, f"{self.name}.first": firsts, f"{self.name}.chunks": chunks})
+        return out_arrays
+
+    def release(self) -> None:
+        """Remove the files a chunked field's chunks waited in (once their field files are written)."""
+        for path in self._spills:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        self._spills = []
+
+    def _value_arrays(self, values: list[bytes], count: int) -> dict[str, np.ndarray]:
+        """The offsets, checksums and data arrays of encoded values."""
         offsets = np.zeros(count + 1, dtype="<i8")
         np.cumsum([len(v) for v in values], out=offsets[1:])
         checksums = np.fromiter((xxhash.xxh3_64_intdigest(v) for v in values), dtype="<u8", count=count)
         data = np.frombuffer(b"".join(values), dtype=np.uint8)
-        out = {f"{self.name}.offsets": offsets, f"{self.name}.checksums": checksums, f"{self.name}.data": data}
-        out.update({f"{self.name}.{meta}": array[first:first + count] for meta, array in self.image_meta.items()})
-        return out
+        return {f"{self.name}.offsets": offsets, f"{self.name}.checksums": checksums, f"{self.name}.data": data}
 
 
 def _images(name: str, values: Any, first: int) -> tuple[list[bytes], dict[str, np.ndarray]]:
@@ -262,6 +337,7 @@ def _remove_unpublished(store: str, manifest: dict, keep: set[str]) -> None:
     """Field files of a call that did not publish (a higher generation than any published, or a
     temporary), and those no manifest from ``keep`` on lists."""
     listed = {e["name"] for s in manifest["shards"] for e in s.get(FIELD_FILES_KEY, [])} | keep
+    shutil.rmtree(os.path.join(store, FIELDS_STAGING_DIR, SPILL_DIR), ignore_errors=True)  # (a killed add's chunks)
     for name in os.listdir(store):
         base = name.split(ATOMIC_TMP_MARK, 1)[0]
         if (is_field_file_name(name) and name not in listed) or (base != name and is_field_file_name(base)):
@@ -306,7 +382,8 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
             ``N x 512`` float16 embedding), or a list (ragged arrays, strings, JSON values; the
             kind inferred from the first value as :func:`fastdata.write` infers it).
         fields: declared kinds (``{name: fastdata.fields.Float("float32")}``) for names whose
-            kind is not to be inferred.
+            kind is not to be inferred; ``fastdata.fields.Chunked(dtype, chunks)`` for N-D arrays
+            read by region (each value an array-like, read and compressed chunk by chunk).
         replace: replace added fields of these names (a field the store was written with is
             never replaced).
         defaults: ``{name: value}``: the value a later append (``convert(..., append=True)``)
@@ -322,7 +399,8 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
     Raises:
         AddFieldsError: a length that is not the store's sample count, values whose dtype or
             shape disagree with the field (named, with the first sample that does), a name the
-            store has (without ``replace``), an image or chunked field; nothing is published.
+            store has (without ``replace``), an image or chunked value the field refuses;
+            nothing is published.
         StoreLockedError: a conversion, append or another ``add_fields`` is writing the store.
     """
     store = os.fspath(store)
@@ -344,15 +422,41 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         manifest = _published(store)  # (the version under the lock)
         columns, gen, new_fields = _prepare(store, manifest, values, declared, replace, declared_defaults)
         _remove_unpublished(store, manifest, set())
+        spill = _spill_dir(store, columns)
 
         def place(name: str, pieces: list) -> tuple[int, str]:
             return write_field_file(os.path.join(store, name), pieces)
 
-        shards = _write_shard_files(store, manifest, columns, gen, place, progress)
+        try:
+            shards = _write_shard_files(store, manifest, columns, gen, place, progress)
+        finally:
+            if spill is not None:
+                shutil.rmtree(spill, ignore_errors=True)
+                try:
+                    os.rmdir(os.path.dirname(spill))  # (the staging folder, unless a compute run's is there)
+                except OSError:
+                    pass
         entry = {"generation": gen, "action": "add", "fields": [c.name for c in columns], "at": new_fields[-1].added}
         return _publish(store, manifest, new_fields, shards, entry)
     finally:
         lock.release()
+
+
+#: the folder (in a local store's fields staging folder) where an add's chunked values wait, compressed,
+#: for their field files (removed when the add ends, or by the next add or gc after a kill)
+SPILL_DIR = "chunks"
+
+
+def _spill_dir(store: str, columns: list[AddedColumn]) -> str | None:
+    """Make the folder the chunked columns among ``columns`` spill into, inside the store (the
+    same file system as the field files), and point them at it; None when none is chunked."""
+    if not any(c.lazy is not None for c in columns):
+        return None
+    path = os.path.join(store, FIELDS_STAGING_DIR, SPILL_DIR)
+    os.makedirs(path, exist_ok=True)
+    for c in columns:
+        c.spill_dir = path
+    return path
 
 
 def _is_url(store: str) -> bool:
@@ -410,9 +514,14 @@ def _write_shard_files(store: str, manifest: dict, columns: list[AddedColumn], g
         if check_file_name(name) is not None:
             raise AddFieldsError(f"{store}: shard {shard['name']}: its field file name would be too long")
         arrays: dict[str, np.ndarray] = {}
-        for c in columns:
-            arrays.update(c.shard_arrays(shard["first_index"], shard["count"]))
-        size, xxh = place(name, build_field_file(shard["count"], arrays))
+        try:
+            for c in columns:
+                arrays.update(c.shard_arrays(shard["first_index"], shard["count"]))
+            size, xxh = place(name, build_field_file(shard["count"], arrays))
+        finally:
+            arrays.clear()
+            for c in columns:
+                c.release()
         shard[FIELD_FILES_KEY] = list(shard.get(FIELD_FILES_KEY, [])) + [
             {"name": name, "generation": gen, "bytes": size, "xxh": xxh}]
         if progress is not None:
@@ -449,6 +558,9 @@ def add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str
                                  "were computed; nothing was added: run it again")
         columns, gen, new_fields = _prepare(location.url, manifest, values, declared, replace, defaults)
         with tempfile.TemporaryDirectory(prefix="fastdata-add-fields-") as tmp:
+            for c in columns:
+                c.spill_dir = tmp
+
             def place(name: str, pieces: list) -> tuple[int, str]:
                 path = os.path.join(tmp, name)
                 size, xxh = write_field_file(path, pieces)
@@ -562,12 +674,20 @@ class FieldsRun:
         from fastdata.format.fields import field_from_json
 
         arrays: dict[str, np.ndarray] = {}
-        for name in known:
-            column = AddedColumn(name, field_from_json(known[name], name), entry["count"], values[name],
-                             first=entry["first_index"])
-            arrays.update(column.shard_arrays(0, entry["count"]))
+        columns = []
         name = field_file_name(self.generation, entry["name"])
-        size, xxh = write_field_file(os.path.join(self.staging, name), build_field_file(entry["count"], arrays))
+        try:
+            for field_name in known:
+                column = AddedColumn(field_name, field_from_json(known[field_name], field_name), entry["count"],
+                                     values[field_name], first=entry["first_index"])
+                column.spill_dir = self.staging
+                columns.append(column)
+                arrays.update(column.shard_arrays(0, entry["count"]))
+            size, xxh = write_field_file(os.path.join(self.staging, name), build_field_file(entry["count"], arrays))
+        finally:
+            arrays.clear()
+            for column in columns:
+                column.release()
         _write_json(self._sidecar(shard), {"name": name, "bytes": size, "xxh": xxh,
                                            "skipped": [[int(i), str(why)] for i, why in skipped]})
 

@@ -196,7 +196,7 @@ def check_added_count(dst: str, added: AddedValues, planned: int | None) -> None
     """Refuse, before anything is written, values for more samples than the append has inputs
     (inputs the writer rejects make fewer samples: checked again when the shards are written)."""
     for name, column in added.columns.items():
-        got = len(column.array) if column.array is not None else len(column.encoded)
+        got = len(column)
         if planned is not None and got > planned:
             raise AppendError(f"cannot append to {dst}: added_values[{name!r}] has {got} values, the append has "
                               f"{planned} samples: give one value a new sample, in the order they are appended")
@@ -228,7 +228,7 @@ def write_added_field_files(dst: str, added: AddedValues, results: list, rejecte
     results = sorted(results, key=lambda r: r.shard_id)
     total = sum(r.count for r in results)
     for name, column in added.columns.items():
-        got = len(column.array) if column.array is not None else len(column.encoded)
+        got = len(column)
         if got != total:
             why = f" ({rejected} input(s) were rejected: see the report)" if rejected else ""
             raise AppendError(f"cannot append to {dst}: added_values[{name!r}] has {got} values, the append stores "
@@ -241,15 +241,20 @@ def write_added_field_files(dst: str, added: AddedValues, results: list, rejecte
         entries = []
         for gen in generations:
             arrays: dict = {}
-            for a in (a for a in added.fields if a.generation == gen):
-                if a.name in added.columns:
-                    parts = added.columns[a.name].shard_arrays(first, r.count)
-                else:
-                    parts = AddedColumn(a.name, a.field, r.count, [added.defaults[a.name][0]] * r.count).shard_arrays(
-                        0, r.count)
-                arrays.update({a.key + k[len(a.name):]: v for k, v in parts.items()})  # (stored under its key)
+            used = []
             name = field_file_name(gen, r.name)
-            size, xxh = write_field_file(os.path.join(dst, name), build_field_file(r.count, arrays))
+            try:
+                for a in (a for a in added.fields if a.generation == gen):
+                    column = added.columns.get(a.name) or AddedColumn(a.name, a.field, r.count,
+                                                                      [added.defaults[a.name][0]] * r.count)
+                    used.append(column)
+                    parts = column.shard_arrays(first if a.name in added.columns else 0, r.count)
+                    arrays.update({a.key + k[len(a.name):]: v for k, v in parts.items()})  # (stored under its key)
+                size, xxh = write_field_file(os.path.join(dst, name), build_field_file(r.count, arrays))
+            finally:
+                arrays.clear()
+                for column in used:
+                    column.release()
             entries.append({"name": name, "generation": gen, "bytes": size, "xxh": xxh})
         out[r.name] = entries
         first += r.count

@@ -236,3 +236,19 @@ def test_gc_of_a_store_on_s3_removes_only_unlisted_field_files(s3, tmp_path, cap
     ds = fastdata.open_dataset(url)
     assert ds.columns() == ("x",) and ds[n - 1]["b"] == f"b{n - 1}"
     assert fastdata.verify(url).ok
+
+
+def test_chunked_field_added_to_a_store_on_s3_read_by_region(s3):
+    _server, bucket = s3
+    n = 6
+    url = f"{bucket}/chunked.h5"
+    fastdata.write([{"x": float(i)} for i in range(n)], url, shard_size=60, progress=False, workers=0)
+    rng = np.random.default_rng(0)
+    masks = [rng.integers(0, 3, size=(6, 5 + i, 7)).astype(np.uint16) for i in range(n)]
+    fastdata.add_fields(url, {"mask": masks}, fields={"mask": fastdata.fields.Chunked("uint16", (4, 4, 4))})
+    ds = fastdata.open_dataset(url)
+    np.testing.assert_array_equal(ds.array_shapes("mask"), [m.shape for m in masks])
+    value = ds[n - 1]["mask"]
+    np.testing.assert_array_equal(value[4:, 1:3], masks[n - 1][4:, 1:3])
+    assert value.chunks_read == 2
+    assert fastdata.verify(url).ok

@@ -1,7 +1,7 @@
 """Image added fields (issue 41: "images such as masks"): each value stored bit-exact in the field
 file (the encoded image, as a record holds a written image field), with the per-sample format,
 size, dtype and channels a written image field keeps in the index; read back like a written image
-field (read modes, ``output``, columns, the loader). Chunked fields stay refused, with why.
+field (read modes, ``output``, columns, the loader). (Chunked added fields: test_added_chunked.py.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from PIL import Image as PILImage
 
 import fastdata
 from fastdata.common.fileio import file_checksum
-from fastdata.fields import Chunked, Float, Image
+from fastdata.fields import Float, Image
 from fastdata.format.manifest import read_manifest
 from fastdata.reader.loader import loader
 from fastdata.writer.add_fields import AddFieldsError
@@ -89,7 +89,7 @@ def test_masks_and_encoded_images_read_back_like_written_image_fields(store, tmp
     assert m.column("mask.width").tolist() == [6] * (2 * (N + 3)) and fastdata.verify(merged).ok
 
 
-def test_bad_images_and_chunked_fields_are_refused_with_nothing_published(store):
+def test_bad_images_are_refused_with_nothing_published(store):
     checksum = read_manifest(store)["checksum"]
     thumbs = [_png(np.zeros((4, 4, 3), np.uint8))] * N
     thumbs[6] = b"\x89PNG not really"
@@ -97,8 +97,5 @@ def test_bad_images_and_chunked_fields_are_refused_with_nothing_published(store)
         fastdata.add_fields(store, {"thumb": thumbs})
     with pytest.raises(AddFieldsError, match="field 'mask' sample 0: an image field takes"):
         fastdata.add_fields(store, {"mask": [{"a": 1}] * N}, fields={"mask": Image()})
-    with pytest.raises(AddFieldsError, match="chunked fields cannot be added .*chunks live inside the shard"):
-        fastdata.add_fields(store, {"vol": [np.zeros((4, 4, 4), np.uint8)] * N},
-                            fields={"vol": Chunked("uint8", chunks=(2, 2, 2))})
     assert read_manifest(store)["checksum"] == checksum
     assert not [n for n in os.listdir(store) if n.startswith("fields-")]
