@@ -197,7 +197,7 @@ def _cmd_add_fields(args) -> int:
     values = values_from_file(args.store, args.values_file, names=args.names or (), key=args.key)
     say = (lambda *a: None) if args.quiet else (lambda text: print(printable(text), file=sys.stderr))
     say(f"adding {', '.join(values)} to {args.store} ...")
-    m = add_fields(args.store, values, replace=args.replace, storage_options=options,
+    m = add_fields(args.store, values, replace=args.replace, storage_options=options, resume=args.resume,
                    progress=None if args.quiet else lambda done, total: say(f"  field files: {done}/{total} shards"))
     if not args.quiet:
         added = [f for f in m.get("added_fields", []) if f["name"] in values]
@@ -247,7 +247,8 @@ def _add_field_commands(sub) -> None:
                        description="Add fields to the published store STORE (a directory or a URL), as a new "
                                    "version: the values go into new field files beside each shard (no shard is "
                                    "rewritten) and the manifest is replaced last; an interrupted call leaves the "
-                                   "previous version, and running it again finishes it. Datasets opened before "
+                                   "previous version: the same command with --resume finishes it (without it, what "
+                                   "the interrupted call left is removed and written again). Datasets opened before "
                                    "keep their version. Fixed-size numbers (scores, N x D embeddings) are read by "
                                    "ds.column(NAME) without reading a record.")
     a.add_argument("store", metavar="STORE", help="a local store directory, or its URL (s3://...)")
@@ -261,6 +262,10 @@ def _add_field_commands(sub) -> None:
                    help="how table rows find their samples: index (row order, or the table's 'index' column), or "
                         "path (the table's 'path' column: each sample's stored path, e.g. cat/001.jpg)")
     a.add_argument("--replace", action="store_true", help="replace added fields of these names")
+    a.add_argument("--resume", action="store_true",
+                   help="finish an interrupted add-fields of the same values: the field files it wrote (or uploaded) "
+                        "are kept where they hold the same bytes, the rest written; nothing is done when it had "
+                        "published already")
     _add_store_url_option(a)
     a.add_argument("--quiet", action="store_true", help="no progress and no summary")
     a.set_defaults(func=_cmd_add_fields)

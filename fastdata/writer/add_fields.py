@@ -371,7 +371,7 @@ def write_field_file(path: str, pieces: list) -> tuple[int, str]:
 def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: Mapping[str, Field] | None = None,
                replace: bool = False, defaults: Mapping[str, Any] | None = None,
                progress: Callable[[int, int], None] | None = None,
-               storage_options: Mapping[str, Any] | None = None) -> dict:
+               storage_options: Mapping[str, Any] | None = None, resume: bool = False) -> dict:
     """Add fields to a published store without rewriting it, as a new version.
 
     Args:
@@ -392,6 +392,11 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
             Without one an append must give the field's values (``added_values=``).
         progress: called ``progress(done, total)`` after each shard's field file.
         storage_options: fsspec options of a store at a URL (endpoint, credentials...).
+        resume: finish a call with the same values that was interrupted (a crash, SIGKILL,
+            Ctrl-C): the field files it wrote (uploaded, at a URL) whose bytes are those these
+            values give are kept, the others written; a call that had published already is not
+            repeated (its manifest is returned). Without it, what an interrupted call left is
+            removed and everything is written again (as a new append discards an unfinished one).
 
     Returns:
         dict: the new manifest.
@@ -415,17 +420,27 @@ def add_fields(store: str | os.PathLike, values: Mapping[str, Any], *, fields: M
         raise AddFieldsError(f"defaults= names {', '.join(map(str, unknown))}, which values= does not give")
     declared_defaults = dict(defaults or {})
     if _is_url(store):
-        return add_fields_remote(store, values, declared, replace, progress, storage_options, declared_defaults)
+        return add_fields_remote(store, values, declared, replace, progress, storage_options, declared_defaults,
+                                 resume=resume)
     manifest = _published(store)
     lock = _lock(store)
     try:
         manifest = _published(store)  # (the version under the lock)
+        if resume and _published_already(store, manifest, values, declared, declared_defaults):
+            return manifest
         columns, gen, new_fields = _prepare(store, manifest, values, declared, replace, declared_defaults)
-        _remove_unpublished(store, manifest, set())
+        # (resume: this generation's files a killed call wrote are kept, to be compared below)
+        _remove_unpublished(store, manifest, {field_file_name(gen, s["name"]) for s in manifest["shards"]}
+                            if resume else set())
         spill = _spill_dir(store, columns)
 
         def place(name: str, pieces: list) -> tuple[int, str]:
-            return write_field_file(os.path.join(store, name), pieces)
+            path = os.path.join(store, name)
+            if resume:
+                same = _same_file(path, pieces)
+                if same is not None:  # written by the interrupted call, from these values
+                    return same
+            return write_field_file(path, pieces)
 
         try:
             shards = _write_shard_files(store, manifest, columns, gen, place, progress)
@@ -457,6 +472,104 @@ def _spill_dir(store: str, columns: list[AddedColumn]) -> str | None:
     for c in columns:
         c.spill_dir = path
     return path
+
+
+def _digest(pieces: list) -> tuple[int, str]:
+    """``(bytes, xxh3-64 hex)`` of a field file's pieces, as :func:`write_field_file` would write them."""
+    digest = xxhash.xxh3_64()
+    size = 0
+    for piece in pieces:
+        digest.update(piece)
+        size += len(piece)
+    return size, digest.hexdigest()
+
+
+def _same_file(path: str, pieces: list) -> tuple[int, str] | None:
+    """``(bytes, xxh3-64 hex)`` when the file at ``path`` holds exactly ``pieces`` (a field file an
+    interrupted call wrote: written whole, then renamed into place), else None."""
+    from fastdata.common.fileio import open_regular
+
+    size, xxh = _digest(pieces)
+    try:
+        fd = open_regular(path, "field file")
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        digest = xxhash.xxh3_64()
+        for offset in range(0, size, 1 << 24):
+            digest.update(portable.pread(fd, min(1 << 24, size - offset), offset))
+    finally:
+        os.close(fd)
+    return (size, xxh) if digest.hexdigest() == xxh else None
+
+
+def _published_already(store: str, manifest: dict, values: Mapping[str, Any], declared: Mapping[str, Field],
+                       defaults: Mapping[str, Any]) -> bool:
+    """Whether the store's current version is the one an ``add_fields`` of exactly ``values``
+    publishes (a resume of a call killed after its manifest): its last change added these fields,
+    of the same kinds and defaults, and every shard's file of that generation holds the bytes
+    these values give (compared by size and checksum with the manifest: no file is read)."""
+    history = manifest["options"].get(HISTORY_KEY) or []
+    last = history[-1] if history and isinstance(history[-1], dict) else {}
+    if last.get("action") != "add" or sorted(map(str, last.get("fields") or [])) != sorted(map(str, values)):
+        return False
+    current = {a.name: a for a in added_fields(manifest, store)}
+    mine = [current.get(name) for name in values]
+    if any(a is None or a.generation != last.get("generation") or a.key != a.name for a in mine):
+        return False
+    try:
+        columns = []
+        for a in mine:
+            assert a is not None
+            field = _field_of(a.name, values[a.name], declared.get(a.name))
+            default = json_default(a.name, field, defaults[a.name]) if a.name in defaults else ()
+            if field.to_json() != a.field.to_json() or default != a.default:
+                return False
+            columns.append(AddedColumn(a.name, field, manifest["num_samples"], values[a.name]))
+    except (AddFieldsError, SchemaError):
+        return False
+    gen = last["generation"]
+    for shard in manifest["shards"]:
+        entry = next((e for e in shard.get(FIELD_FILES_KEY, []) if e["generation"] == gen), None)
+        arrays: dict[str, np.ndarray] = {}
+        try:
+            for c in columns:
+                arrays.update(c.shard_arrays(shard["first_index"], shard["count"]))
+            got = _digest(build_field_file(shard["count"], arrays))
+        finally:
+            arrays.clear()
+            for c in columns:
+                c.release()
+        if entry is None or got != (entry["bytes"], entry["xxh"]):
+            return False
+    return True
+
+
+def _uploaded_already(location: Any, local_path: str, name: str) -> bool:
+    """Whether object ``name`` holds the file ``local_path`` (an interrupted call uploaded it):
+    on ``s3://`` its size and its ETag against the file's MD5 (or multipart MD5), as
+    ``upload_checked`` checks an upload; other schemes cannot tell, and upload again."""
+    from fastdata.writer.remote_sink import expected_etag, part_size
+
+    if location.scheme not in ("s3", "s3a"):
+        return False
+    fs = location.filesystem()
+    path = location._path(name)
+    fs.invalidate_cache(path)
+
+    def info() -> dict | None:
+        try:
+            return fs.info(path)
+        except FileNotFoundError:
+            return None
+    found = location.call(f"looking up {location.child(name)}", info)
+    size = os.path.getsize(local_path)
+    if not found or int(found.get("size") or 0) != size:
+        return False
+    etag = str(found.get("ETag") or found.get("etag") or "").strip('"')
+    return etag == expected_etag(local_path, part_size(size))
 
 
 def _is_url(store: str) -> bool:
@@ -532,7 +645,8 @@ def _write_shard_files(store: str, manifest: dict, columns: list[AddedColumn], g
 def add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str, Field], replace: bool,
                        progress: Callable[[int, int], None] | None,
                        storage_options: Mapping[str, Any] | None, defaults: Mapping[str, Any],
-                       base_checksum: str | None = None, history: Mapping[str, Any] | None = None) -> dict:
+                       base_checksum: str | None = None, history: Mapping[str, Any] | None = None,
+                       resume: bool = False) -> dict:
     """:func:`add_fields` of a store at a URL: each field file written locally and uploaded (its size
     and ETag checked), then the new manifest uploaded last, under the store's lock object. Datasets
     opened before read on in their version (their cache is keyed by the manifest's checksum)."""
@@ -553,6 +667,8 @@ def add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str
         except FileNotFoundError:
             raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
         manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
+        if resume and _published_already(location.url, manifest, values, declared, defaults):
+            return manifest
         if base_checksum is not None and manifest["checksum"] != base_checksum:
             raise AddFieldsError(f"{location.url}: the store was changed (a new version published) while its values "
                                  "were computed; nothing was added: run it again")
@@ -564,7 +680,8 @@ def add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str
             def place(name: str, pieces: list) -> tuple[int, str]:
                 path = os.path.join(tmp, name)
                 size, xxh = write_field_file(path, pieces)
-                upload_checked(location, path, name)
+                if not (resume and _uploaded_already(location, path, name)):  # (resume: the same bytes are there)
+                    upload_checked(location, path, name)
                 os.remove(path)
                 return size, xxh
 

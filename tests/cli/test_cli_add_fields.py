@@ -89,3 +89,65 @@ def test_drop_rename_gc(store, tmp_path, capsys):
     assert "removed 1 field file(s)" in capsys.readouterr().out
     assert main(["drop-fields", store, "b"]) == 2
     assert "not added field" in capsys.readouterr().err
+
+
+_KILLED_CLI_ADD = """
+import os, signal, sys
+import fastdata.writer.add_fields as af
+from fastdata.cli.main import main
+
+write = af.write_field_file
+calls = []
+
+def killed_at_the_second(path, pieces):  # the first shard's field file is written, the second is not
+    calls.append(path)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(path, pieces)
+
+af.write_field_file = killed_at_the_second
+sys.exit(main(["add-fields", sys.argv[1], "--from", sys.argv[2], "--name", "emb", "--quiet"]))
+"""
+
+
+def test_sigkill_during_add_fields_then_resume_equals_an_uninterrupted_add(tmp_path, capsys):
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from fastdata.common.fileio import file_checksum
+
+    n = 12
+    store = str(tmp_path / "s.lmdb")
+    fastdata.write([{"x": float(i)} for i in range(n)], store, shard_size=60, progress=False, workers=0)
+    assert len(read_manifest(store)["shards"]) >= 3
+    clean = str(tmp_path / "clean.lmdb")
+    shutil.copytree(store, clean)
+    np.save(tmp_path / "emb.npy", np.random.default_rng(0).random((n, 4)).astype(np.float16))
+    values = str(tmp_path / "emb.npy")
+    before = read_manifest(store)["checksum"]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_CLI_ADD, store, values], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert read_manifest(store)["checksum"] == before  # the previous version, still published
+    written = [f for f in os.listdir(store) if f.startswith("fields-")]
+    assert len(written) == 1
+    kept = os.stat(os.path.join(store, written[0]))
+    assert main(["add-fields", store, "--from", values, "--name", "emb", "--resume", "--quiet"]) == 0
+    again = os.stat(os.path.join(store, written[0]))
+    assert (again.st_ino, again.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # kept, not written again
+    assert main(["add-fields", clean, "--from", values, "--name", "emb", "--quiet"]) == 0  # uninterrupted
+    a, b = read_manifest(store), read_manifest(clean)
+    assert a["shards"] == b["shards"]  # the same field files (names, sizes, checksums)
+    assert [{**f, "added": ""} for f in a["added_fields"]] == [{**f, "added": ""} for f in b["added_fields"]]
+    assert sorted(os.listdir(store)) == sorted(os.listdir(clean))  # nothing left behind
+    assert {f: file_checksum(os.path.join(store, f)) for f in os.listdir(store) if f != "manifest.json"} == {
+        f: file_checksum(os.path.join(clean, f)) for f in os.listdir(clean) if f != "manifest.json"}
+    # killed after its manifest: --resume finds it published and does nothing; without it, refused
+    assert main(["add-fields", store, "--from", values, "--name", "emb", "--resume", "--quiet"]) == 0
+    assert read_manifest(store)["checksum"] == a["checksum"]
+    capsys.readouterr()
+    assert main(["add-fields", store, "--from", values, "--name", "emb", "--quiet"]) == 2
+    assert "was added already" in capsys.readouterr().err

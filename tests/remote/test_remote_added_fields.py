@@ -252,3 +252,76 @@ def test_chunked_field_added_to_a_store_on_s3_read_by_region(s3):
     np.testing.assert_array_equal(value[4:, 1:3], masks[n - 1][4:, 1:3])
     assert value.chunks_read == 2
     assert fastdata.verify(url).ok
+
+
+_KILLED_URL_ADD = """
+import os, signal, sys
+import numpy as np
+import fastdata
+import fastdata.writer.remote_sink as sink
+
+upload = sink.upload_checked
+fields = []
+
+def killed_at_the_second_field_file(location, path, name):  # one field file uploaded, then killed
+    if name.startswith("fields-"):
+        fields.append(name)
+        if len(fields) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    upload(location, path, name)
+
+sink.upload_checked = killed_at_the_second_field_file
+fastdata.add_fields(sys.argv[1], {"emb": np.load(sys.argv[2]), "tag": [f"t{i}" for i in range(12)]})
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_s3_add_then_resume_equals_an_uninterrupted_add(s3, tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    import fastdata.writer.remote_sink as sink
+
+    _server, bucket = s3
+    n = 12
+    local = str(tmp_path / "s.lmdb")
+    fastdata.write([{"x": float(i)} for i in range(n)], local, shard_size=60, progress=False, workers=0)
+    assert len(read_manifest(local)["shards"]) >= 3
+    url, clean = f"{bucket}/killed.lmdb", f"{bucket}/clean.lmdb"
+    upload_store(local, url)
+    upload_store(local, clean)
+    emb = np.random.default_rng(0).random((n, 4)).astype(np.float16)
+    np.save(tmp_path / "emb.npy", emb)
+    values = {"emb": emb, "tag": [f"t{i}" for i in range(n)]}
+    loc = RemoteLocation(url)
+    before = loc.read_bytes("manifest.json")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_URL_ADD, url, str(tmp_path / "emb.npy")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert loc.read_bytes("manifest.json") == before and fastdata.verify(url).ok  # the previous version
+    left = [k for k in loc.listing() if k.startswith("fields-")]
+    assert len(left) == 1
+    uploaded: list[str] = []
+    upload = sink.upload_checked
+
+    def counted(location, path, name):
+        uploaded.append(name)
+        upload(location, path, name)
+
+    monkeypatch.setattr(sink, "upload_checked", counted)
+    fastdata.add_fields(url, values, resume=True)
+    assert left[0] not in uploaded and "manifest.json" in uploaded  # the object it had uploaded: kept
+    fastdata.add_fields(clean, values)  # uninterrupted
+    a, b = (json.loads(RemoteLocation(u).read_bytes("manifest.json")) for u in (url, clean))
+    assert a["shards"] == b["shards"]
+    assert [{**f, "added": ""} for f in a["added_fields"]] == [{**f, "added": ""} for f in b["added_fields"]]
+    for s in a["shards"]:
+        for e in s["field_files"]:
+            assert loc.read_bytes(e["name"]) == RemoteLocation(clean).read_bytes(e["name"])
+    ds = fastdata.open_dataset(url)
+    np.testing.assert_array_equal(ds.column("emb"), emb)
+    assert fastdata.verify(url).ok
+    uploaded.clear()
+    assert fastdata.add_fields(url, values, resume=True)["checksum"] == a["checksum"]  # published: nothing done
+    assert uploaded == []
