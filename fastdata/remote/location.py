@@ -310,9 +310,22 @@ async def _read_at_most(read, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _s3_range(fs, path: str, start: int, end: int, url: str) -> bytes:
+def _changed_since_listed(url: str, etag: int, size: int, reply_etag: object, content_range: object) -> None:
+    """Raise :class:`SourceChangedError` when a ranged reply's ETag or total size (the ``/TOTAL`` of
+    its ``Content-Range``) is not the listing's (``etag`` 0, ``size`` -1: not compared)."""
+    now = etag_key(reply_etag)
+    total = str(content_range or "").rpartition("/")[2]
+    why = (["its ETag differs"] if etag and now and now != etag else []) + (
+        [f"{int(total):,} bytes, listed as {size:,}"] if size >= 0 and total.isdigit() and int(total) != size else [])
+    if why:
+        raise SourceChangedError(f"{url}: the object changed after it was listed ({'; '.join(why)}); nothing was "
+                                 "published: rerun the conversion once the input stops changing")
+
+
+async def _s3_range(fs, path: str, start: int, end: int, url: str, etag: int = 0, size: int = -1) -> bytes:
     """One ranged ``GetObject`` through s3fs (its own call, with its error translation: a missing
-    key is FileNotFoundError), the body read only when the reply is the range asked for."""
+    key is FileNotFoundError), the body read only when the reply is the range asked for (and,
+    given ``etag``/``size``, of the object listed so: :func:`_changed_since_listed`)."""
     bucket, key, version = fs.split_path(path)
     extra = {"VersionId": version} if version else {}
     try:
@@ -329,12 +342,13 @@ async def _s3_range(fs, path: str, start: int, end: int, url: str) -> bytes:
             raise RemoteSizeError(f"{url}: a read of bytes {start:,}-{end - 1:,} was answered with "
                                   f"{'the whole object' if 'ContentRange' not in reply else f'{length:,} bytes'} "
                                   "(the server ignores ranges, or the object is shorter than the store's index says)")
+        _changed_since_listed(url, etag, size, reply.get("ETag"), reply.get("ContentRange"))
         return await _read_at_most(body.read, end - start)
     finally:
         body.close()
 
 
-async def _http_range(fs, url: str, start: int, end: int) -> bytes:
+async def _http_range(fs, url: str, start: int, end: int, etag: int = 0, size: int = -1) -> bytes:
     """One ranged GET through fsspec's HTTP filesystem's session (its redirect rules and timeouts);
     a reply that is not ``206 Partial Content`` is refused before its body is read."""
     session = await fs.set_session()
@@ -346,6 +360,7 @@ async def _http_range(fs, url: str, start: int, end: int) -> bytes:
         if reply.status != 206:
             raise RemoteStoreError(f"{url}: the server does not answer range requests (HTTP {reply.status} to a "
                                    "ranged GET); read this store with cache='shards'")
+        _changed_since_listed(url, etag, size, reply.headers.get("ETag"), reply.headers.get("Content-Range"))
         return await _read_at_most(reply.content.read, end - start)
 
 
@@ -603,7 +618,7 @@ class RemoteLocation:
             return out.getvalue()
         return self.call(what, read)
 
-    def read_range(self, name: str, start: int, end: int) -> bytes:
+    def read_range(self, name: str, start: int, end: int, *, etag: int = 0, size: int = -1) -> bytes:
         """Bytes ``start`` to ``end`` (excluded) of object ``name``, as one ranged GET, with retries
         and backoff on transient errors (:meth:`call`).
 
@@ -613,7 +628,11 @@ class RemoteLocation:
         reading on. s3 and http(s) replies are read so, in pieces; other schemes go through the
         filesystem's own ``cat_file(path, start, end)`` (gcsfs, adlfs: the cloud SDKs, which ask
         for the range) and are checked after. The request must end within the connect and read
-        timeouts together (:meth:`timeouts`)."""
+        timeouts together (:meth:`timeouts`).
+
+        ``etag`` (:func:`etag_key`) and ``size``: the object as it was listed (an input of a
+        conversion); an s3 or http(s) reply with another ETag or total size raises
+        :class:`SourceChangedError` before its body is read (other schemes: not compared)."""
         want = end - start
         if want <= 0:
             return b""
@@ -623,9 +642,9 @@ class RemoteLocation:
 
         def read() -> bytes:
             if self.scheme in ("s3", "s3a") and hasattr(fs, "_call_s3"):
-                data = self._bounded(fs, _s3_range(fs, path, start, end, self.child(name)))
+                data = self._bounded(fs, _s3_range(fs, path, start, end, self.child(name), etag, size))
             elif self.read_only and hasattr(fs, "set_session"):
-                data = self._bounded(fs, _http_range(fs, path, start, end))
+                data = self._bounded(fs, _http_range(fs, path, start, end, etag, size))
             else:
                 data = fs.cat_file(path, start=start, end=end)
             if len(data) != want:

@@ -24,6 +24,7 @@ they are not retried.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import io
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from fastdata.errors import FastdataError, SourceError
-from fastdata.remote.location import RemoteLocation, etag_key
+from fastdata.remote.location import etag_key, RemoteLocation, RemoteSizeError, SourceChangedError
 
 #: requests :func:`stat_objects` keeps in flight
 STAT_CONCURRENCY = 32
@@ -263,3 +264,98 @@ def join_url(base: str, path: str) -> str:
     scheme, _, rest = base.partition("://")
     joined = os.path.normpath(f"{rest}/{path}").replace(os.sep, "/")
     return f"{scheme}://{joined}"
+
+
+class ObjectReader(io.RawIOBase):
+    """One input object of a conversion as a read-only, seekable file, read in ranged GETs
+    (:meth:`~fastdata.remote.location.RemoteLocation.read_range`: retries, timeouts) of at least
+    ``block`` bytes, each reply checked against the object's listed ``size`` and ``etag`` (s3 and
+    http(s): an object replaced or deleted since it was listed raises
+    :class:`~fastdata.remote.location.SourceChangedError` naming it, at whatever block it is found).
+
+    What it holds is bounded: one block of read-ahead (a read of more than ``block`` bytes is
+    one GET of exactly those bytes, handed over without a copy kept). Reading a file front to
+    back (a tar by a worker) sends ``size / block`` GETs; seeking over bytes never read skips
+    them (tarfile's walk over headers reads a block at each member larger than ``block``).
+    ``stop``: no read-ahead past this offset (a worker's task ends there). Nothing is opened
+    until the first read: it may be made in one process and read in another.
+    """
+
+    def __init__(self, url: str, size: int, etag: int, storage_options: Mapping[str, Any], block: int = 4 << 20,
+                 stop: int | None = None):
+        super().__init__()
+        parent, _, self._name = url.rpartition("/")
+        self._loc = RemoteLocation(parent, storage_options)
+        self.url, self.size, self.etag, self.block = url, size, etag, max(1, block)
+        #: read-ahead never goes past this offset (a task's last byte: no GET asks for bytes past it)
+        self.stop = size if stop is None else min(size, stop)
+        self._pos = 0
+        self._buf, self._buf_start = b"", 0
+        #: GETs sent and bytes they returned (what a test bounds)
+        self.requests = self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"{self.url}: seek to {base + offset} (before the start)")
+        self._pos = base + offset
+        return self._pos
+
+    def _get(self, start: int, end: int) -> bytes:
+        try:
+            data = self._loc.read_range(self._name, start, end, etag=self.etag, size=self.size)
+        except FileNotFoundError:
+            raise SourceChangedError(f"{self.url}: the object was deleted after it was listed; nothing was "
+                                     "published: rerun the conversion (the listing is taken again)") from None
+        except RemoteSizeError as err:
+            raise SourceChangedError(f"{self.url}: the object changed after it was listed ({err}); nothing was "
+                                     "published: rerun the conversion once the input stops changing") from None
+        except FastdataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - fsspec backends raise many types
+            problem = _credential_problem(err)
+            if problem is not None:
+                raise credential_error(self.url, problem) from None
+            raise
+        self.requests += 1
+        self.bytes_read += len(data)
+        return data
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = self.size - self._pos
+        n = left if n is None or n < 0 else min(n, left)
+        if n <= 0:
+            return b""
+        start = self._pos
+        offset = start - self._buf_start
+        if 0 <= offset and offset + n <= len(self._buf):
+            data = self._buf[offset:offset + n]
+        elif n > self.block:  # a large member: one GET of it, nothing kept behind
+            self._buf, self._buf_start = b"", 0
+            data = self._get(start, start + n)
+        else:
+            self._buf = b""  # (the old block goes before the new one comes)
+            end = min(self.size, start + self.block)
+            end = max(start + n, min(end, self.stop))
+            self._buf, self._buf_start = self._get(start, end), start
+            data = self._buf[:n]
+        self._pos = start + len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._buf = b""
+        super().close()

@@ -141,7 +141,8 @@ def convert(
     if not isinstance(source, str | os.PathLike):
         raise TypeError(f"source must be a path or a fastdata.sources object, got {type(source).__name__} (Python "
                         "samples: fastdata.sources.Samples(samples))")
-    return source_for_path(source, **source_keywords).write(dst, write_options)
+    return source_for_path(source, storage_options=write_options.storage_options,
+                           **source_keywords).write(dst, write_options)
 
 
 def _write_options(options: WriteOptions | None, given: Mapping[str, Any], caller: str = "convert",
@@ -195,13 +196,16 @@ def source_for_path(
     codec: str | None = None,
     max_pixels: int | str | None = None,
     image_column: str | Sequence[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Source:
     """The source object a path is, with ``convert``'s older keywords as its options.
 
     A URL (``s3://``, ``gs://``, ``az://``, ``https://``) is read remotely: a ``.jsonl`` list (or
     any list given ``schema``) as a table, a ``.csv``/``.tsv`` as a ``path,label`` list, a
     ``.parquet`` file or glob as Parquet files (a folder of them: :class:`~fastdata.sources.Parquet`),
-    anything else as an image folder prefix; other kinds of input are refused from a URL
+    a ``.tar`` URL, brace pattern or glob, or a prefix holding ``.tar`` objects and no "subfolder"
+    (one listing page is read to tell, with ``storage_options``), as WebDataset shards, anything
+    else as an image folder prefix; other kinds of input are refused from a URL
     (:class:`~fastdata.errors.RemotePathError`). For a path, the kind is sniffed in this order:
     Parquet files, WebDataset shards, NIfTI volumes (or a folder given ``chunks``/``max_pixels``:
     TIFF images as chunked arrays), a list with more fields than ``path,label`` (or ``schema``
@@ -230,6 +234,14 @@ def source_for_path(
                      "schema": schema}, "Parquet files",
                     "every column becomes a field and image bytes are stored as they are")
             return Parquet(src)
+        from fastdata.writer.sources.webdataset.remote import holds_tars, is_tar_url
+
+        if is_tar_url(src) or (remote_image_source(src) and holds_tars(src, storage_options or {})):
+            _refuse({"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
+                     "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode,
+                     "schema": schema}, "WebDataset shards",
+                    "every member extension becomes a field and image bytes are stored as they are")
+            return WebDataset(src)
         if not remote_image_source(src):
             refuse_remote_source(src)
         return ImageFolder(src, storage=storage_from_keywords(

@@ -101,12 +101,13 @@ def remote_image_source(src: str | os.PathLike) -> bool:
 
 def refuse_remote_source(src: str | os.PathLike, what: str = "source") -> None:
     """Raise :class:`RemotePathError` when ``src`` is a URL of an input kind that is read from a
-    local or mounted filesystem only (every kind but image folders, lists, COCO and Parquet)."""
+    local or mounted filesystem only (every kind but image folders, lists, COCO, Parquet and
+    WebDataset tars)."""
     scheme = remote_scheme(src)
     if scheme is not None:
         raise RemotePathError(f"{what} {os.fspath(src)}: this kind of input is read from a local or mounted "
                               f"filesystem (from {scheme}:// URLs fastdata reads image folders, .csv/.tsv/.jsonl "
-                              "lists, COCO and Parquet files; WebDataset tars and NIfTI/DICOM volumes not yet): copy "
+                              "lists, COCO, Parquet files and WebDataset tars; NIfTI/DICOM volumes not yet): copy "
                               "or mount the data and give that path")
 
 

@@ -169,8 +169,8 @@ def test_missing_bucket_prefix_and_failing_credentials_are_one_line_errors(remot
         fastdata.convert(f"{remote_tree.bucket}/imgs", dst, progress=False, storage_options={"profile": "nope-fd"})
     with pytest.raises(SourceError, match="cannot be listed"):
         fastdata.convert("https://example.invalid/imgs/", dst, progress=False)
-    with pytest.raises(RemotePathError, match="WebDataset tars and NIfTI/DICOM volumes not yet"):
-        fastdata.convert(f"{remote_tree.bucket}/shards/train-000.tar", dst, progress=False)
+    with pytest.raises(RemotePathError, match="read from a local or mounted filesystem"):
+        fastdata.convert(f"{remote_tree.bucket}/vols/a.nii.gz", dst, progress=False)
     assert not os.path.exists(os.path.join(dst, "manifest.json"))
     cli = cli_in_process(capsys, "convert", "s3://no-such-bucket-fd/imgs", dst)
     assert cli.returncode != 0 and "no-such-bucket-fd" in cli.stderr and "Traceback" not in cli.stderr

@@ -210,10 +210,10 @@ def test_foreign_objects_https_and_remote_source_are_refused(s3, small_tree, tmp
     with pytest.raises(RemoteStoreError, match="read-only"):
         fastdata.convert(small_tree, "https://example.invalid/x.lmdb", progress=False)
     with pytest.raises(RemotePathError, match="read from a local or mounted filesystem"):
-        fastdata.convert(f"{bucket}/shards/train-000.tar", str(tmp_path / "x.lmdb"), progress=False)
+        fastdata.convert(f"{bucket}/vols/a.nii.gz", str(tmp_path / "x.lmdb"), progress=False)
     with pytest.raises(ValueError, match="URL destination or source only"):
         fastdata.convert(small_tree, str(tmp_path / "y.lmdb"), storage_options={"anon": True}, progress=False)
-    cli = subprocess.run([sys.executable, "-m", "fastdata", "convert", f"{bucket}/shards/train-000.tar",
+    cli = subprocess.run([sys.executable, "-m", "fastdata", "convert", f"{bucket}/vols/a.nii.gz",
                           str(tmp_path / "z.lmdb")], capture_output=True, text=True, timeout=120)
     assert cli.returncode != 0 and "read from a local or mounted filesystem" in cli.stderr
     assert "Traceback" not in cli.stderr

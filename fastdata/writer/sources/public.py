@@ -549,7 +549,12 @@ class WebDataset(Source):
     field per member extension plus ``__key__``, bytes kept as they are.
 
     Args:
-        path (str | os.PathLike): the shard, pattern, glob or folder.
+        path (str | os.PathLike): the shard, pattern, glob or folder; or a URL of one
+            (``s3://bucket/shards/`` holding ``.tar`` objects, ``s3://bucket/train-{000000..000099}.tar``,
+            ``gs://``, ``az://``; ``https://`` for named tars), read in ranged GETs (see "Remote
+            sources" in the remote guide).
+        storage_options (Mapping | None): fsspec options for a URL ``path``; None: the write's
+            ``storage_options``.
 
     Raises:
         TypeError: not a path.
@@ -557,11 +562,20 @@ class WebDataset(Source):
 
     kind = "WebDataset shards"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None):
         self.path = _path(path, "path")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
+        self.storage_options = storage_options
 
     def write_source(self) -> TarInput:
-        refuse_remote_source(self.path)
+        if is_remote(self.path):
+            from fastdata.writer.sources.webdataset.remote import RemoteTarInput
+
+            return RemoteTarInput(self.path, storage_options=self.storage_options)
+        if self.storage_options is not None:
+            raise ValueError(f"{self.path}: storage_options apply to a URL source (s3://, gs://, az://, https://), "
+                             "not to a local path")
         tars = tar_files(self.path)
         if tars is None:
             raise ValueError(f"{self.path}: not WebDataset shards (a .tar file, a brace pattern, a glob or a folder "

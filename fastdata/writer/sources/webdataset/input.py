@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import xxhash
@@ -32,7 +32,7 @@ from fastdata.writer.sources.webdataset.scan import (
     read_at,
 )
 
-__all__ = ["TarChunks", "TarInput", "encode_tar_chunk"]
+__all__ = ["TarChunks", "TarInput", "encode_samples", "encode_tar_chunk"]
 
 
 def encode_tar_chunk(layout: TarLayout, path: str, size: int, name: str, samples: list, start: int,
@@ -46,16 +46,7 @@ def encode_tar_chunk(layout: TarLayout, path: str, size: int, name: str, samples
         try:
             if os.fstat(fd).st_size != size:
                 raise SourceError(f"{path} changed since the conversion started; convert it again with overwrite=True")
-            for key, bad, members in samples:
-                if bad is not None:
-                    results.append(bad)
-                    continue
-                try:
-                    result, read = _encode_sample(layout, fd, name, key, members)
-                except MemoryError:  # one sample too large for this machine: rejected, the conversion goes on
-                    result, read = "out of memory while reading or encoding the sample", 0
-                results.append(result)
-                nbytes += read
+            results, nbytes = encode_samples(layout, lambda offset, n: read_at(fd, offset, n), name, samples)
         except OSError as err:
             raise SourceError(f"{path}: cannot be read ({err})") from None
         finally:
@@ -63,7 +54,28 @@ def encode_tar_chunk(layout: TarLayout, path: str, size: int, name: str, samples
     return (spill(results, spill_dir) if spill_dir is not None else results), nbytes
 
 
-def _encode_sample(layout: TarLayout, fd: int, name: str, key: str, members: list) -> tuple[Any, int]:
+def encode_samples(layout: TarLayout, read: Callable[[int, int], bytes], name: str,
+                   samples: list) -> tuple[list, int]:
+    """``samples`` (``(key, reason or None, members)``) of the tar ``name`` as records or rejection
+    reasons, each member's bytes from ``read(offset, size)`` (called in the tar's order), and
+    the bytes read."""
+    results: list = []
+    nbytes = 0
+    for key, bad, members in samples:
+        if bad is not None:
+            results.append(bad)
+            continue
+        try:
+            result, got = _encode_sample(layout, read, name, key, members)
+        except MemoryError:  # one sample too large for this machine: rejected, the conversion goes on
+            result, got = "out of memory while reading or encoding the sample", 0
+        results.append(result)
+        nbytes += got
+    return results, nbytes
+
+
+def _encode_sample(layout: TarLayout, read_member: Callable[[int, int], bytes], name: str, key: str,
+                   members: list) -> tuple[Any, int]:
     by_ext = {layout.exts[code]: (offset, size) for code, offset, size in members}
     values: dict[str, Any] = {KEY_FIELD: key}
     images: dict[str, tuple] = {}
@@ -74,7 +86,7 @@ def _encode_sample(layout: TarLayout, fd: int, name: str, key: str, members: lis
         offset, size = by_ext[ext]
         if size > MAX_MEMBER_BYTES:
             return f".{ext}: member of {size:,} bytes exceeds the {MAX_MEMBER_BYTES:,} byte limit", read
-        data = read_at(fd, offset, size)
+        data = read_member(offset, size)
         read += size
         try:
             values[field_name] = member_value(kind, data)
@@ -141,12 +153,21 @@ class TarInput(WriteSource):
         self.scan: TarScan | None = None
         self.layout: TarLayout | None = None
 
+    def _scanned_only(self) -> TarScan:
+        assert self.scan is not None, "plan scans the shards first"
+        return self.scan
+
     def _scanned(self) -> tuple[TarScan, TarLayout]:
         assert self.scan is not None and self.layout is not None, "plan scans the shards first"
         return self.scan, self.layout
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
-        scan = self.scan = TarScan(self.paths)
+        self.scan = TarScan(self.paths)
+        return self._plan_scanned(run)
+
+    def _plan_scanned(self, run: RunOptions) -> list[ShardPlan]:
+        """The plan of the scanned tars (:attr:`scan`): their fields, and shards by sample bytes."""
+        scan = self._scanned_only()
         if not len(scan):
             raise SourceError(f"{self.src}: the tar files hold no samples (members named KEY.EXTENSION)")
         layout = self.layout = layout_of(scan)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
 import re
 import tarfile
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -59,25 +61,47 @@ class _BoundedTarInfo(tarfile.TarInfo):
     """A TarInfo that refuses an extended header (pax, GNU long name) over :data:`MAX_EXTENDED_HEADER_BYTES`
     before tarfile reads it whole into memory."""
 
+    #: the tar's name in errors (a URL's tarfile would show as a local path)
+    shown: str | None = None
+
     def _proc_member(self, tarfile_):
         what = _EXTENDED_TYPES.get(self.type)
         if what is not None and self.size > MAX_EXTENDED_HEADER_BYTES:
-            raise SourceError(f"{tarfile_.name}: the {what} at byte {self.offset:,} (named {self.name!r}) declares "
-                              f"{self.size:,} bytes, more than the {MAX_EXTENDED_HEADER_BYTES:,} byte limit for "
-                              "a tar extended header: a damaged or crafted tar")
+            raise SourceError(f"{self.shown or tarfile_.name}: the {what} at byte {self.offset:,} (named "
+                              f"{self.name!r}) declares {self.size:,} bytes, more than the "
+                              f"{MAX_EXTENDED_HEADER_BYTES:,} byte limit for a tar extended header: a damaged or "
+                              "crafted tar")
         return super()._proc_member(tarfile_)  # type: ignore[misc]
+
+
+#: opens tar ``t`` (its path or URL) for a scan: a seekable binary file and its ``(size, identity)``
+#: (a local file's modification time, a remote object's ETag key)
+TarOpener = Callable[[int, str], tuple[BinaryIO, tuple[int, int]]]
 
 
 class TarScan:
     """Every tar's samples from its headers: per sample its key, tar and members (extension code,
-    data offset, size), and why it is unusable where it is (a member beyond the end of the file)."""
+    data offset, size), and why it is unusable where it is (a member beyond the end of the file).
 
-    def __init__(self, files: list[str]):
-        self.files = [os.path.abspath(f) for f in files]
-        self.names = [os.path.basename(f) for f in files]
+    ``opener``: how to open each of ``files`` (URLs: a remote reader, see
+    :mod:`fastdata.writer.sources.webdataset.remote`); None: they are local paths. The scan reads
+    headers only, through the file's seeks (tarfile never reads a member's data here)."""
+
+    def __init__(self, files: list[str], opener: TarOpener | None = None):
+        self._opener = opener
+        if opener is None:
+            self.files = [os.path.abspath(f) for f in files]
+            self.names = [os.path.basename(f) for f in files]
+        else:
+            self.files = list(files)
+            self.names = [posixpath.basename(f) for f in files]
         if len(set(self.names)) < len(self.names):
-            common = os.path.commonpath(self.files)
-            self.names = [os.path.relpath(f, common) for f in self.files]
+            if opener is None:
+                common = os.path.commonpath(self.files)
+                self.names = [os.path.relpath(f, common) for f in self.files]
+            else:
+                common = posixpath.commonpath([f.split("://", 1)[-1] for f in self.files])
+                self.names = [posixpath.relpath(f.split("://", 1)[-1], common) for f in self.files]
         self.stats: list[tuple[int, int]] = []
         self.keys: list[str] = []
         self.tar = array("i")
@@ -107,69 +131,113 @@ class TarScan:
         return code
 
     def _scan(self, t: int, path: str) -> None:
+        fh: BinaryIO | None = None
+        info = type("_Shown", (_BoundedTarInfo,), {"shown": path})
         try:
-            st = os.stat(path)
-            tf = tarfile.open(path, "r:", tarinfo=_BoundedTarInfo)
+            if self._opener is None:
+                st = os.stat(path)
+                stat = (st.st_size, st.st_mtime_ns)
+                tf = tarfile.open(path, "r:", tarinfo=info)
+            else:
+                fh, stat = self._opener(t, path)
+                tf = tarfile.open(fileobj=fh, mode="r:", tarinfo=info)
         except (tarfile.TarError, OSError) as err:
+            if fh is not None:
+                fh.close()
             raise SourceError(f"{path}: not a readable tar file ({err})") from None
-        self.stats.append((st.st_size, st.st_mtime_ns))
-        size = st.st_size
-        with tf:
-            key: str | None = None
-            seen: set[str] = set()
-            total = 0  # the bytes of the current sample's members
-            overran = False  # the last member claims more bytes than the file holds
-            while True:
-                try:
-                    member = tf.next()
-                except (tarfile.TarError, OSError) as err:
-                    if overran:  # nothing follows a member that runs past the end (it is rejected)
-                        break
-                    raise SourceError(f"{path}: damaged tar header near byte {tf.offset:,} ({err})") from None
-                if member is None:
-                    break
-                if not member.isreg():
-                    self.skipped += not member.isdir()
-                    continue
-                match = _KEY_EXT.match(member.name)
-                if match is None:
-                    self.skipped += 1
-                    continue
-                if match.group(1) != key:
-                    key, seen, total = match.group(1), set(), 0
-                    self.keys.append(key)
-                    self.tar.append(t)
-                    self.first.append(len(self.member_offset))
-                    self.count.append(0)
-                i = len(self.keys) - 1
-                ext = match.group(2).lower()
-                if ext in seen:
-                    self.bad.setdefault(i, f"two members with the extension {ext!r}")
-                seen.add(ext)
-                overran = member.offset_data + member.size > size
-                if overran:
-                    self.bad.setdefault(i, f"member {member.name!r} claims {member.size:,} bytes, more than the "
-                                           f"{max(0, size - member.offset_data):,} left in the file")
-                total += member.size
-                if member.size > MAX_MEMBER_BYTES:
-                    self.bad.setdefault(i, f"member {member.name!r} of {member.size:,} bytes exceeds the "
-                                           f"{MAX_MEMBER_BYTES:,} byte limit for one member")
-                elif total > MAX_SAMPLE_BYTES:
-                    self.bad.setdefault(i, f"the sample's members hold {total:,} bytes or more, over the "
-                                           f"{MAX_SAMPLE_BYTES:,} byte limit for one sample")
-                self.member_ext.append(self._code(ext))
-                self.member_offset.append(member.offset_data)
-                self.member_size.append(member.size)
-                self.count[i] += 1
-            end = tf.offset
+        self.stats.append(stat)
+        size = stat[0]
+        try:
+            end = self._scan_members(t, path, tf, size)
+        finally:
+            tf.close()
+            if fh is not None:
+                fh.close()
         # tarfile ends the listing quietly at a damaged header: where it stopped must be the end
         if end + 512 <= size:
-            with open(path, "rb") as fh:
-                fh.seek(end)
-                block = fh.read(512)
+            if self._opener is None:
+                with open(path, "rb") as local:
+                    local.seek(end)
+                    block = local.read(512)
+            else:
+                fh, _ = self._opener(t, path)
+                try:
+                    fh.seek(end)
+                    block = fh.read(512)
+                finally:
+                    fh.close()
             if block.strip(b"\0"):
                 raise SourceError(f"{path}: the tar header at byte {end:,} is damaged; the members after it "
                                   "cannot be read")
+
+    def _scan_members(self, t: int, path: str, tf: tarfile.TarFile, size: int) -> int:
+        """Record the members of the open tar ``tf``; returns the offset where tarfile stopped."""
+        key: str | None = None
+        seen: set[str] = set()
+        total = 0  # the bytes of the current sample's members
+        overran = False  # the last member claims more bytes than the file holds
+        while True:
+            try:
+                member = tf.next()
+            except (tarfile.TarError, OSError) as err:
+                if overran:  # nothing follows a member that runs past the end (it is rejected)
+                    break
+                raise SourceError(f"{path}: damaged tar header near byte {tf.offset:,} ({err})") from None
+            if member is None:
+                break
+            if not member.isreg():
+                self.skipped += not member.isdir()
+                continue
+            match = _KEY_EXT.match(member.name)
+            if match is None:
+                self.skipped += 1
+                continue
+            if match.group(1) != key:
+                key, seen, total = match.group(1), set(), 0
+                self.keys.append(key)
+                self.tar.append(t)
+                self.first.append(len(self.member_offset))
+                self.count.append(0)
+            i = len(self.keys) - 1
+            ext = match.group(2).lower()
+            if ext in seen:
+                self.bad.setdefault(i, f"two members with the extension {ext!r}")
+            seen.add(ext)
+            overran = member.offset_data + member.size > size
+            if overran:
+                self.bad.setdefault(i, f"member {member.name!r} claims {member.size:,} bytes, more than the "
+                                       f"{max(0, size - member.offset_data):,} left in the file")
+            total += member.size
+            if member.size > MAX_MEMBER_BYTES:
+                self.bad.setdefault(i, f"member {member.name!r} of {member.size:,} bytes exceeds the "
+                                       f"{MAX_MEMBER_BYTES:,} byte limit for one member")
+            elif total > MAX_SAMPLE_BYTES:
+                self.bad.setdefault(i, f"the sample's members hold {total:,} bytes or more, over the "
+                                       f"{MAX_SAMPLE_BYTES:,} byte limit for one sample")
+            self.member_ext.append(self._code(ext))
+            self.member_offset.append(member.offset_data)
+            self.member_size.append(member.size)
+            self.count[i] += 1
+        return tf.offset
+
+    def read_member(self, t: int, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of tar ``t`` (through the scan's opener for a URL)."""
+        path = self.files[t]
+        if self._opener is None:
+            fd = os.open(path, os.O_RDONLY | portable.OPEN_FLAGS)
+            try:
+                return read_at(fd, offset, size)
+            finally:
+                os.close(fd)
+        fh, _ = self._opener(t, path)
+        try:
+            fh.seek(offset)
+            data = fh.read(size)
+        finally:
+            fh.close()
+        if len(data) != size:
+            raise OSError(f"the object ends {size - len(data):,} bytes short of a member")
+        return data
 
     def members(self, i: int) -> list[tuple[int, int, int]]:
         a = self.first[i]
@@ -303,13 +371,8 @@ def _npy_field(scan: TarScan, code: int) -> Field | None:
     if j is None or scan.member_size[j] > MAX_INPUT_BYTES:
         return None
     t = int(np.searchsorted(np.frombuffer(scan.first.tobytes(), dtype=np.int64), j, side="right")) - 1
-    path = scan.files[scan.tar[t]]
     try:
-        fd = os.open(path, os.O_RDONLY | portable.OPEN_FLAGS)
-        try:
-            array_ = _npy(read_at(fd, scan.member_offset[j], scan.member_size[j]))
-        finally:
-            os.close(fd)
+        array_ = _npy(scan.read_member(scan.tar[t], scan.member_offset[j], scan.member_size[j]))
     except (OSError, ValueError):
         return None
     if array_.dtype.name not in NUMERIC_DTYPES:

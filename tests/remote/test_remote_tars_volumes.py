@@ -1,0 +1,253 @@
+"""WebDataset tar shards, NIfTI volumes and DICOM folders at a URL, on a real S3-compatible server
+(SeaweedFS, tests/helpers/s3server.py): each converts to the store its local copy converts to
+(same shards, checksums and records), an input changed or deleted after planning stops the run
+naming it (nothing published), an interrupted run resumes, errors are one line; a tar several
+times larger than the remote reader's block converts with the bytes buffered held to that block."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.procs import cli_in_process
+from helpers.samples import jpeg
+
+import fastdata
+from fastdata.errors import SourceError
+from fastdata.format.manifest import read_manifest
+from fastdata.format.names import STAGING_DIR
+from fastdata.remote.location import RemoteLocation, SourceChangedError
+
+
+def upload_tree(local: str | Path, url: str) -> None:
+    """Every file under ``local`` to ``url``/<its relative path>."""
+    loc = RemoteLocation(url)
+    paths = [os.path.join(root, name) for root, _, files in os.walk(local) for name in files]
+    targets = [loc.child(os.path.relpath(p, local).replace(os.sep, "/")).split("://", 1)[1] for p in paths]
+    loc.filesystem().put(paths, targets)
+
+
+def same_records(a: str | Path, b: str | Path) -> None:
+    """``a`` and ``b`` hold the same shards (names, counts, checksums of the files), rejected input
+    names and records (every field of every sample, decoded); each verifies."""
+    ma, mb = read_manifest(str(a)), read_manifest(str(b))
+    assert [(s["name"], s["count"], s["xxh"]) for s in ma["shards"]] == \
+        [(s["name"], s["count"], s["xxh"]) for s in mb["shards"]]
+    assert ma["num_samples"] == mb["num_samples"] and ma.get("metadata") == mb.get("metadata")
+
+    def rejected(store):
+        path = Path(store, "rejected.tsv")
+        lines = path.read_text().splitlines()[1:] if path.exists() else []
+        return sorted(line.split("\t", 1)[0].rsplit("/", 1)[-1] + "\t" + line.rsplit("\t", 1)[-1] for line in lines)
+    assert rejected(a) == rejected(b)
+    da, db = fastdata.open_dataset(a, output="bytes"), fastdata.open_dataset(b, output="bytes")
+    assert len(da) == len(db) == ma["num_samples"]
+    for i in range(len(da)):
+        assert repr(da[i]) == repr(db[i]), i
+    assert fastdata.verify(str(a)).ok and fastdata.verify(str(b)).ok
+
+
+def npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def shard_members(first: int, count: int) -> list[tuple[str, bytes]]:
+    """Samples ``first ..`` with an image, a class, a caption, JSON and an array; sample 5 has a
+    corrupt image (rejected and reported, as locally)."""
+    out = []
+    for i in range(first, first + count):
+        rng = np.random.default_rng(i)
+        out += [(f"s/{i:05d}.jpg", jpeg(i) if i != 5 else b"\xff\xd8not a jpeg"),
+                (f"s/{i:05d}.cls", str(i % 3).encode()),
+                (f"s/{i:05d}.txt", f"caption {i}".encode()),
+                (f"s/{i:05d}.json", json.dumps({"id": i}).encode()),
+                (f"s/{i:05d}.npy", npy(rng.random((i % 3, 2)).astype(np.float32)))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs(s3_server, tmp_path_factory):
+    """Three small tar shards (and one large one in a folder of its own) locally and in a bucket,
+    with the local conversion of the three. Yields a namespace."""
+    mp = pytest.MonkeyPatch()
+    for key, value in s3_server.env().items():
+        mp.setenv(key, value)
+    mp.setenv("FASTDATA_REMOTE_RETRIES", "2")
+    root = tmp_path_factory.mktemp("remote-tars")
+    for t in range(3):
+        write_tar(root / "data" / "shards" / f"train-{t:06d}.tar", shard_members(4 * t, 4))
+    # 24 samples of one 1 MiB array each: several times the remote reader's 4 MiB block
+    big = [(f"b/{i:04d}.npy", npy(np.random.default_rng(i).integers(0, 255, (1 << 20) - 128, dtype=np.uint8)))
+           for i in range(24)]
+    write_tar(root / "data" / "big" / "big-0.tar", big)
+    bucket = f"s3://{s3_server.take_bucket(f'rtars{os.getpid()}')}"
+    upload_tree(root / "data", bucket)
+    local = root / "local.lmdb"
+    fastdata.convert(str(root / "data" / "shards"), local, shard_size="6kB", progress=False, workers=0)
+
+    class NS:
+        pass
+    t = NS()
+    t.server, t.bucket, t.root, t.local, t.shards = s3_server, bucket, root, local, f"{bucket}/shards"
+    yield t
+    mp.undo()
+
+
+def test_remote_tars_convert_to_the_local_store(inputs, tmp_path, capsys):
+    # a prefix holding .tar objects, told from an image folder by one listing page
+    dst = tmp_path / "prefix.lmdb"
+    report = fastdata.convert(f"{inputs.shards}/", dst, shard_size="6kB", progress=False, workers=2)
+    assert report.rejected == 1 and len(read_manifest(str(dst))["shards"]) > 1
+    same_records(inputs.local, dst)
+    assert read_manifest(str(dst))["options"]["source"] == f"{inputs.shards}/"
+    # a brace pattern through the CLI; a resume of the published store is complete
+    braced = f"{inputs.shards}/train-{{000000..000002}}.tar"
+    cli = cli_in_process(capsys, "convert", braced, str(tmp_path / "brace.lmdb"), "--shard-size", "6kB",
+                         "--workers", "0")
+    assert cli.returncode == 0, cli.stderr
+    same_records(inputs.local, tmp_path / "brace.lmdb")
+    again = fastdata.convert(fastdata.sources.WebDataset(braced), tmp_path / "brace.lmdb", shard_size="6kB",
+                             progress=False, resume=True, workers=0)
+    assert again.already_complete
+    # a glob, and one tar against the local conversion of that tar
+    fastdata.convert(f"{inputs.shards}/train-*.tar", tmp_path / "glob.lmdb", shard_size="6kB", progress=False,
+                     workers=0)
+    same_records(inputs.local, tmp_path / "glob.lmdb")
+    one_local = tmp_path / "one-local.lmdb"
+    fastdata.convert(str(inputs.root / "data" / "shards" / "train-000001.tar"), one_local, progress=False, workers=0)
+    fastdata.convert(f"{inputs.shards}/train-000001.tar", tmp_path / "one.lmdb", progress=False, workers=0)
+    same_records(one_local, tmp_path / "one.lmdb")
+    # the same tar over plain HTTP (the test server answers anonymous GETs; ranges, ETags)
+    http = f"{inputs.server.endpoint}/{inputs.shards.split('://')[1]}/train-000001.tar"
+    fastdata.convert(http, tmp_path / "http.lmdb", progress=False, workers=0)
+    same_records(one_local, tmp_path / "http.lmdb")
+
+
+@pytest.mark.parametrize("how", ["rewritten", "deleted"])
+def test_a_tar_changed_after_planning_stops_the_run_naming_it(inputs, tmp_path, how):
+    from fastdata.writer.options import WriteOptions
+    from fastdata.writer.session import WriteSession
+    from fastdata.writer.sources.webdataset.remote import RemoteTarInput
+
+    loc = RemoteLocation(inputs.shards)
+    name = "train-000002.tar"
+    original = loc.read_bytes(name)
+
+    class Changing(RemoteTarInput):
+        def plan(self, run, dst):
+            plans = super().plan(run, dst)
+            if how == "deleted":
+                loc.remove([name])
+            else:  # the same size, another ETag
+                loc.write_bytes(name, original[:600] + bytes([original[600] ^ 0xFF]) + original[601:])
+            return plans
+    dst = tmp_path / "changed.lmdb"
+    try:
+        want = "the object changed" if how == "rewritten" else "the object was deleted"
+        with pytest.raises(SourceChangedError, match=f"{inputs.shards}/{name}: {want}") as caught:
+            WriteSession(Changing(inputs.shards), str(dst), WriteOptions(progress=False, workers=0,
+                                                                         shard_size="6kB")).run()
+        assert "\n" not in str(caught.value)
+    finally:
+        loc.write_bytes(name, original)
+    assert not (dst / "manifest.json").exists()
+
+
+def test_remote_tar_errors_are_one_line(inputs, tmp_path, capsys):
+    with pytest.raises(SourceError, match=r"train-000009\.tar does not exist \(2 of the 3"):
+        fastdata.convert(f"{inputs.shards}/train-{{000001,000009,000008}}.tar", tmp_path / "a.lmdb",
+                         progress=False, workers=0)
+    with pytest.raises(SourceError, match="no file matches .*/val-"):
+        fastdata.convert(f"{inputs.shards}/val-*.tar", tmp_path / "b.lmdb", progress=False, workers=0)
+    with pytest.raises(SourceError, match=r"compressed tar.*gunzip"):
+        fastdata.convert(f"{inputs.shards}/train-0.tar.gz", tmp_path / "c.lmdb", progress=False, workers=0)
+    cli = cli_in_process(capsys, "convert", f"{inputs.shards}/gone.tar", str(tmp_path / "d.lmdb"))
+    assert cli.returncode != 0 and "gone.tar does not exist" in cli.stderr and "Traceback" not in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+
+
+def test_a_tar_larger_than_the_read_block_converts_with_one_block_buffered(inputs, tmp_path, monkeypatch):
+    """The 24 MiB tar converts to its local store while the remote reads hold at most one 4 MiB
+    block beside the member being read (measured: the largest reply and tracemalloc's peak of
+    the whole in-process conversion, against the same conversion from the local file); a control
+    with a block as large as the tar holds the whole tar."""
+    from fastdata.remote import sources
+
+    local = tmp_path / "big-local.lmdb"
+    big = inputs.root / "data" / "big" / "big-0.tar"
+    fastdata.convert(str(big), local, shard_size="2MB", task_size=2, progress=False, workers=0)
+    replies: list[int] = []
+    real_range = RemoteLocation.read_range
+
+    def counted(self, name, start, end, **kwargs):
+        data = real_range(self, name, start, end, **kwargs)
+        replies.append(len(data))
+        return data
+    monkeypatch.setattr(RemoteLocation, "read_range", counted)
+
+    def peak(src: str, dst: Path) -> int:
+        tracemalloc.start()
+        try:
+            fastdata.convert(src, dst, shard_size="2MB", task_size=2, progress=False, workers=0)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    local_peak = peak(str(big), tmp_path / "again-local.lmdb")
+    peak(f"{inputs.bucket}/big/big-0.tar", tmp_path / "warm.lmdb")  # (clients made, models loaded: once)
+    replies.clear()
+    remote_peak = peak(f"{inputs.bucket}/big/big-0.tar", tmp_path / "big.lmdb")
+    same_records(local, tmp_path / "big.lmdb")
+    size = big.stat().st_size
+    assert size > 5 * (4 << 20) and max(replies) <= 4 << 20
+    # the walk over the headers reads the tar once (its members are not larger than the walk's block),
+    # the workers once more: 2x the tar in about 2 GETs a MiB
+    assert sum(replies) < 2.1 * size and len(replies) < 2.2 * size / (1 << 20)
+    # measured: 8.6 MB against 8.5 MB from the local file (the task's records and the shard's)
+    assert remote_peak < local_peak + (4 << 20), (remote_peak, local_peak)
+    assert remote_peak < size / 2
+    # control: workers reading the whole tar in one GET (a block as large as it, read-ahead past their task) hold it
+    from fastdata.writer.sources.webdataset import remote
+
+    class WholeTar(sources.ObjectReader):
+        def __init__(self, url, size, etag, options, block=0, stop=None):
+            super().__init__(url, size, etag, options, 64 << 20)
+    monkeypatch.setattr(remote, "ObjectReader", WholeTar)
+    whole = peak(f"{inputs.bucket}/big/big-0.tar", tmp_path / "whole.lmdb")
+    assert whole > size, (whole, size)
+
+
+def test_an_interrupted_remote_tar_conversion_resumes_to_the_local_store(inputs, tmp_path, monkeypatch):
+    from fastdata.writer.sources.webdataset import remote
+
+    dst = tmp_path / "resumed.lmdb"
+    real, calls = remote.encode_samples, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:  # (one task a tar: after 8 samples, a shard is staged)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(remote, "encode_samples", failing)
+    with pytest.raises(KeyboardInterrupt):
+        fastdata.convert(inputs.shards, dst, shard_size="6kB", progress=False, workers=0)
+    monkeypatch.setattr(remote, "encode_samples", real)
+    assert list((dst / STAGING_DIR).glob("shard-*")) and not (dst / "manifest.json").exists()
+    fastdata.convert(inputs.shards, dst, shard_size="6kB", progress=False, workers=0, resume=True)
+    same_records(inputs.local, dst)
