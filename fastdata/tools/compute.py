@@ -5,7 +5,8 @@ store order, none crossing a shard), the function runs in the calling process on
 a GPU when it puts its model and the batch there), and each shard's values are staged as its field
 file as soon as the shard is done (:class:`fastdata.writer.add_fields.FieldsRun`). A crash loses
 at most the shard in progress: ``resume=True`` computes only the shards not staged, then the
-store is published as with :func:`fastdata.add_fields`.
+store is published as with :func:`fastdata.add_fields`. A store at a URL is computed the same
+way, its field files staged in a local folder and uploaded when every shard is done.
 """
 
 from __future__ import annotations
@@ -148,13 +149,15 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
                    num_workers: int | None = None, resume: bool = False, replace: bool = False,
                    fields: Mapping[str, Field] | None = None, progress: Callable[[int, int], None] | None = None,
                    on_error: str = "raise", defaults: Mapping[str, Any] | None = None,
-                   storage_options: Mapping[str, Any] | None = None, **dataset_options: Any) -> dict:
+                   storage_options: Mapping[str, Any] | None = None, staging_dir: str | os.PathLike | None = None,
+                   **dataset_options: Any) -> dict:
     """Add fields computed by ``fn`` over every sample of a store, as a new version.
 
     Args:
-        store: the store directory, or its URL (``s3://...``: read through the dataset's cache,
-            the values kept in memory until every shard is done, then added as
-            :func:`fastdata.add_fields` adds them to a URL; ``resume`` is for local stores).
+        store: the store directory, or its URL (``s3://...``: the version opened is read through
+            the dataset's cache, each shard's field file staged locally (``staging_dir``) as it is
+            done, and all of them uploaded and checked, then the manifest, under the store's lock
+            object, refused if a new version was published meanwhile).
         fn: called with each batch as :func:`fastdata.loader` gives it (``(images, targets)`` for a
             folder store, a dict of fields for a general one), in store order; returns
             ``{name: values}``, one value a sample of the batch (a numpy array, a tensor, or a list).
@@ -175,6 +178,9 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
             records it: appends use it too); with ``on_error="skip"``, the value of a skipped sample
             (required for every field then).
         storage_options: fsspec options of a store at a URL.
+        staging_dir: a store at a URL: the local folder its run stages the field files in
+            (default: one per URL in the cache directory, ``FASTDATA_CACHE_DIR``); ``resume``
+            looks there.
         dataset_options: for :func:`fastdata.open_dataset` (``output="tensor"``, ``decode=...``).
 
     Returns:
@@ -185,8 +191,9 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
             sample it raises on alone, else the batch's samples, and the shard) or returned values
             that are not one a sample; with ``on_error="skip"``, a skipped sample's field without a
             default.
-        AddFieldsError: values refused as :func:`fastdata.add_fields` refuses them; ``resume`` of a
-            store at a URL; a store at a URL changed while its values were computed.
+        AddFieldsError: values refused as :func:`fastdata.add_fields` refuses them; ``resume``
+            with nothing to resume or of a store changed since; a store at a URL changed while its
+            values were computed.
     """
     from fastdata.common.paths import remote_scheme
     from fastdata.reader.open import open_dataset
@@ -195,27 +202,38 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
         raise ValueError(f"on_error must be one of {', '.join(map(repr, ON_ERROR))}, got {on_error!r}")
     defaults = dict(defaults or {})
     options: dict[str, Any] = {} if num_workers is None else {"num_workers": num_workers}
-    if remote_scheme(os.fspath(store)) is not None:
-        if resume:
-            raise AddFieldsError(f"{os.fspath(store)}: resume=True is for local stores: a run over a store at a URL "
-                                 "keeps its values in memory; run it again without resume")
-        return _compute_remote(os.fspath(store), fn, batch_size, options, replace, fields, progress, on_error,
-                               defaults, storage_options, dataset_options)
-    if storage_options:
-        raise ValueError("storage_options apply to a store at a URL only")
-    run = FieldsRun(store, resume=resume, fields=fields, replace=replace, defaults=defaults)
+    store = os.fspath(store)
+    if remote_scheme(store) is not None:
+        from fastdata.writer.remote_sink import local_staging_dir
+
+        ds: Any = open_dataset(store, storage_options=storage_options, **dataset_options) if storage_options else \
+            open_dataset(store, **dataset_options)
+        staging = local_staging_dir(store, staging_dir, None) + ".fields"
+        try:
+            run = FieldsRun(store, resume=resume, fields=fields, replace=replace, defaults=defaults, staging=staging,
+                            storage_options=storage_options)
+        except BaseException:
+            ds.close()
+            raise
+    else:
+        if storage_options:
+            raise ValueError("storage_options apply to a store at a URL only")
+        if staging_dir is not None:
+            raise ValueError("staging_dir applies to a store at a URL only (a local store stages in itself)")
+        run = FieldsRun(store, resume=resume, fields=fields, replace=replace, defaults=defaults)
+        ds = None
     try:
         shards = run.manifest["shards"]
-        ds = open_dataset(run.store, **dataset_options)
-        if ds._store.manifest["checksum"] != run.manifest["checksum"]:  # (the lock is held: cannot differ)
-            raise AddFieldsError(f"{run.store} changed while it was opened")
+        if ds is None:
+            ds = open_dataset(run.store, **dataset_options)
+        if ds._store.manifest["checksum"] != run.manifest["checksum"]:  # (a local store's lock is held: cannot
+            # differ; a URL's version may have changed between the two reads)
+            raise AddFieldsError(f"{run.store} changed while it was opened; run it again")
         todo = [k for k in range(len(shards)) if not run.done(k)]
         done = len(shards) - len(todo)
-        skipped: list[tuple[int, str]] = []
         for shard, values, lost in _shard_values(ds, fn, shards, todo, batch_size, options, on_error, defaults,
                                                  run.store, list(run.plan["fields"] or {})):
             run.put(shard, values, lost)
-            skipped += lost
             done += 1
             if progress is not None:
                 progress(done, len(shards))
@@ -223,10 +241,13 @@ def compute_fields(store: str | os.PathLike, fn: Callable[[Any], Mapping[str, An
             if not run.done(k) and shards[k]["count"] == 0:
                 run.put(k, {name: [] for name in (run.plan["fields"] or {})})
         ds.close()
+        ds = None
         manifest = run.publish()
         _warn_skipped(run.store, manifest)
         return manifest
     finally:
+        if ds is not None:
+            ds.close()
         run.close()
 
 
@@ -244,37 +265,3 @@ def _warn_skipped(store: str, manifest: dict) -> None:
                       f"(given the fields' defaults): {first}{'; ...' if entry['skipped_count'] > 3 else ''} (all "
                       "listed in manifest['options']['field_history'][-1]['skipped'])", ComputeFieldsWarning,
                       stacklevel=3)
-
-
-def _compute_remote(url: str, fn: Callable, batch_size: int, options: dict, replace: bool,
-                    fields: Mapping[str, Field] | None, progress: Callable[[int, int], None] | None, on_error: str,
-                    defaults: Mapping[str, Any], storage_options: Mapping[str, Any] | None,
-                    dataset_options: dict) -> dict:
-    """:func:`compute_fields` of a store at a URL: the version opened is read through the dataset
-    (its shards cached as any remote read caches them), every shard's values kept in memory, then
-    added with the store's lock object held, refused when a new version was published meanwhile."""
-    from fastdata.reader.open import open_dataset
-    from fastdata.writer.add_fields import MAX_SKIPPED_LISTED, add_fields_remote
-
-    ds = open_dataset(url, storage_options=storage_options, **dataset_options) if storage_options else \
-        open_dataset(url, **dataset_options)
-    manifest = ds._store.manifest
-    shards = manifest["shards"]
-    per_shard: dict[int, dict[str, Any]] = {}
-    skipped: list[tuple[int, str]] = []
-    for shard, values, lost in _shard_values(ds, fn, shards, list(range(len(shards))), batch_size, options,
-                                             on_error, defaults, url, []):
-        per_shard[shard] = values
-        skipped += lost
-        if progress is not None:
-            progress(len(per_shard), len(shards))
-    ds.close()
-    names = list(next(iter(per_shard.values()), {}))
-    values = {n: _joined([per_shard[k][n] for k in sorted(per_shard)]) for n in names}
-    history = ({"skipped_count": len(skipped), "skipped": [[i, why] for i, why in skipped[:MAX_SKIPPED_LISTED]]}
-               if skipped else None)
-    new = add_fields_remote(url, values, dict(fields or {}), replace, None, storage_options,
-                             {n: v for n, v in defaults.items() if n in values}, base_checksum=manifest["checksum"],
-                             history=history)
-    _warn_skipped(url, new)
-    return new

@@ -711,28 +711,48 @@ class FieldsRun:
     those declared, else inferred from the first shard's values, and recorded in the plan, so a
     resumed run checks its values against the same kinds.
 
+    A store at a URL (``manifest`` and ``staging`` given) stages its field files in the local
+    folder ``staging`` (locked by this run) instead; :meth:`publish` uploads them (keeping those
+    an interrupted publish uploaded already) and then the manifest, under the store's lock object,
+    refused if the store was changed since ``manifest`` (the version the values were computed on).
+
     Args:
-        store: a published local store.
+        store: a published local store, or a store's URL.
         resume: finish the run a crash left (its staged shards are kept); without it, a staging
             folder left behind is discarded.
         fields: declared kinds by name.
         replace: replace added fields of the names the values give.
+        manifest: a store at a URL: the manifest of the version the values are computed on
+            (None: its current one, read).
+        staging: a store at a URL: the local folder its run stages in.
+        storage_options: a store at a URL: fsspec options.
 
     Raises:
         AddFieldsError: ``resume`` with nothing to resume, or with a store changed since.
-        StoreLockedError: the store is being written.
+        StoreLockedError: the store (local) or the staging folder (URL) is being written.
     """
 
     def __init__(self, store: str | os.PathLike, *, resume: bool = False, fields: Mapping[str, Field] | None = None,
-                 replace: bool = False, defaults: Mapping[str, Any] | None = None):
+                 replace: bool = False, defaults: Mapping[str, Any] | None = None, manifest: dict | None = None,
+                 staging: str | None = None, storage_options: Mapping[str, Any] | None = None):
         import json
 
         self.store = os.fspath(store)
-        self.manifest = _published(self.store)
-        self._lock: StoreLock | None = _lock(self.store)
-        try:
+        self.remote = staging is not None
+        self.storage_options = dict(storage_options or {})
+        if staging is not None:
+            os.makedirs(staging, exist_ok=True)
+            self.manifest = manifest if manifest is not None else _remote_manifest(self.store, self.storage_options)
+            self._lock: StoreLock | None = StoreLock(staging).acquire()
+        else:
             self.manifest = _published(self.store)
-            self.staging = os.path.join(self.store, FIELDS_STAGING_DIR)
+            self._lock = _lock(self.store)
+        try:
+            if staging is None:
+                self.manifest = _published(self.store)
+            # (a URL's run: a folder inside the locked one, so that discarding it keeps the lock file)
+            self.staging = os.path.join(self.store, FIELDS_STAGING_DIR) if staging is None else os.path.join(
+                staging, "run")
             self.replace = replace
             plan_path = os.path.join(self.staging, "plan.json")
             plan = None
@@ -753,7 +773,8 @@ class FieldsRun:
                 plan = {"base": self.manifest["checksum"], "generation": _next_generation(self.manifest, self.store),
                         "fields": None, "replace": replace}
                 _write_json(plan_path, plan)
-                _remove_unpublished(self.store, self.manifest, set())
+                if staging is None:
+                    _remove_unpublished(self.store, self.manifest, set())
             self.plan, self._plan_path = plan, plan_path
             self.generation = int(plan["generation"])
         except BaseException:
@@ -838,11 +859,12 @@ class FieldsRun:
         if missing or self.plan["fields"] is None:
             raise AddFieldsError(f"{self.store}: no values for shard(s) {', '.join(missing[:5])}")
         skipped: list = []
+        staged_files = []
         for k, shard in enumerate(shards):
             with open(self._sidecar(k), encoding="utf-8") as fh:
                 staged = json.load(fh)
             skipped += staged.get("skipped") or []
-            os.replace(os.path.join(self.staging, staged["name"]), os.path.join(self.store, staged["name"]))
+            staged_files.append(staged["name"])
             shard[FIELD_FILES_KEY] = list(shard.get(FIELD_FILES_KEY, [])) + [
                 {"name": staged["name"], "generation": self.generation, "bytes": staged["bytes"],
                  "xxh": staged["xxh"]}]
@@ -856,15 +878,67 @@ class FieldsRun:
         entry = {"generation": self.generation, "action": "add", "fields": names, "at": when}
         if skipped:
             entry.update(skipped_count=len(skipped), skipped=skipped[:MAX_SKIPPED_LISTED])
-        new = _publish(self.store, self.manifest, fields, shards, entry)
+        if self.remote:
+            new = self._publish_remote(staged_files, fields, shards, entry)
+        else:
+            for name in staged_files:
+                os.replace(os.path.join(self.staging, name), os.path.join(self.store, name))
+            new = _publish(self.store, self.manifest, fields, shards, entry)
         shutil.rmtree(self.staging, ignore_errors=True)
         return new
+
+    def _publish_remote(self, staged: list[str], fields: list[AddedField], shards: list[dict], entry: dict) -> dict:
+        """:meth:`publish` of a store at a URL: under its lock object, refused if a new version was
+        published since the one the values were computed on; each staged file uploaded and checked
+        (one an interrupted publish uploaded, the same bytes, is kept), then the manifest, last."""
+        import tempfile
+
+        from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+        from fastdata.format.names import MANIFEST_NAME
+        from fastdata.remote.location import RemoteLocation
+        from fastdata.writer.remote_sink import RemoteLock, upload_checked
+
+        location = RemoteLocation(self.store, self.storage_options)
+        lock = RemoteLock(location)
+        lock.check()
+        lock.write()
+        try:
+            current = parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
+                                     where=location.child(MANIFEST_NAME))
+            if current["checksum"] != self.manifest["checksum"]:
+                raise AddFieldsError(f"{location.url}: the store was changed (a new version published) while its "
+                                     "values were computed; nothing was added: run it again without resume")
+            for name in staged:
+                path = os.path.join(self.staging, name)
+                if not _uploaded_already(location, path, name):
+                    upload_checked(location, path, name)
+            with tempfile.TemporaryDirectory(prefix="fastdata-fields-") as tmp:
+                write_manifest(tmp, _new_body(self.manifest, fields, shards, entry))
+                upload_checked(location, os.path.join(tmp, MANIFEST_NAME), MANIFEST_NAME)  # last
+            return parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
+                                  where=location.child(MANIFEST_NAME))
+        finally:
+            lock.release()
 
     def close(self) -> None:
         """Release the store's lock (what was staged stays, for ``resume=True``)."""
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def _remote_manifest(url: str, storage_options: Mapping[str, Any] | None) -> dict:
+    """The (validated) manifest of the store at ``url``."""
+    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from fastdata.format.names import MANIFEST_NAME
+    from fastdata.remote.location import RemoteLocation
+
+    location = RemoteLocation(url, dict(storage_options or {}))
+    try:
+        raw = location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
+    return parse_manifest(raw, where=location.child(MANIFEST_NAME))
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -153,8 +153,8 @@ def test_compute_fields_over_a_store_on_s3(s3, tmp_path):
             raise RuntimeError("no")
         return {"double": batch["x"] * 2}
 
-    with pytest.raises(fastdata.errors.FastdataError, match="resume=True is for local stores"):
-        fastdata.compute_fields(url, fn, resume=True)
+    with pytest.raises(fastdata.errors.FastdataError, match="cannot resume: nothing to resume"):
+        fastdata.compute_fields(url, fn, resume=True, staging_dir=str(tmp_path / "staging"))
     with pytest.warns(fastdata.tools.compute.ComputeFieldsWarning, match="skipped 1 sample"):
         m = fastdata.compute_fields(url, fn, batch_size=4, num_workers=0, on_error="skip",
                                     defaults={"double": -1.0}, cache_dir=str(tmp_path / "cache"))
@@ -325,3 +325,80 @@ def test_sigkill_during_an_s3_add_then_resume_equals_an_uninterrupted_add(s3, tm
     uploaded.clear()
     assert fastdata.add_fields(url, values, resume=True)["checksum"] == a["checksum"]  # published: nothing done
     assert uploaded == []
+
+
+def test_compute_fields_over_a_store_on_s3_interrupted_then_resumed(s3, tmp_path):
+    """An interrupted run over a store at a URL leaves its version; resume=True computes only the
+    shards not staged (locally), then uploads every field file and the manifest."""
+    _server, bucket = s3
+    n = 12
+    url = f"{bucket}/r.lmdb"
+    fastdata.write([{"x": float(i)} for i in range(n)], url, shard_size=60, progress=False, workers=0)
+    shards = json.loads(RemoteLocation(url).read_bytes("manifest.json"))["shards"]
+    assert len(shards) >= 3
+    staging = str(tmp_path / "staging")
+    seen: list[float] = []
+
+    def stops(batch):
+        seen.extend(batch["x"].tolist())
+        if len(seen) > shards[0]["count"]:
+            raise KeyboardInterrupt  # Ctrl-C once the first shard is staged
+        return {"double": batch["x"] * 2}
+
+    with pytest.raises(KeyboardInterrupt):
+        fastdata.compute_fields(url, stops, batch_size=shards[0]["count"], num_workers=0, staging_dir=staging)
+    assert fastdata.open_dataset(url).columns() == ("x",)  # the previous version, nothing uploaded
+    assert not [k for k in RemoteLocation(url).listing() if k.startswith("fields-")]
+    again: list[float] = []
+
+    def counts(batch):
+        again.extend(batch["x"].tolist())
+        return {"double": batch["x"] * 2}
+
+    fastdata.compute_fields(url, counts, batch_size=4, num_workers=0, resume=True, staging_dir=staging)
+    assert len(again) == n - shards[0]["count"]  # the staged shard was not computed again
+    np.testing.assert_array_equal(fastdata.open_dataset(url).column("double"), np.arange(n) * 2.0)
+    assert fastdata.verify(url).ok
+    assert not os.path.exists(os.path.join(staging, "run"))  # the run's staging: removed once published
+
+
+_KILLED_URL_COMPUTE = """
+import os, signal, sys
+import fastdata
+
+def fn(batch):
+    if float(batch["x"].max()) >= 8:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"double": batch["x"] * 2}
+
+fastdata.compute_fields(sys.argv[1], fn, batch_size=4, num_workers=0, staging_dir=sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_compute_fields_on_s3_then_resume_equals_an_uninterrupted_run(s3, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    _server, bucket = s3
+    n = 12
+    local = str(tmp_path / "s.lmdb")
+    fastdata.write([{"x": float(i)} for i in range(n)], local, shard_size=60, progress=False, workers=0)
+    url, clean = f"{bucket}/killed.lmdb", f"{bucket}/clean.lmdb"
+    upload_store(local, url)
+    upload_store(local, clean)
+    staging = str(tmp_path / "staging")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_URL_COMPUTE, url, staging], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert fastdata.open_dataset(url).columns() == ("x",) and fastdata.verify(url).ok
+    fastdata.compute_fields(url, lambda b: {"double": b["x"] * 2}, batch_size=4, num_workers=0, resume=True,
+                            staging_dir=staging)
+    fastdata.compute_fields(clean, lambda b: {"double": b["x"] * 2}, batch_size=4, num_workers=0)
+    a, b = (json.loads(RemoteLocation(u).read_bytes("manifest.json")) for u in (url, clean))
+    assert a["shards"] == b["shards"]
+    for s in a["shards"]:
+        for e in s["field_files"]:
+            assert RemoteLocation(url).read_bytes(e["name"]) == RemoteLocation(clean).read_bytes(e["name"])
+    np.testing.assert_array_equal(fastdata.open_dataset(url).column("double"), np.arange(n) * 2.0)
