@@ -200,16 +200,28 @@ class AddedValues:
             fd = self._fd(path)
         except FileNotFoundError:
             raise self._gone(path, name) from None
-        for k, j in enumerate(chunks):
-            size = int(table.nbytes[j])
-            start = first + table.starts_of(j)
-            if start + size > entry.nbytes:  # (checked when the table was read: a guard)
-                raise CorruptRecordError(f"{where} chunk {j}: lies past the field file's chunks")
-            data = portable.pread(fd, size, entry.offset + start)
-            if len(data) != size or xxhash.xxh3_64_intdigest(data) != int(table.xxh[j]):
-                raise CorruptRecordError(f"{where} chunk {j}: does not match its checksum (in "
-                                         f"{os.path.basename(path)}); run 'fastdata verify'")
-            consume(k, data)
+        chunks = [int(j) for j in chunks]
+        k = 0
+        while k < len(chunks):  # chunks with consecutive numbers lie back to back: one read for each run
+            end = k + 1
+            while end < len(chunks) and chunks[end] == chunks[end - 1] + 1:
+                end += 1
+            start = first + table.starts_of(chunks[k])
+            stop = first + table.starts_of(chunks[end - 1]) + int(table.nbytes[chunks[end - 1]])
+            if stop > entry.nbytes:  # (checked when the table was read: a guard)
+                raise CorruptRecordError(f"{where} chunk {chunks[end - 1]}: lies past the field file's chunks")
+            span = memoryview(portable.pread(fd, stop - start, entry.offset + start))
+            if len(span) != stop - start:
+                raise CorruptRecordError(f"{where}: the field file {os.path.basename(path)} is cut short")
+            for i in range(k, end):
+                j = chunks[i]
+                at = first + table.starts_of(j) - start
+                data = span[at:at + int(table.nbytes[j])]
+                if xxhash.xxh3_64_intdigest(data) != int(table.xxh[j]):
+                    raise CorruptRecordError(f"{where} chunk {j}: does not match its checksum (in "
+                                             f"{os.path.basename(path)}); run 'fastdata verify'")
+                consume(i, data)
+            k = end
 
     def _gone(self, path: str, name: str) -> StoreChangedError:
         return StoreChangedError(f"{self.where} was changed since it was opened: the field file "
