@@ -1113,6 +1113,10 @@ def gc(store: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = 
     try:
         manifest = _published(store)
         removed = []
+        spill = os.path.join(store, FIELDS_STAGING_DIR, SPILL_DIR)
+        if os.path.isdir(spill):  # (the chunks a killed add of a chunked field left)
+            shutil.rmtree(spill, ignore_errors=True)
+            removed.append(os.path.join(FIELDS_STAGING_DIR, SPILL_DIR))
         for name in _unlisted_field_files(os.listdir(store), manifest):
             if portable.remove_unless_held(os.remove, os.path.join(store, name)):
                 removed.append(name)
