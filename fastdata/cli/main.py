@@ -421,8 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "dataset.json (its training image/label pairs); or Parquet files: a .parquet file, a folder "
                    "holding .parquet files, or a glob (quote it: 'data/train-*.parquet'); or WebDataset shards: "
                    "a .tar file, a brace pattern 'train-{000000..000099}.tar', a glob or a folder of .tar files. "
-                   "An image folder or path,label list may be a URL (s3://bucket/imgs/, gs://, az://; an https:// "
-                   "list): read where it lies, each object checked against its listing (--storage-option applies "
+                   "An image folder, a list, Parquet files, WebDataset shards (a prefix holding .tar objects, "
+                   "a .tar URL, a brace pattern or a glob), a folder of NIfTI volumes or a DICOM folder with "
+                   "--dicom-tags may be a URL (s3://bucket/imgs/, gs://, az://; https:// for lists and named "
+                   "tars): read where it lies, each object checked against its listing (--storage-option applies "
                    "to it)")
     c.add_argument("dst", metavar="DST", help="destination directory or URL (s3://, gs://, az://; https:// is "
                    "read-only); *.lmdb -> LMDB, *.h5/*.hdf5 -> HDF5")

@@ -220,9 +220,17 @@ def source_for_path(
     """
     src = os.fspath(src)
     if is_remote(src):
-        _refuse({"dicom_tags": dicom_tags, "chunks": chunks, "codec": codec, "max_pixels": max_pixels,
-                 "image_column": image_column}, "a URL source",
-                "remote sources are image folders and lists so far")
+        _refuse({"max_pixels": max_pixels, "image_column": image_column}, "a URL source",
+                "TIFF images are read from local files; Parquet columns are named with fastdata.sources.Parquet")
+        images = {"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
+                  "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode}
+        if dicom_tags is not None:
+            _refuse({**{k: v for k, v in images.items() if k != "image_mode"}, "schema": schema, "chunks": chunks,
+                     "codec": codec}, "a DICOM folder with tags", "each DICOM file's bytes are kept as they are")
+            return Dicom(src, dicom_tags, image_mode=image_mode)
+        if chunks is not None or codec is not None:  # (a folder of NIfTI volumes)
+            _refuse({**images, "schema": schema}, "NIfTI volumes", "every value is stored exactly as read")
+            return Volumes(src, chunks=chunks, codec=codec)
         if src.rstrip("/").lower().endswith((".jsonl", ".ndjson")) or schema is not None:
             _refuse({"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
                      "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode},
@@ -242,6 +250,11 @@ def source_for_path(
                      "schema": schema}, "WebDataset shards",
                     "every member extension becomes a field and image bytes are stored as they are")
             return WebDataset(src)
+        from fastdata.writer.sources.volumes.remote import holds_volumes
+
+        if remote_image_source(src) and holds_volumes(src, storage_options or {}):
+            _refuse({**images, "schema": schema}, "NIfTI volumes", "every value is stored exactly as read")
+            return Volumes(src, chunks=chunks, codec=codec)
         if not remote_image_source(src):
             refuse_remote_source(src)
         return ImageFolder(src, storage=storage_from_keywords(

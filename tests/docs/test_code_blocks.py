@@ -242,6 +242,28 @@ def _remote(tmp: Path, monkeypatch, request) -> dict:
     RemoteLocation("s3://bucket/lists").write_bytes("train.csv", ("path,label\n" + rows).encode())
     jsonl = "".join(f'{{"path": "../{p.as_posix()}", "label": "{p.parent.name}", "score": 0.5}}\n' for p in files)
     RemoteLocation("s3://bucket/lists").write_bytes("rows.jsonl", jsonl.encode())
+    # WebDataset tars, NIfTI volumes and a DICOM tree in the bucket (the page converts them from there)
+    import io
+    import tarfile
+
+    from helpers.native import dicom_tree
+    from helpers.nifti import volume, write_nifti
+
+    for t in range(10):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            for name, data in ((f"{t:04d}.jpg", files[t].read_bytes()), (f"{t:04d}.cls", b"1")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+        RemoteLocation("s3://bucket/shards").write_bytes(f"train-{t:06d}.tar", buf.getvalue())
+    for k in range(2):
+        write_nifti(Path("scans", f"v{k}.nii.gz"), volume(k, (12, 10, 6)))
+    dicom_tree(Path("dicom"), {"lung": 2, "liver": 1})
+    for folder in ("scans", "dicom"):
+        local = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+        RemoteLocation(f"s3://bucket/{folder}").filesystem().put([str(p) for p in local],
+                                                                 [f"bucket/{p.as_posix()}" for p in local])
     return {"fastdata": fastdata, "transforms": transforms}
 
 

@@ -10,11 +10,14 @@ import io
 import json
 import os
 import tarfile
+import tempfile
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.native import dicom_tree
+from helpers.nifti import affine_of, volume, write_nifti
 from helpers.procs import cli_in_process
 from helpers.samples import jpeg
 
@@ -50,6 +53,38 @@ def same_records(a: str | Path, b: str | Path) -> None:
     assert len(da) == len(db) == ma["num_samples"]
     for i in range(len(da)):
         assert repr(da[i]) == repr(db[i]), i
+    assert fastdata.verify(str(a)).ok and fastdata.verify(str(b)).ok
+
+
+DICOM_TAGS = ["RescaleSlope", "RescaleIntercept", "PixelSpacing"]
+
+
+def same_values(a: str | Path, b: str | Path) -> None:
+    """``a`` and ``b`` hold the same samples (every field decoded; chunked arrays read whole),
+    classes, counts per shard and rejected inputs, each store verified: for sources whose records
+    keep a local path in one and a URL in the other (DICOM), or whose chunk codec's bytes may
+    differ from run to run (Blosc)."""
+    ma, mb = read_manifest(str(a)), read_manifest(str(b))
+    assert [s["count"] for s in ma["shards"]] == [s["count"] for s in mb["shards"]]
+    assert ma["num_samples"] == mb["num_samples"] and ma.get("classes") == mb.get("classes")
+    assert ma.get("class_tables") == mb.get("class_tables") and ma.get("metadata") == mb.get("metadata")
+
+    def rejected(store):
+        path = Path(store, "rejected.tsv")
+        lines = path.read_text().splitlines()[1:] if path.exists() else []
+        return sorted(line.split("\t", 1)[0].rsplit("/", 2)[-1] for line in lines)
+    assert rejected(a) == rejected(b)
+    da, db = fastdata.open_dataset(a, output="numpy"), fastdata.open_dataset(b, output="numpy")
+    assert len(da) == len(db) == ma["num_samples"]
+    for i in range(len(da)):
+        sa, sb = da[i], db[i]
+        assert sorted(sa) == sorted(sb), i
+        for key in sa:
+            va, vb = sa[key], sb[key]
+            if not isinstance(va, np.ndarray) and hasattr(va, "shape"):
+                va, vb = va[...], vb[...]
+            assert np.array_equal(np.asarray(va), np.asarray(vb)) if isinstance(va, np.ndarray) else va == vb, (i, key)
+        assert da.relpath(i).rsplit("/", 2)[-2:] == db.relpath(i).rsplit("/", 2)[-2:]
     assert fastdata.verify(str(a)).ok and fastdata.verify(str(b)).ok
 
 
@@ -97,15 +132,26 @@ def inputs(s3_server, tmp_path_factory):
     big = [(f"b/{i:04d}.npy", npy(np.random.default_rng(i).integers(0, 255, (1 << 20) - 128, dtype=np.uint8)))
            for i in range(24)]
     write_tar(root / "data" / "big" / "big-0.tar", big)
+    # NIfTI volumes in class folders (one nested, one compressed, one corrupt) and a DICOM class-folder tree
+    write_nifti(root / "data" / "scans" / "a" / "v0.nii.gz", volume(0, (20, 18, 10)), affine_of(0))
+    write_nifti(root / "data" / "scans" / "a" / "deep" / "v1.nii", volume(1, (20, 18, 10)), affine_of(1), slope=2.0)
+    write_nifti(root / "data" / "scans" / "b" / "v2.nii", volume(2, (20, 18, 10)), affine_of(2))
+    Path(root, "data", "scans", "b", "bad.nii").write_bytes(b"not a volume" * 40)
+    dicom_tree(root / "data" / "dicom", {"lung": 2, "liver": 2})
     bucket = f"s3://{s3_server.take_bucket(f'rtars{os.getpid()}')}"
     upload_tree(root / "data", bucket)
     local = root / "local.lmdb"
     fastdata.convert(str(root / "data" / "shards"), local, shard_size="6kB", progress=False, workers=0)
+    local_scans = root / "local-scans.lmdb"
+    fastdata.convert(str(root / "data" / "scans"), local_scans, chunks=(8, 8, 8), progress=False, workers=0)
+    local_dicom = root / "local-dicom.lmdb"
+    fastdata.convert(str(root / "data" / "dicom"), local_dicom, dicom_tags=DICOM_TAGS, progress=False, workers=0)
 
     class NS:
         pass
     t = NS()
     t.server, t.bucket, t.root, t.local, t.shards = s3_server, bucket, root, local, f"{bucket}/shards"
+    t.local_scans, t.scans, t.local_dicom, t.dicom = local_scans, f"{bucket}/scans", local_dicom, f"{bucket}/dicom"
     yield t
     mp.undo()
 
@@ -183,6 +229,7 @@ def test_remote_tar_errors_are_one_line(inputs, tmp_path, capsys):
     assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
 
 
+@pytest.mark.slow
 def test_a_tar_larger_than_the_read_block_converts_with_one_block_buffered(inputs, tmp_path, monkeypatch):
     """The 24 MiB tar converts to its local store while the remote reads hold at most one 4 MiB
     block beside the member being read (measured: the largest reply and tracemalloc's peak of
@@ -251,3 +298,92 @@ def test_an_interrupted_remote_tar_conversion_resumes_to_the_local_store(inputs,
     assert list((dst / STAGING_DIR).glob("shard-*")) and not (dst / "manifest.json").exists()
     fastdata.convert(inputs.shards, dst, shard_size="6kB", progress=False, workers=0, resume=True)
     same_records(inputs.local, dst)
+
+
+# --------------------------------------------------------------------------- NIfTI and DICOM folders
+
+
+def test_remote_nifti_and_dicom_folders_convert_to_the_local_stores(inputs, tmp_path):
+    # a NIfTI folder, told from an image folder by one listing page; volumes spooled by the workers
+    dst = tmp_path / "scans.lmdb"
+    report = fastdata.convert(inputs.scans, dst, chunks=(8, 8, 8), progress=False, workers=2)
+    assert report.rejected == 1  # bad.nii, as locally
+    same_values(inputs.local_scans, dst)
+    assert fastdata.open_dataset(dst).relpath(0) == "a/v0.nii.gz"  # the key in the folder, as locally
+    # a DICOM class-folder tree with tags; each file's URL kept as its source path
+    dst = tmp_path / "dicom.lmdb"
+    fastdata.convert(fastdata.sources.Dicom(inputs.dicom, DICOM_TAGS), dst, progress=False, workers=0)
+    same_values(inputs.local_dicom, dst)
+    assert fastdata.open_dataset(dst).relpath(0).startswith(f"{inputs.dicom}/")
+
+
+def test_a_volume_changed_after_planning_stops_the_run_naming_it_and_spools_nothing_more(inputs, tmp_path,
+                                                                                        monkeypatch):
+    """Spool files live one sample at a time in a worker (counted in process), are removed after
+    each sample and when the run stops; a volume rewritten after planning stops the run naming it."""
+    from fastdata.writer.options import WriteOptions
+    from fastdata.writer.session import WriteSession
+    from fastdata.writer.sources.volumes import remote
+    from fastdata.writer.sources.volumes.remote import RemoteVolumeInput
+
+    spool_dir = tmp_path / "tmp"
+    spool_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
+    real, most = remote.spool, {"n": 0}
+
+    def counted(*args, **kwargs):
+        path = real(*args, **kwargs)
+        most["n"] = max(most["n"], len(list(spool_dir.glob("fastdata-spool-*"))))
+        return path
+    monkeypatch.setattr(remote, "spool", counted)
+    fastdata.convert(inputs.scans, tmp_path / "counted.lmdb", chunks=(8, 8, 8), progress=False, workers=0)
+    assert most["n"] == 1 and not list(spool_dir.glob("fastdata-spool-*"))
+    same_values(inputs.local_scans, tmp_path / "counted.lmdb")
+
+    loc = RemoteLocation(inputs.scans)
+    name = "b/v2.nii"
+    original = loc.read_bytes(name)
+
+    class Changing(RemoteVolumeInput):
+        def plan(self, run, dst):
+            plans = super().plan(run, dst)
+            loc.write_bytes(name, original[:-1] + bytes([original[-1] ^ 0xFF]))  # same size, another ETag
+            return plans
+    dst = tmp_path / "changed.lmdb"
+    try:
+        with pytest.raises(SourceChangedError, match=f"{inputs.scans}/{name}: the object changed") as caught:
+            WriteSession(Changing(inputs.scans, (8, 8, 8), None), str(dst), WriteOptions(progress=False,
+                                                                                          workers=0)).run()
+        assert "\n" not in str(caught.value)
+    finally:
+        loc.write_bytes(name, original)
+    assert not (dst / "manifest.json").exists() and not list(spool_dir.glob("fastdata-spool-*"))
+
+
+def test_a_dicom_file_deleted_after_planning_stops_the_run_and_errors_are_one_line(inputs, tmp_path, capsys):
+    from fastdata.writer.options import WriteOptions
+    from fastdata.writer.session import WriteSession
+    from fastdata.writer.sources.remote_dicom import RemoteDicomFolderInput
+
+    loc = RemoteLocation(inputs.dicom)
+    name = "lung/slice001.dcm"
+    original = loc.read_bytes(name)
+
+    class Deleting(RemoteDicomFolderInput):
+        def plan(self, run, dst):
+            plans = super().plan(run, dst)
+            loc.remove([name])
+            return plans
+    dst = tmp_path / "deleted.lmdb"
+    try:
+        with pytest.raises(SourceChangedError, match=f"{inputs.dicom}/{name}: the object was deleted"):
+            WriteSession(Deleting(inputs.dicom, DICOM_TAGS), str(dst), WriteOptions(progress=False, workers=0)).run()
+    finally:
+        loc.write_bytes(name, original)
+    assert not (dst / "manifest.json").exists()
+    cli = cli_in_process(capsys, "convert", f"{inputs.bucket}/nothing-here/", str(tmp_path / "x.lmdb"), "--chunks",
+                         "8,8,8")
+    assert cli.returncode != 0 and "no objects under this prefix" in cli.stderr and "Traceback" not in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    with pytest.raises(SourceError, match="no NIfTI files found"):
+        fastdata.convert(fastdata.sources.Volumes(inputs.shards), tmp_path / "y.lmdb", progress=False, workers=0)

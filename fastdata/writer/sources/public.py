@@ -22,14 +22,13 @@ from typing import Any, ClassVar
 from fastdata.common.extras import require
 from fastdata.common.imagemodes import check_mode
 from fastdata.common.paths import check_local_path
-from fastdata.errors import RejectedInputError
+from fastdata.errors import RejectedInputError, RemotePathError
 from fastdata.format.backends.base import MIN_RAW_MAX_SIDE
 from fastdata.format.chunk_codecs import CHUNK_CODECS
 from fastdata.format.fields import Schema
 from fastdata.writer.options import LOSSLESS_CODECS, WriteOptions, parse_raw_budget, parse_raw_shape, storage_spec
 from fastdata.writer.pipeline import ExecutorFactory
 from fastdata.remote.store import is_remote
-from fastdata.writer.remote_sink import refuse_remote_source
 from fastdata.writer.report import ConvertReport
 from fastdata.writer.session import WriteSession
 from fastdata.writer.sources.base import WriteSource
@@ -395,6 +394,9 @@ class Dicom(Source):
             ``"RescaleSlope,PixelSpacing"``).
         image_mode (str | None): the images' default read mode (``Image(mode=...)``); None:
             ``"unchanged"``.
+        storage_options (Mapping | None): fsspec options for a URL ``path`` (``s3://``, ``gs://``,
+            ``az://``: each file fetched whole by the worker that encodes it); None: the write's
+            ``storage_options``.
 
     Raises:
         TypeError, ValueError: naming the parameter.
@@ -402,8 +404,12 @@ class Dicom(Source):
 
     kind = "a DICOM folder with tags"
 
-    def __init__(self, path: str | os.PathLike, tags: str | Sequence[str], *, image_mode: str | None = None):
+    def __init__(self, path: str | os.PathLike, tags: str | Sequence[str], *, image_mode: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None):
         self.path = _path(path, "path")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
+        self.storage_options = storage_options
         self.image_mode = None if image_mode is None else check_mode(image_mode, "image_mode")
         if not isinstance(tags, str | Sequence) or not all(isinstance(t, str) for t in
                                                             ([tags] if isinstance(tags, str) else tags)):
@@ -411,7 +417,14 @@ class Dicom(Source):
         self.tags = tuple(parse_dicom_tags(tags))
 
     def write_source(self) -> DicomFolderInput:
-        refuse_remote_source(self.path)
+        if is_remote(self.path):
+            from fastdata.writer.sources.remote_dicom import RemoteDicomFolderInput
+
+            return RemoteDicomFolderInput(self.path, list(self.tags), self.image_mode,
+                                          storage_options=self.storage_options)
+        if self.storage_options is not None:
+            raise ValueError(f"{self.path}: storage_options apply to a URL source (s3://, gs://, az://), not to a "
+                             "local path")
         check_local_path(self.path, "source")
         return DicomFolderInput(self.path, list(self.tags), self.image_mode)
 
@@ -599,6 +612,10 @@ class Volumes(Source):
             smaller stores; :data:`fastdata.format.chunk_codecs.CHUNK_CODECS`).
         max_pixels (int | str | None): TIFF images only: the most pixels (H x W) of one image
             (``"2G"`` or an int; default: the decompression-bomb limit).
+        storage_options (Mapping | None): fsspec options for a URL ``path`` (a folder of NIfTI
+            volumes at ``s3://``, ``gs://``, ``az://``; each volume copied by the worker that
+            converts it into a temporary file of its own: see "Remote sources" in the remote
+            guide); None: the write's ``storage_options``.
 
     Raises:
         TypeError, ValueError: naming the parameter.
@@ -607,8 +624,12 @@ class Volumes(Source):
     kind = "NIfTI volumes or a TIFF folder"
 
     def __init__(self, path: str | os.PathLike, *, chunks: str | Sequence[int] | None = None,
-                 codec: str | None = None, max_pixels: int | str | None = None):
+                 codec: str | None = None, max_pixels: int | str | None = None,
+                 storage_options: Mapping[str, Any] | None = None):
         self.path = _path(path, "path")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {storage_options!r}")
+        self.storage_options = storage_options
         if chunks is not None and not isinstance(chunks, str | Sequence):
             raise TypeError(f"chunks must be a chunk shape such as \"64,64,64\" or (64, 64, 64), got {chunks!r}")
         self.chunks = None if chunks is None else parse_chunks(chunks)
@@ -618,7 +639,16 @@ class Volumes(Source):
         self.max_pixels = None if max_pixels is None else parse_max_pixels(max_pixels)
 
     def write_source(self) -> WriteSource:
-        refuse_remote_source(self.path)
+        if is_remote(self.path):
+            if self.max_pixels is not None:
+                raise RemotePathError(f"{self.path}: TIFF images (max_pixels) are read from a local or mounted "
+                                      "filesystem; from a URL fastdata reads a folder of NIfTI volumes")
+            from fastdata.writer.sources.volumes.remote import RemoteVolumeInput
+
+            return RemoteVolumeInput(self.path, self.chunks, self.codec, storage_options=self.storage_options)
+        if self.storage_options is not None:
+            raise ValueError(f"{self.path}: storage_options apply to a URL source (s3://, gs://, az://), not to a "
+                             "local path")
         found = chunked_input(self.path, chunks=self.chunks, codec=self.codec, max_pixels=self.max_pixels)
         if found is not None:
             return found

@@ -10,6 +10,7 @@ import math
 import os
 import struct
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -223,8 +224,10 @@ def read_gzip_values(path: str, offset: int, shape: tuple[int, ...], stored: np.
     return values.reshape(shape, order="F")
 
 
-def nifti_header(path: bytes, name: str) -> tuple[Any, tuple[int, ...], np.dtype]:
-    """``(image, shape, stored dtype)`` of the NIfTI file at ``path`` (its header only).
+def nifti_header(path: bytes, name: str, held: int | None = None) -> tuple[Any, tuple[int, ...], np.dtype]:
+    """``(image, shape, stored dtype)`` of the NIfTI file at ``path`` (its header only). ``held``:
+    the size of the whole file when ``path`` holds only its start (a remote volume's first bytes,
+    :mod:`fastdata.writer.sources.volumes.remote`); None: the file's own size.
 
     Raises:
         RejectedInputError: not a NIfTI-1/2 file nibabel reads, or of a non-numeric dtype (``name`` first).
@@ -249,11 +252,12 @@ def nifti_header(path: bytes, name: str) -> tuple[Any, tuple[int, ...], np.dtype
                                  "(RGB and complex volumes are not supported)")
     if not shape or 0 in shape:
         raise RejectedInputError(f"{named(name)}NIfTI volume of shape {shape} holds no voxel")
-    _check_declared_bytes(os.fsdecode(path), name, image, shape, dtype)
+    _check_declared_bytes(os.fsdecode(path), name, image, shape, dtype, held)
     return image, shape, dtype
 
 
-def _check_declared_bytes(path: str, name: str, image: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+def _check_declared_bytes(path: str, name: str, image: Any, shape: tuple[int, ...], dtype: np.dtype,
+                          held: int | None = None) -> None:
     """The bytes the header declares (voxel offset + voxels, Python integers) against what will be read:
     a ``.nii.gz`` within :func:`max_gzip_bytes` (its voxels are decompressed whole), a ``.nii`` no longer
     than the file (it is read region by region, so a header cannot claim what the file does not hold)."""
@@ -270,10 +274,11 @@ def _check_declared_bytes(path: str, name: str, image: Any, shape: tuple[int, ..
                 f"{max_gzip_bytes():,} bytes a .nii.gz may decompress to ({GZIP_LIMIT_ENV} raises the limit; or store "
                 "it uncompressed, .nii, which is read region by region)")
         return
-    try:
-        held = os.path.getsize(path)
-    except OSError:
-        return  # nibabel's reads word it
+    if held is None:
+        try:
+            held = os.path.getsize(path)
+        except OSError:
+            return  # nibabel's reads word it
     if need > held and not path.lower().endswith((".hdr", ".img")):
         raise RejectedInputError(f"{named(name)}truncated NIfTI file: its header declares {shape} of {dtype} "
                                  f"({need:,} bytes with the header), the file holds {held:,} bytes")
@@ -338,10 +343,17 @@ class VolumeSamples(ScannedSamples):
         Raises:
             RejectedInputError: a file is unreadable, or does not fit the layout (the file named).
         """
+        scan = self.scan
+        return self.open_files(i, scan.paths[i], scan.label_paths[i] if scan.label_paths is not None else None)
+
+    def open_files(self, i: int, path: bytes, label_path: bytes | None, opened: OpenedSample | None = None
+                   ) -> OpenedSample:
+        """:meth:`open` of sample ``i`` with its volume (and label volume) read from ``path`` (and
+        ``label_path``): a local copy of a remote file. ``opened``: add to it (its closers run on failure)."""
         layout, scan = self.layout, self.scan
-        opened = OpenedSample()
+        opened = opened if opened is not None else OpenedSample()
         try:
-            image, values, shape = _nifti_values(scan.paths[i], "", layout.dtype, opened)
+            image, values, shape = _nifti_values(path, "", layout.dtype, opened)
             if len(shape) != layout.ndim:
                 raise RejectedInputError(f"{len(shape)}-D volume of shape {shape} in a store of {layout.ndim}-D "
                                          "volumes (most of them): convert volumes of other dimensions separately")
@@ -352,7 +364,8 @@ class VolumeSamples(ScannedSamples):
             if scan.label_paths is not None:
                 assert layout.label_dtype is not None and scan.label_relpaths is not None
                 label_name = os.fsdecode(scan.label_relpaths[i])
-                _, label_values, label_shape = _nifti_values(scan.label_paths[i], f"label {label_name}",
+                assert label_path is not None
+                _, label_values, label_shape = _nifti_values(label_path, f"label {label_name}",
                                                              layout.label_dtype, opened)
                 if label_shape[:layout.spatial] != shape[:layout.spatial]:
                     raise RejectedInputError(
@@ -375,8 +388,11 @@ class VolumeSamples(ScannedSamples):
         return opened
 
 
-def volume_layout(scan: FileScan, chunks: tuple[int, ...] | None) -> VolumeLayout:
-    """The store's layout from every volume's header (read here, in the converting process).
+def volume_layout(scan: FileScan, chunks: tuple[int, ...] | None,
+                  header: Callable[[bytes, str], tuple[Any, tuple[int, ...], np.dtype]] = nifti_header
+                  ) -> VolumeLayout:
+    """The store's layout from every volume's header (read here, in the converting process, by
+    ``header``: :func:`nifti_header`, or a remote volume's).
 
     Raises:
         SourceError: no volume (or no label volume) can be read at all, naming the first failure.
@@ -384,7 +400,7 @@ def volume_layout(scan: FileScan, chunks: tuple[int, ...] | None) -> VolumeLayou
     headers, failures = [], []
     for path, rel in zip(scan.paths, scan.relpaths, strict=True):
         try:
-            headers.append(nifti_header(path, os.fsdecode(rel))[1:])
+            headers.append(header(path, os.fsdecode(rel))[1:])
         except RejectedInputError as err:
             failures.append(str(err))
     if not headers:
@@ -400,7 +416,7 @@ def volume_layout(scan: FileScan, chunks: tuple[int, ...] | None) -> VolumeLayou
         labels = []
         for path, rel in zip(scan.label_paths, scan.label_relpaths, strict=True):
             try:
-                labels.append(nifti_header(path, os.fsdecode(rel))[1:])
+                labels.append(header(path, os.fsdecode(rel))[1:])
             except RejectedInputError:
                 pass
         if not labels:
