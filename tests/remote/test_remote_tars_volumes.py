@@ -119,8 +119,8 @@ def shard_members(first: int, count: int) -> list[tuple[str, bytes]]:
 
 @pytest.fixture(scope="module")
 def inputs(s3_server, tmp_path_factory):
-    """Three small tar shards (and one large one in a folder of its own) locally and in a bucket,
-    with the local conversion of the three. Yields a namespace."""
+    """Three small tar shards, NIfTI volumes and DICOM files locally and in a bucket, with their
+    local conversions. Yields a namespace."""
     mp = pytest.MonkeyPatch()
     for key, value in s3_server.env().items():
         mp.setenv(key, value)
@@ -128,10 +128,6 @@ def inputs(s3_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("remote-tars")
     for t in range(3):
         write_tar(root / "data" / "shards" / f"train-{t:06d}.tar", shard_members(4 * t, 4))
-    # 24 samples of one 1 MiB array each: several times the remote reader's 4 MiB block
-    big = [(f"b/{i:04d}.npy", npy(np.random.default_rng(i).integers(0, 255, (1 << 20) - 128, dtype=np.uint8)))
-           for i in range(24)]
-    write_tar(root / "data" / "big" / "big-0.tar", big)
     # NIfTI volumes in class folders (one nested, one compressed, one corrupt) and a DICOM class-folder tree
     write_nifti(root / "data" / "scans" / "a" / "v0.nii.gz", volume(0, (20, 18, 10)), affine_of(0))
     write_nifti(root / "data" / "scans" / "a" / "deep" / "v1.nii", volume(1, (20, 18, 10)), affine_of(1), slope=2.0)
@@ -237,8 +233,12 @@ def test_a_tar_larger_than_the_read_block_converts_with_one_block_buffered(input
     with a block as large as the tar holds the whole tar."""
     from fastdata.remote import sources
 
+    # 24 samples of one 1 MiB array each: several times the remote reader's 4 MiB block
+    big = tmp_path / "big" / "big-0.tar"
+    write_tar(big, [(f"b/{i:04d}.npy", npy(np.random.default_rng(i).integers(0, 255, (1 << 20) - 128,
+                                                                               dtype=np.uint8))) for i in range(24)])
+    RemoteLocation(f"{inputs.bucket}/big").filesystem().put(str(big), f"{inputs.bucket}/big/big-0.tar".split("://")[1])
     local = tmp_path / "big-local.lmdb"
-    big = inputs.root / "data" / "big" / "big-0.tar"
     fastdata.convert(str(big), local, shard_size="2MB", task_size=2, progress=False, workers=0)
     replies: list[int] = []
     real_range = RemoteLocation.read_range
