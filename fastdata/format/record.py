@@ -47,9 +47,27 @@ _UNPACK_LIMITS = dict(raw=False, use_list=False, strict_map_key=True, max_bin_le
                       max_str_len=1 << 16, max_array_len=16, max_map_len=16, max_ext_len=0)
 
 
+#: bytes hashed per call by :func:`checksum`: python-xxhash releases the GIL for inputs over
+#: about 100 kB, and a thread that releases it for the ~10 us that a warm 400 kB record takes
+#: must then wait for another thread to release it in turn (thread workers: one such wait per
+#: record, a GIL convoy); hashing in steps under that size keeps it, at ~1 us a step.
+CHECKSUM_STEP = 64 << 10
+
+
 def checksum(data: bytes | memoryview | np.ndarray) -> int:
-    """xxh3-64 of ``data`` as an unsigned int (the per-record checksum)."""
-    return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)
+    """xxh3-64 of ``data`` as an unsigned int (the per-record checksum).
+
+    Inputs over :data:`CHECKSUM_STEP` bytes are hashed with xxh3's streaming interface in steps
+    of that size, which gives the same digest as one call."""
+    view = memoryview(data.data if isinstance(data, np.ndarray) else data)
+    if view.nbytes <= CHECKSUM_STEP:
+        return xxhash.xxh3_64_intdigest(view)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    state = xxhash.xxh3_64()
+    for start in range(0, view.nbytes, CHECKSUM_STEP):
+        state.update(view[start:start + CHECKSUM_STEP])
+    return state.intdigest()
 
 
 @dataclass(frozen=True)
@@ -175,26 +193,32 @@ def _bin_header(n: int) -> bytes:
 _EMPTY_BIN = _bin_header(0)
 
 
-def record_image_view(buf: memoryview, nbytes: int, *, where: str = "") -> bytes | memoryview:
+def record_image_view(buf: memoryview, nbytes: int, *, where: str = "",
+                      expected: int | None = None) -> bytes | memoryview:
     """:func:`record_image` without copying the image out of ``buf``: the same checks (the record
     decoded by msgpack, its fields, version and checksum), the image returned as a view of
     ``buf``'s last ``nbytes`` bytes, valid as long as ``buf`` is. The writer puts the image last
     (``img`` is the last field), so the record is its head, the image's ``bin`` header, then the
     image: the head is checked with an empty image in its place. A record of another layout
     (``nbytes`` not what it holds, a header of another width) takes :func:`record_image`'s path,
-    with its verdict and a copy.
+    with its verdict and a copy. ``expected``: the checksum the store's index lists for this
+    record, which the record's own must equal (it is the record the index lists).
 
     Raises:
-        CorruptRecordError: as :func:`record_image`.
+        CorruptRecordError: as :func:`record_image`, or the record's checksum is not ``expected``.
     """
     header = _bin_header(nbytes)
     cut = len(buf) - nbytes - len(header)
     if nbytes <= 0 or cut <= 0 or buf[cut:cut + len(header)] != header:
-        return record_image(buf, where=where)
-    obj = _unpack_record(bytes(buf[:cut]) + _EMPTY_BIN, where, False)
-    image = buf[cut + len(header):]
-    if checksum(image) != obj["xxh"]:
-        raise CorruptRecordError(f"{where}: image checksum mismatch (the record is damaged)")
+        obj = _unpack_record(buf, where, True)
+        image = obj["img"]
+    else:
+        obj = _unpack_record(bytes(buf[:cut]) + _EMPTY_BIN, where, False)
+        image = buf[cut + len(header):]
+        if checksum(image) != obj["xxh"]:
+            raise CorruptRecordError(f"{where}: image checksum mismatch (the record is damaged)")
+    if expected is not None and obj["xxh"] != expected:
+        raise CorruptRecordError(f"{where}: checksum mismatch (the record is not the one the index lists)")
     return image
 
 

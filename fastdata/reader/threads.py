@@ -208,7 +208,9 @@ class ThreadLoaderIter(_BaseDataLoaderIter):
 
     def _shutdown(self) -> None:
         pool, self._pool = self._pool, None
-        pending, self._pending = self._pending, deque()
+        # list(), not a new deque: at interpreter exit __del__ may run after module globals are cleared
+        pending = list(self._pending)
+        self._pending.clear()
         for item in pending:
             item.cancel()
         if pool is not None:

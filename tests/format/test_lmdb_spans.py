@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fastdata
-from fastdata.fields import Chunked, Int
+from fastdata.fields import Chunked, Int, Ragged
 from fastdata.format.backends.lmdb import reader as lmdb_reader
 from fastdata.format.backends.lmdb import spec
 from fastdata.format.manifest import read_manifest
@@ -89,7 +89,7 @@ def test_wrong_spans_are_only_advice(tmp_path, monkeypatch):
     calls: list[np.ndarray] = []
     real = lmdb_reader.advise_spans
     monkeypatch.setattr(lmdb_reader, "advise_spans",
-                        lambda fd, spans, size: calls.append(np.array(spans)) or real(fd, spans, size))
+                        lambda fd, spans, size, *rest: calls.append(np.array(spans)) or real(fd, spans, size, *rest))
     ds = fastdata.open_dataset(store)
     for i, v in enumerate(vols):
         assert np.array_equal(ds[i]["ct"][...], v)
@@ -111,3 +111,63 @@ def test_advice_is_clamped_to_the_file_and_merged(tmp_path):
         assert lmdb_reader.advise_spans(fd, np.array([[0, 10], [10 << 20, 10]], dtype="<u8"), 20 << 20) == 2
     finally:
         os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def span_stores(tmp_path_factory):
+    """A classification store of raw pixels (PPM records, read as views), one of JPEGs, and a
+    general store: three shapes of record that batches read at their spans."""
+    from fastdata.synth import make_image_folder
+
+    root = tmp_path_factory.mktemp("spans")
+    make_image_folder(root / "src", num_classes=2, per_class=4, size="cifar", seed=3)
+    raw, jpeg, general = root / "raw.lmdb", root / "jpeg.lmdb", root / "general.lmdb"
+    fastdata.convert(str(root / "src"), str(raw), storage="raw", max_side=64, workers=0, progress=False)
+    fastdata.convert(str(root / "src"), str(jpeg), workers=0, progress=False)
+    rng = np.random.default_rng(2)
+    fastdata.write([{"arr": rng.integers(0, 255, (5000 + i, 7), dtype=np.uint8), "k": i} for i in range(8)],
+                   general, {"arr": Ragged("uint8", (7,)), "k": Int()}, workers=0, progress=False)
+    return {"raw": str(raw), "jpeg": str(jpeg), "general": str(general)}
+
+
+def _batch(store) -> list:
+    ds = fastdata.open_dataset(store)
+    try:
+        items = ds.__getitems__(list(range(len(ds))))
+        return [(np.asarray(x[0]), int(x[1])) if isinstance(x, tuple) else int(x["k"]) for x in items]
+    finally:
+        ds.close()
+
+
+def _equal(a: list, b: list) -> bool:
+    return all(np.array_equal(x[0], y[0]) and x[1] == y[1] if isinstance(x, tuple) else x == y
+               for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["raw", "jpeg", "general"])
+def test_batches_read_records_at_their_spans(span_stores, kind, tmp_path, monkeypatch):
+    """A batch reads each record through the file map at its span, not through LMDB (no ``txn.get``:
+    py-lmdb releases the GIL twice a record, which thread workers pay for); a span that points at
+    another record's bytes is caught by the index's checksum, and the shard is then read through
+    LMDB: the same values as a healthy copy, nothing served from the wrong place."""
+    truth = _batch(span_stores[kind])
+    lmdb_reads: list[int] = []
+    real_value = lmdb_reader.LMDBShardReader._value
+    monkeypatch.setattr(lmdb_reader.LMDBShardReader, "_value",
+                        lambda self, txn, i: lmdb_reads.append(i) or real_value(self, txn, i))
+    assert _equal(_batch(span_stores[kind]), truth)
+    assert lmdb_reads == []  # every record came from its span
+
+    crafted = tmp_path / "crafted.lmdb"
+    import shutil
+    shutil.copytree(span_stores[kind], crafted)
+    shard = _shards(crafted)[0]
+    env = lmdb.open(shard, subdir=False, readonly=True, lock=False, max_dbs=4)
+    with env.begin() as txn:
+        spans = np.frombuffer(txn.get(spec.RECORD_SPANS_KEY, db=env.open_db(spec.INDEX_DB, txn=txn, create=False)),
+                              "<u8").reshape(-1, 2).copy()
+    env.close()
+    spans[[0, 1]] = spans[[1, 0]]  # record 0's span names record 1's bytes, and the other way round
+    _replace_spans(shard, spec.RECORD_SPANS_KEY, spans)
+    assert _equal(_batch(str(crafted)), truth)
+    assert 0 in lmdb_reads  # the swapped span was refused and the record read through LMDB

@@ -284,7 +284,7 @@ def test_a_cold_batch_is_advised_every_tail_part_even_far_from_the_first(tmp_pat
     advised: list[np.ndarray] = []
     real_advise = lmdb_reader.advise_spans
     monkeypatch.setattr(lmdb_reader, "advise_spans",
-                        lambda fd, spans, size: advised.append(spans.copy()) or real_advise(fd, spans, size))
+                        lambda fd, spans, *rest: advised.append(spans.copy()) or real_advise(fd, spans, *rest))
     batch = np.random.default_rng(6).permutation(240)[:64].tolist()
     with fastdata.open_dataset(store) as ds:
         ds.__getitems__(batch)
@@ -339,7 +339,7 @@ def test_a_crafted_tail_span_table_of_too_many_parts_is_ignored(tmp_path, monkey
     advised: list[np.ndarray] = []
     real_advise = lmdb_reader.advise_spans
     monkeypatch.setattr(lmdb_reader, "advise_spans",
-                        lambda fd, spans, size: advised.append(spans.copy()) or real_advise(fd, spans, size))
+                        lambda fd, spans, *rest: advised.append(spans.copy()) or real_advise(fd, spans, *rest))
     with fastdata.open_dataset(store) as ds:
         expected = ds[j]["blob"].tobytes()
         ds.__getitems__(batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -166,14 +167,28 @@ PREFETCH = os.environ.get("FASTDATA_PREFETCH", "1") != "0"
 _MERGE_GAP = 64 << 10
 
 
-def advise_spans(fd: int, spans: np.ndarray, file_size: int) -> int:
+def advise_spans(fd: int, spans: np.ndarray, file_size: int, file_map: mmap.mmap | None = None) -> int:
     """``posix_fadvise(WILLNEED)`` for each ``(offset, length)`` of ``spans`` (clamped to the
     file: spans are advice from the shard, not trusted), in offset order, neighbours merged; the
     kernel reads them asynchronously, all at once, so the synchronous page faults of the reads
     that follow find the pages in the page cache or already on their way. Returns the number of
-    advice calls made."""
-    if not len(spans) or not hasattr(os, "posix_fadvise"):
+    advice calls made.
+
+    ``file_map``: a map of the whole file, advised with ``madvise(MADV_WILLNEED)`` instead (the
+    same read-ahead of a file's pages): ``os.posix_fadvise`` releases the GIL for its system call,
+    ``mmap.madvise`` does not, and with thread workers each release is a wait for the GIL."""
+    use_map = file_map is not None and hasattr(mmap, "MADV_WILLNEED")
+    if not len(spans) or not (use_map or hasattr(os, "posix_fadvise")):
         return 0
+
+    def advise(lo: int, hi: int) -> None:
+        if use_map:
+            assert file_map is not None
+            start = lo - lo % mmap.PAGESIZE  # madvise takes a page-aligned start
+            file_map.madvise(mmap.MADV_WILLNEED, start, hi - start)
+        else:
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+
     starts = np.minimum(spans[:, 0], file_size).astype(np.int64)
     ends = np.minimum(starts + np.minimum(spans[:, 1], file_size).astype(np.int64), file_size)
     order = np.argsort(starts, kind="stable")
@@ -186,11 +201,11 @@ def advise_spans(fd: int, spans: np.ndarray, file_size: int) -> int:
             hi = max(hi, b)
             continue
         if lo >= 0:
-            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            advise(lo, hi)
             calls += 1
         lo, hi = a, b
     if lo >= 0:
-        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        advise(lo, hi)
         calls += 1
     return calls
 
@@ -221,6 +236,11 @@ class LMDBShardReader(ShardReader):
         self._spans: dict[bytes, np.ndarray | bool] = {}
         self._advice_fd: int | None = None  # for posix_fadvise, opened at the first prefetch
         self._advice_pid = -1  # the process that opened it
+        #: this process's read-only map of the shard file, for reading records at their spans
+        #: (:meth:`_mapped_record`); opened at the first batch, per process
+        self._file_map: mmap.mmap | None = None
+        self._file_view: memoryview | None = None
+        self._map_pid = -1
         #: advice calls made (for tests and diagnosis)
         self.prefetches = 0
         try:
@@ -368,6 +388,82 @@ class LMDBShardReader(ShardReader):
             parts.append(data)
         return b"".join((head, *parts)) if parts else head
 
+    def _record_spans(self) -> tuple[memoryview, np.ndarray, np.ndarray | None] | None:
+        """This process's map of the shard file and the index's record spans, or None: no spans
+        (an older shard, prefetching off), or the file cannot be mapped here.
+
+        Why read records there rather than through ``txn.get``: py-lmdb releases the GIL twice a
+        record (around ``mdb_get``, then to touch the value's pages), and with thread workers each
+        release is a wait for another thread to release it in turn; read at its span, a record
+        costs no release, no transaction lookup, and the same bytes (the checks that follow are
+        the same, and the record's checksum is compared with the index's, so a span that points
+        anywhere else is a damaged record, never another record's data)."""
+        spans = self._spans_of(spec.RECORD_SPANS_KEY)
+        if spans is None:
+            return None
+        tails = self._spans_of(spec.TAIL_SPANS_KEY, drop_empty=True) if self.tails_db is not None else None
+        if tails is not None and len(tails) % len(spans) == 0 and len(tails) // len(spans) <= spec.MAX_TAIL_PARTS:
+            tails = tails.reshape(len(spans), -1, 2)
+        else:
+            tails = None
+        if self._map_pid != os.getpid():
+            with self.lazy_lock:
+                if self._map_pid != os.getpid():
+                    self._file_map = self._file_view = None
+                    try:
+                        with open(self.path, "rb") as handle:  # the map outlives the descriptor
+                            self._file_map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                        self._file_view = memoryview(self._file_map)
+                    except (OSError, ValueError):  # an empty file, or no mapping here: read through LMDB
+                        self._file_map = self._file_view = None
+                    self._map_pid = os.getpid()
+        view = self._file_view
+        return None if view is None else (view, spans, tails)
+
+    def _mapped_record(self, mapped: tuple[memoryview, np.ndarray, np.ndarray | None],
+                       local_index: int) -> bytes | memoryview | None:
+        """Record ``local_index``'s bytes read at its spans: a view of the file map, or its head
+        joined with its tail parts (a copy, as :meth:`_value` makes); None where a span lies
+        outside the file or the record's spans are not known."""
+        view, spans, tails = mapped
+        if not 0 <= local_index < len(spans):
+            return None
+        start, length = int(spans[local_index, 0]), int(spans[local_index, 1])
+        if length <= 0 or start + length > len(view):
+            return None
+        head = view[start:start + length]
+        if self.tails_db is None or (length + spec.PAGE_HEADER) % self.psize:
+            return head  # no tail parts: only a head that fills its pages has them (spec.fills_pages)
+        if tails is None:
+            return None
+        parts = [head]
+        for part_start, part_length in tails[local_index].tolist():
+            if part_length == 0:
+                break
+            if part_start + part_length > len(view):
+                return None
+            parts.append(view[part_start:part_start + part_length])
+        return b"".join(parts) if len(parts) > 1 else head
+
+    def _checked(self, buf, local_index: int, ppm, nbytes, expected) -> bytes | memoryview:
+        """Record ``local_index`` (``buf``, its stored bytes) checked: a raw-native PPM record of a
+        classification shard as a view of its pixels, anything else as :meth:`_decode` gives it;
+        ``expected``: the index's checksum of a classification record, which its own must equal.
+
+        Raises:
+            CorruptRecordError: the record is missing or damaged, or not the one ``expected`` lists.
+        """
+        where = f"{self.path} record {local_index}"
+        try:
+            if ppm is not None and buf is not None and 0 <= local_index < len(ppm) and ppm[local_index]:
+                return record_image_view(buf, int(nbytes[local_index]), where=where,
+                                         expected=None if expected is None else int(expected))
+            if expected is not None:
+                return self.from_stored_value(buf, local_index, int(expected), schema=None, where=where)
+        except CorruptRecordError as err:
+            raise CorruptRecordError(str(err), shard=self.path, index=local_index) from None
+        return self._decode(buf, local_index)
+
     def _damaged(self, err: Exception, local_index: int) -> CorruptRecordError:
         return CorruptRecordError(f"{self.path} record {local_index}: unreadable, the shard's internal "
                                   f"structure is damaged ({err})", shard=self.path, index=local_index)
@@ -424,6 +520,13 @@ class LMDBShardReader(ShardReader):
         ids = np.asarray(ids, dtype=np.int64)
         ids = ids[(ids >= 0) & (ids < len(first))]
         wanted = [table[ids].reshape(-1, 2) for table in tables]  # (0, 0) rows: nothing to advise
+        file_map = self._file_map if self._map_pid == os.getpid() else None
+        if file_map is not None and hasattr(mmap, "MADV_WILLNEED"):  # the map's advice keeps the GIL
+            try:
+                self.prefetches += advise_spans(-1, np.concatenate(wanted), len(file_map), file_map)
+            except (OSError, ValueError):  # advice only (ValueError: the map was closed meanwhile)
+                pass
+            return
         if self._advice_fd is None or self._advice_pid != os.getpid():
             with self.lazy_lock:
                 if self._advice_fd is None or self._advice_pid != os.getpid():
@@ -467,23 +570,36 @@ class LMDBShardReader(ShardReader):
             assert isinstance(index, ShardIndex)
             self._pixel_index = (index.formats == FORMAT_CODES["PPM"], index.nbytes)
         ppm, nbytes = self._pixel_index if views and self._pixel_index is not None else (None, None)
+        mapped = self._record_spans()  # (opens this process's map first: the advice below goes through it)
         if len(local_indices) > 1:
             self._prefetch((spec.RECORD_SPANS_KEY, spec.TAIL_SPANS_KEY) if self.tails_db is not None
                            else (spec.RECORD_SPANS_KEY,), local_indices)
         order = np.argsort(np.asarray(local_indices), kind="stable")
+        expected = None
+        if mapped is not None and self.schema is None:
+            # a classification record read at its span: its own checksum must be the index's
+            # (a general record's whole bytes are checked against the index by _decode)
+            if self._checksums is None:  # (read before the records transaction: never nested in it)
+                self._checksums = self.read_index().checksums
+            expected = self._checksums
         i = -1
         try:
             with self._open_env().begin(db=self.records, buffers=True) as txn:
                 for k in order.tolist():
                     i = int(local_indices[k])
-                    buf = self._value(txn, i)
-                    if ppm is not None and nbytes is not None and buf is not None and 0 <= i < len(ppm) and ppm[i]:
+                    known = expected is None or 0 <= i < len(expected)  # (a crafted index may be short)
+                    buf = self._mapped_record(mapped, i) if mapped is not None and known else None
+                    data = None
+                    if buf is not None:
                         try:
-                            data = record_image_view(buf, int(nbytes[i]), where=f"{self.path} record {i}")
-                        except CorruptRecordError as err:
-                            raise CorruptRecordError(str(err), shard=self.path, index=i) from None
-                    else:
-                        data = self._decode(buf, i)
+                            data = self._checked(buf, i, ppm, nbytes, None if expected is None else expected[i])
+                        except CorruptRecordError:
+                            # the span is wrong, not (yet) the record: spans are advice, so this shard
+                            # is read through LMDB from here on, and the record's verdict is LMDB's
+                            self._spans[spec.RECORD_SPANS_KEY] = False
+                            mapped = None
+                    if data is None:
+                        data = self._checked(self._value(txn, i), i, ppm, nbytes, None)
                     consume(k, data)
         except lmdb.Error as err:
             raise self._damaged(err, i) from None
@@ -572,6 +688,18 @@ class LMDBShardReader(ShardReader):
         fd, self._advice_fd = getattr(self, "_advice_fd", None), None
         if fd is not None and self._advice_pid == os.getpid():
             os.close(fd)
+        file_map, self._file_map = getattr(self, "_file_map", None), None
+        view, self._file_view = getattr(self, "_file_view", None), None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:
+                pass
+        if file_map is not None:
+            try:
+                file_map.close()
+            except BufferError:  # a record view is still held somewhere: the map goes with the last one
+                pass
         self.mapped_pages = None
         env, self.env = getattr(self, "env", None), None
         if env is not None and self._pid == os.getpid():
