@@ -16,10 +16,11 @@ read (a dataset opened on it); the next call, or :func:`gc`, removes those no ma
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -652,21 +653,10 @@ def add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str
     opened before read on in their version (their cache is keyed by the manifest's checksum)."""
     import tempfile
 
-    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
     from fastdata.format.names import MANIFEST_NAME
-    from fastdata.remote.location import RemoteLocation
-    from fastdata.writer.remote_sink import RemoteLock, upload_checked
+    from fastdata.writer.remote_sink import upload_checked
 
-    location = RemoteLocation(url, dict(storage_options or {}))
-    lock = RemoteLock(location)
-    lock.check()
-    lock.write()
-    try:
-        try:
-            raw = location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
-        manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
+    with _remote_store_locked(url, storage_options) as (location, manifest):
         if resume and _published_already(location.url, manifest, values, declared, defaults):
             return manifest
         if base_checksum is not None and manifest["checksum"] != base_checksum:
@@ -690,10 +680,7 @@ def add_fields_remote(url: str, values: Mapping[str, Any], declared: Mapping[str
                      "at": new_fields[-1].added, **(history or {})}
             write_manifest(tmp, _new_body(manifest, new_fields, shards, entry))
             upload_checked(location, os.path.join(tmp, MANIFEST_NAME), MANIFEST_NAME)  # last
-            return parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
-                                  where=location.child(MANIFEST_NAME))
-    finally:
-        lock.release()
+            return _read_remote_manifest(location)
 
 
 #: the samples a field history entry lists by index and reason (``compute_fields(on_error="skip")``;
@@ -893,18 +880,10 @@ class FieldsRun:
         (one an interrupted publish uploaded, the same bytes, is kept), then the manifest, last."""
         import tempfile
 
-        from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
         from fastdata.format.names import MANIFEST_NAME
-        from fastdata.remote.location import RemoteLocation
-        from fastdata.writer.remote_sink import RemoteLock, upload_checked
+        from fastdata.writer.remote_sink import upload_checked
 
-        location = RemoteLocation(self.store, self.storage_options)
-        lock = RemoteLock(location)
-        lock.check()
-        lock.write()
-        try:
-            current = parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
-                                     where=location.child(MANIFEST_NAME))
+        with _remote_store_locked(self.store, self.storage_options) as (location, current):
             if current["checksum"] != self.manifest["checksum"]:
                 raise AddFieldsError(f"{location.url}: the store was changed (a new version published) while its "
                                      "values were computed; nothing was added: run it again without resume")
@@ -915,10 +894,7 @@ class FieldsRun:
             with tempfile.TemporaryDirectory(prefix="fastdata-fields-") as tmp:
                 write_manifest(tmp, _new_body(self.manifest, fields, shards, entry))
                 upload_checked(location, os.path.join(tmp, MANIFEST_NAME), MANIFEST_NAME)  # last
-            return parse_manifest(location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES),
-                                  where=location.child(MANIFEST_NAME))
-        finally:
-            lock.release()
+            return _read_remote_manifest(location)
 
     def close(self) -> None:
         """Release the store's lock (what was staged stays, for ``resume=True``)."""
@@ -929,16 +905,38 @@ class FieldsRun:
 
 def _remote_manifest(url: str, storage_options: Mapping[str, Any] | None) -> dict:
     """The (validated) manifest of the store at ``url``."""
-    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
-    from fastdata.format.names import MANIFEST_NAME
     from fastdata.remote.location import RemoteLocation
 
-    location = RemoteLocation(url, dict(storage_options or {}))
+    return _read_remote_manifest(RemoteLocation(url, dict(storage_options or {})))
+
+
+def _read_remote_manifest(location) -> dict:
+    """The (validated) manifest of the store at ``location`` (a :class:`RemoteLocation`)."""
+    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
+    from fastdata.format.names import MANIFEST_NAME
+
     try:
         raw = location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
     return parse_manifest(raw, where=location.child(MANIFEST_NAME))
+
+
+@contextlib.contextmanager
+def _remote_store_locked(url: str, storage_options: Mapping[str, Any] | None) -> Iterator[tuple[Any, dict]]:
+    """The store at ``url`` under its lock object (no add, append or conversion uploads into it
+    meanwhile): ``(location, manifest)``, the manifest read once the lock is held."""
+    from fastdata.remote.location import RemoteLocation
+    from fastdata.writer.remote_sink import RemoteLock
+
+    location = RemoteLocation(url, dict(storage_options or {}))
+    lock = RemoteLock(location)
+    lock.check()
+    lock.write()
+    try:
+        yield location, _read_remote_manifest(location)
+    finally:
+        lock.release()
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -1129,28 +1127,12 @@ def _gc_remote(url: str, storage_options: Mapping[str, Any] | None) -> list[str]
     """:func:`gc` of a store at a URL: under its lock object (so no add, append or conversion is
     uploading files the manifest does not list yet), the manifest read, the store's top-level
     objects listed, and the field files it does not list deleted."""
-    from fastdata.format.manifest import MAX_MANIFEST_BYTES, parse_manifest
-    from fastdata.format.names import MANIFEST_NAME
-    from fastdata.remote.location import RemoteLocation
-    from fastdata.writer.remote_sink import RemoteLock
-
-    location = RemoteLocation(url, dict(storage_options or {}))
-    lock = RemoteLock(location)
-    lock.check()
-    lock.write()
-    try:
-        try:
-            raw = location.read_bytes(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            raise AddFieldsError(f"{location.url}: no fastdata store there (no {MANIFEST_NAME})") from None
-        manifest = parse_manifest(raw, where=location.child(MANIFEST_NAME))
+    with _remote_store_locked(url, storage_options) as (location, manifest):
         # (the listing follows the manifest: a field file listed by it exists before it is published)
         names = [n for n in location.listing() if "/" not in n]
         removed = _unlisted_field_files(names, manifest)
         location.remove(removed)
         return removed
-    finally:
-        lock.release()
 
 
 __all__ = ["AddFieldsError", "add_fields", "appended_values_from_files", "drop_fields", "field_file_generation", "gc",
