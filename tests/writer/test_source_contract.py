@@ -529,6 +529,66 @@ def remote_parquet_change(url: str, root: Path) -> str:
     return url
 
 
+# -- WebDataset tars, NIfTI volumes and DICOM files on the S3 test server (RemoteTarInput,
+#    RemoteVolumeInput, RemoteDicomFolderInput)
+
+def _remote_upload_file(url: str, local: Path, rel: str) -> None:
+    from fastdata.remote.location import RemoteLocation
+
+    RemoteLocation(url).upload(str(local), rel)
+
+
+def remote_tar_build(root: Path, items: range) -> str:
+    path = tar_build(root / "wds", items)
+    url = f"{_upload_tree(path.parent, 'wds')}/shard.tar"
+    REMOTE["trees"][url] = path
+    return url
+
+
+def remote_tar_expected(url: str) -> list:
+    return tar_expected(REMOTE["trees"][url])
+
+
+def remote_tar_change(url: str, root: Path) -> str:
+    tar_change(REMOTE["trees"][url], root)
+    _remote_upload_file(url.rsplit("/", 1)[0], REMOTE["trees"][url], "shard.tar")
+    return url
+
+
+def remote_nifti_build(root: Path, items: range) -> str:
+    folder = nifti_build(root, items)
+    url = _upload_tree(folder, "nii")
+    REMOTE["trees"][url] = folder
+    return url
+
+
+def remote_nifti_expected(url: str) -> list:
+    return nifti_expected(REMOTE["trees"][url])
+
+
+def remote_nifti_change(url: str, root: Path) -> str:
+    folder = nifti_change(REMOTE["trees"][url], root)
+    _remote_upload_file(url, folder / "case07.nii.gz", "case07.nii.gz")
+    return url
+
+
+def remote_dicom_build(root: Path, items: range) -> str:
+    folder = dicom_build(root, items)
+    url = _upload_tree(folder, "dcm")
+    REMOTE["trees"][url] = folder
+    return url
+
+
+def remote_dicom_expected(url: str) -> list:
+    return dicom_expected(REMOTE["trees"][url])
+
+
+def remote_dicom_change(url: str, root: Path) -> str:
+    folder = dicom_change(REMOTE["trees"][url], root)
+    _remote_upload_file(url, folder / "liver" / "s002.dcm", "liver/s002.dcm")
+    return url
+
+
 # -- NIfTI volumes (VolumeInput)
 
 def nifti_build(root: Path, items: range) -> Path:
@@ -647,6 +707,15 @@ CASES = [
          needs=("nibabel",), shard_size="2kB", changed="a volume file"),
     Case("tiff", "TiffImageInput", 12, tiff_build, tiff_convert, tiff_change, tiff_expected, split=7,
          needs=("tifffile",), shard_size="600B", changed="an image file of another size"),
+    Case("remote webdataset (S3)", "RemoteTarInput", 20, remote_tar_build, _convert_path, remote_tar_change,
+         remote_tar_expected, split=12, changed="a member's bytes (the tar rewritten)", marks=(pytest.mark.slow,)),
+    Case("remote nifti (S3)", "RemoteVolumeInput", 12, remote_nifti_build, volume_convert, remote_nifti_change,
+         remote_nifti_expected, split=7, needs=("nibabel",), shard_size="2kB", changed="a volume object",
+         marks=(pytest.mark.slow,)),
+    Case("remote dicom (S3)", "RemoteDicomFolderInput", 14, remote_dicom_build, dicom_convert, remote_dicom_change,
+         remote_dicom_expected, split=8, needs=("pydicom",), changed="a DICOM object of another size",
+         marks=(pytest.mark.slow,),
+         keeps_input_paths="each record keeps the DICOM file's URL as the store index's relpath"),
     Case("dicom", "DicomFolderInput", 14, dicom_build, dicom_convert, dicom_change, dicom_expected, split=8,
          needs=("pydicom",), changed="a DICOM file of another size",
          keeps_input_paths="each record keeps the DICOM file's absolute path as the store index's relpath "
