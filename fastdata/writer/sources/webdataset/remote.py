@@ -11,7 +11,7 @@ encodes it. So a tar is read twice over HTTP, in two different ways, neither hol
 * **planning** (the converter): tarfile walks the headers through an
   :class:`~fastdata.remote.sources.ObjectReader` of :data:`SCAN_BLOCK` bytes: small members come
   with the header blocks (the walk streams the tar), a member larger than the block is seeked
-  over (not downloaded);
+  over (not downloaded); :data:`SCAN_CONCURRENCY` tars are walked at once;
 * **reading** (each worker task): the task's samples are contiguous in the tar, read front to
   back through a reader of :data:`READ_BLOCK` bytes: one GET per block (a member larger than
   the block: one GET of exactly it).
@@ -21,7 +21,7 @@ does not hold anywhere but in its headers.
 
 **Bounds.** A worker holds one read-ahead block (:data:`READ_BLOCK`, 4 MiB) plus the task's
 encoded samples (as for a local tar: ``task_size`` samples); the converter's walk holds one
-:data:`SCAN_BLOCK`. No tar is written to local disk. Tested
+:data:`SCAN_BLOCK` per tar walked at once. No tar is written to local disk. Tested
 (tests/remote/test_remote_tars_volumes.py): a 24 MiB tar of 1 MiB members converts in process
 (``task_size=2``) with no reply over 4 MiB and a peak of traced memory within 4 MiB of the same
 conversion from the local file (measured 8.6 MB against 8.5 MB); workers reading the tar in one
@@ -59,6 +59,8 @@ __all__ = ["READ_BLOCK", "SCAN_BLOCK", "RemoteTarInput", "encode_remote_tar_chun
 SCAN_BLOCK = 1 << 20
 #: bytes a worker reads ahead in its task's tar (one GET each)
 READ_BLOCK = 4 << 20
+#: tars whose headers the converter walks at once while planning (each holds one SCAN_BLOCK)
+SCAN_CONCURRENCY = 8
 
 
 def _compressed(name: str) -> str | None:
@@ -196,11 +198,13 @@ class RemoteTarInput(TarInput):
         self.paths = [url for url, _, _ in files]
         self.etags = [etag for _, _, etag in files]
         options = self.storage_options
+        listed = {url: (size, etag) for url, size, etag in files}
 
         def opener(t: int, url: str):
-            _, size, etag = files[t]
+            size, etag = listed[url]
             return ObjectReader(url, size, etag, options, SCAN_BLOCK), (size, etag)
-        self.scan = TarScan(self.paths, opener)  # (TarInput.plan scans self.paths with local files)
+        # (TarInput.plan scans self.paths as local files); the walks of several tars at once
+        self.scan = TarScan(self.paths, opener, concurrency=SCAN_CONCURRENCY)
         return self._plan_scanned(run)
 
     def chunks(self, run: RunOptions, chunk_size: int) -> RemoteTarChunks:

@@ -87,7 +87,7 @@ class TarScan:
     :mod:`fastdata.writer.sources.webdataset.remote`); None: they are local paths. The scan reads
     headers only, through the file's seeks (tarfile never reads a member's data here)."""
 
-    def __init__(self, files: list[str], opener: TarOpener | None = None):
+    def __init__(self, files: list[str], opener: TarOpener | None = None, concurrency: int = 1):
         self._opener = opener
         if opener is None:
             self.files = [os.path.abspath(f) for f in files]
@@ -115,8 +115,31 @@ class TarScan:
         self._codes: dict[str, int] = {}
         #: members that are not files (links, devices) or have no extension: skipped
         self.skipped = 0
-        for t, path in enumerate(self.files):
-            self._scan(t, path)
+        if concurrency > 1 and len(self.files) > 1:
+            # each tar walked on its own (a remote walk waits on the network), merged in order
+            import concurrent.futures as cf
+
+            with cf.ThreadPoolExecutor(min(concurrency, len(self.files))) as pool:
+                parts = pool.map(lambda path: TarScan([path], opener), self.files)
+                for t, part in enumerate(parts):
+                    self._add(t, part)
+        else:
+            for t, path in enumerate(self.files):
+                self._scan(t, path)
+
+    def _add(self, t: int, part: TarScan) -> None:
+        """The samples of ``part`` (the scan of tar ``t`` alone) after this scan's."""
+        samples, members = len(self.keys), len(self.member_offset)
+        self.stats.extend(part.stats)
+        self.keys.extend(part.keys)
+        self.tar.extend([t] * len(part.keys))
+        self.first.extend(f + members for f in part.first)
+        self.count.extend(part.count)
+        self.bad.update({i + samples: why for i, why in part.bad.items()})
+        self.member_ext.extend(self._code(part.exts[c]) for c in part.member_ext)
+        self.member_offset.extend(part.member_offset)
+        self.member_size.extend(part.member_size)
+        self.skipped += part.skipped
 
     def __len__(self) -> int:
         return len(self.keys)
