@@ -243,6 +243,10 @@ class LMDBShardReader(ShardReader):
         self._map_pid = -1
         #: advice calls made (for tests and diagnosis)
         self.prefetches = 0
+        #: records of batches read at their spans through the file map, and through LMDB (for
+        #: tests and diagnosis: a healthy shard with spans reads none through LMDB)
+        self.mapped_reads = 0
+        self.lmdb_reads = 0
         try:
             self._key, self.env, (self.records, self.index_db, self.chunks_db, self.tails_db, self.psize) = \
                 _ENVS.acquire(path, readahead)
@@ -600,6 +604,9 @@ class LMDBShardReader(ShardReader):
                             mapped = None
                     if data is None:
                         data = self._checked(self._value(txn, i), i, ppm, nbytes, None)
+                        self.lmdb_reads += 1
+                    else:
+                        self.mapped_reads += 1
                     consume(k, data)
         except lmdb.Error as err:
             raise self._damaged(err, i) from None
