@@ -29,10 +29,12 @@ Measured, per contender: images/s of an epoch; the time to the first batch of an
 building the dataset and loader to the first batch of its very first epoch: worker start-up, FFCV's
 Numba compilation; the Python imports before it are timed apart, ``imports s``); the peak PSS of the
 process tree (the process iterating the loader plus all its descendants, ``psutil``
-``memory_full_info().pss`` summed, sampled every 50 ms by a thread of that process,
-``fastdata.bench.memory.MemorySampler``) during the measured epoch, and its anonymous part (heap,
-batches, copy-on-write copies: what the kernel cannot drop; the rest is mapped files, mostly the
-store's pages that the epoch read, page cache the kernel can drop, which every contender maps alike).
+``memory_full_info().pss`` summed, sampled every 50 ms by a thread of the parent,
+``fastdata.bench.memory.MemorySampler(pid=child)``: a sampling thread in the measured process
+would take the GIL from thread workers, which cost them about 10% of their images/s) during the
+measured epoch, and its anonymous part (heap, batches, copy-on-write copies: what the kernel cannot
+drop; the rest is mapped files, mostly the store's pages that the epoch read, page cache the kernel
+can drop, which every contender maps alike).
 
 Every measurement runs in a fresh child process (``bench_threads.py --_child NAME``) that imports only
 what its contender needs, builds the loader, runs one warm-up epoch (its start-up is measured there),
@@ -140,34 +142,67 @@ def timed_epoch(loader, t0: float) -> dict:
 
 def child(args) -> dict:
     t = time.perf_counter()
-    from fastdata.bench.memory import MemorySampler
-
     import_for(args._child)
     imported = time.perf_counter() - t
     t0 = time.perf_counter()
     loader = build_loader(args._child, args._store, args)
     warm = timed_epoch(loader, t0)  # the very first epoch: start-up = building -> its first batch
-    with MemorySampler(interval=0.05) as mem:
-        t1 = time.perf_counter()
-        measured = timed_epoch(loader, t1)
+    # The parent samples this process tree's memory during the measured epoch: a sampling thread
+    # in this process would take the GIL from thread workers (it cost them ~10% of images/s)
+    print(MEASURE_START, flush=True)
+    sys.stdin.readline()  # the parent's sampler runs
+    t1 = time.perf_counter()
+    measured = timed_epoch(loader, t1)
+    print(MEASURE_END, flush=True)
+    sys.stdin.readline()  # the parent's sampler stopped
     return {"contender": args._child, "import_s": imported, "startup_s": warm["first_s"],
             "warmup_img_s": warm["n"] / warm["s"],
             "img_s": measured["n"] / measured["s"], "first_batch_s": measured["first_s"],
-            "epoch_s": measured["s"], "n": measured["n"], "batch": measured["batch"],
-            "peak_pss": mem.peak_pss, "peak_uss": mem.peak_uss, "peak_rss": mem.peak_rss,
-            "peak_pss_anon": mem.peak_pss_anon, "peak_pss_file": mem.peak_pss_file,
-            "processes": 1 + mem.max_workers, "pss_samples": len(mem.samples)}
+            "epoch_s": measured["s"], "n": measured["n"], "batch": measured["batch"]}
+
+
+#: the lines a child prints around its measured epoch (the parent samples its memory in between)
+MEASURE_START, MEASURE_END = "MEASURE start", "MEASURE end"
 
 
 def run_child(name: str, store: str, args, seed: int) -> dict:
+    """Run one contender in a fresh child; its memory is sampled from here, by a thread of this
+    process (``MemorySampler(pid=child)``: the child and all its descendants), while it runs its
+    measured epoch."""
+    from fastdata.bench.memory import MemorySampler
+
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", name, "--_store", store,
            "--_seed", str(seed), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+    errors = tempfile.TemporaryFile(mode="w+")  # (a pipe read only at the end could fill and stall the child)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    mem = None
+    lines = []
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line == MEASURE_START:
+            mem = MemorySampler(interval=0.05, pid=proc.pid).__enter__()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        elif line == MEASURE_END and mem is not None:
+            mem.__exit__(None, None, None)
+            proc.stdin.write("ok\n")
+            proc.stdin.flush()
+        else:
+            lines.append(line)
+    proc.wait()
+    errors.seek(0)
+    err = errors.read()
+    errors.close()
+    results = [ln for ln in lines if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not results or mem is None:
+        sys.stderr.write("\n".join(lines)[-4000:] + err[-4000:])
         raise SystemExit(f"{name}: the child failed (exit {proc.returncode}): {' '.join(cmd)}")
-    return json.loads(lines[-1][len("RESULT "):])
+    res = json.loads(results[-1][len("RESULT "):])
+    res.update({"peak_pss": mem.peak_pss, "peak_uss": mem.peak_uss, "peak_rss": mem.peak_rss,
+                "peak_pss_anon": mem.peak_pss_anon, "peak_pss_file": mem.peak_pss_file,
+                "processes": 1 + mem.max_workers, "pss_samples": len(mem.samples)})
+    return res
 
 
 # --------------------------------------------------------------------------- data and stores

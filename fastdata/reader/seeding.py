@@ -47,6 +47,8 @@ __all__ = ["EpochIndex", "get_rng", "sample_rng", "seed_rng", "seed_worker"]
 _TAG_WORKER = 0x5EED_0001
 _TAG_UNSEEDED = 0x5EED_0002
 _TAG_SAMPLE = 0x5EED_0003
+#: a fixed seed for the bit generators :func:`sample_rng` builds before it sets their key and counter
+_NO_ENTROPY = np.random.SeedSequence(0)
 _U64 = (1 << 64) - 1
 
 # (pid, generator), replaced as one tuple so a reader never pairs one pid with
@@ -153,9 +155,17 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
         draws in any process. Creating one costs about 15 us, against about 1 ms for
         decoding and cropping a photo (measured in tests/reader/test_seeding.py).
     """
-    counter = np.array([0, 0, int(index) & _U64, int(epoch) & _U64], dtype=np.uint64)
-    key = np.array([int(seed) & _U64, _TAG_SAMPLE], dtype=np.uint64)
-    return np.random.Generator(np.random.Philox(counter=counter, key=key))
+    # Built from a fixed SeedSequence and then given its key and counter: Philox(counter=, key=)
+    # would draw 128 bits of OS entropy first, only to discard them (a getrandom system call a
+    # sample, which releases the GIL: with thread workers, a wait for it to come back).
+    bit_generator = np.random.Philox(_NO_ENTROPY)
+    bit_generator.state = {
+        "bit_generator": "Philox",
+        "state": {"counter": np.array([0, 0, int(index) & _U64, int(epoch) & _U64], dtype=np.uint64),
+                  "key": np.array([int(seed) & _U64, _TAG_SAMPLE], dtype=np.uint64)},
+        "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
+    }
+    return np.random.Generator(bit_generator)
 
 
 class EpochIndex(int):
