@@ -181,6 +181,32 @@ def list_objects(loc: RemoteLocation) -> ObjectListing:
     return found
 
 
+def first_listing_page(loc: RemoteLocation, *, max_keys: int, folders: bool) -> tuple[list[str], int] | None:
+    """One listing page under ``loc``'s prefix, to tell what kind of source it holds: up to
+    ``max_keys`` object names, and how many "subfolders" (with ``folders``: the objects directly
+    under the prefix and its common prefixes, ``/`` as delimiter; else objects at any depth, up to
+    three levels elsewhere than S3). None where it cannot be listed (an ``https://`` URL, a missing
+    prefix, refused credentials: the source that lists it in full says why)."""
+    if loc.read_only:
+        return None
+    try:
+        fs = loc.filesystem()
+        base = loc.url.split("://", 1)[1]
+        if loc.scheme in ("s3", "s3a") and hasattr(fs, "call_s3"):
+            bucket, key, _ = fs.split_path(base)
+            extra = {"Delimiter": "/"} if folders else {}
+            page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=(key.rstrip("/") + "/") if key else "",
+                              MaxKeys=max_keys, **extra)
+            return [c["Key"] for c in page.get("Contents", [])], len(page.get("CommonPrefixes", []))
+        if folders:
+            entries = fs.ls(base, detail=True)
+            return ([e["name"] for e in entries if e.get("type") != "directory"],
+                    sum(e.get("type") == "directory" for e in entries))
+        return list(fs.find(base, maxdepth=3))[:max_keys], 0
+    except Exception:  # noqa: BLE001 - not listable here: the source that lists it in full reports why
+        return None
+
+
 def _explain_empty(loc: RemoteLocation) -> None:
     """Raise the error for a prefix that lists nothing: its bucket is missing, or the prefix is empty."""
     fs = loc.filesystem()

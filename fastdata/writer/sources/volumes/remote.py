@@ -33,7 +33,7 @@ import xxhash
 
 from fastdata.errors import SourceError
 from fastdata.remote.location import RemoteLocation
-from fastdata.remote.sources import list_objects, ObjectReader
+from fastdata.remote.sources import first_listing_page, list_objects, ObjectReader
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.remote import FILESYSTEM_MODULES
 from fastdata.writer.sources.volumes.common import OpenedSample
@@ -199,21 +199,10 @@ def holds_volumes(src: str, storage_options: Mapping[str, Any]) -> bool:
     image files. A prefix that cannot be listed is not one (the image-folder source says why)."""
     from fastdata.common.extensions import has_image_extension
 
-    loc = RemoteLocation(src, storage_options)
-    if loc.read_only:
+    page = first_listing_page(RemoteLocation(src, storage_options), max_keys=100, folders=False)
+    if page is None:
         return False
-    try:
-        fs = loc.filesystem()
-        base = loc.url.split("://", 1)[1]
-        if loc.scheme in ("s3", "s3a") and hasattr(fs, "call_s3"):
-            bucket, key, _ = fs.split_path(base)
-            page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=(key.rstrip("/") + "/") if key else "",
-                              MaxKeys=100)
-            names = [c["Key"] for c in page.get("Contents", [])]
-        else:
-            names = list(fs.find(base, maxdepth=3))[:100]
-    except Exception:  # noqa: BLE001 - not listable here: the image-folder source reports it
-        return False
+    names = page[0]
     volumes = sum(is_nifti(n) for n in names)
     images = sum(has_image_extension(n) and not is_nifti(n) for n in names)
     return volumes > 0 and volumes >= images

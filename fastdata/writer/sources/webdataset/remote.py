@@ -42,7 +42,7 @@ from typing import Any
 
 from fastdata.errors import SourceError
 from fastdata.remote.location import RemoteLocation
-from fastdata.remote.sources import list_objects, ObjectReader, stat_objects
+from fastdata.remote.sources import first_listing_page, list_objects, ObjectReader, stat_objects
 from fastdata.writer.ingest import spill
 from fastdata.writer.pipeline import Chunk
 from fastdata.writer.plan import ShardPlan
@@ -221,22 +221,8 @@ def holds_tars(src: str, storage_options: Mapping[str, Any]) -> bool:
     objects directly under it and no "subfolder". One listing page is read (on ``s3://``: 1,000
     keys with ``/`` as delimiter); a prefix that cannot be listed is not one (the image-folder
     source then says why)."""
-    loc = RemoteLocation(src, storage_options)
-    if loc.read_only:
+    page = first_listing_page(RemoteLocation(src, storage_options), max_keys=1000, folders=True)
+    if page is None:
         return False
-    try:
-        fs = loc.filesystem()
-        base = loc.url.split("://", 1)[1]
-        if loc.scheme in ("s3", "s3a") and hasattr(fs, "call_s3"):
-            bucket, key, _ = fs.split_path(base)
-            page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=(key.rstrip("/") + "/") if key else "",
-                              Delimiter="/", MaxKeys=1000)
-            files = [c["Key"] for c in page.get("Contents", [])]
-            folders = page.get("CommonPrefixes", [])
-        else:
-            entries = fs.ls(base, detail=True)
-            files = [e["name"] for e in entries if e.get("type") != "directory"]
-            folders = [e for e in entries if e.get("type") == "directory"]
-    except Exception:  # noqa: BLE001 - not listable here: the image-folder source reports it
-        return False
+    files, folders = page
     return not folders and any(f.lower().endswith(TAR_SUFFIX) for f in files)
