@@ -15,7 +15,6 @@ How each path decodes, how close it stays to torchvision's PIL pipeline, and wha
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,11 +25,6 @@ from PIL import Image  # resampling of fractional windows only; decoding goes th
 from fastdata.common.imageio import decode_image, decode_rgb_array, fast_jpeg_size, ppm_header, ppm_pixels
 from fastdata.common.imagemodes import check_mode
 from fastdata.reader.seeding import get_rng
-
-# torch.from_numpy warns (once per process) that a read-only array gives a tensor that must not
-# be written: the resizes below only read their source, a read-only view of a PPM record.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
-                        module=__name__.replace(".", r"\."))
 
 __all__ = [
     "DecodeTransform",
@@ -220,8 +214,11 @@ def _resize(src: np.ndarray, out_hw: tuple[int, int], out: np.ndarray | None = N
     # A crop of an HWC image is a strided channels-last NCHW view, resized in place: on torch
     # 2.13 that is faster than copying it contiguous first (237 against 374 us for 370x360 ->
     # 224, same pixels), and each copy released and retook the GIL, which thread workers pay
-    # for in waits. A PPM record's view of the store is read-only: the resize only reads it,
-    # and torch.from_numpy's warning about that is filtered at the top of this module.
+    # for in waits. A PPM record read through LMDB or HDF5 is a read-only view of the store,
+    # which torch.from_numpy warns about: copied (an LMDB batch reads records through a
+    # copy-on-write map of the shard instead, writable, so not copied).
+    if not src.flags.writeable:
+        src = src.copy()
     src_t = torch.from_numpy(src.transpose(2, 0, 1)[None])
     dst_t = torch.from_numpy(out.transpose(2, 0, 1)[None])
     if AA_BILINEAR_OUT is not None:

@@ -42,14 +42,14 @@ def test_a_sound_manifest_passes():
     (lambda m: m["shards"][0].pop("field_files"), "of generations \\[\\]"),
     (lambda m: m["added_fields"][0].update(name="x"), "have the name of a field the store was written with"),
     (lambda m: m["added_fields"][0].update(name="not an identifier"), "must be an identifier"),
-    (lambda m: m["added_fields"][0].update(field={"kind": "chunked", "dtype": "uint8", "chunks": [2, 2]}),
-     "chunked fields cannot be added"),
+    (lambda m: m["added_fields"][0].update(field={"kind": "teleport", "dtype": "uint8"}),
+     "field kind 'teleport' is unknown to this fastdata version"),
     (lambda m: m["added_fields"][0].update(generation=0), "'generation': 1..99999"),
     (lambda m: m["added_fields"].append(dict(m["added_fields"][0], name="other")), "read the same values"),
     (lambda m: m.pop("added_fields"), "declares no added fields"),
     (lambda m: m["added_fields"][0].update(default="high"), "added field 'score': its default: expected a number"),
     (lambda m: m["added_fields"][0].update(extra=1), "'added': str, 'key': str\\[, 'default': value\\]"),
-], ids=["traversal", "a shard's name", "generation", "missing file", "written name", "bad name", "chunked",
+], ids=["traversal", "a shard's name", "generation", "missing file", "written name", "bad name", "unknown kind",
         "generation 0", "same key", "no fields", "bad default", "unknown key"])
 def test_damaged_manifest_entries_refused(damage, message):
     m = copy.deepcopy(_manifest())

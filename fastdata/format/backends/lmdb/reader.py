@@ -416,7 +416,9 @@ class LMDBShardReader(ShardReader):
                     self._file_map = self._file_view = None
                     try:
                         with open(self.path, "rb") as handle:  # the map outlives the descriptor
-                            self._file_map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                            # copy-on-write: its views are writable (torch.from_numpy takes a
+                            # read-only array with a warning), and nothing written reaches the file
+                            self._file_map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
                         self._file_view = memoryview(self._file_map)
                     except (OSError, ValueError):  # an empty file, or no mapping here: read through LMDB
                         self._file_map = self._file_view = None
