@@ -223,6 +223,30 @@ def ingest_remote_chunk(urls: list[bytes], relpaths: list[bytes], labels: list[i
     return out, read_bytes
 
 
+class ReadsURLs:
+    """What every input that reads its objects at URLs shares (mixed in before its local twin):
+    ``reads_urls``, its storage options (its own, else the write's), the name recorded in the
+    manifest, and the filesystem modules its workers import."""
+
+    reads_urls: bool = True
+    worker_modules: tuple[str, ...] = ()
+    storage_options: dict[str, Any]
+    recorded_source: str
+
+    def read_at(self, url: str, storage_options: Mapping[str, Any] | None, recorded: str | None = None) -> None:
+        """Note the URL scheme's worker modules, ``storage_options`` and the source recorded in the
+        manifest (``recorded``, default ``url``)."""
+        self.recorded_source = url if recorded is None else recorded
+        self.storage_options = dict(storage_options or {})
+        self.worker_modules = tuple(FILESYSTEM_MODULES.get(url.split("://", 1)[0].lower(), ()))
+
+    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
+        """The write's ``storage_options`` for the input's URLs, unless the input was given its own."""
+        if options and not self.storage_options:
+            self.storage_options = dict(options)
+
+
+
 class RemoteFolderSource(FolderSource):
     """The inputs of a remote scan, fetched and ingested in the workers (:func:`ingest_remote_chunk`)."""
 
@@ -265,27 +289,19 @@ class RemoteFolderSource(FolderSource):
         return False  # (the bytes are not here: a worker fetches them)
 
 
-class RemoteFolderInput(FolderInput):
+class RemoteFolderInput(ReadsURLs, FolderInput):
     """An ImageFolder prefix or a ``path,label`` list at a URL (see the module docstring), with the
     storage options of :class:`~fastdata.writer.sources.folder.FolderInput` except ``raw_budget``
     (which reads every image's header while planning)."""
-
-    reads_urls = True
 
     def __init__(self, src: str, *, storage_options: Mapping[str, Any] | None = None, **keywords: Any):
         if keywords.get("raw_budget") is not None:
             raise ValueError(f"{src}: raw_budget reads every image's header while planning, which a remote source "
                              "would download twice; use raw_fraction, or convert a local copy")
         super().__init__(src, **keywords)
-        self.src = self.recorded_source = src.rstrip("/") if not src.lower().endswith((".csv", ".tsv")) else src
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        scheme = src.split("://", 1)[0].lower()
-        self.worker_modules = FILESYSTEM_MODULES.get(scheme, ())
+        self.src = src.rstrip("/") if not src.lower().endswith((".csv", ".tsv")) else src
+        self.read_at(src, storage_options, recorded=self.src)
 
-    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
-        """The write's ``storage_options`` for this source's URL, unless the source was given its own."""
-        if options and not self.storage_options:
-            self.storage_options = dict(options)
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         if self.src.lower().endswith((".csv", ".tsv")):
@@ -427,26 +443,18 @@ class RemoteTableChunks(ChunkSource):
         return self.urls[i].decode()
 
 
-class RemoteTableInput(TableInput):
+class RemoteTableInput(ReadsURLs, TableInput):
     """A JSONL or CSV/TSV list with fields at a URL (rows naming URLs, or keys relative to the
     list's folder) as a general store: the store a local copy of the list and its images gives.
     The fingerprint hashes the list's bytes and each image's size and ETag."""
 
-    reads_urls = True
-
     def __init__(self, src: str, schema=None, *, storage_options: Mapping[str, Any] | None = None):
         super().__init__(src, schema)
-        self.recorded_source = src
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.worker_modules = FILESYSTEM_MODULES.get(src.split("://", 1)[0].lower(), ())
+        self.read_at(src, storage_options)
         self.urls: list[bytes] = []
         self.etags = np.zeros(0, np.uint64)
         self.list_digest = ""
 
-    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
-        """The write's ``storage_options`` for the list's URLs, unless the source was given its own."""
-        if options and not self.storage_options:
-            self.storage_options = dict(options)
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         table, self.urls, self.etags, self.list_digest = scan_remote_table(self.src, self.storage_options,

@@ -36,7 +36,7 @@ from fastdata.remote.sources import list_objects, read_text, stat_objects
 from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.coco import CocoIndex, CocoInput, CocoSamples, load_coco, MAX_LISTED_PROBLEMS
 from fastdata.writer.sources.python import SourcedBytes
-from fastdata.writer.sources.remote import fetch_inputs, FILESYSTEM_MODULES
+from fastdata.writer.sources.remote import fetch_inputs, ReadsURLs
 
 
 def _inside(image_dir: str, file_name: str) -> str | None:
@@ -177,25 +177,17 @@ class RemoteCocoSamples(CocoSamples):
         return sample
 
 
-class RemoteCocoInput(CocoInput):
+class RemoteCocoInput(ReadsURLs, CocoInput):
     """A COCO annotation file at a URL with its images below a folder URL (see the module
     docstring): the store the local copy of both converts to, but for ``metadata.coco``'s
     ``annotation_file`` and ``image_dir`` (the URLs)."""
 
-    reads_urls = True
-
     def __init__(self, ann_url: str, image_url: str, *, storage_options: Mapping[str, Any] | None = None):
         super().__init__(ann_url, image_url)
-        self.recorded_source = ann_url
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.worker_modules = FILESYSTEM_MODULES.get(image_url.split("://", 1)[0].lower(), ())
+        self.read_at(image_url, storage_options, recorded=ann_url)
         self.etags = np.zeros(0, np.uint64)
         self.digest = ""
 
-    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
-        """The write's ``storage_options`` for the URLs, unless the source was given its own."""
-        if options and not self.storage_options:
-            self.storage_options = dict(options)
 
     def _load(self) -> CocoIndex:
         index, self.etags, self.digest = load_remote_coco(str(self.ann_file), str(self.image_dir),

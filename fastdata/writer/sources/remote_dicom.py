@@ -24,7 +24,7 @@ from fastdata.writer.resume import RunOptions
 from fastdata.writer.sources.dicom import DicomFolderInput, DicomSamples, read_tags
 from fastdata.writer.sources.folder import SourceScan
 from fastdata.writer.sources.python import MapInput, SourcedBytes
-from fastdata.writer.sources.remote import FILESYSTEM_MODULES, scan_remote_folder
+from fastdata.writer.sources.remote import ReadsURLs, scan_remote_folder
 
 __all__ = ["RemoteDicomFolderInput", "RemoteDicomSamples"]
 
@@ -47,22 +47,15 @@ class RemoteDicomSamples(DicomSamples):
         return {"image": data, "label": int(scan.labels[i]), **read_tags(data, self.tags)}
 
 
-class RemoteDicomFolderInput(DicomFolderInput):
+class RemoteDicomFolderInput(ReadsURLs, DicomFolderInput):
     """A DICOM class-folder tree at a URL with ``tags`` kept as fields (see the module docstring)."""
-
-    reads_urls = True
 
     def __init__(self, src: str, tags, image_mode: str | None = None, *,
                  storage_options: Mapping[str, Any] | None = None):
         super().__init__(src, tags, image_mode)
-        self.recorded_source = self.src = src.rstrip("/")
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.worker_modules = FILESYSTEM_MODULES.get(src.split("://", 1)[0].lower(), ())
+        self.src = src.rstrip("/")
+        self.read_at(self.src, storage_options)
 
-    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
-        """The write's ``storage_options`` for the URL, unless the source was given its own."""
-        if options and not self.storage_options:
-            self.storage_options = dict(options)
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         found = self.folder = scan_remote_folder(self.src, self.storage_options)

@@ -53,7 +53,7 @@ from fastdata.writer.sources.parquet.files import (
     ParquetFileInfo,
 )
 from fastdata.writer.sources.parquet.input import ParquetInput, ParquetRows
-from fastdata.writer.sources.remote import FILESYSTEM_MODULES
+from fastdata.writer.sources.remote import ReadsURLs
 
 #: fsspec's read-ahead block for a Parquet file (pyarrow asks for column chunks a page at a time)
 BLOCK_SIZE = 4 << 20
@@ -236,24 +236,16 @@ def named_error(text: str, tmp: str, folder: str, parent: str | None) -> str:
     return text.replace(os.path.join(tmp, "parent"), parent or folder)
 
 
-class RemoteParquetInput(ParquetInput):
+class RemoteParquetInput(ReadsURLs, ParquetInput):
     """Parquet files at a URL (see the module docstring): the store their local copy gives, but for
     the manifest's ``source``."""
-
-    reads_urls = True
 
     def __init__(self, src: str, image_columns: tuple[str, ...] = (), *,
                  storage_options: Mapping[str, Any] | None = None):
         super().__init__(src, [], image_columns)
-        self.recorded_source = src
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.worker_modules = FILESYSTEM_MODULES.get(src.split("://", 1)[0].lower(), ())
+        self.read_at(src, storage_options)
         self.etags: list[int] = []
 
-    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
-        """The write's ``storage_options`` for the URL, unless the source was given its own."""
-        if options and not self.storage_options:
-            self.storage_options = dict(options)
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         files = remote_parquet_files(self.src, self.storage_options)

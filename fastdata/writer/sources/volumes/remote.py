@@ -35,7 +35,7 @@ from fastdata.errors import SourceError
 from fastdata.remote.location import RemoteLocation
 from fastdata.remote.sources import first_listing_page, list_objects, ObjectReader
 from fastdata.writer.resume import RunOptions
-from fastdata.writer.sources.remote import FILESYSTEM_MODULES
+from fastdata.writer.sources.remote import ReadsURLs
 from fastdata.writer.sources.volumes.common import OpenedSample
 from fastdata.writer.sources.volumes.input import VolumeInput
 from fastdata.writer.sources.volumes.nifti import nifti_header, require_nibabel, VolumeLayout, VolumeSamples
@@ -140,24 +140,16 @@ class RemoteVolumeSamples(VolumeSamples):
         return int(self.sizes[i])
 
 
-class RemoteVolumeInput(VolumeInput):
+class RemoteVolumeInput(ReadsURLs, VolumeInput):
     """A NIfTI folder at a URL (see the module docstring)."""
-
-    reads_urls = True
 
     def __init__(self, src: str, chunks: tuple[int, ...] | None, codec: str | None, *,
                  storage_options: Mapping[str, Any] | None = None):
         super().__init__(src, chunks, codec)
-        self.recorded_source = src
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.worker_modules = FILESYSTEM_MODULES.get(src.split("://", 1)[0].lower(), ())
+        self.read_at(src, storage_options)
         self.sizes = np.zeros(0, np.int64)
         self.etags = np.zeros(0, np.uint64)
 
-    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
-        """The write's ``storage_options`` for the URL, unless the source was given its own."""
-        if options and not self.storage_options:
-            self.storage_options = dict(options)
 
     def _scan_source(self) -> FileScan:
         require_nibabel()

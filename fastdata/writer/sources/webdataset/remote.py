@@ -47,7 +47,7 @@ from fastdata.writer.ingest import spill
 from fastdata.writer.pipeline import Chunk
 from fastdata.writer.plan import ShardPlan
 from fastdata.writer.resume import RunOptions
-from fastdata.writer.sources.remote import FILESYSTEM_MODULES
+from fastdata.writer.sources.remote import ReadsURLs
 from fastdata.writer.sources.webdataset.input import encode_samples, TarChunks, TarInput
 from fastdata.writer.sources.webdataset.names import COMPRESSED_SUFFIXES, expand_braces, TAR_SUFFIX
 from fastdata.writer.sources.webdataset.scan import TarLayout, TarScan
@@ -175,23 +175,15 @@ class RemoteTarChunks(TarChunks):
         return False  # (the bytes are not here: a worker fetches them)
 
 
-class RemoteTarInput(TarInput):
+class RemoteTarInput(ReadsURLs, TarInput):
     """WebDataset tar shards at a URL (see the module docstring): the store their local copy
     gives, but for the manifest's ``source``."""
 
-    reads_urls = True
-
     def __init__(self, src: str, *, storage_options: Mapping[str, Any] | None = None):
         super().__init__(src, [])
-        self.recorded_source = src
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self.worker_modules = FILESYSTEM_MODULES.get(src.split("://", 1)[0].lower(), ())
+        self.read_at(src, storage_options)
         self.etags: list[int] = []
 
-    def use_storage_options(self, options: Mapping[str, Any] | None) -> None:
-        """The write's ``storage_options`` for the URL, unless the source was given its own."""
-        if options and not self.storage_options:
-            self.storage_options = dict(options)
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
         files = remote_tar_files(self.src, self.storage_options)
