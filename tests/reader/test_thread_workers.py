@@ -239,6 +239,35 @@ def test_threads_really_build_batches_at_once():
         list(single)
 
 
+class OpThreads(torch.utils.data.Dataset):
+    """Each sample is the number of threads torch's operators would use in the thread reading it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i):
+        return torch.get_num_threads()
+
+
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(),
+                    reason="torch's own thread pool has one count for the process: the loader leaves it alone")
+def test_loader_threads_run_operators_on_one_thread_and_the_training_thread_keeps_its_count():
+    """As a worker process does (torch.set_num_threads(1)): two loader threads each spreading one
+    small resize over every core spent twice the CPU for nothing. The training thread's count is
+    what it was, before and after; a second pool (a new epoch) is set the same way."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loader = fastdata.loader(OpThreads(), batch_size=2, num_workers=2, worker_type="thread", shuffle=False)
+        for _ in range(2):
+            assert [b.tolist() for b in loader] == [[1, 1]] * 4
+            assert torch.get_num_threads() == 2
+        control = torch.utils.data.DataLoader(OpThreads(), batch_size=2)  # read in this thread: its count
+        assert [b.tolist() for b in control] == [[2, 2]] * 4
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_prefetch_depth_is_bounded():
     ds = Probe(n=60)
     loader = fastdata.loader(ds, batch_size=2, num_workers=2, worker_type="thread", shuffle=False, prefetch_factor=3)
