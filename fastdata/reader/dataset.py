@@ -75,7 +75,7 @@ from fastdata.reader.batching import WORKER_SKIPS, Batch, Samples, aligned, buil
 from fastdata.reader.chunked import ChunkedArray
 from fastdata.reader.decode import decode_numpy, decode_numpy_into, decode_pil, pil_of, squeezed, to_tensor
 from fastdata.reader.overrides import each_sample, overrides_getitem
-from fastdata.reader.seeding import epoch_of, sample_rng
+from fastdata.reader.seeding import epoch_of, reused_sample_rng, sample_rng
 from fastdata.reader.shards import ShardHandles
 from fastdata.reader.subset import StoreSubset, code_names, read_only
 from fastdata.remote.store import StoreLocation, locate_store
@@ -794,7 +794,9 @@ class StoreDataset(Dataset):
         moded = {} if mode == "RGB" or not self._decode_is_ours else {"mode": mode}
         if self._decode_takes_rng:
             transform: fd_transforms.DecodeTransform = self.decode  # type: ignore[assignment]
-            rng = None if epoch is None else sample_rng(self.seed, epoch, index)
+            # (fastdata's transforms keep nothing of the generator: this thread's can be reused)
+            stream = reused_sample_rng if self._decode_is_ours else sample_rng
+            rng = None if epoch is None else stream(self.seed, epoch, index)
             if into is not None:
                 transform.decode_into(data, into, rng, **moded)
                 return into

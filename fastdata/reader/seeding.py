@@ -159,13 +159,35 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     # would draw 128 bits of OS entropy first, only to discard them (a getrandom system call a
     # sample, which releases the GIL: with thread workers, a wait for it to come back).
     bit_generator = np.random.Philox(_NO_ENTROPY)
-    bit_generator.state = {
+    bit_generator.state = _sample_state(seed, epoch, index)
+    return np.random.Generator(bit_generator)
+
+
+def _sample_state(seed: int, epoch: int, index: int) -> dict:
+    """The Philox state at the start of :func:`sample_rng`'s stream ``(seed, epoch, index)``."""
+    return {
         "bit_generator": "Philox",
         "state": {"counter": np.array([0, 0, int(index) & _U64, int(epoch) & _U64], dtype=np.uint64),
                   "key": np.array([int(seed) & _U64, _TAG_SAMPLE], dtype=np.uint64)},
         "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0,
     }
-    return np.random.Generator(bit_generator)
+
+
+_THREAD_STREAM = threading.local()
+
+
+def reused_sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """:func:`sample_rng`'s stream in a generator that this thread reuses: the same draws, valid
+    until this thread's next call. For fastdata's own decode-time transforms, which draw a crop
+    box from it at once and keep nothing: a new Philox and Generator a sample cost about three
+    times as much, all of it holding the GIL (a quarter of the GIL time of thread workers
+    reading a raw-pixel store, py-spy --gil)."""
+    pair = getattr(_THREAD_STREAM, "pair", None)
+    if pair is None:
+        bit_generator = np.random.Philox(_NO_ENTROPY)
+        pair = _THREAD_STREAM.pair = (bit_generator, np.random.Generator(bit_generator))
+    pair[0].state = _sample_state(seed, epoch, index)
+    return pair[1]
 
 
 class EpochIndex(int):
