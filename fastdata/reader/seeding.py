@@ -37,6 +37,7 @@ import gc
 import os
 import random
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -163,7 +164,7 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(bit_generator)
 
 
-def _sample_state(seed: int, epoch: int, index: int) -> dict:
+def _sample_state(seed: int, epoch: int, index: int) -> Any:
     """The Philox state at the start of :func:`sample_rng`'s stream ``(seed, epoch, index)``."""
     return {
         "bit_generator": "Philox",
