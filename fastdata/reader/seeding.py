@@ -182,7 +182,7 @@ def reused_sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     until this thread's next call. For fastdata's own decode-time transforms, which draw a crop
     box from it at once and keep nothing: a new Philox and Generator a sample cost about three
     times as much, all of it holding the GIL (a quarter of the GIL time of thread workers
-    reading a raw-pixel store, py-spy --gil)."""
+    reading a raw-pixel store, by py-spy samples of the thread holding the GIL)."""
     pair = getattr(_THREAD_STREAM, "pair", None)
     if pair is None:
         bit_generator = np.random.Philox(_NO_ENTROPY)
