@@ -5,6 +5,12 @@ decoding of an ImageNet-like JPEG it feeds. Here each GET is signed by botocore'
 of a pool per process, its reply taken only when it is a plain ``200`` with a length: a fraction
 of the CPU (see the remote guide). Nothing of HTTP or of the signature is implemented here.
 
+Where pycurl is installed (the ``remote`` extra), a task's objects are fetched side by side by
+libcurl (:meth:`DirectS3.get_many`): one multi handle per thread, its transfers signed by libcurl's
+own SigV4 (``CURLOPT_AWS_SIGV4``) and run in C, so a GET costs a Python program about a fifth of
+the CPU of the urllib3 path (0.12 against 0.55 ms measured here for a 63 KB object), and the
+worker needs no fetch threads competing with its decoder for the GIL.
+
 Only the common, unsurprising case takes this path; everything else returns None and the caller
 reads through s3fs (:meth:`~fastdata.remote.location.RemoteLocation.read_object`), which has the
 retries and the error translation. The listing pages of a source prefix go the same way
@@ -25,12 +31,16 @@ there too). The pools are per process (made on first use: never inherited across
 
 from __future__ import annotations
 
+import math
 import os
+import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
+
+from fastdata._version import __version__
 
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
 #: frozen credentials are taken again after this many seconds (refreshable ones renew themselves)
@@ -41,6 +51,10 @@ POOL_CONNECTIONS = 8
 LISTING_PAGE_KEYS = 1000
 #: the longest listing page read (1,000 keys of up to 1,024 bytes, with their XML)
 MAX_LISTING_PAGE_BYTES = 8 << 20
+#: bytes libcurl hands over per write callback (its default, 16 KiB, calls Python 4 times a JPEG)
+CURL_BUFFER_BYTES = 256 << 10
+#: what libcurl's GETs call themselves (urllib3's and botocore's name themselves too)
+CURL_USER_AGENT = f"fastdata/{__version__} (libcurl)"
 
 
 def freeze(fs, credentials) -> Any:
@@ -213,6 +227,187 @@ class DirectS3:
                 reply.release_conn()  # kept alive for the next GET
             else:
                 reply.close()  # a reply not read to its end: its connection is not reused
+
+    def get_many(self, bucket: str, wanted: Sequence[tuple[str, int]]
+                 ) -> Generator[tuple[str | None, int, bytes | None] | None, None, None]:
+        """:meth:`get` of each ``(key, listed size)`` of ``wanted``, yielded in order, fetched by
+        libcurl :data:`POOL_CONNECTIONS` at a time ahead of the one yielded (the caller works on
+        an object while the next ones arrive). Needs pycurl (:func:`has_curl`). Each result is
+        what :meth:`get` returns: None where this path cannot answer (the caller reads that object
+        through s3fs). Stopping the iteration early cancels what has not arrived."""
+        return _CurlBatch(self, bucket, wanted).results()
+
+    def curl_options(self, path: str) -> list[tuple[int, Any]]:
+        """libcurl options of a GET of ``path`` (URI-encoded): the URL, timeouts, no proxy, no
+        redirect, and libcurl's SigV4 signature with the current credentials (none: anonymous)."""
+        import pycurl
+
+        options: list[tuple[int, Any]] = [
+            (pycurl.URL, self.origin + path), (pycurl.NOSIGNAL, 1), (pycurl.PROXY, ""),
+            (pycurl.FOLLOWLOCATION, 0), (pycurl.USERAGENT, CURL_USER_AGENT),
+            (pycurl.CONNECTTIMEOUT_MS, int(self.timeout * 1000)),
+            # urllib3's read timeout: a transfer that sends nothing for that long is abandoned
+            (pycurl.LOW_SPEED_LIMIT, 1), (pycurl.LOW_SPEED_TIME, max(1, math.ceil(self.timeout))),
+            (pycurl.BUFFERSIZE, CURL_BUFFER_BYTES)]
+        if self.origin.startswith("https://"):
+            # the certificates Python's ssl (and so urllib3) trusts, not those libcurl was built with
+            paths = ssl.get_default_verify_paths()
+            if paths.cafile:
+                options.append((pycurl.CAINFO, paths.cafile))
+            if paths.capath:
+                options.append((pycurl.CAPATH, paths.capath))
+        if self.credentials is not None:
+            frozen = self._frozen_credentials()
+            options += [(pycurl.AWS_SIGV4, f"aws:amz:{self.region}:s3"), (pycurl.USERNAME, frozen.access_key),
+                        (pycurl.PASSWORD, frozen.secret_key)]
+            if frozen.token:
+                options.append((pycurl.HTTPHEADER, [f"x-amz-security-token: {frozen.token}"]))
+        return options
+
+
+def has_curl() -> bool:
+    """Whether pycurl imports here, with a libcurl that signs requests (``CURLOPT_AWS_SIGV4``, libcurl 7.75+)."""
+    global _HAS_CURL
+    if _HAS_CURL is None:
+        try:
+            import pycurl
+
+            _HAS_CURL = hasattr(pycurl, "AWS_SIGV4") and pycurl.version_info()[2] >= 0x074B00
+        except ImportError:
+            _HAS_CURL = False
+    return _HAS_CURL
+
+
+_HAS_CURL: bool | None = None
+_CURL = threading.local()
+
+
+def _curl_multi() -> tuple[Any, list[Any]]:
+    """This thread's libcurl multi handle, which keeps the connections alive between batches, and
+    its idle easy handles (made on first use: never inherited across a fork)."""
+    state = getattr(_CURL, "state", None)
+    if state is None or state[0] != os.getpid():
+        import pycurl
+
+        state = _CURL.state = (os.getpid(), pycurl.CurlMulti(), [])
+    return state[1], state[2]
+
+
+class _CurlReply:
+    """One transfer's reply as libcurl hands it over: the status line's headers of interest and the
+    body, of which at most ``size`` bytes are kept (a longer or shorter one is not taken)."""
+
+    __slots__ = ("size", "chunks", "received", "etag", "length", "encoded", "index")
+
+    def __init__(self, index: int, size: int) -> None:
+        self.index, self.size = index, size
+        self.chunks: list[bytes] = []
+        self.received = 0
+        self.etag: str | None = None
+        self.length: int | None = None
+        self.encoded = False
+
+    def header(self, line: bytes) -> None:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            if line.startswith(b"HTTP/"):  # a new status line: what came before was an interim reply
+                self.etag, self.length, self.encoded = None, None, False
+            return
+        name = name.strip().lower()
+        if name == b"etag":
+            self.etag = value.strip().decode("latin-1")
+        elif name == b"content-length":
+            try:
+                self.length = int(value)
+            except ValueError:
+                self.length = -1
+        elif name == b"content-encoding":
+            self.encoded = True
+
+    def write(self, data: bytes) -> int | None:
+        self.received += len(data)
+        if self.length != self.size or self.received > self.size:
+            return 0  # (libcurl stops the transfer: the caller reports the length, or falls back)
+        self.chunks.append(data)
+        return None
+
+    def result(self, status: int, failed: bool) -> tuple[str | None, int, bytes | None] | None:
+        if status != 200 or self.length is None or self.encoded:
+            return None
+        if self.length != self.size:
+            return self.etag, self.length, None  # (the caller raises: the object changed)
+        if failed or self.received != self.size:
+            return None
+        return self.etag, self.length, self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+
+
+class _CurlBatch:
+    """The transfers of one :meth:`DirectS3.get_many` call on this thread's multi handle."""
+
+    def __init__(self, direct: DirectS3, bucket: str, wanted: Sequence[tuple[str, int]]) -> None:
+        self.direct, self.wanted = direct, wanted
+        self.paths = [f"{direct.base_path}/{urllib.parse.quote(bucket)}/{urllib.parse.quote(key, safe='/~')}"
+                      for key, _ in wanted]
+
+    def results(self) -> Generator[tuple[str | None, int, bytes | None] | None, None, None]:
+        import pycurl
+
+        multi, idle = _curl_multi()
+        active: dict[Any, _CurlReply] = {}
+        done: dict[int, tuple[str | None, int, bytes | None] | None] = {}
+        started = 0
+
+        def start() -> None:
+            nonlocal started
+            handle = idle.pop() if idle else pycurl.Curl()
+            reply = _CurlReply(started, self.wanted[started][1])
+            handle.reset()
+            for option, value in self.direct.curl_options(self.paths[started]):
+                handle.setopt(option, value)
+            handle.setopt(pycurl.HEADERFUNCTION, reply.header)
+            handle.setopt(pycurl.WRITEFUNCTION, reply.write)
+            multi.add_handle(handle)
+            active[handle] = reply
+            started += 1
+
+        def finish(handle, failed: bool) -> None:
+            reply = active.pop(handle)
+            multi.remove_handle(handle)
+            done[reply.index] = reply.result(handle.getinfo(pycurl.RESPONSE_CODE), failed)
+            handle.setopt(pycurl.WRITEFUNCTION, _discard)  # (the reply's body goes with it)
+            idle.append(handle)
+
+        def progress(wait: bool) -> None:
+            while started < len(self.wanted) and len(active) < POOL_CONNECTIONS:
+                start()
+            if wait and active:
+                multi.select(0.1)
+            while multi.perform()[0] == pycurl.E_CALL_MULTI_PERFORM:
+                pass
+            while True:
+                queued, ok, failed = multi.info_read()
+                for handle in ok:
+                    finish(handle, False)
+                for handle, _, _ in failed:
+                    finish(handle, True)
+                if not queued:
+                    break
+
+        try:
+            for k in range(len(self.wanted)):
+                progress(False)
+                while k not in done:
+                    progress(True)
+                yield done.pop(k)
+        finally:  # (stopped early: what has not arrived is dropped, its connection closed by libcurl)
+            for handle in list(active):
+                active.pop(handle)
+                multi.remove_handle(handle)
+                handle.close()
+
+
+def _discard(data: bytes) -> None:
+    return None
 
 
 _DIRECT: dict[tuple, DirectS3 | None] = {}

@@ -21,7 +21,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -747,6 +747,42 @@ class RemoteLocation:
         direct = direct_s3(fs, max(self.timeouts()))
         return None if direct is None else direct.spec()
 
+    def _direct(self, direct_spec: dict[str, Any] | None):
+        """The :class:`~fastdata.remote.direct.DirectS3` of this location's GETs (``direct_spec``:
+        :meth:`direct_spec` of the process that listed the objects), or None where they go through
+        s3fs."""
+        if self.scheme not in ("s3", "s3a"):
+            return None
+        from fastdata.remote.direct import direct_from_spec, direct_s3
+
+        if direct_spec is not None:
+            return direct_from_spec(direct_spec)
+        fs = self.filesystem()
+        return direct_s3(fs, max(self.timeouts())) if hasattr(fs, "_call_s3") else None
+
+    def _bucket_key(self, name: str) -> tuple[str, str]:
+        """The bucket of this location and the key of object ``name`` in it."""
+        bucket, _, prefix = self.url.split("://", 1)[1].partition("/")
+        prefix = prefix.strip("/")
+        return bucket, f"{prefix}/{name}" if prefix else name
+
+    def _direct_reply(self, name: str, size: int, etag: int, got: tuple[str | None, int, bytes | None]) -> bytes:
+        """The body of a plain GET's reply ``got`` (``(ETag, length, body)``) of object ``name``,
+        listed with ``size`` bytes and ETag ``etag``.
+
+        Raises:
+            SourceChangedError: its ETag or length is not the listing's.
+        """
+        reply_etag, length, data = got
+        now = etag_key(reply_etag)
+        why = (["its ETag differs"] if etag and now and now != etag else []) + (
+            [f"{length:,} bytes, listed as {size:,}"] if length != size else [])
+        if why or data is None:
+            raise SourceChangedError(f"{self.child(name)}: the object changed after it was listed "
+                                     f"({'; '.join(why)}); nothing was published: rerun the conversion "
+                                     "once the input stops changing")
+        return data
+
     def object_reader(self, direct_spec: dict[str, Any] | None = None) -> Callable[[str, int, int], bytes]:
         """:meth:`read_object` for many objects under this location. On ``s3://`` against an
         S3-compatible endpoint each object is first asked for with a plain signed GET
@@ -754,32 +790,46 @@ class RemoteLocation:
         :meth:`direct_spec` of the process that listed the objects, so that no client is made
         here unless a GET falls back), and read through :meth:`read_object` whenever that cannot
         answer."""
-        direct = None
-        if self.scheme in ("s3", "s3a"):
-            from fastdata.remote.direct import direct_from_spec, direct_s3
-
-            if direct_spec is not None:
-                direct = direct_from_spec(direct_spec)
-            else:
-                fs = self.filesystem()
-                direct = direct_s3(fs, max(self.timeouts())) if hasattr(fs, "_call_s3") else None
-        bucket = self.url.split("://", 1)[1].split("/", 1)[0]
-        prefix = self.url.split("://", 1)[1][len(bucket):].strip("/")
+        direct = self._direct(direct_spec)
 
         def read(name: str, size: int, etag: int = 0) -> bytes:
             if direct is not None and size >= 0:
-                got = direct.get(bucket, f"{prefix}/{name}" if prefix else name, size)
+                bucket, key = self._bucket_key(name)
+                got = direct.get(bucket, key, size)
                 if got is not None:
-                    reply_etag, length, data = got
-                    now = etag_key(reply_etag)
-                    why = (["its ETag differs"] if etag and now and now != etag else []) + (
-                        [f"{length:,} bytes, listed as {size:,}"] if length != size else [])
-                    if why or data is None:
-                        raise SourceChangedError(f"{self.child(name)}: the object changed after it was listed "
-                                                 f"({'; '.join(why)}); nothing was published: rerun the conversion "
-                                                 "once the input stops changing")
-                    return data
+                    return self._direct_reply(name, size, etag, got)
             return self.read_object(name, size, etag)
+        return read
+
+    def batch_reader(self, direct_spec: dict[str, Any] | None = None
+                     ) -> Callable[[Sequence[str], Sequence[int], Sequence[int]], Generator[bytes, None, None]] | None:
+        """:meth:`object_reader` for a batch of objects fetched side by side by libcurl
+        (:meth:`~fastdata.remote.direct.DirectS3.get_many`): ``read(names, sizes, etags)`` yields
+        each object's bytes in order, fetching the next ones meanwhile; an object libcurl cannot
+        answer for, or of unknown size (negative), is read through :meth:`read_object`. None where
+        that path is not taken (not ``s3://`` against an S3-compatible endpoint, or no pycurl):
+        read the objects one by one with :meth:`object_reader`.
+
+        Raises (from the iterator):
+            SourceChangedError: an object's ETag or length is not the listing's, or it is gone.
+        """
+        from fastdata.remote.direct import has_curl
+
+        direct = self._direct(direct_spec) if has_curl() else None
+        if direct is None:
+            return None
+
+        def read(names: Sequence[str], sizes: Sequence[int], etags: Sequence[int]) -> Generator[bytes, None, None]:
+            bucket = self._bucket_key("")[0]
+            replies = direct.get_many(bucket, [(self._bucket_key(name)[1], size)
+                                               for name, size in zip(names, sizes, strict=True) if size >= 0])
+            try:
+                for name, size, etag in zip(names, sizes, etags, strict=True):
+                    got = next(replies) if size >= 0 else None
+                    yield self.read_object(name, size, etag) if got is None else \
+                        self._direct_reply(name, size, etag, got)
+            finally:
+                replies.close()
         return read
 
     def size(self, name: str) -> int | None:

