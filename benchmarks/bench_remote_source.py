@@ -58,17 +58,29 @@ def upload_folder(src: str, url: str) -> int:
 
 class CpuSampler:
     """CPU seconds of this process and every process below it (the forkserver, the converter's
-    workers), sampled every 20 ms while a conversion runs: workers that exit are counted at their
-    last sample. Less sensitive than wall time to other load on a shared machine."""
+    workers) but the S3 server's (``exclude``: its process, which this process started, and its
+    children; its CPU is reported apart), sampled every 20 ms while a conversion runs: workers that
+    exit are counted at their last sample. Less sensitive than wall time to other load on a shared
+    machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: int | None = None) -> None:
+        self.exclude = exclude
         self.seen: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
         me = psutil.Process()
+        skip: set[int] = set()
+        if self.exclude is not None:
+            try:
+                server = psutil.Process(self.exclude)
+                skip = {self.exclude, *(p.pid for p in server.children(recursive=True))}
+            except psutil.Error:
+                skip = {self.exclude}
         for proc in [me, *me.children(recursive=True)]:
+            if proc.pid in skip:
+                continue
             try:
                 times = proc.cpu_times()
                 self.seen[proc.pid] = times.user + times.system
@@ -123,7 +135,7 @@ def run(args) -> dict:
                 shutil.rmtree(dst, ignore_errors=True)
                 server0 = server_cpu_s(server)
                 t0 = time.perf_counter()
-                with CpuSampler() as sampler:
+                with CpuSampler(exclude=server.proc.pid) as sampler:
                     report = fastdata.convert(src if kind == "local" else url, dst, shard_size=args.shard_size,
                                               workers=args.workers, progress=False)
                 wall = time.perf_counter() - t0

@@ -381,7 +381,9 @@ class _CurlBatch:
             while started < len(self.wanted) and len(active) < POOL_CONNECTIONS:
                 start()
             if wait and active:
-                multi.select(0.1)
+                # no longer than libcurl asks (its timers: a connection being set up has no socket yet)
+                due_ms = multi.timeout()
+                multi.select(0.1 if due_ms < 0 else min(0.1, due_ms / 1000))
             while multi.perform()[0] == pycurl.E_CALL_MULTI_PERFORM:
                 pass
             while True:
