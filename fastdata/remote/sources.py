@@ -181,28 +181,27 @@ def list_objects(loc: RemoteLocation) -> ObjectListing:
     return found
 
 
-def first_listing_page(loc: RemoteLocation, *, max_keys: int, folders: bool) -> tuple[list[str], int] | None:
-    """One listing page under ``loc``'s prefix, to tell what kind of source it holds: up to
-    ``max_keys`` object names, and how many "subfolders" (with ``folders``: the objects directly
-    under the prefix and its common prefixes, ``/`` as delimiter; else objects at any depth, up to
-    three levels elsewhere than S3). None where it cannot be listed (an ``https://`` URL, a missing
-    prefix, refused credentials: the source that lists it in full says why)."""
+def first_listing_page(loc: RemoteLocation, *, max_keys: int = 1000) -> list[str] | None:
+    """One listing page under ``loc``'s prefix, to tell what kind of source it holds (tar shards,
+    NIfTI volumes, images): up to ``max_keys`` object names relative to the prefix, at any depth
+    (``a.tar``, ``cls/img.jpg``), in the server's order; elsewhere than S3, up to three levels
+    deep. One request on ``s3://``: every kind is told from the same page. None where it cannot
+    be listed (an ``https://`` URL, a missing prefix, refused credentials: the source that lists
+    it in full says why)."""
     if loc.read_only:
         return None
     try:
         fs = loc.filesystem()
-        base = loc.url.split("://", 1)[1]
+        base = loc.url.split("://", 1)[1].rstrip("/")
         if loc.scheme in ("s3", "s3a") and hasattr(fs, "call_s3"):
             bucket, key, _ = fs.split_path(base)
-            extra = {"Delimiter": "/"} if folders else {}
-            page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=(key.rstrip("/") + "/") if key else "",
-                              MaxKeys=max_keys, **extra)
-            return [c["Key"] for c in page.get("Contents", [])], len(page.get("CommonPrefixes", []))
-        if folders:
-            entries = fs.ls(base, detail=True)
-            return ([e["name"] for e in entries if e.get("type") != "directory"],
-                    sum(e.get("type") == "directory" for e in entries))
-        return list(fs.find(base, maxdepth=3))[:max_keys], 0
+            prefix = (key.rstrip("/") + "/") if key else ""
+            page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=max_keys)
+            names = [c["Key"][len(prefix):] for c in page.get("Contents", [])]
+        else:
+            root = base + "/"
+            names = [p[len(root):] for p in fs.find(base, maxdepth=3) if p.startswith(root)][:max_keys]
+        return [n for n in names if n and not n.endswith("/")]  # (not a "folder" placeholder object)
     except Exception:  # noqa: BLE001 - not listable here: the source that lists it in full reports why
         return None
 

@@ -231,28 +231,38 @@ def source_for_path(
         if chunks is not None or codec is not None:  # (a folder of NIfTI volumes)
             _refuse({**images, "schema": schema}, "NIfTI volumes", "every value is stored exactly as read")
             return Volumes(src, chunks=chunks, codec=codec)
-        if src.rstrip("/").lower().endswith((".jsonl", ".ndjson")) or schema is not None:
+        from fastdata.writer.sources.volumes.remote import holds_volumes, is_remote_volume_list
+
+        lower = src.rstrip("/").lower()
+        if lower.endswith(".json") or (schema is None and is_remote_volume_list(src, storage_options or {})):
+            _refuse({**images, "schema": schema}, "NIfTI volumes", "every value is stored exactly as read")
+            return Volumes(src, chunks=chunks, codec=codec)  # (a volume list, a Decathlon dataset.json)
+        if lower.endswith((".jsonl", ".ndjson")) or schema is not None:
             _refuse({"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
                      "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode},
                     "a list with more fields than path,label", "each image's bytes are kept as they are")
             return Table(src, schema=schema)
-        if src.rstrip("/").lower().endswith(".parquet"):  # a file or a glob of them (a folder: sources.Parquet)
+        if lower.endswith(".parquet"):  # a file or a glob of them (a folder: sources.Parquet)
             _refuse({"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
                      "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode,
                      "schema": schema}, "Parquet files",
                     "every column becomes a field and image bytes are stored as they are")
             return Parquet(src)
+        from fastdata.remote.location import RemoteLocation
+        from fastdata.remote.sources import first_listing_page
         from fastdata.writer.sources.webdataset.remote import holds_tars, is_tar_url
 
-        if is_tar_url(src) or (remote_image_source(src) and holds_tars(src, storage_options or {})):
+        page = None
+        if not is_tar_url(src) and remote_image_source(src) and not lower.endswith((".csv", ".tsv")):
+            # one listing page tells a prefix of tars, of volumes or of images apart
+            page = first_listing_page(RemoteLocation(src, dict(storage_options or {})))
+        if is_tar_url(src) or holds_tars(page):
             _refuse({"max_side": max_side, "quality": quality, "raw": raw, "lossless": lossless, "storage": storage,
                      "raw_fraction": raw_fraction, "raw_budget": raw_budget, "image_mode": image_mode,
                      "schema": schema}, "WebDataset shards",
                     "every member extension becomes a field and image bytes are stored as they are")
             return WebDataset(src)
-        from fastdata.writer.sources.volumes.remote import holds_volumes
-
-        if remote_image_source(src) and holds_volumes(src, storage_options or {}):
+        if holds_volumes(page):
             _refuse({**images, "schema": schema}, "NIfTI volumes", "every value is stored exactly as read")
             return Volumes(src, chunks=chunks, codec=codec)
         if not remote_image_source(src):

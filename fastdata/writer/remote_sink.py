@@ -101,15 +101,15 @@ def remote_image_source(src: str | os.PathLike) -> bool:
 
 def refuse_remote_source(src: str | os.PathLike, what: str = "source") -> None:
     """Raise :class:`RemotePathError` when ``src`` is a URL of an input kind that is read from a
-    local or mounted filesystem only (single NIfTI files, volume lists and Decathlon
-    ``dataset.json`` files, TIFF images; every other kind is read from URLs)."""
+    local or mounted filesystem only (single NIfTI files, TIFF images; every other kind is read
+    from URLs)."""
     scheme = remote_scheme(src)
     if scheme is not None:
         raise RemotePathError(f"{what} {os.fspath(src)}: this kind of input is read from a local or mounted "
                               f"filesystem (from {scheme}:// URLs fastdata reads image folders, .csv/.tsv/.jsonl "
-                              "lists, COCO, Parquet files, WebDataset tars, folders of NIfTI volumes and DICOM "
-                              "folders with dicom_tags; not single volumes, volume lists, dataset.json or TIFF "
-                              "images): copy or mount the data and give that path")
+                              "lists, COCO, Parquet files, WebDataset tars, NIfTI volumes (folders, volume lists, "
+                              "Decathlon dataset.json files) and DICOM folders with dicom_tags; not single volumes "
+                              "or TIFF images): copy or mount the data and give that path")
 
 
 def check_url_path(url: str) -> None:

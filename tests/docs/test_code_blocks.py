@@ -244,6 +244,7 @@ def _remote(tmp: Path, monkeypatch, request) -> dict:
     RemoteLocation("s3://bucket/lists").write_bytes("rows.jsonl", jsonl.encode())
     # WebDataset tars, NIfTI volumes and a DICOM tree in the bucket (the page converts them from there)
     import io
+    import json
     import tarfile
 
     from helpers.native import dicom_tree
@@ -259,8 +260,12 @@ def _remote(tmp: Path, monkeypatch, request) -> dict:
         RemoteLocation("s3://bucket/shards").write_bytes(f"train-{t:06d}.tar", buf.getvalue())
     for k in range(2):
         write_nifti(Path("scans", f"v{k}.nii.gz"), volume(k, (12, 10, 6)))
+        write_nifti(Path("Task02_Heart", "imagesTr", f"la_{k:03d}.nii.gz"), volume(k, (12, 10, 6)))
+        write_nifti(Path("Task02_Heart", "labelsTr", f"la_{k:03d}.nii.gz"), volume(k, (12, 10, 6), "uint8") % 3)
+    Path("Task02_Heart", "dataset.json").write_text(json.dumps({"name": "LeftAtrium", "training": [
+        {"image": f"./imagesTr/la_{k:03d}.nii.gz", "label": f"./labelsTr/la_{k:03d}.nii.gz"} for k in range(2)]}))
     dicom_tree(Path("dicom"), {"lung": 2, "liver": 1})
-    for folder in ("scans", "dicom"):
+    for folder in ("scans", "dicom", "Task02_Heart"):
         local = sorted(p for p in Path(folder).rglob("*") if p.is_file())
         RemoteLocation(f"s3://bucket/{folder}").filesystem().put([str(p) for p in local],
                                                                  [f"bucket/{p.as_posix()}" for p in local])

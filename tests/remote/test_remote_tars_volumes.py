@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.native import dicom_tree
-from helpers.nifti import affine_of, volume, write_nifti
+from helpers.nifti import affine_of, label_of, volume, write_nifti
 from helpers.procs import cli_in_process
 from helpers.samples import jpeg
 
@@ -387,3 +387,194 @@ def test_a_dicom_file_deleted_after_planning_stops_the_run_and_errors_are_one_li
     assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
     with pytest.raises(SourceError, match="no NIfTI files found"):
         fastdata.convert(fastdata.sources.Volumes(inputs.shards), tmp_path / "y.lmdb", progress=False, workers=0)
+
+
+# --------------------------------------------------------------------------- volume lists and dataset.json
+
+
+@pytest.fixture(scope="module")
+def vol_lists(s3_server, tmp_path_factory):
+    """A Decathlon task (image and label volumes, a dataset.json) and a CSV volume list beside it
+    naming its pairs relatively, with an extra column and a missing volume; locally and in a
+    bucket, with their local conversions; and a local list naming the bucket's volumes by URL."""
+    mp = pytest.MonkeyPatch()
+    for key, value in s3_server.env().items():
+        mp.setenv(key, value)
+    mp.setenv("FASTDATA_REMOTE_RETRIES", "2")
+    root = tmp_path_factory.mktemp("remote-vol-lists")
+    task = root / "data" / "task"
+    for i in range(3):
+        image = volume(10 + i, (16, 12, 9))
+        write_nifti(task / "imagesTr" / f"c{i}.nii.gz", image, affine_of(i))
+        write_nifti(task / "labelsTr" / f"c{i}.nii.gz", label_of(image), affine_of(i))
+    training = [{"image": f"./imagesTr/c{i}.nii.gz", "label": f"./labelsTr/c{i}.nii.gz"} for i in range(3)]
+    (task / "dataset.json").write_text(json.dumps({"name": "Tiny", "modality": {"0": "CT"}, "training": training}))
+    rows = ["image,label,age"] + [f"../task/imagesTr/c{i}.nii.gz,../task/labelsTr/c{i}.nii.gz,{40 + i}"
+                                  for i in (2, 0)]
+    rows.insert(2, "../task/imagesTr/missing.nii.gz,../task/labelsTr/c1.nii.gz,50")  # rejected, as locally
+    (root / "data" / "lists").mkdir()
+    (root / "data" / "lists" / "vols.csv").write_text("\n".join(rows) + "\n")
+    bucket = f"s3://{s3_server.take_bucket(f'rvlists{os.getpid()}')}"
+    upload_tree(root / "data", bucket)
+    # a local list naming the bucket's objects by URL
+    url_rows = [rows[0]] + [row.replace("../task/", f"{bucket}/task/") for row in rows[1:]]
+    (root / "urls.csv").write_text("\n".join(url_rows) + "\n")
+
+    class NS:
+        pass
+    t = NS()
+    t.bucket, t.root = bucket, root
+    t.local_list = root / "local-list.lmdb"
+    t.local_report = fastdata.convert(str(root / "data" / "lists" / "vols.csv"), t.local_list, chunks=(8, 8, 8),
+                                      progress=False, workers=0)
+    t.local_task = root / "local-task.lmdb"
+    fastdata.convert(str(task / "dataset.json"), t.local_task, chunks=(8, 8, 8), progress=False, workers=0)
+    yield t
+    mp.undo()
+
+
+def test_remote_volume_lists_and_dataset_json_convert_to_the_local_stores(vol_lists, tmp_path):
+    """A list at a URL (relative paths resolved against its URL), a dataset.json at a URL, and a
+    local list naming URLs: told apart from image lists, converted to the local store's values,
+    labels, extra columns, paths and rejects; a resume of the published store has nothing to do."""
+    t = vol_lists
+    dst = tmp_path / "list.lmdb"
+    report = fastdata.convert(f"{t.bucket}/lists/vols.csv", dst, progress=False, workers=2, chunks=(8, 8, 8))
+    same_values(t.local_list, dst)
+    # the same row rejected (locally nibabel's FileNotFoundError; here the object's URL)
+    assert [r[0] for r in report.rejected_items] == [r[0] for r in t.local_report.rejected_items] == \
+        ["../task/imagesTr/missing.nii.gz"]
+    assert report.rejected_items[0][1] == f"file not found (no object at {t.bucket}/task/imagesTr/missing.nii.gz)"
+    ds = fastdata.open_dataset(dst)
+    assert ds.relpath(0) == "../task/imagesTr/c2.nii.gz" and ds[0]["age"] == 42  # recorded as the row says
+    assert read_manifest(str(dst))["options"]["source"] == f"{t.bucket}/lists/vols.csv"
+    again = fastdata.convert(f"{t.bucket}/lists/vols.csv", dst, progress=False, chunks=(8, 8, 8), resume=True)
+    assert again.already_complete
+
+    dst = tmp_path / "task.lmdb"
+    fastdata.convert(f"{t.bucket}/task/dataset.json", dst, progress=False, workers=0)  # default chunks: told apart
+    assert read_manifest(str(dst))["metadata"]["decathlon"] == {"name": "Tiny", "modality": {"0": "CT"}}
+    dst = tmp_path / "task8.lmdb"
+    fastdata.convert(fastdata.sources.Volumes(f"{t.bucket}/task/dataset.json", chunks=(8, 8, 8)), dst,
+                     progress=False, workers=0)
+    same_values(t.local_task, dst)
+
+    dst = tmp_path / "urls.lmdb"
+    report = fastdata.convert(str(t.root / "urls.csv"), dst, chunks=(8, 8, 8), progress=False, workers=0)
+    same_values(t.local_list, dst)
+    assert fastdata.open_dataset(dst).relpath(0) == f"{t.bucket}/task/imagesTr/c2.nii.gz"
+    assert report.rejected_items == [(f"{t.bucket}/task/imagesTr/missing.nii.gz",
+                                      f"file not found (no object at {t.bucket}/task/imagesTr/missing.nii.gz)")]
+
+
+def test_a_remote_volume_list_holds_one_samples_files_and_stops_naming_a_changed_label(vol_lists, tmp_path,
+                                                                                      monkeypatch):
+    """Spool files of a list with label volumes: at most one sample's two files at a time (counted
+    at every copy, probes included), none left; a label volume rewritten after planning stops the
+    run naming it, nothing published; strict stops at the missing volume as locally."""
+    from fastdata.errors import RejectedInputError
+    from fastdata.writer.options import WriteOptions
+    from fastdata.writer.session import WriteSession
+    from fastdata.writer.sources.volumes import remote
+    from fastdata.writer.sources.volumes.remote import RemoteVolumeInput
+
+    t = vol_lists
+    spool_dir = tmp_path / "tmp"
+    spool_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
+    real, most = remote.spool, {"n": 0, "calls": 0}
+
+    def counted(*args, **kwargs):
+        path = real(*args, **kwargs)
+        most["n"] = max(most["n"], len(list(spool_dir.glob("fastdata-spool-*"))))
+        most["calls"] += 1
+        return path
+    monkeypatch.setattr(remote, "spool", counted)
+    src = f"{t.bucket}/lists/vols.csv"
+    fastdata.convert(src, tmp_path / "counted.lmdb", chunks=(8, 8, 8), progress=False, workers=0)
+    assert most["n"] == 2 and most["calls"] > 4 and not list(spool_dir.glob("fastdata-spool-*"))
+    same_values(t.local_list, tmp_path / "counted.lmdb")
+
+    with pytest.raises(RejectedInputError, match="missing.nii.gz") as local:
+        fastdata.convert(str(t.root / "data" / "lists" / "vols.csv"), tmp_path / "s1.lmdb", chunks=(8, 8, 8),
+                         progress=False, workers=0, strict=True)
+    with pytest.raises(RejectedInputError, match="missing.nii.gz") as remote_err:
+        fastdata.convert(src, tmp_path / "s2.lmdb", chunks=(8, 8, 8), progress=False, workers=0, strict=True)
+    # the same stop, naming the input (locally its path, here its URL)
+    missing = f"{t.bucket}/task/imagesTr/missing.nii.gz"
+    hint = str(local.value)[str(local.value).index(" (strict=True"):]
+    assert str(remote_err.value) == f"{missing}: file not found (no object at {missing}){hint}"
+
+    loc = RemoteLocation(f"{t.bucket}/task/labelsTr")
+    name = "c0.nii.gz"
+    original = loc.read_bytes(name)
+
+    class Changing(RemoteVolumeInput):
+        def plan(self, run, dst):
+            plans = super().plan(run, dst)
+            loc.write_bytes(name, original + b"\0")  # another size and ETag
+            return plans
+    dst = tmp_path / "changed.lmdb"
+    try:
+        with pytest.raises(SourceChangedError, match=f"{t.bucket}/task/labelsTr/{name}: the object changed") as err:
+            WriteSession(Changing(src, (8, 8, 8), None), str(dst), WriteOptions(progress=False, workers=0)).run()
+        assert "\n" not in str(err.value)
+    finally:
+        loc.write_bytes(name, original)
+    assert not (dst / "manifest.json").exists() and not list(spool_dir.glob("fastdata-spool-*"))
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_temporary_folder_that_cannot_take_a_volume_is_one_line_naming_it(inputs, tmp_path, workers):
+    """A real EFBIG: the CLI runs under a file size limit (RLIMIT_FSIZE, as `ulimit -f` sets) that
+    the converter's copy of a header (the first MiB) fits in and the copy of the whole volume (in
+    the converter, or in a worker: slow) does not. One line naming the object, the folder and
+    TMPDIR; no copy left behind. (A full disk, ENOSPC, takes the same path: a failed write of the
+    copy.)"""
+    import resource
+    import subprocess
+    import sys
+
+    big = f"{inputs.bucket}/big"
+    loc = RemoteLocation(big)
+    for i in range(8):  # v1 is not among the planning probes (samples 0, 2, 4, 6, 7): a worker copies it
+        shape = (96, 96, 96) if i == 1 else (4, 4, 4)  # 1.8 MB of voxels, a few kB stored
+        loc.write_bytes(f"v{i}.nii", write_nifti(tmp_path / f"v{i}.nii", np.zeros(shape, np.int16)).read_bytes())
+    spool_dir = tmp_path / "tmp"
+    spool_dir.mkdir()
+    limit = 3 << 19
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    env = {**os.environ, "TMPDIR": str(spool_dir)}
+    cli = subprocess.run([sys.executable, "-m", "fastdata", "convert", big, str(tmp_path / "big.lmdb"), "--chunks",
+                          "8,8,8", "--workers", str(workers)], capture_output=True, text=True, timeout=120, env=env,
+                         preexec_fn=limited)
+    assert cli.returncode != 0 and "Traceback" not in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    size = len(loc.read_bytes("v1.nii"))
+    assert f"{big}/v1.nii: cannot copy {size:,} bytes of the volume into the temporary folder {spool_dir}: File " \
+        "too large (EFBIG)" in cli.stderr and "set TMPDIR" in cli.stderr
+    assert not list(spool_dir.glob("fastdata-spool-*"))
+
+
+def test_a_remote_image_folder_is_told_apart_by_one_listing_page(inputs, tmp_path):
+    """Telling a prefix's kind (tar shards? NIfTI volumes? images?) costs one listing request; the
+    folder's own listing follows (one page for these objects): two listing requests in all,
+    counted at the HTTP level by a proxy in front of the server."""
+    from helpers.counting_proxy import CountingProxy
+
+    for i in range(4):
+        path = tmp_path / "imgs" / ("ab"[i % 2]) / f"{i}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(jpeg(i))
+    upload_tree(tmp_path / "imgs", f"{inputs.bucket}/imgs")
+    proxy = CountingProxy(inputs.server.endpoint).start()
+    try:
+        report = fastdata.convert(f"{inputs.bucket}/imgs/", tmp_path / "counted.lmdb", progress=False, workers=0,
+                                  storage_options={"endpoint_url": proxy.endpoint})
+        listings = [r.path for r in proxy.requests if r.method == "GET" and "list-type=2" in r.path]
+    finally:
+        proxy.stop()
+    assert report.images == 4 and fastdata.open_dataset(tmp_path / "counted.lmdb").classes == ["a", "b"]
+    assert len(listings) == 2, listings

@@ -46,6 +46,7 @@ from fastdata.writer.sources.volumes.input import (
     parse_chunks,
     parse_max_pixels,
 )
+from fastdata.writer.sources.volumes.scan import names_urls
 from fastdata.writer.sources.webdataset.input import TarInput
 from fastdata.writer.sources.webdataset.names import tar_files
 
@@ -612,10 +613,11 @@ class Volumes(Source):
             smaller stores; :data:`fastdata.format.chunk_codecs.CHUNK_CODECS`).
         max_pixels (int | str | None): TIFF images only: the most pixels (H x W) of one image
             (``"2G"`` or an int; default: the decompression-bomb limit).
-        storage_options (Mapping | None): fsspec options for a URL ``path`` (a folder of NIfTI
-            volumes at ``s3://``, ``gs://``, ``az://``; each volume copied by the worker that
-            converts it into a temporary file of its own: see "Remote sources" in the remote
-            guide); None: the write's ``storage_options``.
+        storage_options (Mapping | None): fsspec options for NIfTI volumes at URLs (a folder, a
+            volume list or ``dataset.json`` at ``s3://``, ``gs://``, ``az://``, or a list at
+            ``https://``; a local volume list whose rows name URLs); each volume is copied by the
+            worker that converts it into a temporary file of its own: see "Remote sources" in the
+            remote guide. None: the write's ``storage_options``.
 
     Raises:
         TypeError, ValueError: naming the parameter.
@@ -639,10 +641,10 @@ class Volumes(Source):
         self.max_pixels = None if max_pixels is None else parse_max_pixels(max_pixels)
 
     def write_source(self) -> WriteSource:
-        if is_remote(self.path):
+        if is_remote(self.path) or names_urls(self.path):
             if self.max_pixels is not None:
                 raise RemotePathError(f"{self.path}: TIFF images (max_pixels) are read from a local or mounted "
-                                      "filesystem; from a URL fastdata reads a folder of NIfTI volumes")
+                                      "filesystem; from URLs fastdata reads NIfTI volumes")
             from fastdata.writer.sources.volumes.remote import RemoteVolumeInput
 
             return RemoteVolumeInput(self.path, self.chunks, self.codec, storage_options=self.storage_options)

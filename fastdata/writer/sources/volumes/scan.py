@@ -5,22 +5,25 @@ NIfTI source (:func:`is_volume_source`). Rules: :mod:`~fastdata.writer.sources.v
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastdata.common.extensions import IMG_EXTENSIONS
 from fastdata.errors import SourceError
 from fastdata.format.fields import JSON, RESERVED_NAMES, Field, Float, Int, Schema, SchemaError, String
+from fastdata.remote.sources import join_url
 from fastdata.writer.sources.folder import MAX_INTEGER_LABEL, MAX_ROW_ERRORS, find_classes
 
 __all__ = ["FileScan", "IMAGE_COLUMNS", "LABEL_COLUMN", "LIST_SUFFIXES", "NIFTI_SUFFIXES", "OWN_FIELDS", "is_nifti",
-           "is_volume_source", "scan_decathlon", "scan_file_folder", "scan_volume_list"]
+           "is_url", "is_volume_list_text", "is_volume_source", "names_urls", "scan_decathlon", "scan_file_folder",
+           "scan_volume_list"]
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 LIST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".ndjson")
@@ -134,8 +137,6 @@ def _list_rows(list_file: str) -> tuple[list[str], list[tuple[int, dict[str, Any
     Raises:
         SourceError: the file is missing, a JSONL line is not an object, or the header repeats a name.
     """
-    rows: list[tuple[int, dict[str, Any] | str]] = []
-    keys: list[str] = []
     try:
         fh = open(list_file, newline="", encoding="utf-8-sig", errors="surrogateescape")
     except FileNotFoundError:
@@ -143,39 +144,47 @@ def _list_rows(list_file: str) -> tuple[list[str], list[tuple[int, dict[str, Any
     except OSError as err:
         raise SourceError(f"cannot read list file {list_file}: {err.strerror}") from None
     with fh:
-        if list_file.lower().endswith((".jsonl", ".ndjson")):
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise SourceError(f"{list_file}:{lineno}: not a JSON object ({err.msg})") from None
-                if not isinstance(obj, dict):
-                    raise SourceError(f"{list_file}:{lineno}: expected a JSON object per line, got "
-                                      f"{type(obj).__name__}")
-                keys.extend(k for k in obj if k not in keys)
-                rows.append((lineno, obj))
-            return keys, rows, False
-        reader = csv.reader(fh, delimiter="\t" if list_file.lower().endswith(".tsv") else ",")
-        try:
-            for row in reader:
-                if not row or (len(row) == 1 and not row[0].strip()):
-                    continue
-                if not keys:
-                    keys = [c.strip() for c in row]
-                    if len(set(keys)) != len(keys):
-                        raise SourceError(f"{list_file}:{reader.line_num}: the header names a column twice")
-                    if is_nifti(keys[0]):
-                        raise SourceError(f"{list_file}: a volume list needs a header row naming its columns "
-                                          "(e.g. image,label); its first line names a file")
-                    continue
-                if len(row) != len(keys):
-                    rows.append((reader.line_num, f"expected {len(keys)} columns, got {len(row)}"))
-                    continue
-                rows.append((reader.line_num, {k: v.strip() for k, v in zip(keys, row, strict=True)}))
-        except csv.Error as err:
-            raise SourceError(f"{list_file}:{reader.line_num}: {err}; fix that line") from None
+        return _parse_list_rows(list_file, fh)
+
+
+def _parse_list_rows(list_file: str, fh: Iterable[str]) -> tuple[list[str], list[tuple[int, dict[str, Any] | str]],
+                                                                  bool]:
+    """:func:`_list_rows` of the lines ``fh`` of ``list_file`` (a local file, or the text of one at a URL)."""
+    rows: list[tuple[int, dict[str, Any] | str]] = []
+    keys: list[str] = []
+    if list_file.lower().endswith((".jsonl", ".ndjson")):
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise SourceError(f"{list_file}:{lineno}: not a JSON object ({err.msg})") from None
+            if not isinstance(obj, dict):
+                raise SourceError(f"{list_file}:{lineno}: expected a JSON object per line, got "
+                                  f"{type(obj).__name__}")
+            keys.extend(k for k in obj if k not in keys)
+            rows.append((lineno, obj))
+        return keys, rows, False
+    reader = csv.reader(fh, delimiter="\t" if list_file.lower().endswith(".tsv") else ",")
+    try:
+        for row in reader:
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if not keys:
+                keys = [c.strip() for c in row]
+                if len(set(keys)) != len(keys):
+                    raise SourceError(f"{list_file}:{reader.line_num}: the header names a column twice")
+                if is_nifti(keys[0]):
+                    raise SourceError(f"{list_file}: a volume list needs a header row naming its columns "
+                                      "(e.g. image,label); its first line names a file")
+                continue
+            if len(row) != len(keys):
+                rows.append((reader.line_num, f"expected {len(keys)} columns, got {len(row)}"))
+                continue
+            rows.append((reader.line_num, {k: v.strip() for k, v in zip(keys, row, strict=True)}))
+    except csv.Error as err:
+        raise SourceError(f"{list_file}:{reader.line_num}: {err}; fix that line") from None
     return keys, rows, True
 
 
@@ -218,11 +227,34 @@ def _class_labels(texts: list[str]) -> tuple[list[str], list[int]]:
     return classes, [index[t] for t in texts]
 
 
+def is_url(text: str) -> bool:
+    """Whether a list's path ``text`` is a URL (``s3://b/x.nii``): read remotely, never joined to the list's folder."""
+    return "://" in text
+
+
 def _outside(root: str, text: str) -> bool:
-    """Whether the path ``text`` (relative to ``root``, or absolute) resolves outside ``root``
-    (``..``, an absolute path, or a symbolic link leading out)."""
+    """Whether the path ``text`` (relative to ``root``, or absolute; a URL) resolves outside ``root``
+    (``..``, an absolute path, or a symbolic link leading out; a URL or a folder URL ``root``: the
+    joined URL not under it)."""
+    if is_url(root) or is_url(text.strip()):
+        try:
+            return not _located(root, text)[0].startswith(os.fsencode(root.rstrip("/") + "/"))
+        except SourceError:  # (an absolute local path in a list at a URL)
+            return True
     real_root = os.path.join(os.path.realpath(root), "")
     return not os.path.realpath(os.path.join(root, text.strip())).startswith(real_root)
+
+
+def _located(root: str, text: str) -> tuple[bytes, bytes]:
+    """``(path, recorded relpath)`` of a list's path ``text``: a URL as it is; else relative to
+    ``root`` (a local folder, or the folder URL of a list at a URL: ``..`` resolved) unless absolute.
+    The relpath is the text normalized, as a local list records it."""
+    text = text.strip()
+    if is_url(text):
+        return text.encode(), text.encode()
+    if is_url(root):
+        return join_url(root, text).encode(), os.fsencode(os.path.normpath(text))
+    return os.fsencode(text if os.path.isabs(text) else os.path.join(root, text)), os.fsencode(os.path.normpath(text))
 
 
 def _entries_scan(where: str, root: str, entries: Sequence[tuple[int, dict[str, Any] | str]], keys: list[str],
@@ -272,15 +304,10 @@ def _entries_scan(where: str, root: str, entries: Sequence[tuple[int, dict[str, 
                                                    if len(bad) > MAX_ROW_ERRORS else "")
         raise SourceError(f"{where}: {len(bad)} bad row(s) (fix them all, then convert again): {shown}")
 
-    def located(text: str) -> tuple[bytes, bytes]:
-        text = text.strip()
-        return os.fsencode(text if os.path.isabs(text) else os.path.join(root, text)), \
-            os.fsencode(os.path.normpath(text))
-
-    images = [located(str(row[image_key])) for _, row in kept]
+    images = [_located(root, str(row[image_key])) for _, row in kept]
     scan = FileScan(root=root, paths=[p for p, _ in images], relpaths=[r for _, r in images])
     if label_key is not None and segmentation:
-        labels = [located(str(row[label_key])) for _, row in kept]
+        labels = [_located(root, str(row[label_key])) for _, row in kept]
         scan.label_paths, scan.label_relpaths = [p for p, _ in labels], [r for _, r in labels]
     elif label_key is not None:
         try:
@@ -303,25 +330,43 @@ def _entries_scan(where: str, root: str, entries: Sequence[tuple[int, dict[str, 
     return scan
 
 
-def scan_volume_list(list_file: str) -> FileScan:
+def _list_location(list_file: str, text: bytes | None) -> tuple[str, str]:
+    """``(the list's name, the folder its relative paths start from)``: a URL's parent URL, a local
+    file's absolute folder."""
+    if text is not None and is_url(list_file):
+        return list_file, list_file.rsplit("/", 1)[0]
+    list_file = os.path.abspath(list_file)
+    return list_file, os.path.dirname(list_file)
+
+
+def scan_volume_list(list_file: str, text: bytes | None = None) -> FileScan:
     """A CSV/TSV (header row) or JSONL list of volumes (rules: :mod:`~fastdata.writer.sources.volumes`).
+    ``text``: the list's bytes, read by the caller (a list at a URL: ``list_file`` is its URL, and
+    relative paths are keys under the list's folder URL); None: read from the local file.
+    A row may name a URL (read remotely by :mod:`~fastdata.writer.sources.volumes.remote`).
 
     Raises:
         SourceError: the file is missing, names no image column, or has bad rows (all listed).
     """
-    list_file = os.path.abspath(list_file)
-    keys, rows, from_text = _list_rows(list_file)
-    return _entries_scan(list_file, os.path.dirname(list_file), rows, keys, from_text)
+    list_file, root = _list_location(list_file, text)
+    if text is None:
+        keys, rows, from_text = _list_rows(list_file)
+    else:
+        lines = io.StringIO(text.decode("utf-8-sig", errors="surrogateescape"), newline="")
+        keys, rows, from_text = _parse_list_rows(list_file, lines)
+    return _entries_scan(list_file, root, rows, keys, from_text)
 
 
-def scan_decathlon(json_file: str) -> FileScan:
+def scan_decathlon(json_file: str, text: bytes | None = None) -> FileScan:
     """A Medical Segmentation Decathlon ``dataset.json``: its ``"training"`` image/label pairs.
+    ``text``: its bytes, read by the caller (``json_file`` a URL: paths are keys under its folder
+    URL, and must stay under it, as a local file's must stay in its folder); None: read from the file.
 
     Raises:
         SourceError: the file is not such a JSON object, or an entry lacks its image or label.
     """
-    json_file = os.path.abspath(json_file)
-    body = _decathlon_body(json_file)
+    json_file, root = _list_location(json_file, text)
+    body = _decathlon_body(json_file, text)
     if body is None:
         raise SourceError(f"{json_file}: not a Decathlon dataset.json (a JSON object with a \"training\" list of "
                           "{\"image\": ..., \"label\": ...} entries)")
@@ -333,17 +378,20 @@ def scan_decathlon(json_file: str) -> FileScan:
     keys: list[str] = []
     for e in entries:
         keys.extend(k for k in e if k not in keys)
-    scan = _entries_scan(json_file, os.path.dirname(json_file), list(enumerate(entries)), keys, False,
-                         line_word="training entry", confined=True)
+    scan = _entries_scan(json_file, root, list(enumerate(entries)), keys, False, line_word="training entry",
+                         confined=True)
     scan.metadata = {"decathlon": {k: v for k, v in body.items() if k not in ("training", "test")}}
     return scan
 
 
-def _decathlon_body(json_file: str) -> dict | None:
-    """The JSON object of ``json_file`` when it has a ``"training"`` list, else None."""
+def _decathlon_body(json_file: str, text: bytes | None = None) -> dict | None:
+    """The JSON object of ``json_file`` (or of its bytes ``text``) when it has a ``"training"`` list, else None."""
     try:
-        with open(json_file, encoding="utf-8") as fh:
-            body = json.load(fh)
+        if text is not None:
+            body = json.loads(text.decode("utf-8"))
+        else:
+            with open(json_file, encoding="utf-8") as fh:
+                body = json.load(fh)
     except (OSError, ValueError):
         return None
     return body if isinstance(body, dict) and isinstance(body.get("training"), list) else None
@@ -368,20 +416,34 @@ def _first_kind(root: str, look: int = 100) -> str | None:
 
 
 def _is_volume_list(src: str) -> bool:
-    """A CSV/TSV/JSONL list whose first row's image column names a NIfTI file."""
+    """A local CSV/TSV/JSONL list whose first row's image column names a NIfTI file."""
+    try:
+        with open(src, newline="", encoding="utf-8-sig", errors="replace") as fh:
+            return _names_volumes(src, fh)
+    except OSError:
+        return False
+
+
+def is_volume_list_text(name: str, text: bytes) -> bool:
+    """Whether the CSV/TSV/JSONL list ``name`` (a URL) whose bytes are ``text`` names NIfTI volumes:
+    its first row's image column names a ``.nii``/``.nii.gz`` file, as :func:`is_volume_source`
+    tells a local list."""
+    return _names_volumes(name, io.StringIO(text.decode("utf-8-sig", errors="replace"), newline=""))
+
+
+def _names_volumes(src: str, fh: Iterable[str]) -> bool:
+    """Whether the first row of the list ``src`` (its lines ``fh``) names a NIfTI image."""
     try:
         if src.lower().endswith((".jsonl", ".ndjson")):
-            with open(src, encoding="utf-8-sig", errors="replace") as fh:
-                line = next((ln for ln in fh if ln.strip()), "")
+            line = next((ln for ln in fh if ln.strip()), "")
             obj = json.loads(line) if line else None
             if not isinstance(obj, dict):
                 return False
             key = _column(list(obj), IMAGE_COLUMNS)
             return key is not None and isinstance(obj[key], str) and is_nifti(obj[key])
-        with open(src, newline="", encoding="utf-8-sig", errors="replace") as fh:
-            reader = csv.reader(fh, delimiter="\t" if src.lower().endswith(".tsv") else ",")
-            rows = [r for r in (next(reader, None), next(reader, None)) if r]
-    except (OSError, ValueError, csv.Error):
+        reader = csv.reader(fh, delimiter="\t" if src.lower().endswith(".tsv") else ",")
+        rows = [r for r in (next(reader, None), next(reader, None)) if r]
+    except (ValueError, csv.Error):
         return False
     if not rows:
         return False
@@ -393,6 +455,20 @@ def _is_volume_list(src: str) -> bool:
     header = [c.strip() for c in rows[0]]
     cells = dict(zip(header, (c.strip() for c in rows[1]), strict=False))
     return is_nifti(cells.get(key, ""))
+
+
+def names_urls(src: str) -> bool:
+    """Whether the local volume list ``src`` names a volume (or label volume) by URL, so that it is
+    read as a remote source (:mod:`~fastdata.writer.sources.volumes.remote`). False for anything
+    else, and for a list that does not scan (the scan says why when the source is read)."""
+    lower = src.lower()
+    if not os.path.isfile(src) or not lower.endswith(LIST_SUFFIXES):
+        return False  # (a dataset.json names files in its folder: a URL there is refused by its scan)
+    try:
+        scan = scan_volume_list(src)
+    except SourceError:
+        return False
+    return any(is_url(os.fsdecode(p)) for p in scan.paths + (scan.label_paths or []))
 
 
 def is_volume_source(src: str) -> bool:

@@ -42,7 +42,7 @@ from typing import Any
 
 from fastdata.errors import SourceError
 from fastdata.remote.location import RemoteLocation
-from fastdata.remote.sources import first_listing_page, list_objects, ObjectReader, stat_objects
+from fastdata.remote.sources import list_objects, ObjectReader, stat_objects
 from fastdata.writer.ingest import spill
 from fastdata.writer.pipeline import Chunk
 from fastdata.writer.plan import ShardPlan
@@ -208,13 +208,11 @@ class RemoteTarInput(ReadsURLs, TarInput):
 
 
 
-def holds_tars(src: str, storage_options: Mapping[str, Any]) -> bool:
-    """Whether the prefix URL ``src`` is a folder of tar shards, as a local folder is told: ``.tar``
-    objects directly under it and no "subfolder". One listing page is read (on ``s3://``: 1,000
-    keys with ``/`` as delimiter); a prefix that cannot be listed is not one (the image-folder
-    source then says why)."""
-    page = first_listing_page(RemoteLocation(src, storage_options), max_keys=1000, folders=True)
-    if page is None:
+def holds_tars(names: list[str] | None) -> bool:
+    """Whether a prefix whose first listing page (:func:`~fastdata.remote.sources.first_listing_page`:
+    keys relative to it, at any depth) is ``names`` is a folder of tar shards, as a local folder is
+    told: ``.tar`` objects directly under it and no "subfolder". None (a prefix that cannot be
+    listed) is not one (the image-folder source then says why)."""
+    if names is None or any("/" in n for n in names):
         return False
-    files, folders = page
-    return not folders and any(f.lower().endswith(TAR_SUFFIX) for f in files)
+    return any(n.lower().endswith(TAR_SUFFIX) for n in names)
