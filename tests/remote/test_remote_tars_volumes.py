@@ -423,7 +423,7 @@ def vol_lists(s3_server, tmp_path_factory):
     class NS:
         pass
     t = NS()
-    t.bucket, t.root = bucket, root
+    t.server, t.bucket, t.root = s3_server, bucket, root
     t.local_list = root / "local-list.lmdb"
     t.local_report = fastdata.convert(str(root / "data" / "lists" / "vols.csv"), t.local_list, chunks=(8, 8, 8),
                                       progress=False, workers=0)
@@ -450,6 +450,12 @@ def test_remote_volume_lists_and_dataset_json_convert_to_the_local_stores(vol_li
     assert read_manifest(str(dst))["options"]["source"] == f"{t.bucket}/lists/vols.csv"
     again = fastdata.convert(f"{t.bucket}/lists/vols.csv", dst, progress=False, chunks=(8, 8, 8), resume=True)
     assert again.already_complete
+
+    # the same list over plain HTTP (the test server answers anonymous GETs)
+    http_list = f"{t.server.endpoint}/{t.bucket.split('://')[1]}/lists/vols.csv"
+    dst = tmp_path / "http-list.lmdb"
+    fastdata.convert(http_list, dst, progress=False, workers=0, chunks=(8, 8, 8))
+    same_values(t.local_list, dst)
 
     dst = tmp_path / "task.lmdb"
     fastdata.convert(f"{t.bucket}/task/dataset.json", dst, progress=False, workers=0)  # default chunks: told apart

@@ -160,6 +160,16 @@ def scan_remote_volumes(url: str, storage_options: Mapping[str, Any]) -> tuple[F
     return scan, listing.sizes[keep], listing.etags[keep]
 
 
+def _check_found(url: str, size: int, name: str) -> None:
+    """Reject a volume whose object was missing when looked up (size -1), or whose server gave no
+    size (-2: an HTTP server without Content-Length; a copy is checked against its size)."""
+    if size == -1:
+        raise RejectedInputError(f"{named(name)}file not found (no object at {url})")
+    if size < 0:
+        raise RejectedInputError(f"{named(name)}the server gives no size for {url} (no Content-Length), which "
+                                 "copying a volume needs; serve it with one, or convert a local copy")
+
+
 @dataclass
 class ObjectStats:
     """Size (-1: no such object) and ETag of each file of a scan: its volumes, and its label volumes
@@ -215,8 +225,7 @@ class RemoteVolumeSamples(VolumeSamples):
         url = os.fsdecode(path)
         if not is_url(url):
             return path
-        if size == -1:
-            raise RejectedInputError(f"{named(name)}file not found (no object at {url})")
+        _check_found(url, size, name)
         local = spool(url, size, etag, self.storage_options)
         opened.closers.append(lambda: os.unlink(local))
         return os.fsencode(local)
@@ -294,8 +303,7 @@ class RemoteVolumeInput(ReadsURLs, VolumeInput):
             if not is_url(os.fsdecode(path)):
                 return nifti_header(path, name)
             size, etag = self.stats.of(*where[path])
-            if size == -1:
-                raise RejectedInputError(f"{named(name)}file not found (no object at {os.fsdecode(path)})")
+            _check_found(os.fsdecode(path), size, name)
             local = spool(os.fsdecode(path), size, etag, self.storage_options, HEADER_BYTES)
             try:
                 return nifti_header(os.fsencode(local), name, held=size)
