@@ -105,3 +105,54 @@ def s3(s3_server, monkeypatch, tmp_path):
     monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "2")
     bucket = s3_server.take_bucket(_bucket_name())  # fresh and empty, made in advance where it could be
     yield s3_server, f"s3://{bucket}"
+
+
+# -- Azure Blob (Azurite) and Google Cloud Storage (gcp-storage-emulator) emulators --------------
+
+# gcsfs (2026.10 on) asks a bucket's storage layout over gRPC with TLS before operations; an
+# emulator speaks neither, and each lookup is retried (seconds per operation). Off for the tests
+# (read when gcsfs is imported: here, before any test or the CLI subprocesses they start).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+def _emulator(scheme: str, tmp_path_factory):
+    """Generator body of the session's emulator fixture for ``scheme``: skipped with the reason
+    where its program or library is missing, failed instead where FASTDATA_REQUIRE_EMULATORS
+    is set (CI)."""
+    from helpers.emulators import EMULATORS, REQUIRE_ENV, missing
+
+    why = missing(scheme)
+    if why is not None:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(f"{REQUIRE_ENV} is set but {why}")
+        pytest.skip(why)
+    server = EMULATORS[scheme](str(tmp_path_factory.mktemp(f"{scheme}-emulator"))).start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def az_server(tmp_path_factory):
+    """One Azurite blob service for the session (tests/helpers/emulators.py)."""
+    yield from _emulator("az", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gs_server(tmp_path_factory):
+    """One gcp-storage-emulator for the session (tests/helpers/emulators.py)."""
+    yield from _emulator("gs", tmp_path_factory)
+
+
+@pytest.fixture(params=["az", "gs"])
+def cloud(request, monkeypatch, tmp_path):
+    """A fresh bucket (container) on the session's Azurite or GCS emulator, one test per scheme;
+    FASTDATA_CACHE_DIR is this test's own and retries are quick. Yields ``(server, url)``; the
+    store's ``storage_options`` are ``server.storage_options``."""
+    server = request.getfixturevalue(f"{request.param}_server")
+    monkeypatch.setenv("FASTDATA_CACHE_DIR", str(tmp_path / "fastdata-cache"))
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "2")
+    bucket = _bucket_name()
+    server.make_bucket(bucket)
+    yield server, server.url(bucket)

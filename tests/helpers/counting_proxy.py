@@ -1,8 +1,9 @@
 """An HTTP reverse proxy that counts what passes: put it between a client and the S3 test server
 (point ``endpoint_url`` at ``proxy.endpoint``) and every request is forwarded to the server as it
 came (method, path, headers, body), its reply sent back unchanged, and each one recorded: method,
-path, ``Range`` header, reply status and body bytes. So a test or a benchmark counts the requests
-and bytes a real server served, at the HTTP level, whatever client library made them.
+path, ``Range`` header (Azure's ``x-ms-range`` where it has none), reply status and body bytes.
+So a test or a benchmark counts the requests and bytes a real server served, at the HTTP level,
+whatever client library made them.
 
 SeaweedFS checks no signatures in the tests (no identities are configured), so requests signed for
 the proxy's host are served.
@@ -76,14 +77,18 @@ class CountingProxy:
                     data = reply.read()
                     with proxy._lock:  # (before the client has its reply: it may count at once)
                         proxy.requests.append(Seen(self.command, urllib.parse.unquote(self.path),
-                                                   self.headers.get("Range"), reply.status,
+                                                   self.headers.get("Range") or self.headers.get("x-ms-range"),
+                                                   reply.status,
                                                    0 if self.command == "HEAD" else len(data),
                                                    self.headers.get("User-Agent") or ""))
                     self.send_response(reply.status, reply.reason)
+                    # a HEAD reply's Content-Length is the object's (its body is empty): passed on as it came
+                    head = self.command == "HEAD"
                     for k, v in reply.getheaders():
-                        if k.lower() not in _HOP and k.lower() != "content-length":
+                        if k.lower() not in _HOP and (head or k.lower() != "content-length"):
                             self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
+                    if not head:
+                        self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)

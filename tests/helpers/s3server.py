@@ -284,6 +284,26 @@ class S3Server:
         return name
 
 
+def spawn_server(argv: list[str], log_path: str, death_signal: bool = True) -> subprocess.Popen:
+    """Start a test server process ``argv`` (its output appended to ``log_path``) as this module
+    starts SeaweedFS: in a session of its own, killed with this process (death signal and
+    ``atexit``); stop it with :func:`kill_server`. The Azure and GCS emulators
+    (tests/helpers/emulators.py) start so too."""
+    log = open(log_path, "ab")
+    try:
+        proc = _popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                      preexec_fn=_death_signal_preexec() if death_signal else None)
+    finally:
+        log.close()
+    _LIVE.add(proc)
+    return proc
+
+
+def kill_server(proc: subprocess.Popen) -> None:
+    """SIGKILL a server :func:`spawn_server` started (its whole process group) and reap it."""
+    _killpg(proc)
+
+
 #: servers started ahead of the tests that take them (see :func:`start_early`), by fixture name
 _EARLY: dict[str, S3Server] = {}
 
