@@ -584,3 +584,40 @@ def test_a_remote_image_folder_is_told_apart_by_one_listing_page(inputs, tmp_pat
         proxy.stop()
     assert report.images == 4 and fastdata.open_dataset(tmp_path / "counted.lmdb").classes == ["a", "b"]
     assert len(listings) == 2, listings
+
+
+def test_an_interrupted_remote_volume_list_conversion_resumes_and_refuses_a_changed_volume(vol_lists, tmp_path,
+                                                                                          monkeypatch):
+    """Interrupted once a shard is staged: a resume with a volume rewritten since is refused (its
+    ETag is in the fingerprint); with the volume as it was, the resume gives the local store."""
+    from fastdata.errors import ResumeMismatchError
+    from fastdata.writer.sources.volumes import remote
+
+    t = vol_lists
+    local = tmp_path / "local.lmdb"
+    fastdata.convert(str(t.root / "data" / "lists" / "vols.csv"), local, chunks=(8, 8, 8), shard_size="1kB",
+                     progress=False, workers=0)
+    src, dst = f"{t.bucket}/lists/vols.csv", tmp_path / "resumed.lmdb"
+    real, calls = remote.spool, {"n": 0}
+
+    def failing(url, size, etag, options, limit=None):
+        calls["n"] += limit is None
+        if calls["n"] > 6:  # (the planning probes copy 4 files, the first sample 2)
+            raise KeyboardInterrupt
+        return real(url, size, etag, options, limit)
+    monkeypatch.setattr(remote, "spool", failing)
+    with pytest.raises(KeyboardInterrupt):
+        fastdata.convert(src, dst, chunks=(8, 8, 8), shard_size="1kB", progress=False, workers=0)
+    monkeypatch.setattr(remote, "spool", real)
+    assert list((dst / STAGING_DIR).glob("shard-*")) and not (dst / "manifest.json").exists()
+    loc = RemoteLocation(f"{t.bucket}/task/imagesTr")
+    original = loc.read_bytes("c2.nii.gz")
+    loc.write_bytes("c2.nii.gz", original[:-1] + bytes([original[-1] ^ 0xFF]))  # same size, another ETag
+    try:
+        with pytest.raises(ResumeMismatchError):
+            fastdata.convert(src, dst, chunks=(8, 8, 8), shard_size="1kB", progress=False, workers=0, resume=True)
+    finally:
+        loc.write_bytes("c2.nii.gz", original)
+    fastdata.convert(src, dst, chunks=(8, 8, 8), shard_size="1kB", progress=False, workers=0, resume=True)
+    same_values(local, dst)
+    assert len(read_manifest(str(dst))["shards"]) > 1
