@@ -377,6 +377,29 @@ def etag_key(etag: object) -> int:
     return xxhash.xxh3_64_intdigest(str(etag).strip('"').encode()) or 1
 
 
+def object_md5(info: Mapping[str, Any]) -> bytes | None:
+    """The MD5 digest of an object's content as its filesystem's ``info`` reports it, or None where
+    it reports none: gcsfs's ``md5Hash`` (base64; a composite object has none), adlfs's
+    ``content_settings.content_md5`` (Azure sets it for a blob put in one request, not for one
+    committed from blocks). An S3 ETag is not read here: it is an MD5 only for some uploads."""
+    import base64
+    import binascii
+
+    digest = info.get("md5Hash")
+    if isinstance(digest, str) and digest:
+        try:
+            raw = base64.b64decode(digest, validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        return raw if len(raw) == 16 else None
+    settings = info.get("content_settings")
+    # (azure's ContentSettings: a dict-like object, not a Mapping)
+    md5 = settings.get("content_md5") if hasattr(settings, "get") else None
+    if isinstance(md5, (bytes, bytearray)) and len(md5) == 16:
+        return bytes(md5)
+    return None
+
+
 async def _s3_get_checked(fs, path: str, size: int, etag: int, url: str) -> bytes:
     """One ``GetObject`` through s3fs whose reply's ETag and length must be the listing's (``etag``
     0: not compared); the body is read only then, at most ``size + 1`` bytes of it."""
@@ -585,24 +608,40 @@ class RemoteLocation:
             return _StreamedRead(fs, path, *self.timeouts())
         return fs.open(path, "rb", block_size=0 if self.read_only else BLOCK)
 
-    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+    def read_bytes(self, name: str, limit: int | None = None, *, etag: int = 0) -> bytes:
         """Whole object ``name`` (FileNotFoundError when there is none).
 
         ``limit``: read at most ``limit + 1`` bytes, in blocks, and raise :class:`RemoteSizeError`
         when there are more, whatever size the server claims. An http(s) object is read as a
         stream, so a server that ignores ranges or sends a compressed body (``Content-Encoding``:
         aiohttp decodes it as it arrives) is counted after decoding and cut off at the limit.
-        A reply that stalls (see :meth:`timeouts`) raises :class:`RemoteTimeoutError`."""
+        A reply that stalls (see :meth:`timeouts`) raises :class:`RemoteTimeoutError`.
+
+        ``etag`` (:func:`etag_key`; 0: not compared): on the schemes read in blocks (``gs://``,
+        ``az://``), the ETag the object must have. Their fsspec file asks for the object's details
+        when it opens, before the first block: another ETag there raises :class:`SourceChangedError`
+        (no request of its own; the details are taken from the server, not a cached listing).
+        Streamed schemes (s3, http(s)) check ETags in their own replies (:meth:`read_object`)."""
         fs = self.filesystem()
         path = self._path(name)
         what = f"reading {self.child(name)}"
+        streamed = self.scheme in _STREAMED_SCHEMES
 
         def read() -> bytes:
             progress = self._progress(what)
             # one buffer, grown in place: getvalue() hands it over without a copy (a 1.5 GiB index.fdi
             # is held once, not as blocks plus their join)
             out, total = io.BytesIO(), 0
+            if etag and not streamed:
+                fs.invalidate_cache(path)  # the details the file fetches: the object's now, not a listing's
             with self._open_read(fs, path) as fh:
+                if etag and not streamed:
+                    details = getattr(fh, "details", None) or {}
+                    now = etag_key(details.get("ETag") or details.get("etag"))
+                    if now and now != etag:
+                        raise SourceChangedError(f"{self.child(name)}: the object changed after it was listed (its "
+                                                 "ETag differs); nothing was published: rerun the conversion once "
+                                                 "the input stops changing")
                 while limit is None or total <= limit:
                     want = BLOCK if limit is None else min(BLOCK, limit + 1 - total)
                     block = fh.read(want)
@@ -670,7 +709,8 @@ class RemoteLocation:
         ``etag`` (:func:`etag_key`; 0: unknown), with retries on transient errors (:meth:`call`).
 
         s3: one GET whose reply must carry the listed ETag and length before its body is read;
-        other schemes: the object read up to ``size + 1`` bytes. At most ``size + 1`` bytes are
+        other schemes: the object read up to ``size + 1`` bytes, its ETag compared where its
+        filesystem reads in blocks (gs, az: :meth:`read_bytes`). At most ``size + 1`` bytes are
         read whatever the server sends.
 
         Raises:
@@ -684,7 +724,7 @@ class RemoteLocation:
             if self.scheme in ("s3", "s3a") and hasattr(fs, "_call_s3"):
                 data = self._bounded(fs, _s3_get_checked(fs, path, size, etag, url))
             else:
-                data = self.read_bytes(name, limit=size) if size >= 0 else self.read_bytes(name)
+                data = self.read_bytes(name, limit=size if size >= 0 else None, etag=etag)
             if size >= 0 and len(data) != size:
                 raise SourceChangedError(f"{url}: the object changed after it was listed ({len(data):,} bytes read, "
                                          f"listed as {size:,}); nothing was published: rerun the conversion once "

@@ -17,7 +17,7 @@ staging directory and gives it a :class:`RemoteDestination` as its shard sink
 * **The check** after each upload: the object's size must equal the local file's; on
   ``s3://`` its ETag must also equal the MD5 computed locally (one PUT) or the multipart
   ETag (MD5 of the parts' MD5 digests + ``-<parts>``, for the part size used here:
-  :func:`part_size`). Other schemes (``gs://``, ``az://``) are checked by size only.
+  :func:`part_size`); on ``gs://``, ``az://``: the MD5 their service reports, where it does.
   Only then is the local shard file deleted and its sidecars (the index, then the result
   JSON: the proof the shard is uploaded and checked) uploaded to ``URL/.fastdata-staging/``.
   A bucket whose ETags are not MD5s (SSE-KMS / SSE-C encryption) fails the check: set
@@ -69,7 +69,7 @@ from fastdata.format.names import (
     shard_name,
 )
 from fastdata.remote.cache import default_cache_dir
-from fastdata.remote.location import RemoteLocation
+from fastdata.remote.location import RemoteLocation, object_md5
 from fastdata.writer.lock import raise_if_locked
 from fastdata.writer.owned import check_dir, make_dir, remove_dir, remove_file
 from fastdata.writer.pipeline import ShardResult, ShardSink, check_store_entries, staging_made
@@ -170,6 +170,15 @@ def expected_etag(path: str, part: int) -> str:
     return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
 
 
+def _file_md5(path: str) -> str:
+    """The MD5 hex digest of ``path``'s content."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _etag_check_enabled() -> bool:
     return os.environ.get("FASTDATA_UPLOAD_ETAG_CHECK", "1") not in ("0", "false", "no")
 
@@ -185,7 +194,9 @@ def _put(location: RemoteLocation, local_path: str, name: str, part: int | None)
 
 def upload_checked(location: RemoteLocation, local_path: str, name: str) -> None:
     """Upload ``local_path`` to object ``name``, then check the object: its size, and on ``s3://``
-    its ETag against the MD5 (or multipart MD5) computed here; other schemes: size only.
+    its ETag against the MD5 (or multipart MD5) computed here; other schemes: the MD5 their
+    filesystem reports (:func:`~fastdata.remote.location.object_md5`: gs, and az for a blob put
+    in one request) against the file's, else the size only.
 
     Raises:
         RemoteStoreError: the upload failed, or the object does not match (names both, and
@@ -211,6 +222,11 @@ def upload_checked(location: RemoteLocation, local_path: str, name: str) -> None
             raise RemoteStoreError(damaged.format(
                 f"its ETag is {etag or 'missing'}, the file's MD5 gives {want} (a bucket with SSE-KMS/SSE-C "
                 "encryption has non-MD5 ETags: set FASTDATA_UPLOAD_ETAG_CHECK=0 to check sizes only)"))
+    remote_md5 = None if s3 or not _etag_check_enabled() else object_md5(info)
+    if remote_md5 is not None:
+        local_md5 = _file_md5(local_path)
+        if remote_md5.hex() != local_md5:
+            raise RemoteStoreError(damaged.format(f"its MD5 is {remote_md5.hex()}, the file's {local_md5}"))
 
 
 def _staging_key(name: str) -> str:

@@ -32,10 +32,11 @@ def test_remote_store_reads_like_the_local_one(s3, small_tree, tmp_path, suffix)
     same_samples(url, local)
 
 
-def same_samples(url: str, local: str) -> None:
-    """The store at ``url`` reads exactly like the local store ``local`` (every image bit-exact)."""
+def same_samples(url: str, local: str, **open_options) -> None:
+    """The store at ``url`` reads exactly like the local store ``local`` (every image bit-exact);
+    ``open_options`` (``storage_options``, ``cache``, ...) go to ``open_dataset(url)``."""
     ref = fastdata.open_dataset(local, output="numpy")
-    ds = fastdata.open_dataset(url, output="numpy")
+    ds = fastdata.open_dataset(url, output="numpy", **open_options)
     assert len(ds) == len(ref) > 0 and ds.classes == ref.classes
     np.testing.assert_array_equal(ds.targets, ref.targets)
     for i in range(len(ref)):

@@ -33,9 +33,9 @@ LIST_ROWS = ["path,label", "../imgs/bee/img_0.jpg,bee", "../imgs/ant/img_1.jpg,a
              "../imgs/wasp/sub/deeper/img_7.jpg,wasp", "../imgs/bee/broken.jpg,bee"]
 
 
-def upload_tree(local: str | Path, url: str) -> None:
+def upload_tree(local: str | Path, url: str, storage_options: dict | None = None) -> None:
     """Every file under ``local`` to ``url``/<its relative path>, as `aws s3 sync` would (all at once)."""
-    loc = RemoteLocation(url)
+    loc = RemoteLocation(url, storage_options or {})
     paths = [os.path.join(root, name) for root, _, files in os.walk(local) for name in files]
     targets = [loc.child(os.path.relpath(p, local).replace(os.sep, "/")).split("://", 1)[1] for p in paths]
     loc.filesystem().put(paths, targets)
