@@ -229,3 +229,36 @@ def test_append_merge_and_added_fields_on_the_url_read_like_local(cloud, jpeg_tr
     ds = fastdata.open_dataset(f"{bucket}/A.lmdb", storage_options=options)
     np.testing.assert_array_equal(ds.column("score"), score)
     assert fastdata.verify(f"{bucket}/A.lmdb", storage_options=options).ok
+
+
+@pytest.mark.parametrize("scheme", ["az", "gs"])
+def test_an_emulator_dies_with_its_sigkilled_starter(scheme, tmp_path):
+    """The emulators are started as the S3 server is (tests/helpers/s3server.py): a starter
+    SIGKILLed (a CI timeout) leaves no emulator running."""
+    import psutil
+    from helpers.emulators import missing
+    from helpers.images import TESTS_DIR
+
+    if missing(scheme):
+        pytest.skip(missing(scheme))
+    starter = ("import sys, time; sys.path.insert(0, sys.argv[1]); from helpers.emulators import EMULATORS; "
+               "server = EMULATORS[sys.argv[2]](sys.argv[3]).start(); print(server.proc.pid, flush=True); "
+               "time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", starter, str(TESTS_DIR), scheme, str(tmp_path / "emulator")],
+                             stdout=subprocess.PIPE, text=True)
+    with reaped(child):
+        pid = int(child.stdout.readline())
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        child.kill()
+        child.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        psutil.Process(pid).kill()
+        pytest.fail(f"the {scheme} emulator (pid {pid}) outlived its SIGKILLed starter")
