@@ -4,7 +4,8 @@ the shard size (and the shard count it gives), the content options a resumed wri
 what ``workers`` means.
 
 ``workers`` means the same for every write (PyTorch ``DataLoader(num_workers=...)``'s
-convention): None (the default) is all cores; 0 is no worker process at all, everything
+convention): None (the default) is all cores this process may run on (its CPU affinity,
+where the OS keeps one); 0 is no worker process at all, everything
 runs in this process (useful for debugging); N > 0 is N worker processes; a negative
 number is an error; more than :data:`WORKERS_PER_CORE_WARNING` times the cores is
 allowed (slow network storage can use it) with a warning.
@@ -22,6 +23,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 
+from fastdata.common import portable
 from fastdata.common.units import Size, describe_size, format_size, parse_size, parse_size_spec
 from fastdata.format.backends.base import MIN_RAW_MAX_SIDE, StorageSpec
 from fastdata.format.backends.registry import backend_for_path, get_backend, suffix_hint
@@ -37,7 +39,8 @@ MAX_SHARDS = 10_000
 #: ``workers`` above this many times the core count gets a warning
 WORKERS_PER_CORE_WARNING = 4
 #: the ``workers`` rule, as each entry point's docstring and the CLI help say it
-WORKERS_HELP = ("worker processes that read, validate and encode the inputs (default: all cores; 0: none, "
+WORKERS_HELP = ("worker processes that read, validate and encode the inputs (default: all cores this process may "
+                "run on; 0: none, "
                 "everything runs in this process, e.g. for debugging; more than 4x the cores is allowed with a "
                 "warning)")
 #: inputs per worker task unless ``task_size`` says otherwise
@@ -342,12 +345,15 @@ def check_shard_count(plans: list[ShardPlan], sizes_total: int, size: Size) -> N
 
 def resolve_workers(workers: int | None) -> tuple[int, str | None]:
     """``(processes, warning or None)`` for ``workers`` (see the module docstring): None is all
-    cores, 0 is none (everything in this process), N > 0 is N.
+    the cores this process may run on (:func:`~fastdata.common.portable.available_cores`), 0 is
+    none (everything in this process), N > 0 is N.
 
     Raises:
         ValueError: ``workers`` is negative.
     """
-    cores = os.cpu_count() or 1
+    # the cores this process may run on (its CPU affinity: a container's cpuset, taskset), not the
+    # machine's: a converter limited to 4 of 64 cores would otherwise start 64 worker processes
+    cores = portable.available_cores()
     if workers is None:
         return cores, None
     workers = int(workers)

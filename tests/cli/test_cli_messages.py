@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from helpers.images import make_tree
 import fastdata
 from fastdata.bench.grid import target_kind
 from fastdata.cli.main import EXIT_NOT_A_STORE, EXIT_UNFINISHED, main
+from fastdata.common import portable
 from fastdata.common.units import Size, describe_size, parse_size, parse_size_spec
 from fastdata.errors import FastdataError, PathNotFoundError
 from fastdata.reader.dataset import HDF5ImageDataset, LMDBImageDataset
@@ -107,11 +110,24 @@ def test_negative_workers_is_an_error(src, tmp_path, capsys):
 
 
 def test_workers_far_above_the_core_count_is_warned_about(src, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(portable, "available_cores", lambda: 1)
     assert main(["convert", src, str(tmp_path / "o.lmdb"), "--workers", "5", "--quiet"]) == 0
     assert "warning: --workers 5 is more than 4x the 1 core(s)" in capsys.readouterr().err
     assert main(["convert", src, str(tmp_path / "p.lmdb"), "--workers", "4", "--quiet"]) == 0  # control: 4x is fine
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+                    reason="needs CPU affinity (Linux) and 2 cores")
+def test_default_workers_are_the_cores_this_process_may_run_on(src, tmp_path):
+    """Under a CPU affinity of one core (taskset, a container's cpuset) a conversion's default is one
+    worker process, not one per core of the machine. Control: without the affinity, os.cpu_count()."""
+    code = ("import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}) if sys.argv[1] == 'pinned' "
+            "else None; from fastdata.writer.options import resolve_workers; print(resolve_workers(None)[0])")
+    pinned = subprocess.run([sys.executable, "-c", code, "pinned"], capture_output=True, text=True, check=True)
+    free = subprocess.run([sys.executable, "-c", code, "free"], capture_output=True, text=True, check=True)
+    assert int(pinned.stdout) == 1
+    assert int(free.stdout) == len(os.sched_getaffinity(0)) >= 2
 
 
 # --- missing paths and remote URLs ---
