@@ -392,9 +392,9 @@ def object_md5(info: Mapping[str, Any]) -> bytes | None:
         except (binascii.Error, ValueError):
             return None
         return raw if len(raw) == 16 else None
-    settings = info.get("content_settings")
     # (azure's ContentSettings: a dict-like object, not a Mapping)
-    md5 = settings.get("content_md5") if hasattr(settings, "get") else None
+    lookup = getattr(info.get("content_settings"), "get", None)
+    md5 = lookup("content_md5") if lookup is not None else None
     if isinstance(md5, (bytes, bytearray)) and len(md5) == 16:
         return bytes(md5)
     return None
