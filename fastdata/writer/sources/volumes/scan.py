@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdata.common.extensions import IMG_EXTENSIONS
+from fastdata.common.paths import remote_scheme
 from fastdata.errors import SourceError
 from fastdata.format.fields import JSON, RESERVED_NAMES, Field, Float, Int, Schema, SchemaError, String
 from fastdata.remote.sources import join_url
@@ -229,7 +230,7 @@ def _class_labels(texts: list[str]) -> tuple[list[str], list[int]]:
 
 def is_url(text: str) -> bool:
     """Whether a list's path ``text`` is a URL (``s3://b/x.nii``): read remotely, never joined to the list's folder."""
-    return "://" in text
+    return remote_scheme(text) is not None
 
 
 def _outside(root: str, text: str) -> bool:
