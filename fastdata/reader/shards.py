@@ -37,6 +37,7 @@ from os import getpid
 from time import monotonic
 from typing import Any
 
+from fastdata.common import portable
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.backends.registry import reader_class
 from fastdata.remote.store import StoreLocation
@@ -44,6 +45,17 @@ from fastdata.remote.store import StoreLocation
 #: handles inherited from a parent process: kept referenced so that neither we
 #: nor the garbage collector ever touches them in the child
 _INHERITED_HANDLES: list = []
+#: held while a process takes a ShardHandles over (its first get there): two loader threads that
+#: both did would each replace its lock and readers, the second while the first held and used them
+_ADOPTING = threading.Lock()
+
+
+def _new_adopting_lock() -> None:  # (one held by another thread at a fork is never released in the child)
+    global _ADOPTING
+    _ADOPTING = threading.Lock()
+
+
+portable.at_fork_in_child(_new_adopting_lock)
 #: seconds between two checks of the manifest by the readers already open in a process
 #: (a ``stat``, ~1 us; each shard open always checks)
 CHECK_INTERVAL_S = 0.01
@@ -85,7 +97,9 @@ class ShardHandles:
             StoreChangedError: the store was rewritten since it was opened.
         """
         if self._pid != getpid():
-            self._adopt_process()
+            with _ADOPTING:  # (loader threads' first reads: one adopts, the others then see its pid)
+                if self._pid != getpid():
+                    self._adopt_process()
         with self._lock:
             self._taken[threading.get_ident()] = shard
             reader = self._readers.get(shard)

@@ -37,6 +37,38 @@ from fastdata.format.record import (
 CLASSIFICATION_RECORD_OVERHEAD = 128
 
 
+#: held while a read transaction is made and while it is freed: py-lmdb's extension links each
+#: Transaction into its Environment's list of dependents when it is made and unlinks it when it is
+#: freed, and nothing but the GIL guards that list. Its module declares no free-threading support,
+#: so a free-threaded build turns the GIL on when it loads (the default); run without it
+#: (``PYTHON_GIL=0``), loader threads reading one shard would edit the list at once.
+_TXN_LIFECYCLE = threading.Lock()
+
+
+class _ReadTxn:
+    """A read transaction of ``env`` (``with _ReadTxn(env, db=...) as txn: txn.get(key)``) made,
+    ended and freed under :data:`_TXN_LIFECYCLE`; ``get`` runs outside it, at the same time as other
+    threads' reads (LMDB's read transactions are independent)."""
+
+    __slots__ = ("_txn",)
+
+    def __init__(self, env, **kw) -> None:
+        with _TXN_LIFECYCLE:
+            self._txn = env.begin(**kw)
+
+    def get(self, key, default=None, db=None):
+        return self._txn.get(key, default, db=db)
+
+    def __enter__(self) -> _ReadTxn:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        txn, self._txn = self._txn, None
+        with _TXN_LIFECYCLE:
+            txn.abort()
+            del txn  # (the last reference: freed, and unlinked from its environment, under the lock)
+
+
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -88,15 +120,39 @@ class _EnvCache:
         # opening an environment can run the garbage collector, whose finalizer of another dataset
         # releases its environments here, in the same thread (a plain Lock deadlocked there)
         self.lock = threading.RLock()
+        # Such a finalizer can run between two steps of an acquire or release in this thread: after
+        # acquire found a shard's entry and before it counted itself, one releasing that shard's last
+        # reference would close the environment acquire then hands out. So a release made inside
+        # another (depth > 0) waits in `pending` until the outer one ends. A free-threaded build
+        # makes this common: an object whose last reference another thread dropped is freed by the
+        # thread that made it, at its next check between bytecodes (a loader thread ends an epoch
+        # holding a dataset the training thread made).
+        self.depth = 0
+        self.pending: list[tuple[int, int]] = []
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._new_lock)
 
     def _new_lock(self) -> None:
         self.lock = threading.RLock()
+        self.depth, self.pending = 0, []
 
     def acquire(self, path: str, readahead: bool):
         with self.lock:
-            return self._acquire(path, readahead)
+            self.depth += 1
+            try:
+                return self._acquire(path, readahead)
+            finally:
+                self.depth -= 1
+                self._release_pending()
+
+    def _release_pending(self) -> None:
+        while self.depth == 0 and self.pending:
+            key = self.pending.pop()
+            self.depth += 1
+            try:
+                self._release(key)
+            finally:
+                self.depth -= 1
 
     def _acquire(self, path: str, readahead: bool):
         if self.pid != os.getpid():
@@ -137,7 +193,15 @@ class _EnvCache:
         if self.pid != os.getpid():
             return
         with self.lock:
-            self._release(key)
+            if self.depth:  # a finalizer inside an acquire or release of this thread: when it ends
+                self.pending.append(key)
+                return
+            self.depth += 1
+            try:
+                self._release(key)
+            finally:
+                self.depth -= 1
+                self._release_pending()
 
     def _release(self, key: tuple[int, int]) -> None:
         entry = self.envs.get(key)
@@ -270,7 +334,7 @@ class LMDBShardReader(ShardReader):
 
     def read_index(self) -> ShardIndex | SampleIndex:
         try:
-            with self._open_env().begin(db=self.index_db) as txn:
+            with _ReadTxn(self._open_env(), db=self.index_db) as txn:
                 count = self._header_count(txn.get(spec.HEADER_KEY))  # before any array is read
                 if self.schema is not None:
                     stored = {key: txn.get(key.encode()) for key in (*index_layout(self.schema), "relpaths",
@@ -367,7 +431,7 @@ class LMDBShardReader(ShardReader):
     def get(self, local_index: int) -> bytes:
         self._load_checksums()
         try:
-            with self._open_env().begin(db=self.records, buffers=True) as txn:
+            with _ReadTxn(self._open_env(), db=self.records, buffers=True) as txn:
                 return self._decode(self._value(txn, local_index), local_index)
         except lmdb.Error as err:  # a damaged page (LMDB keeps no page checksums)
             raise self._damaged(err, local_index) from None
@@ -478,7 +542,7 @@ class LMDBShardReader(ShardReader):
         """The whole validated record (image and its own metadata), for ``verify``."""
         where = f"{self.path} record {local_index}"
         try:
-            with self._open_env().begin(db=self.records, buffers=True) as txn:
+            with _ReadTxn(self._open_env(), db=self.records, buffers=True) as txn:
                 buf = self._value(txn, local_index)
                 if buf is None:
                     raise CorruptRecordError(f"{where}: record is missing", shard=self.path, index=local_index)
@@ -495,7 +559,7 @@ class LMDBShardReader(ShardReader):
         spans = self._spans.get(key)
         if spans is None:
             try:
-                with self._open_env().begin(db=self.index_db) as txn:
+                with _ReadTxn(self._open_env(), db=self.index_db) as txn:
                     raw = txn.get(key)
                     data = bytes(raw) if raw is not None else b""
             except lmdb.Error:
@@ -590,7 +654,7 @@ class LMDBShardReader(ShardReader):
             expected = self._checksums
         i = -1
         try:
-            with self._open_env().begin(db=self.records, buffers=True) as txn:
+            with _ReadTxn(self._open_env(), db=self.records, buffers=True) as txn:
                 for k in order.tolist():
                     i = int(local_indices[k])
                     known = expected is None or 0 <= i < len(expected)  # (a crafted index may be short)
@@ -638,7 +702,7 @@ class LMDBShardReader(ShardReader):
         if len(chunks) > 1:
             self._prefetch((spec.CHUNK_SPANS_KEY,), [first + j for j in chunks])
         try:
-            with self._open_env().begin(db=self.chunks_db, buffers=True) as txn:
+            with _ReadTxn(self._open_env(), db=self.chunks_db, buffers=True) as txn:
                 for k, j in enumerate(chunks):
                     view = txn.get(spec.encode_key(first + j)) if 0 <= first + j < 1 << 64 else None
                     if view is None or len(view) != int(table.nbytes[j]):
@@ -671,7 +735,7 @@ class LMDBShardReader(ShardReader):
         pieces = []
         i = -1
         try:
-            with self._open_env().begin(db=self.records, buffers=True) as txn:
+            with _ReadTxn(self._open_env(), db=self.records, buffers=True) as txn:
                 for i, want in zip(sorted_idx, expected, strict=False):
                     view = self._value(txn, i)
                     if view is None or len(view) <= nbytes:
@@ -694,11 +758,16 @@ class LMDBShardReader(ShardReader):
         return self.env
 
     def close(self) -> None:
-        fd, self._advice_fd = getattr(self, "_advice_fd", None), None
+        # each handle is taken by one caller (an explicit close, a finalizer in another thread): two
+        # that both took the environment would release it twice, closing it under another reader of
+        # the file; without a GIL the read and the clearing of an attribute can interleave
+        with _ENVS.lock:
+            fd, self._advice_fd = getattr(self, "_advice_fd", None), None
+            file_map, self._file_map = getattr(self, "_file_map", None), None
+            view, self._file_view = getattr(self, "_file_view", None), None
+            env, self.env = getattr(self, "env", None), None
         if fd is not None and self._advice_pid == os.getpid():
             os.close(fd)
-        file_map, self._file_map = getattr(self, "_file_map", None), None
-        view, self._file_view = getattr(self, "_file_view", None), None
         if view is not None:
             try:
                 view.release()
@@ -710,6 +779,5 @@ class LMDBShardReader(ShardReader):
             except BufferError:  # a record view is still held somewhere: the map goes with the last one
                 pass
         self.mapped_pages = None
-        env, self.env = getattr(self, "env", None), None
         if env is not None and self._pid == os.getpid():
             _ENVS.release(self._key)
