@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fastdata  # noqa: E402
 from fastdata import transforms  # noqa: E402
-from fastdata.synth import make_image_folder  # noqa: E402
 
 CONTENDERS = ("fastdata-raw", "ffcv-raw", "ceiling", "fastdata-mixed", "ffcv-mixed")
 MAX_SIDE = 512
@@ -85,6 +84,8 @@ class FolderImages:
 def prepare(work: str, images: int) -> dict[str, str]:
     src = os.path.join(work, "jpeg")
     if not os.path.isdir(src):
+        from fastdata.synth import make_image_folder  # (OpenCV: only to generate the images)
+
         make_image_folder(src, num_classes=10, per_class=images // 10, size="imagenet", workers=2)
     paths = {"jpeg": src, "fastdata-raw": os.path.join(work, "raw.lmdb"),
              "fastdata-mixed": os.path.join(work, "mixed.lmdb"), "ffcv-raw": os.path.join(work, "raw.beton"),

@@ -47,12 +47,20 @@ warm (every store is read by each child's warm-up epoch). Figures are medians ov
 (start-up too: every round starts afresh); ratios (thread / process, thread / ffcv-jpeg,
 thread-raw / ffcv-raw, and the same for peak PSS) are medians of the rounds' own ratios.
 
+``--python-transform N`` adds a ``transform=`` written in Python to the fastdata contenders: N turns of
+a bytecode loop per sample (``PythonWork``), which holds the GIL. With the GIL, loader threads take
+turns running it; on a free-threaded build (``PYTHON_GIL=0 python3.13t``) they run it at once. Each
+child records whether the GIL was on (``gil`` in the JSON); the table's first line says it.
+
 Needs FFCV beside fastdata, in the bench venv only (Debian's ``libopencv-dev``, ``libturbojpeg0-dev``
 and ``pkg-config``, then ``pip install ffcv``); without FFCV leave the ``ffcv-*`` contenders out::
 
     python benchmarks/bench_threads.py --workdir /tmp/bench-threads            # 2000 images, 2 workers, 5 rounds
     python benchmarks/bench_threads.py --workdir /tmp/bench-threads --workers 4 --md threads.md
     python benchmarks/bench_threads.py --src ~/photos --workdir /tmp/mine --contenders fastdata-thread,fastdata-process
+    PYTHON_GIL=0 python3.13t benchmarks/bench_threads.py --workdir /tmp/bench-threads \
+        --contenders fastdata-thread,fastdata-process --python-transform 20000   # no FFCV, no OpenCV there:
+                                                                              # the stores made by a run above
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -103,7 +112,8 @@ def build_loader(name: str, store: str, args):
         import fastdata
         from fastdata import transforms
 
-        ds = fastdata.open_dataset(store, decode=transforms.RandomResizedCrop(224), output="tensor")
+        work = PythonWork(args.python_transform) if args.python_transform else None
+        ds = fastdata.open_dataset(store, decode=transforms.RandomResizedCrop(224), output="tensor", transform=work)
         kw: dict = {"worker_type": "thread"} if name.startswith("fastdata-thread") else {}
         if name == "fastdata-spawn":  # worker processes started as on macOS and Windows (and forkserver-like)
             kw["multiprocessing_context"] = "spawn"
@@ -116,6 +126,22 @@ def build_loader(name: str, store: str, args):
                   os_cache=True, drop_last=False, seed=args._seed,
                   pipelines={"image": [RandomResizedCropRGBImageDecoder((224, 224)), ToTensor(), ToTorchImage()],
                              "label": [IntDecoder(), ToTensor()]})
+
+
+class PythonWork:
+    """A ``transform=`` written in Python: ``iterations`` turns of a bytecode loop per sample, the
+    image returned unchanged. It holds the GIL throughout (no C call releases it), as a per-sample
+    augmentation policy or label logic in Python does: with the GIL, loader threads take turns
+    running it; on a free-threaded build they run it at once."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+
+    def __call__(self, image):
+        acc = 0
+        for i in range(self.iterations):
+            acc += i * i
+        return image
 
 
 def import_for(name: str) -> None:
@@ -155,7 +181,8 @@ def child(args) -> dict:
     measured = timed_epoch(loader, t1)
     print(MEASURE_END, flush=True)
     sys.stdin.readline()  # the parent's sampler stopped
-    return {"contender": args._child, "import_s": imported, "startup_s": warm["first_s"],
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()  # (after the imports: an extension may enable it)
+    return {"contender": args._child, "gil": gil, "import_s": imported, "startup_s": warm["first_s"],
             "warmup_img_s": warm["n"] / warm["s"],
             "img_s": measured["n"] / measured["s"], "first_batch_s": measured["first_s"],
             "epoch_s": measured["s"], "n": measured["n"], "batch": measured["batch"]}
@@ -172,7 +199,8 @@ def run_child(name: str, store: str, args, seed: int) -> dict:
     from fastdata.bench.memory import MemorySampler
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", name, "--_store", store,
-           "--_seed", str(seed), "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
+           "--_seed", str(seed), "--workers", str(args.workers), "--batch-size", str(args.batch_size),
+           "--python-transform", str(args.python_transform)]
     errors = tempfile.TemporaryFile(mode="w+")  # (a pipe read only at the end could fill and stall the child)
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -207,10 +235,7 @@ def run_child(name: str, store: str, args, seed: int) -> dict:
 
 # --------------------------------------------------------------------------- data and stores
 def prepare(work: str, args, names: list[str]) -> dict[str, str]:
-    from bench_ffcv_raw import FolderImages
-
     import fastdata
-    from fastdata.synth import make_image_folder
 
     src = os.path.abspath(os.path.expanduser(args.src)) if args.src else os.path.join(work, "jpeg")
     marker = os.path.join(work, "source.txt")
@@ -218,6 +243,8 @@ def prepare(work: str, args, names: list[str]) -> dict[str, str]:
         raise SystemExit(f"{work} holds stores of {Path(marker).read_text().strip()}, not of {src}: "
                          f"give another --workdir")
     if not args.src and not os.path.isdir(src):
+        from fastdata.synth import make_image_folder  # (OpenCV: only to generate the images)
+
         make_image_folder(src, num_classes=10, per_class=max(1, args.images // 10), size="imagenet", workers=2)
     Path(marker).write_text(src + "\n")
     paths = {"jpeg": src, **{f: os.path.join(work, f) for f in set(STORE.values())}}
@@ -231,6 +258,7 @@ def prepare(work: str, args, names: list[str]) -> dict[str, str]:
                                           ("raw.beton", dict(write_mode="raw", max_resolution=MAX_SIDE)))
               if f in wanted and not os.path.isfile(paths[f])]
     if betons:
+        from bench_ffcv_raw import FolderImages
         from ffcv.fields import IntField, RGBImageField
         from ffcv.writer import DatasetWriter
 
@@ -260,7 +288,12 @@ def summarise(names: list[str], rounds: list[dict], args, sizes: dict, jpeg: int
 
 
 def markdown(res: dict, args, command: str) -> str:
-    lines = [f"{res['images']} images, RandomResizedCrop(224) -> uint8, batch {args.batch_size}, "
+    work = f" + a Python transform of {args.python_transform} loop turns" if args.python_transform else ""
+    gil = {r["gil"] for row in res["rows"].values() for r in row["rounds"]}
+    build = "free-threaded build, " if sysconfig.get_config_var("Py_GIL_DISABLED") else ""
+    state = "GIL disabled" if gil == {False} else "GIL enabled" if gil == {True} else "GIL mixed"
+    lines = [f"Python {res['machine']['python']} ({build}{state})"
+             + f"; {res['images']} images, RandomResizedCrop(224) -> uint8{work}, batch {args.batch_size}, "
              f"{args.workers} workers; medians of {args.epochs} interleaved rounds (each contender in a fresh "
              f"process per round: warm-up epoch, then the measured one); JPEG bytes "
              f"{res['jpeg_bytes'] / 1e6:.0f} MB",
@@ -289,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=5, help="measured rounds (one epoch of each contender per round)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--python-transform", type=int, default=0, metavar="ITERATIONS",
+                   help="add a transform= in Python that holds the GIL for ITERATIONS loop turns per sample "
+                        "(PythonWork); 0: none")
     p.add_argument("--json", default=str(HERE / "results" / "threads.json"))
     p.add_argument("--md", help="write the markdown table here")
     p.add_argument("--_child", help=argparse.SUPPRESS)
