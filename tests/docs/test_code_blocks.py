@@ -242,6 +242,16 @@ def _remote(tmp: Path, monkeypatch, request) -> dict:
     RemoteLocation("s3://bucket/lists").write_bytes("train.csv", ("path,label\n" + rows).encode())
     jsonl = "".join(f'{{"path": "../{p.as_posix()}", "label": "{p.parent.name}", "score": 0.5}}\n' for p in files)
     RemoteLocation("s3://bucket/lists").write_bytes("rows.jsonl", jsonl.encode())
+    # a local list whose rows are URLs, and a local COCO file with its images in the bucket
+    Path("lists").mkdir()
+    Path("lists", "urls.csv").write_text("".join(f"s3://bucket/{p.as_posix()},{p.parent.name}\n" for p in files))
+    from fastdata.tools.synth_coco import make_coco
+
+    coco = make_coco("coco-remote", 3, seed=0, size=(40, 50), max_boxes=2)
+    os.replace(coco.ann_file, "instances.json")
+    images = sorted(Path(coco.image_dir).iterdir())
+    RemoteLocation("s3://bucket/coco").filesystem().put([str(p) for p in images],
+                                                         [f"bucket/coco/images/{p.name}" for p in images])
     # WebDataset tars, NIfTI volumes and a DICOM tree in the bucket (the page converts them from there)
     import io
     import json

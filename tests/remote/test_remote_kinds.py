@@ -113,6 +113,22 @@ def test_remote_coco_converts_to_the_local_store(inputs, tmp_path):
     assert coco["categories"] == read_manifest(inputs.local_coco)["metadata"]["coco"]["categories"]
 
 
+def test_a_local_coco_file_with_images_at_a_url_converts_to_the_local_store(inputs, tmp_path, capsys):
+    """``convert --coco local/instances.json s3://b/images DST``: the annotation file read where it
+    is, the images from the bucket: the records of the local conversion, rejections included (the
+    reverse, an annotation URL with a local image folder, is refused: the test below)."""
+    from helpers.procs import cli_in_process
+
+    ann = str(inputs.root / "data" / inputs.coco_ann.split("/", 3)[3])
+    dst = tmp_path / "local-ann.lmdb"
+    cli = cli_in_process(capsys, "convert", "--coco", ann, inputs.coco_images, str(dst), "--shard-size", "20kB",
+                         "--workers", "0", "--quiet")
+    assert cli.returncode == 0, cli.stderr
+    same_records(inputs.local_coco, dst, same_bytes=False)
+    coco = read_manifest(dst)["metadata"]["coco"]
+    assert coco["annotation_file"] == ann and coco["image_dir"] == inputs.coco_images
+
+
 def test_a_coco_image_changed_after_planning_stops_the_run_naming_it(inputs, tmp_path):
     from fastdata.writer.sources.remote_coco import RemoteCocoInput
     from fastdata.writer.options import WriteOptions
@@ -142,7 +158,7 @@ def test_a_missing_coco_annotation_file_or_mixed_paths_are_one_line_errors(input
     with pytest.raises(SourceError, match="not found: .*nothing.json"):
         fastdata.convert_coco(f"{inputs.bucket}/nothing.json", inputs.coco_images, tmp_path / "x.lmdb",
                               progress=False, workers=0)
-    with pytest.raises(ValueError, match="both as URLs or both as local paths"):
+    with pytest.raises(ValueError, match="give the image folder's URL, or a local copy of the annotation file"):
         fastdata.convert_coco(inputs.coco_ann, str(tmp_path), tmp_path / "y.lmdb", progress=False, workers=0)
 
 

@@ -124,6 +124,115 @@ def test_remote_jsonl_list_converts_to_the_local_store(remote_tree, tmp_path):
     assert fastdata.open_dataset(dst)[0]["score"] == 0.0
 
 
+def _url_lists(remote_tree, folder: Path) -> tuple[str, str, list[str]]:
+    """The list rows of ``LIST_ROWS`` as URLs, written locally into ``folder`` and uploaded beside
+    them (``lists/urls.csv``, ``lists/urls.jsonl``, each row with a score). Returns the local CSV,
+    the local JSONL and the URLs."""
+    urls = [f"{remote_tree.bucket}/{row.split(',')[0].replace('../', '')}" for row in LIST_ROWS[1:]]
+    labels = [row.split(",")[1] for row in LIST_ROWS[1:]]
+    folder.mkdir(exist_ok=True)
+    csv_file, jsonl_file = folder / "urls.csv", folder / "urls.jsonl"
+    csv_file.write_text("path,label\n" + "".join(f"{u},{label}\n" for u, label in zip(urls, labels, strict=True)))
+    jsonl_file.write_text("".join(json.dumps({"path": u, "label": label, "score": k / 4}) + "\n"
+                                  for k, (u, label) in enumerate(zip(urls, labels, strict=True))))
+    loc = RemoteLocation(f"{remote_tree.bucket}/lists")
+    loc.write_bytes("urls.csv", csv_file.read_bytes())
+    loc.write_bytes("urls.jsonl", jsonl_file.read_bytes())
+    return str(csv_file), str(jsonl_file), urls
+
+
+def same_samples(a: str, b: str) -> None:
+    """``a`` and ``b`` hold the same samples (every field, images as their stored bytes), classes
+    and rejected inputs (by file name): the stores of one list naming local files and one naming URLs."""
+    ma, mb = read_manifest(a), read_manifest(b)
+    assert ma["classes"] == mb["classes"] and ma["num_samples"] == mb["num_samples"]
+    da, db = fastdata.open_dataset(a, output="bytes"), fastdata.open_dataset(b, output="bytes")
+    for i in range(len(da)):
+        assert repr(da[i]) == repr(db[i]), i
+
+    def rejected(store: str) -> list[str]:
+        lines = Path(store, "rejected.tsv").read_text().splitlines()[1:]
+        return sorted(line.split("\t", 1)[0].rsplit("/", 1)[-1] for line in lines)
+    assert rejected(a) == rejected(b)
+
+
+def test_a_local_list_naming_urls_converts_to_the_store_of_the_list_at_a_url(remote_tree, tmp_path, capsys):
+    """A local path,label list whose rows are URLs: read from the server (storage options apply to
+    the rows' URLs), the store the same list at a URL gives and the samples of the local files;
+    missing and corrupt objects rejected as local files are; an object rewritten at the same size
+    makes a resume refused."""
+    from fastdata.errors import RejectedInputError, ResumeMismatchError
+    from fastdata.writer.sources.folder import FolderInput
+
+    local_csv, _, urls = _url_lists(remote_tree, tmp_path / "lists")
+    assert isinstance(fastdata.sources.ImageFolder(local_csv).write_source(), RemoteFolderInput)
+    dst, at_url = str(tmp_path / "local-urls.lmdb"), str(tmp_path / "url-urls.lmdb")
+    report = fastdata.convert(local_csv, dst, progress=False, workers=0)
+    assert report.images == 3
+    assert sorted(r[0] for r in report.rejected_items) == sorted([urls[2], urls[4]])  # missing, corrupt
+    fastdata.convert(f"{remote_tree.bucket}/lists/urls.csv", at_url, progress=False, workers=0)
+    same_store(dst, at_url)  # (shards, classes, rejected rows)
+    ds = fastdata.open_dataset(dst)
+    assert [ds.relpath(i) for i in range(len(ds))] == [urls[0], urls[1], urls[3]]  # the URLs as written
+    same_samples(dst, remote_tree.local_list)
+    assert read_manifest(dst)["options"]["source"] == local_csv
+    with pytest.raises(RejectedInputError, match="missing.jpg"):
+        fastdata.convert(local_csv, str(tmp_path / "strict.lmdb"), progress=False, workers=0, strict=True)
+    # control: read as a list of local files (how it was read before), every row is a missing file
+    control = WriteSession(FolderInput(local_csv), str(tmp_path / "control.lmdb"),
+                           WriteOptions(progress=False, workers=0)).run()
+    assert control.images == 0 and len(control.rejected_items) == 5
+    assert all("not found" in why for _, why in control.rejected_items)
+    # storage options (the API's and the command's) apply to the rows' URLs
+    bad = str(tmp_path / "bad.lmdb")
+    with pytest.raises(SourceError, match="credentials were refused or are missing"):
+        fastdata.convert(local_csv, bad, progress=False, storage_options={"profile": "nope-fd"})
+    cli = cli_in_process(capsys, "convert", local_csv, bad, "--storage-option", "profile=nope-fd")
+    assert cli.returncode != 0 and "credentials" in cli.stderr and "Traceback" not in cli.stderr
+    # an object rewritten at the same size (another ETag) is another input: a resume is refused
+    loc = RemoteLocation(f"{remote_tree.bucket}/imgs")
+    original = loc.read_bytes("bee/img_0.jpg")
+    loc.write_bytes("bee/img_0.jpg", original[:-2] + bytes([original[-2] ^ 0xFF, original[-1]]))
+    try:
+        with pytest.raises(ResumeMismatchError, match="different inputs"):
+            fastdata.convert(local_csv, dst, progress=False, workers=0, resume=True)
+    finally:
+        loc.write_bytes("bee/img_0.jpg", original)
+    assert fastdata.convert(local_csv, dst, progress=False, workers=0, resume=True).already_complete  # control
+
+
+def test_a_local_jsonl_list_naming_urls_converts_to_the_store_of_the_list_at_a_url(remote_tree, tmp_path):
+    _, local_jsonl, urls = _url_lists(remote_tree, tmp_path / "lists")
+    dst, at_url = str(tmp_path / "local-urls.lmdb"), str(tmp_path / "url-urls.lmdb")
+    report = fastdata.convert(local_jsonl, dst, progress=False, workers=2)
+    assert report.images == 3 and sorted(r[0] for r in report.rejected_items) == sorted([urls[2], urls[4]])
+    fastdata.convert(f"{remote_tree.bucket}/lists/urls.jsonl", at_url, progress=False, workers=0)
+    same_store(dst, at_url)
+    same_samples(dst, remote_tree.local_table)
+    ds = fastdata.open_dataset(dst)
+    assert [ds.relpath(i) for i in range(len(ds))] == [urls[0], urls[1], urls[3]]
+    assert [ds[i]["score"] for i in range(len(ds))] == [0.0, 0.25, 0.75]
+
+
+@pytest.mark.parametrize("name", ["list.csv", "list.jsonl"])
+@pytest.mark.parametrize("first", ["url", "local"])
+def test_a_local_list_naming_urls_and_local_files_is_one_line_naming_the_first_mixed_row(remote_tree, tmp_path,
+                                                                                        name, first):
+    url = f"{remote_tree.bucket}/imgs/bee/img_0.jpg"
+    local = str(Path(remote_tree.tree, "ant", "img_1.jpg"))
+    paths = [url, url, local] if first == "url" else [local, local, url]
+    listed = tmp_path / name
+    if name.endswith(".csv"):
+        listed.write_text("path,label\n" + "".join(f"{p},x\n" for p in paths))
+    else:
+        listed.write_text("".join(json.dumps({"path": p, "label": "x", "score": 1.0}) + "\n" for p in paths))
+    line = 4 if name.endswith(".csv") else 3
+    with pytest.raises(SourceError, match=f"{listed}:{line}: the row names a .* not both") as caught:
+        fastdata.convert(str(listed), str(tmp_path / "mixed.lmdb"), progress=False, workers=0)
+    assert "\n" not in str(caught.value) and paths[2] in str(caught.value)
+    assert not (tmp_path / "mixed.lmdb" / "manifest.json").exists()
+
+
 def _source_changing_after_listing(url: str, change):
     """A remote folder input that calls ``change()`` once its listing is taken (the plan made):
     the object store changes between the listing and the reads, as it may in any long run."""

@@ -36,6 +36,7 @@ import numpy as np
 
 from fastdata.common.extensions import EXTENSION_FORMATS, IMG_EXTENSIONS, has_image_extension
 from fastdata.common.imagemodes import check_mode
+from fastdata.common.paths import remote_scheme
 from fastdata.errors import ResumeMismatchError, SourceError
 from fastdata.format.backends.base import StorageSpec
 from fastdata.format.manifest import IMAGE_MODES_KEY
@@ -231,6 +232,37 @@ def check_destination_outside(scan: SourceScan, dst: str) -> None:
             "the next conversion of that folder; choose a destination outside it")
 
 
+def is_url(path: str) -> bool:
+    """Whether a list row's ``path`` is a URL (``s3://b/x.jpg``): read remotely, never joined to a
+    local list's folder."""
+    return remote_scheme(path) is not None
+
+
+def refuse_mixed_rows(list_file: str, paths: Iterable[str], lines: Iterable[int]) -> None:
+    """Refuse a local list whose rows do not all name URLs, or all local paths: one line naming
+    the first row that differs from the first row, and what to do.
+
+    Raises:
+        SourceError: a row names a URL and another a local path.
+    """
+    first: tuple[int, str, bool] | None = None
+    for path, line in zip(paths, lines, strict=True):
+        url = is_url(path)
+        if first is None:
+            first = (line, path, url)
+        elif url != first[2]:
+            raise SourceError(mixed_rows_message(list_file, line, path, first[0], first[1]))
+
+
+def mixed_rows_message(list_file: str, line: int, path: str, first_line: int, first_path: str) -> str:
+    """The one-line refusal of a list naming both URLs and local paths (see :func:`refuse_mixed_rows`)."""
+    kind, first_kind = ("a URL", "a local path") if is_url(path) else ("a local path", "a URL")
+    return (f"{list_file}:{line}: the row names {kind} ({path}) while line {first_line} names {first_kind} "
+            f"({first_path}): a list's rows name URLs or local paths, not both; write the URL rows and the local rows "
+            "into two lists and convert the second into the same store with append=True, or copy the files to one "
+            "place")
+
+
 def scan_list(list_file: str) -> SourceScan:
     """Scan a CSV (``path,label``) or TSV (``path<TAB>label``) list file.
 
@@ -244,14 +276,17 @@ def scan_list(list_file: str) -> SourceScan:
     sorts folder names).
 
     Raises:
-        SourceError: the file is missing, lists nothing, or has bad rows (all of
-            them are listed, up to :data:`MAX_ROW_ERRORS`, with line numbers).
+        SourceError: the file is missing, lists nothing, has bad rows (all of
+            them are listed, up to :data:`MAX_ROW_ERRORS`, with line numbers), or names
+            local paths and URLs (:func:`refuse_mixed_rows`; a list of URLs is read by
+            :func:`fastdata.writer.sources.remote.scan_remote_list`).
     """
     list_file = os.path.abspath(list_file)
     base = os.path.dirname(list_file)
     rows = _read_rows(list_file)
     if not rows:
         raise SourceError(f"{list_file}: the list names no image files (expected rows of path,label)")
+    refuse_mixed_rows(list_file, (p for p, _, _ in rows), (n for _, _, n in rows))
     classes, labels = list_labels(list_file, rows)
     paths = [os.fsencode(p if os.path.isabs(p) else os.path.join(base, p)) for p, _, _ in rows]
     relpaths = [os.fsencode(os.path.normpath(p)) for p, _, _ in rows]

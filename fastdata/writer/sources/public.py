@@ -36,7 +36,7 @@ from fastdata.writer.sources.coco import CocoInput
 from fastdata.writer.sources.dicom import DicomFolderInput, parse_dicom_tags
 from fastdata.writer.sources.folder import FolderInput
 from fastdata.writer.sources.parquet.detect import hf_kind, parquet_files
-from fastdata.writer.sources.remote import RemoteFolderInput, RemoteTableInput
+from fastdata.writer.sources.remote import list_names_urls, RemoteFolderInput, RemoteTableInput
 from fastdata.writer.sources.python import IterInput, MapInput, MapStyle, is_map_style
 from fastdata.writer.sources.table.input import TableInput
 from fastdata.writer.sources.volumes.input import (
@@ -326,7 +326,8 @@ class ImageFolder(Source):
     ``torchrun`` all ranks convert it together.
 
     Args:
-        path (str | os.PathLike): the folder or the list file.
+        path (str | os.PathLike): the folder or the list file (a local list's rows may all name
+            URLs: see "Remote sources" in the remote guide).
         storage (ImageStorage | None): how the images are stored: :class:`Reencode`,
             :class:`Lossless`, :class:`FixedSizePixels`, :class:`NativeSizePixels`,
             :class:`MixedPixels`; None: each file's bytes as they are (resuming or appending:
@@ -335,8 +336,8 @@ class ImageFolder(Source):
             ``"L"``, ``"RGBA"`` or ``"unchanged"``; a reader's ``image_mode=`` overrides it).
             None: ``"unchanged"`` for DICOM images, else the reader's default (RGB).
         storage_options (Mapping | None): fsspec options for a URL ``path`` (``s3://bucket/train/``,
-            ``gs://``, ``az://``, or an ``https://`` list file); None: the write's ``storage_options``.
-            See "Remote sources" in the remote guide.
+            ``gs://``, ``az://``, or an ``https://`` list file) and for the URLs a list's rows name;
+            None: the write's ``storage_options``. See "Remote sources" in the remote guide.
 
     Raises:
         TypeError, ValueError: naming the parameter.
@@ -358,7 +359,7 @@ class ImageFolder(Source):
 
     def write_source(self) -> FolderInput:
         keywords = self.storage.keywords() if self.storage is not None else {}
-        if is_remote(self.path):
+        if is_remote(self.path) or list_names_urls(self.path):  # (a list at a URL, or a local one naming URLs)
             return RemoteFolderInput(self.path, storage_options=self.storage_options, image_mode=self.image_mode,
                                      **keywords)
         if self.storage_options is not None:
@@ -438,10 +439,11 @@ class Table(Source):
     Args:
         path (str | os.PathLike): the list file, or its URL (``s3://``, ``gs://``, ``az://``,
             ``https://``; rows then name URLs or keys relative to the list's folder; one image
-            field: see "Remote sources" in the remote guide).
+            field: see "Remote sources" in the remote guide). A local list's rows may all name URLs.
         schema: the declared fields (an inline spec, a JSON file's path, or a loaded JSON value;
             :func:`fastdata.writer.sources.table.spec.parse_schema`); None: inferred from the rows.
-        storage_options (Mapping | None): fsspec options for a URL ``path``; None: the write's.
+        storage_options (Mapping | None): fsspec options for a URL ``path`` and the URLs its rows
+            name; None: the write's.
 
     Raises:
         TypeError: ``path`` is not a path.
@@ -458,7 +460,7 @@ class Table(Source):
         self.storage_options = storage_options
 
     def write_source(self) -> TableInput:
-        if is_remote(self.path):
+        if is_remote(self.path) or list_names_urls(self.path):  # (a list at a URL, or a local one naming URLs)
             return RemoteTableInput(self.path, self.schema, storage_options=self.storage_options)
         check_local_path(self.path, "source")
         if os.path.isdir(self.path):
@@ -476,13 +478,13 @@ class Coco(Source):
     Args:
         annotations (str | os.PathLike): the annotation JSON (``instances_*.json``), or its URL.
         images (str | os.PathLike): the folder the images' ``file_name`` is relative to, or its
-            URL (both URLs or both local paths).
+            URL (with a URL or a local ``annotations``; a local folder needs a local ``annotations``).
         storage_options (Mapping | None): fsspec options for URLs (``s3://``, ``gs://``, ``az://``,
             ``https://``); None: the write's ``storage_options``. See "Remote sources" in the
             remote guide.
 
     Raises:
-        TypeError, ValueError: not paths, or a URL beside a local path.
+        TypeError, ValueError: not paths, or an annotation URL beside a local image folder.
     """
 
     kind = "a COCO annotation file"
@@ -498,9 +500,10 @@ class Coco(Source):
 
     def write_source(self) -> CocoInput:
         if is_remote(self.annotations) or is_remote(self.images):
-            if not (is_remote(self.annotations) and is_remote(self.images)):
-                raise ValueError(f"annotation file {self.annotations} and image folder {self.images}: give both as "
-                                 "URLs or both as local paths")
+            if not is_remote(self.images):
+                raise ValueError(f"annotation file {self.annotations} and image folder {self.images}: an annotation "
+                                 "file at a URL is read with its images at a URL; give the image folder's URL, or a "
+                                 "local copy of the annotation file")
             from fastdata.writer.sources.remote_coco import RemoteCocoInput
 
             return RemoteCocoInput(self.annotations, self.images, storage_options=self.storage_options)

@@ -1,5 +1,6 @@
 """An image folder or a ``path,label`` list at a URL (``s3://``, ``gs://``, ``az://``; ``https://``
-lists) as a write source: the remote twin of :mod:`fastdata.writer.sources.folder`.
+lists), or a local list whose rows all name URLs, as a write source: the remote twin of
+:mod:`fastdata.writer.sources.folder`.
 
 The scan gives the same :class:`~fastdata.writer.sources.folder.SourceScan` a local scan gives, so
 planning, the fingerprint, ``resume``, the reject report and the published store are the local
@@ -29,12 +30,13 @@ object rewritten at the same size is another input); ``resume`` compares it as f
 from __future__ import annotations
 
 import concurrent.futures as cf
+import csv
 import io
 import json
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -55,8 +57,10 @@ from fastdata.writer.sources.base import record_run
 from fastdata.writer.sources.folder import (
     FolderInput,
     FolderSource,
+    is_url,
     list_labels,
     parse_rows,
+    refuse_mixed_rows,
     SourceScan,
     SPLIT_NAMES,
 )
@@ -115,23 +119,106 @@ def scan_remote_folder(url: str, storage_options: Mapping[str, Any]) -> SourceSc
                       hidden_classes=[c for c in classes if c.startswith(".")], walk_problems=problems)
 
 
-def scan_remote_list(url: str, storage_options: Mapping[str, Any]) -> SourceScan:
-    """Scan a ``path,label`` CSV/TSV list at ``url``: rows name URLs, or keys relative to the
-    list's folder (``..`` resolved); labels as :func:`~fastdata.writer.sources.folder.scan_list`
-    reads them. A row whose object does not exist is kept, and rejected when read (as a local
-    list's missing file is)."""
-    text = read_text(url, storage_options).decode("utf-8-sig", errors="surrogateescape")
-    rows = parse_rows(url, io.StringIO(text, newline=""))
+def listed_relpath(path: str) -> str:
+    """What the store records as the relative path of a list row naming ``path``: a URL as
+    written (``posixpath.normpath`` would fold its ``//``), else the path normalized."""
+    return path if is_url(path) else posixpath.normpath(path)
+
+
+#: the suffixes of the local list files whose rows may name URLs
+URL_LIST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".ndjson")
+
+
+def first_listed_path(list_file: str) -> str | None:
+    """The image path of the first row of the local list file ``list_file``: the first column of a
+    ``path,label`` CSV/TSV (the ``path`` column of one with a header naming it), a JSONL row's
+    ``path`` key. None when there is none, or the file cannot be read (its scan says why)."""
+    try:
+        with open(list_file, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+            if list_file.lower().endswith((".jsonl", ".ndjson")):
+                for line in fh:
+                    if line.strip():
+                        row = json.loads(line)
+                        path = row.get("path") if isinstance(row, dict) else None
+                        return path.strip() if isinstance(path, str) else None
+                return None
+            column = 0
+            reader = csv.reader(fh, delimiter="\t" if list_file.lower().endswith(".tsv") else ",")
+            for row in reader:
+                cells = [c.strip() for c in row]
+                if not cells or not any(cells):
+                    continue
+                if reader.line_num == 1 and "path" in (c.lower() for c in cells):  # (a header)
+                    column = [c.lower() for c in cells].index("path")
+                    continue
+                return cells[column] if column < len(cells) else None
+    except (OSError, ValueError, csv.Error):
+        return None
+    return None
+
+
+def list_names_urls(list_file: str) -> bool:
+    """Whether ``list_file`` is a local list (CSV/TSV/JSONL) whose first row names a URL: its rows
+    are then read from their servers (:class:`RemoteFolderInput`, :class:`RemoteTableInput`), each
+    of them a URL (:func:`refuse_mixed_rows`)."""
+    if is_url(list_file) or not list_file.lower().endswith(URL_LIST_SUFFIXES) or not os.path.isfile(list_file):
+        return False
+    first = first_listed_path(list_file)
+    return first is not None and is_url(first)
+
+
+def _list_bytes(src: str, storage_options: Mapping[str, Any]) -> bytes:
+    """The bytes of the list file ``src``: a URL (at most :data:`fastdata.remote.sources.MAX_LIST_BYTES`),
+    or a local file.
+
+    Raises:
+        SourceError: it does not exist or cannot be read.
+    """
+    if is_url(src):
+        return read_text(src, storage_options)
+    try:
+        with open(src, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise SourceError(f"list file not found: {src}") from None
+    except OSError as err:
+        raise SourceError(f"cannot read list file {src}: {err.strerror}") from None
+
+
+def scan_remote_list(src: str, storage_options: Mapping[str, Any]) -> SourceScan:
+    """Scan a ``path,label`` CSV/TSV list at the URL ``src`` (rows name URLs, or keys relative to
+    the list's folder, ``..`` resolved), or a local list whose rows all name URLs; labels as
+    :func:`~fastdata.writer.sources.folder.scan_list` reads them. A row whose object does not exist
+    is kept, and rejected when read (as a local list's missing file is). The relative path
+    recorded for a URL row is the URL as written.
+
+    Raises:
+        SourceError: as :func:`~fastdata.writer.sources.folder.scan_list`, or a local list with a
+            row naming a local path (:func:`refuse_mixed_rows`).
+    """
+    src = src if is_url(src) else os.path.abspath(src)
+    text = _list_bytes(src, storage_options).decode("utf-8-sig", errors="surrogateescape")
+    rows = parse_rows(src, io.StringIO(text, newline=""))
     del text
     if not rows:
-        raise SourceError(f"{url}: the list names no image files (expected rows of path,label)")
-    classes, labels = list_labels(url, rows)
-    base = url.rsplit("/", 1)[0]
-    urls = [join_url(base, path) for path, _, _ in rows]
+        raise SourceError(f"{src}: the list names no image files (expected rows of path,label)")
+    classes, labels = list_labels(src, rows)
+    if is_url(src):
+        base = src.rsplit("/", 1)[0]
+        urls = [join_url(base, path) for path, _, _ in rows]
+    else:  # (a local list naming URLs: its rows are never joined to its folder)
+        refuse_mixed_rows(src, (path for path, _, _ in rows), (line for _, _, line in rows))
+        urls = [path for path, _, _ in rows]
+        base = urls[0].rsplit("/", 1)[0]  # (whose location resolves the workers' credentials)
     sizes, etags = stat_objects(urls, storage_options)
     return SourceScan(root=base, classes=classes, paths=[u.encode() for u in urls],
-                      relpaths=[posixpath.normpath(p).encode() for p, _, _ in rows], labels=labels,
+                      relpaths=[listed_relpath(p).encode() for p, _, _ in rows], labels=labels,
                       sizes=sizes, etags=etags, is_list=True)
+
+
+def url_modules(urls: Iterable[str]) -> tuple[str, ...]:
+    """The filesystem modules the workers import to read ``urls`` (:data:`FILESYSTEM_MODULES`)."""
+    return tuple(dict.fromkeys(m for u in urls for m in FILESYSTEM_MODULES.get(u.split("://", 1)[0].lower(), ())))
 
 
 def fetch_inputs(urls: list[bytes], sizes: list[int], etags: list[int], storage_options: Mapping[str, Any],
@@ -308,9 +395,10 @@ class RemoteFolderSource(FolderSource):
 
 
 class RemoteFolderInput(ReadsURLs, FolderInput):
-    """An ImageFolder prefix or a ``path,label`` list at a URL (see the module docstring), with the
-    storage options of :class:`~fastdata.writer.sources.folder.FolderInput` except ``raw_budget``
-    (which reads every image's header while planning)."""
+    """An ImageFolder prefix or a ``path,label`` list at a URL, or a local ``path,label`` list whose
+    rows name URLs (see the module docstring), with the storage options of
+    :class:`~fastdata.writer.sources.folder.FolderInput` except ``raw_budget`` (which reads every
+    image's header while planning)."""
 
     def __init__(self, src: str, *, storage_options: Mapping[str, Any] | None = None, **keywords: Any):
         if keywords.get("raw_budget") is not None:
@@ -318,7 +406,11 @@ class RemoteFolderInput(ReadsURLs, FolderInput):
                              "would download twice; use raw_fraction, or convert a local copy")
         super().__init__(src, **keywords)
         self.src = src.rstrip("/") if not src.lower().endswith((".csv", ".tsv")) else src
-        self.read_at(src, storage_options, recorded=self.src)
+        if is_url(src):
+            self.read_at(src, storage_options, recorded=self.src)
+        else:  # (a local list naming URLs: its first row's scheme tells the workers' modules)
+            self.read_at(src, storage_options, recorded=os.path.abspath(src))
+            self.worker_modules = url_modules([first_listed_path(src) or ""])
 
 
     def plan(self, run: RunOptions, dst: str) -> list[ShardPlan]:
@@ -352,41 +444,51 @@ def _list_copy(url: str, storage_options: Mapping[str, Any]) -> tuple[str, str]:
     return path, xxhash.xxh3_128_hexdigest(data)
 
 
-def scan_remote_table(url: str, storage_options: Mapping[str, Any], schema: Any = None):
-    """A JSONL or CSV/TSV list with fields at ``url`` (rows naming URLs or keys relative to the
-    list's folder) as the table reader parses it, with each image's URL, size and ETag looked up.
+def scan_remote_table(src: str, storage_options: Mapping[str, Any], schema: Any = None):
+    """A JSONL or CSV/TSV list with fields at the URL ``src`` (rows naming URLs or keys relative to
+    the list's folder), or a local one whose rows all name URLs, as the table reader parses it, with
+    each image's URL, size and ETag looked up.
 
     Returns:
-        tuple[TableSource, list[bytes], np.ndarray, str]: the table (its ``list_file`` the URL,
-        sizes and missing images from the object store), each row's image URL, the ETags, and the
-        digest of the list file's bytes.
+        tuple[TableSource, list[bytes], np.ndarray, str]: the table (its ``list_file`` the URL or
+        the local path, sizes and missing images from the object store), each row's image URL, the
+        ETags, and the digest of the list file's bytes.
 
     Raises:
-        SourceError: as :func:`~fastdata.writer.sources.table.reader.scan_table`, or a list with
-            a second image field (its paths are read from local files only).
+        SourceError: as :func:`~fastdata.writer.sources.table.reader.scan_table`, a list with a
+            second image field (its paths are read from local files only), or a local list with a
+            row naming a local path.
     """
     import dataclasses
     import shutil
 
     from fastdata.writer.sources.table.reader import MAX_ROW_ERRORS, scan_table
 
-    local, digest = _list_copy(url, storage_options)
-    try:
-        table = scan_table(local, schema)
-    finally:
-        shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+    if is_url(src):
+        local, digest = _list_copy(src, storage_options)
+        try:
+            table = scan_table(local, schema, mixed_urls=True)
+        finally:
+            shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+        base = src.rsplit("/", 1)[0]
+    else:  # (a local list naming URLs: scan_table refuses one naming a local path too)
+        src = os.path.abspath(src)
+        digest = xxhash.xxh3_128_hexdigest(_list_bytes(src, storage_options))
+        table = scan_table(src, schema)
+        base = ""
     images = list(table.schema.image_fields())
     if images != ["image"]:
-        raise SourceError(f"{url}: a list read from a URL has one image field (its path column); the fields "
+        raise SourceError(f"{src}: a list read from a URL has one image field (its path column); the fields "
                           f"{', '.join(n for n in images if n != 'image')} name image files too: convert a local copy")
-    base = url.rsplit("/", 1)[0]
-    urls = [join_url(base, os.fsdecode(rel)) for rel in table.relpaths]
+    urls = [join_url(base, os.fsdecode(rel)) if base else os.fsdecode(rel) for rel in table.relpaths]
+    if not base:
+        base = urls[0].rsplit("/", 1)[0] if urls else src  # (whose location resolves the workers' credentials)
     sizes, etags = stat_objects(urls, storage_options)
     missing = np.flatnonzero(sizes == -1).astype(np.int64)
-    problems = [(urls[i], f"{url}:{int(table.lines[i])}: image file not found") for i in missing[:MAX_ROW_ERRORS]]
+    problems = [(urls[i], f"{src}:{int(table.lines[i])}: image file not found") for i in missing[:MAX_ROW_ERRORS]]
     if len(missing) > MAX_ROW_ERRORS:
-        problems.append((url, f"... and {len(missing) - MAX_ROW_ERRORS} more missing image files"))
-    table = dataclasses.replace(table, list_file=url, root=base, sizes=sizes, missing=missing, problems=problems)
+        problems.append((src, f"... and {len(missing) - MAX_ROW_ERRORS} more missing image files"))
+    table = dataclasses.replace(table, list_file=src, root=base, sizes=sizes, missing=missing, problems=problems)
     return table, [u.encode() for u in urls], etags, digest
 
 
@@ -463,12 +565,17 @@ class RemoteTableChunks(ChunkSource):
 
 class RemoteTableInput(ReadsURLs, TableInput):
     """A JSONL or CSV/TSV list with fields at a URL (rows naming URLs, or keys relative to the
-    list's folder) as a general store: the store a local copy of the list and its images gives.
-    The fingerprint hashes the list's bytes and each image's size and ETag."""
+    list's folder), or a local one whose rows name URLs, as a general store: the store a local copy
+    of the list and its images gives. The fingerprint hashes the list's bytes and each image's size
+    and ETag."""
 
     def __init__(self, src: str, schema=None, *, storage_options: Mapping[str, Any] | None = None):
         super().__init__(src, schema)
-        self.read_at(src, storage_options)
+        if is_url(src):
+            self.read_at(src, storage_options)
+        else:  # (a local list naming URLs: its first row's scheme tells the workers' modules)
+            self.read_at(src, storage_options, recorded=os.path.abspath(src))
+            self.worker_modules = url_modules([first_listed_path(src) or ""])
         self.urls: list[bytes] = []
         self.etags = np.zeros(0, np.uint64)
         self.list_digest = ""

@@ -1,10 +1,12 @@
-"""A COCO annotation file at a URL and its images relative to a folder URL (``s3://``, ``gs://``,
-``az://``; ``https://``): the remote twin of :class:`~fastdata.writer.sources.coco.CocoInput`.
+"""A COCO annotation file (at a URL, or a local file) and its images relative to a folder URL
+(``s3://``, ``gs://``, ``az://``; ``https://``): the remote twin of
+:class:`~fastdata.writer.sources.coco.CocoInput`.
 
-* **the annotation file** is read once, whole, by the converter (at most
+* **the annotation file** at a URL is read once, whole, by the converter (at most
   :data:`fastdata.remote.sources.MAX_LIST_BYTES`), into a local temporary file that
   :func:`~fastdata.writer.sources.coco.load_coco` parses as it parses a local one (and that is
-  removed at once): the index, its order, problems and refusals are the local ones;
+  removed at once); a local one is parsed where it is: the index, its order, problems and
+  refusals are the local ones;
 * **the images** are looked up (size and ETag) in one paged listing of the image folder
   (:func:`~fastdata.remote.sources.list_objects`; ``https://``: one request per image) while
   planning, and each is fetched by the worker that encodes its sample, a few GETs at a time
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from fastdata.common.paths import remote_scheme
 from fastdata.errors import RejectedInputError
 from fastdata.remote.location import RemoteLocation
 from fastdata.remote.sources import list_objects, read_text, stat_objects
@@ -51,8 +54,9 @@ def _inside(image_dir: str, file_name: str) -> str | None:
 
 def load_remote_coco(ann_url: str, image_url: str, storage_options: Mapping[str, Any]
                      ) -> tuple[CocoIndex, np.ndarray, str]:
-    """The annotation file at ``ann_url`` parsed as :func:`~fastdata.writer.sources.coco.load_coco`
-    parses a local one, its images looked up below ``image_url``.
+    """The annotation file at ``ann_url`` (a URL, or a local path) parsed as
+    :func:`~fastdata.writer.sources.coco.load_coco` parses a local one, its images looked up below
+    ``image_url``.
 
     Returns:
         tuple[CocoIndex, np.ndarray, str]: the index (``ann_file`` and ``image_dir`` the URLs,
@@ -63,19 +67,25 @@ def load_remote_coco(ann_url: str, image_url: str, storage_options: Mapping[str,
         SourceError: the annotation file is missing, too large, not COCO (as locally), or the
             credentials fail.
     """
-    data = read_text(ann_url, storage_options)
-    digest = xxhash.xxh3_128_hexdigest(data)
-    folder = tempfile.mkdtemp(prefix="fastdata-coco-")
-    try:
-        local = os.path.join(folder, ann_url.rstrip("/").rsplit("/", 1)[-1] or "annotations.json")
-        with open(local, "wb") as fh:
-            fh.write(data)
-        del data
-        index = load_coco(local, None)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    # the problems name the temporary copy: name the URL instead
-    problems = [(where.replace(local, ann_url), why) for where, why in index.problems]
+    if remote_scheme(ann_url) is None:  # a local annotation file: parsed where it is
+        index = load_coco(ann_url, None)  # (its errors: a missing or unreadable file, as locally)
+        with open(ann_url, "rb") as fh:
+            digest = xxhash.xxh3_128_hexdigest(fh.read())
+        problems = list(index.problems)
+    else:
+        data = read_text(ann_url, storage_options)
+        digest = xxhash.xxh3_128_hexdigest(data)
+        folder = tempfile.mkdtemp(prefix="fastdata-coco-")
+        try:
+            local = os.path.join(folder, ann_url.rstrip("/").rsplit("/", 1)[-1] or "annotations.json")
+            with open(local, "wb") as fh:
+                fh.write(data)
+            del data
+            index = load_coco(local, None)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        # the problems name the temporary copy: name the URL instead
+        problems = [(where.replace(local, ann_url), why) for where, why in index.problems]
     image_url = image_url.rstrip("/")
     refused = dict(index.refused)
     keys: list[str | None] = []
@@ -178,13 +188,14 @@ class RemoteCocoSamples(CocoSamples):
 
 
 class RemoteCocoInput(ReadsURLs, CocoInput):
-    """A COCO annotation file at a URL with its images below a folder URL (see the module
-    docstring): the store the local copy of both converts to, but for ``metadata.coco``'s
-    ``annotation_file`` and ``image_dir`` (the URLs)."""
+    """A COCO annotation file (at a URL, or a local file) with its images below a folder URL (see
+    the module docstring): the store the local copy of both converts to, but for
+    ``metadata.coco``'s ``annotation_file`` and ``image_dir`` (the URLs, or the local file's path)."""
 
     def __init__(self, ann_url: str, image_url: str, *, storage_options: Mapping[str, Any] | None = None):
-        super().__init__(ann_url, image_url)
-        self.read_at(image_url, storage_options, recorded=ann_url)
+        local = remote_scheme(ann_url) is None
+        super().__init__(os.path.abspath(ann_url) if local else ann_url, image_url)
+        self.read_at(image_url, storage_options, recorded=os.path.abspath(ann_url) if local else ann_url)
         self.etags = np.zeros(0, np.uint64)
         self.digest = ""
 

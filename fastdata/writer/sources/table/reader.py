@@ -74,7 +74,7 @@ import numpy as np
 
 from fastdata.errors import SourceError
 from fastdata.format.fields import JSON, Field, Float, Image, Int, NDArray, Ragged, Schema, SchemaError, String
-from fastdata.writer.sources.folder import MAX_INTEGER_LABEL, MAX_ROW_ERRORS
+from fastdata.writer.sources.folder import is_url, MAX_INTEGER_LABEL, MAX_ROW_ERRORS, mixed_rows_message
 from fastdata.writer.sources.table.cells import CellError, Evidence, cell_parser, cell_value, label_texts_of
 from fastdata.writer.sources.table.columns import Column, PackedBuilder, PackedBytes, ScalarColumn, column_for
 from fastdata.writer.sources.table.spec import CLASS_KINDS, MISSING, Declared, Spec, parse_schema
@@ -202,24 +202,30 @@ def is_table_list(list_file: str | os.PathLike, schema: Any = None) -> bool:
     return PATH_KEY in cells and cells != [PATH_KEY, "label"]
 
 
-def scan_table(list_file: str | os.PathLike, schema: str | os.PathLike | Mapping | list | None = None) -> TableSource:
+def scan_table(list_file: str | os.PathLike, schema: str | os.PathLike | Mapping | list | None = None, *,
+               mixed_urls: bool = False) -> TableSource:
     """Parse a JSONL or CSV/TSV list file (rules: this module's docstring).
 
     Args:
         list_file: ``*.jsonl``/``*.ndjson``, or ``*.csv``/``*.tsv``.
         schema: declared fields (see :func:`parse_schema`); undeclared ones are inferred.
+        mixed_urls (bool): rows may name URLs beside relative paths (the copy of a list read from
+            a URL, whose relative rows are joined to its folder URL); False: a row naming a URL
+            while the first names a local path (or the reverse) is refused. A URL row's path is
+            kept as written, and not looked up here (its size is -1).
 
     Returns:
         TableSource: the schema, class tables and columns.
 
     Raises:
         SourceError: the file is missing, empty, has bad rows (all reported, with
-            line numbers and columns), or a declared field names no column.
+            line numbers and columns), a declared field names no column, or (without
+            ``mixed_urls``) rows name both URLs and local paths.
         SchemaError: the schema spec is malformed.
     """
     path = os.path.abspath(os.fspath(list_file))
     declared = parse_schema(schema)
-    reader = _Reader(path)
+    reader = _Reader(path, mixed_urls)
     specs = reader.infer(declared)
     return reader.load(specs)
 
@@ -244,8 +250,9 @@ class _Reader:
     """Two passes over one list file: :meth:`infer` (kinds, class tables, syntax
     errors), then :meth:`load` (values into columns, value errors)."""
 
-    def __init__(self, list_file: str):
+    def __init__(self, list_file: str, mixed_urls: bool = False):
         self.list_file = list_file
+        self.mixed_urls = mixed_urls
         self.root = os.path.dirname(list_file)
         self.is_jsonl = list_file.lower().endswith(JSONL_SUFFIXES)
         if not self.is_jsonl and not list_file.lower().endswith(CSV_SUFFIXES):
@@ -421,6 +428,7 @@ class _Reader:
         relpaths = PackedBuilder()
         lines, sizes, missing = array("q"), array("q"), array("q")
         problems: list[tuple[str, str]] = []
+        first: tuple[int, str, bool] | None = None  # (line, path, a URL?) of the first row
         for lineno, row in self.rows():
             if lineno in self.bad:
                 continue
@@ -429,11 +437,17 @@ class _Reader:
             except _RowError as err:
                 self.bad.setdefault(lineno, str(err))
                 continue
+            if not self.mixed_urls:
+                url = is_url(values[0])
+                if first is None:
+                    first = (lineno, values[0], url)
+                elif url != first[2]:
+                    raise SourceError(mixed_rows_message(self.list_file, lineno, values[0], first[0], first[1]))
             absolute, relative = self._image_path(values[0])
             relpaths.append(relative)
             for column, value in zip(columns, values[1:], strict=True):
                 column.append(value)
-            size = _file_size(absolute)
+            size = -1 if is_url(values[0]) else _file_size(absolute)  # (a URL: its caller looks it up)
             if size < 0:
                 missing.append(len(lines))
                 if len(problems) < MAX_ROW_ERRORS:
@@ -505,7 +519,10 @@ class _Reader:
         return checked  # ragged: the column keeps the array's bytes and row count
 
     def _image_path(self, text: str) -> tuple[bytes, bytes]:
-        """``(absolute, as written and normalised)`` file system bytes of a listed path."""
+        """``(absolute, as written and normalised)`` file system bytes of a listed path (a URL: as
+        written, twice; normalising would fold its ``//``)."""
+        if is_url(text):
+            return text.encode(), text.encode()
         relative = os.path.normpath(text)
         absolute = relative if os.path.isabs(relative) else os.path.join(self.root, relative)
         return os.fsencode(absolute), os.fsencode(relative)
