@@ -31,6 +31,7 @@ there too). The pools are per process (made on first use: never inherited across
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import ssl
@@ -237,14 +238,13 @@ class DirectS3:
         through s3fs). Stopping the iteration early cancels what has not arrived."""
         return _CurlBatch(self, bucket, wanted).results()
 
-    def curl_options(self, path: str) -> list[tuple[int, Any]]:
-        """libcurl options of a GET of ``path`` (URI-encoded): the URL, timeouts, no proxy, no
-        redirect, and libcurl's SigV4 signature with the current credentials (none: anonymous)."""
+    def curl_settings(self) -> list[tuple[int, Any]]:
+        """libcurl options every GET of this endpoint has (set once on a reused handle): timeouts,
+        no proxy, no redirect, the CA certificates, and libcurl's SigV4 signing (none: anonymous)."""
         import pycurl
 
         options: list[tuple[int, Any]] = [
-            (pycurl.URL, self.origin + path), (pycurl.NOSIGNAL, 1), (pycurl.PROXY, ""),
-            (pycurl.FOLLOWLOCATION, 0), (pycurl.USERAGENT, CURL_USER_AGENT),
+            (pycurl.NOSIGNAL, 1), (pycurl.PROXY, ""), (pycurl.FOLLOWLOCATION, 0), (pycurl.USERAGENT, CURL_USER_AGENT),
             (pycurl.CONNECTTIMEOUT_MS, int(self.timeout * 1000)),
             # urllib3's read timeout: a transfer that sends nothing for that long is abandoned
             (pycurl.LOW_SPEED_LIMIT, 1), (pycurl.LOW_SPEED_TIME, max(1, math.ceil(self.timeout))),
@@ -257,12 +257,18 @@ class DirectS3:
             if paths.capath:
                 options.append((pycurl.CAPATH, paths.capath))
         if self.credentials is not None:
-            frozen = self._frozen_credentials()
-            options += [(pycurl.AWS_SIGV4, f"aws:amz:{self.region}:s3"), (pycurl.USERNAME, frozen.access_key),
-                        (pycurl.PASSWORD, frozen.secret_key)]
-            if frozen.token:
-                options.append((pycurl.HTTPHEADER, [f"x-amz-security-token: {frozen.token}"]))
+            options.append((pycurl.AWS_SIGV4, f"aws:amz:{self.region}:s3"))
         return options
+
+    def curl_credentials(self) -> list[tuple[int, Any]]:
+        """libcurl options of the credentials to sign a GET with now (none when anonymous)."""
+        import pycurl
+
+        if self.credentials is None:
+            return []
+        frozen = self._frozen_credentials()
+        return [(pycurl.USERNAME, frozen.access_key), (pycurl.PASSWORD, frozen.secret_key),
+                (pycurl.HTTPHEADER, [f"x-amz-security-token: {frozen.token}"] if frozen.token else [])]
 
 
 def has_curl() -> bool:
@@ -294,51 +300,41 @@ def _curl_multi() -> tuple[Any, list[Any]]:
 
 
 class _CurlReply:
-    """One transfer's reply as libcurl hands it over: the status line's headers of interest and the
-    body, of which at most ``size`` bytes are kept (a longer or shorter one is not taken)."""
+    """One transfer's reply: libcurl writes its header lines and body into two buffers (C calls,
+    no Python callback per piece), read once the transfer is over. libcurl stops a body longer
+    than ``size`` (``MAXFILESIZE_LARGE``)."""
 
-    __slots__ = ("size", "chunks", "received", "etag", "length", "encoded", "index")
+    __slots__ = ("index", "size", "headers", "body")
 
     def __init__(self, index: int, size: int) -> None:
         self.index, self.size = index, size
-        self.chunks: list[bytes] = []
-        self.received = 0
-        self.etag: str | None = None
-        self.length: int | None = None
-        self.encoded = False
-
-    def header(self, line: bytes) -> None:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            if line.startswith(b"HTTP/"):  # a new status line: what came before was an interim reply
-                self.etag, self.length, self.encoded = None, None, False
-            return
-        name = name.strip().lower()
-        if name == b"etag":
-            self.etag = value.strip().decode("latin-1")
-        elif name == b"content-length":
-            try:
-                self.length = int(value)
-            except ValueError:
-                self.length = -1
-        elif name == b"content-encoding":
-            self.encoded = True
-
-    def write(self, data: bytes) -> int | None:
-        self.received += len(data)
-        if self.length != self.size or self.received > self.size:
-            return 0  # (libcurl stops the transfer: the caller reports the length, or falls back)
-        self.chunks.append(data)
-        return None
+        self.headers, self.body = io.BytesIO(), io.BytesIO()
 
     def result(self, status: int, failed: bool) -> tuple[str | None, int, bytes | None] | None:
-        if status != 200 or self.length is None or self.encoded:
+        etag, length, encoded = None, None, False
+        for line in self.headers.getvalue().splitlines():
+            if line.startswith(b"HTTP/"):  # a status line: what came before was an interim reply
+                etag, length, encoded = None, None, False
+                continue
+            name, sep, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"etag":
+                etag = value.strip().decode("latin-1")
+            elif name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    length = -1
+            elif name == b"content-encoding":
+                encoded = True
+        if status != 200 or length is None or encoded:
             return None
-        if self.length != self.size:
-            return self.etag, self.length, None  # (the caller raises: the object changed)
-        if failed or self.received != self.size:
+        if length != self.size:
+            return etag, length, None  # (the caller raises: the object changed)
+        body = self.body.getvalue()
+        if failed or len(body) != self.size:
             return None
-        return self.etag, self.length, self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        return etag, length, body
 
 
 class _CurlBatch:
@@ -360,12 +356,18 @@ class _CurlBatch:
         def start() -> None:
             nonlocal started
             handle = idle.pop() if idle else pycurl.Curl()
+            if getattr(handle, "fastdata_settings", None) is not self.direct:  # (set once per endpoint)
+                handle.reset()
+                for option, value in self.direct.curl_settings():
+                    handle.setopt(option, value)
+                handle.fastdata_settings = self.direct
             reply = _CurlReply(started, self.wanted[started][1])
-            handle.reset()
-            for option, value in self.direct.curl_options(self.paths[started]):
+            for option, value in self.direct.curl_credentials():
                 handle.setopt(option, value)
-            handle.setopt(pycurl.HEADERFUNCTION, reply.header)
-            handle.setopt(pycurl.WRITEFUNCTION, reply.write)
+            handle.setopt(pycurl.URL, self.direct.origin + self.paths[started])
+            handle.setopt(pycurl.MAXFILESIZE_LARGE, reply.size)
+            handle.setopt(pycurl.HEADERFUNCTION, reply.headers.write)
+            handle.setopt(pycurl.WRITEFUNCTION, reply.body.write)
             multi.add_handle(handle)
             active[handle] = reply
             started += 1
@@ -374,7 +376,8 @@ class _CurlBatch:
             reply = active.pop(handle)
             multi.remove_handle(handle)
             done[reply.index] = reply.result(handle.getinfo(pycurl.RESPONSE_CODE), failed)
-            handle.setopt(pycurl.WRITEFUNCTION, _discard)  # (the reply's body goes with it)
+            handle.setopt(pycurl.WRITEFUNCTION, _discard)  # (the reply's buffers go with it)
+            handle.setopt(pycurl.HEADERFUNCTION, _discard)
             idle.append(handle)
 
         def progress(wait: bool) -> None:
