@@ -243,11 +243,15 @@ class DirectS3:
         no proxy, no redirect, the CA certificates, and libcurl's SigV4 signing (none: anonymous)."""
         import pycurl
 
+        from fastdata.remote.location import MIN_PROGRESS_BYTES
+
+        period = max(1, math.ceil(self.timeout))
         options: list[tuple[int, Any]] = [
             (pycurl.NOSIGNAL, 1), (pycurl.PROXY, ""), (pycurl.FOLLOWLOCATION, 0), (pycurl.USERAGENT, CURL_USER_AGENT),
             (pycurl.CONNECTTIMEOUT_MS, int(self.timeout * 1000)),
-            # urllib3's read timeout: a transfer that sends nothing for that long is abandoned
-            (pycurl.LOW_SPEED_LIMIT, 1), (pycurl.LOW_SPEED_TIME, max(1, math.ceil(self.timeout))),
+            # the read timeout's rule: a transfer that moves less than MIN_PROGRESS_BYTES in a period
+            # (a trickle too, not only silence) is abandoned, and its object read through s3fs
+            (pycurl.LOW_SPEED_LIMIT, max(1, math.ceil(MIN_PROGRESS_BYTES / period))), (pycurl.LOW_SPEED_TIME, period),
             (pycurl.BUFFERSIZE, CURL_BUFFER_BYTES)]
         if self.origin.startswith("https://"):
             # the certificates Python's ssl (and so urllib3) trusts, not those libcurl was built with

@@ -221,6 +221,35 @@ def test_an_s3_reply_trickled_inside_one_block_fails_in_bounded_time(s3_root, se
     assert time.monotonic() - started < 6
 
 
+@pytest.mark.parametrize("mode", ["control", "body", "headers"])
+def test_a_trickled_reply_to_libcurl_fails_in_bounded_time(s3_root, servers, mode):
+    """A conversion's inputs fetched side by side by libcurl (batch_reader): a server trickling the
+    body (20 B/s) or the headers (5 B/s) is abandoned within the read timeout's period (libcurl's
+    low-speed rule: less than 64 KiB a period), then read through s3fs, which fails it in bounded
+    time too. Without that rule (a limit of 1 byte/s) libcurl waited out the server's 8 s trickle."""
+    shard = next(n for n in os.listdir(os.path.join(s3_root, "www", "store.lmdb")) if n.startswith("shard-"))
+    size = os.path.getsize(os.path.join(s3_root, "www", "store.lmdb", shard))
+
+    def behave(method, path):
+        if path.endswith(shard) and mode != "control":
+            return ("trickle", 0.05) if mode == "body" else ("trickle-headers", 0.2)
+        return ("file",)
+    server = servers(s3_root, behave)
+    loc = _s3_location(server, read_timeout=2.0 if mode == "control" else 0.3)
+    read = loc.batch_reader()
+    assert read is not None
+    started = time.monotonic()
+    if mode == "control":
+        expected = open(os.path.join(s3_root, "www", "store.lmdb", shard), "rb").read()
+        assert list(read([shard], [size], [0])) == [expected]
+        assert [p for m, p in server.requests if p.endswith(shard)] == [f"/www/store.lmdb/{shard}"]  # one GET
+        return
+    with pytest.raises(RemoteTimeoutError) as info:
+        list(read([shard], [size], [0]))
+    assert time.monotonic() - started < 6, time.monotonic() - started  # the server trickles for 8 s
+    assert shard in str(info.value)
+
+
 @pytest.mark.parametrize("mode", ["control", "attack"])
 def test_http_reply_headers_trickled_fail_in_bounded_time(store_dir, servers, tmp_path, mode):
     """manifest.json's status line and headers arrive at 5 B/s (each socket read gets a byte in time)."""
