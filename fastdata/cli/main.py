@@ -711,12 +711,31 @@ def _add_optional_commands(sub) -> None:
     add_commands(sub)
 
 
+#: libraries whose log records the command would print unconfigured (Python's last-resort handler
+#: writes WARNING and above to stderr): gcsfs logs a traceback for each request it gives up on,
+#: which fastdata then reports in one line of its own
+QUIET_LOGGERS = ("gcsfs", "adlfs", "s3fs", "fsspec", "aiobotocore", "azure")
+
+
+def quiet_library_loggers() -> None:
+    """Keep the remote libraries' log records off stderr (where no handler of the user's takes
+    them): the command's errors are its own one line. ``FASTDATA_DEBUG=1`` leaves them on."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     # the library's messages name its parameters (resume=True); a CLI user reads the flags (--resume)
     say = args.say = cli_spelling(parser, command_parser(parser, args))
+    if not os.environ.get("FASTDATA_DEBUG"):
+        quiet_library_loggers()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
