@@ -52,6 +52,9 @@ POOL_CONNECTIONS = 8
 LISTING_PAGE_KEYS = 1000
 #: the longest listing page read (1,000 keys of up to 1,024 bytes, with their XML)
 MAX_LISTING_PAGE_BYTES = 8 << 20
+#: a reply must deliver at least this many bytes (or its end) within each read timeout (the rule of
+#: every remote read, :mod:`fastdata.remote.location`'s included, which imports it from here)
+MIN_PROGRESS_BYTES = 64 << 10
 #: bytes libcurl hands over per write callback (its default, 16 KiB, calls Python 4 times a JPEG)
 CURL_BUFFER_BYTES = 256 << 10
 #: what libcurl's GETs call themselves (urllib3's and botocore's name themselves too)
@@ -242,8 +245,6 @@ class DirectS3:
         """libcurl options every GET of this endpoint has (set once on a reused handle): timeouts,
         no proxy, no redirect, the CA certificates, and libcurl's SigV4 signing (none: anonymous)."""
         import pycurl
-
-        from fastdata.remote.location import MIN_PROGRESS_BYTES
 
         period = max(1, math.ceil(self.timeout))
         options: list[tuple[int, Any]] = [

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from fastdata.errors import FastdataError, RemoteStoreError
+from fastdata.remote.direct import MIN_PROGRESS_BYTES  # (defined there: its libcurl GETs follow it too)
 
 #: schemes that are read-only (no listing, no writes)
 READ_ONLY_SCHEMES = ("http", "https")
@@ -121,8 +122,6 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 #: storage options (fastdata's own, not passed to fsspec) setting the two timeouts for one store
 CONNECT_TIMEOUT_OPTION = "fastdata_connect_timeout"
 READ_TIMEOUT_OPTION = "fastdata_read_timeout"
-#: a reply must deliver at least this many bytes (or its end) within each read timeout
-MIN_PROGRESS_BYTES = 64 << 10
 #: a stalled request is tried again only while the time since the first attempt is under this many
 #: read timeouts (then the error is raised; other transient errors keep their retries)
 STALL_RETRY_WINDOW = 3
