@@ -41,6 +41,7 @@ from fastdata.errors import ConversionError, RejectedInputError, SourceError
 from fastdata.remote.location import RemoteLocation, RemoteSizeError
 from fastdata.remote.sources import list_objects, ObjectReader, read_text, stat_objects
 from fastdata.writer.resume import RunOptions
+from fastdata.writer.sources.folder import is_url
 from fastdata.writer.sources.remote import FILESYSTEM_MODULES, ReadsURLs
 from fastdata.writer.sources.volumes.common import named, OpenedSample
 from fastdata.writer.sources.volumes.input import VolumeInput
@@ -48,7 +49,6 @@ from fastdata.writer.sources.volumes.nifti import nifti_header, require_nibabel,
 from fastdata.writer.sources.volumes.scan import (
     FileScan,
     is_nifti,
-    is_url,
     is_volume_list_text,
     LIST_SUFFIXES,
     NIFTI_SUFFIXES,

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdata.common.extensions import IMG_EXTENSIONS
-from fastdata.common.paths import remote_scheme
 from fastdata.errors import SourceError
 from fastdata.format.fields import JSON, RESERVED_NAMES, Field, Float, Int, Schema, SchemaError, String
 from fastdata.remote.sources import join_url
-from fastdata.writer.sources.folder import MAX_INTEGER_LABEL, MAX_ROW_ERRORS, find_classes
+from fastdata.writer.sources.folder import find_classes, is_url, MAX_INTEGER_LABEL, MAX_ROW_ERRORS
 
 __all__ = ["FileScan", "IMAGE_COLUMNS", "LABEL_COLUMN", "LIST_SUFFIXES", "NIFTI_SUFFIXES", "OWN_FIELDS", "is_nifti",
-           "is_url", "is_volume_list_text", "is_volume_source", "names_urls", "scan_decathlon", "scan_file_folder",
+           "is_volume_list_text", "is_volume_source", "names_urls", "scan_decathlon", "scan_file_folder",
            "scan_volume_list"]
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
@@ -226,11 +225,6 @@ def _class_labels(texts: list[str]) -> tuple[list[str], list[int]]:
     classes = sorted(set(texts))
     index = {c: i for i, c in enumerate(classes)}
     return classes, [index[t] for t in texts]
-
-
-def is_url(text: str) -> bool:
-    """Whether a list's path ``text`` is a URL (``s3://b/x.nii``): read remotely, never joined to the list's folder."""
-    return remote_scheme(text) is not None
 
 
 def _outside(root: str, text: str) -> bool:
