@@ -11,6 +11,7 @@ checksum-valid but hand-crafted manifest must also never crash ``verify`` or
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import time
@@ -43,17 +44,38 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not NIGHTLY,
 
 
 def _timed(fn, *args, **kwargs):
+    """Call ``fn`` and assert one call stays within PARSE_BUDGET_S of the thread's CPU time.
+
+    A blow-up is deterministic, a pause is not: the collector is off during the timed call
+    (a full collection of the suite's heap once took 0.7 s inside one parse), and a call over
+    budget is timed once more, the faster of the two judged.
+    """
     if fn not in _WARMED:  # a first call's one-time costs (imports, compiled patterns) are not parsing
         _WARMED.add(fn)
         try:
             fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - the timed call below raises it again, where it is judged
             pass
-    t0 = time.thread_time()
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        assert time.thread_time() - t0 < PARSE_BUDGET_S, f"{fn.__name__} took too long"
+    best = float("inf")
+    for attempt in range(2):
+        collecting = gc.isenabled()
+        gc.disable()
+        t0 = time.thread_time()
+        try:
+            result = fn(*args, **kwargs)
+            raised = None
+        except Exception as err:  # noqa: BLE001 - raised again below, after the time is judged
+            result, raised = None, err
+        finally:
+            best = min(best, time.thread_time() - t0)
+            if collecting:
+                gc.enable()
+        if best < PARSE_BUDGET_S:
+            break
+    assert best < PARSE_BUDGET_S, f"{fn.__name__} took too long ({best:.2f} s of CPU, twice)"
+    if raised is not None:
+        raise raised
+    return result
 
 
 # ----------------------------------------------------------------------------- records
