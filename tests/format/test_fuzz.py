@@ -57,7 +57,7 @@ def _timed(fn, *args, **kwargs):
         except Exception:  # noqa: BLE001 - the timed call below raises it again, where it is judged
             pass
     best = float("inf")
-    for attempt in range(2):
+    for _attempt in range(2):
         collecting = gc.isenabled()
         gc.disable()
         t0 = time.thread_time()
