@@ -22,7 +22,8 @@ Contenders, batch ``--batch-size`` (64), ``--workers`` W (2), each giving ``[64,
   are on macOS and Windows (each a fresh interpreter that imports torch);
 * ``ffcv-jpeg``             ``ffcv.loader.Loader(jpeg.beton, batch_size=64, num_workers=W,
   order=OrderOption.RANDOM, os_cache=True, pipelines={"image": [RandomResizedCropRGBImageDecoder((224,
-  224)), ToTensor(), ToTorchImage()], "label": [IntDecoder(), ToTensor()]})`` (its compiled threads);
+  224)), ToTensor(), ToTorchImage()], "label": [IntDecoder(), ToTensor()]})`` (its compiled threads;
+  ``OPENCV_FOR_THREADS_NUM=1`` unless set: one OpenCV thread inside each of them, its faster setting);
 * ``fastdata-thread-raw``, ``fastdata-process-raw``, ``ffcv-raw``: the same three over the raw stores.
 
 Measured, per contender: images/s of an epoch; the time to the first batch of an epoch; start-up (from
@@ -32,9 +33,11 @@ process tree (the process iterating the loader plus all its descendants, ``psuti
 ``memory_full_info().pss`` summed, sampled every 50 ms by a thread of the parent,
 ``fastdata.bench.memory.MemorySampler(pid=child)``: a sampling thread in the measured process
 would take the GIL from thread workers, which cost them about 10% of their images/s) during the
-measured epoch, and its anonymous part (heap, batches, copy-on-write copies: what the kernel cannot
+measured epoch, and its held part: anonymous memory (heap, batches, copy-on-write copies) plus shared
+memory (``/dev/shm`` and memfd pages: the batches that process workers hand to the main process
+travel there, and would be missed by a count of anonymous memory alone), what the kernel cannot
 drop; the rest is mapped files, mostly the store's pages that the epoch read, page cache the kernel
-can drop, which every contender maps alike).
+can drop, which every contender maps alike.
 
 Every measurement runs in a fresh child process (``bench_threads.py --_child NAME``) that imports only
 what its contender needs, builds the loader, runs one warm-up epoch (its start-up is measured there),
@@ -97,11 +100,11 @@ RATIOS = (("thread / process", "fastdata-thread", "fastdata-process", "img_s"),
           ("PSS thread / ffcv-jpeg", "fastdata-thread", "ffcv-jpeg", "peak_pss"),
           ("PSS thread-raw / process-raw", "fastdata-thread-raw", "fastdata-process-raw", "peak_pss"),
           ("PSS thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "peak_pss"),
-          ("anon PSS thread / process", "fastdata-thread", "fastdata-process", "peak_pss_anon"),
-          ("anon PSS thread / spawn", "fastdata-thread", "fastdata-spawn", "peak_pss_anon"),
-          ("anon PSS thread / ffcv-jpeg", "fastdata-thread", "ffcv-jpeg", "peak_pss_anon"),
-          ("anon PSS thread-raw / process-raw", "fastdata-thread-raw", "fastdata-process-raw", "peak_pss_anon"),
-          ("anon PSS thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "peak_pss_anon"))
+          ("held PSS thread / process", "fastdata-thread", "fastdata-process", "peak_pss_held"),
+          ("held PSS thread / spawn", "fastdata-thread", "fastdata-spawn", "peak_pss_held"),
+          ("held PSS thread / ffcv-jpeg", "fastdata-thread", "ffcv-jpeg", "peak_pss_held"),
+          ("held PSS thread-raw / process-raw", "fastdata-thread-raw", "fastdata-process-raw", "peak_pss_held"),
+          ("held PSS thread-raw / ffcv-raw", "fastdata-thread-raw", "ffcv-raw", "peak_pss_held"))
 MAX_SIDE = 512
 MB = 1 << 20
 
@@ -202,7 +205,13 @@ def run_child(name: str, store: str, args, seed: int) -> dict:
            "--_seed", str(seed), "--workers", str(args.workers), "--batch-size", str(args.batch_size),
            "--python-transform", str(args.python_transform)]
     errors = tempfile.TemporaryFile(mode="w+")  # (a pipe read only at the end could fill and stall the child)
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
+    env = dict(os.environ)
+    if name.startswith("ffcv-"):
+        # FFCV at its best: each of its threads resizes with OpenCV, which would split every resize
+        # over all the cores again (two threads each running two: 15-20% fewer images/s measured
+        # here); one OpenCV thread each, as fastdata's threads run torch's operators on one
+        env.setdefault("OPENCV_FOR_THREADS_NUM", "1")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     mem = None
     lines = []
@@ -229,6 +238,7 @@ def run_child(name: str, store: str, args, seed: int) -> dict:
     res = json.loads(results[-1][len("RESULT "):])
     res.update({"peak_pss": mem.peak_pss, "peak_uss": mem.peak_uss, "peak_rss": mem.peak_rss,
                 "peak_pss_anon": mem.peak_pss_anon, "peak_pss_file": mem.peak_pss_file,
+                "peak_pss_shmem": mem.peak_pss_shmem, "peak_pss_held": mem.peak_pss_held,
                 "processes": 1 + mem.max_workers, "pss_samples": len(mem.samples)})
     return res
 
@@ -277,7 +287,8 @@ def summarise(names: list[str], rounds: list[dict], args, sizes: dict, jpeg: int
     for n in names:
         rs = [r[n] for r in rounds]
         rows[n] = {**{k: med([r[k] for r in rs]) for k in ("img_s", "first_batch_s", "startup_s", "import_s",
-                                                            "peak_pss", "peak_pss_anon", "peak_pss_file")},
+                                                            "peak_pss", "peak_pss_anon", "peak_pss_file",
+                                                            "peak_pss_shmem", "peak_pss_held")},
                    "peak_pss_max": max(r["peak_pss"] for r in rs), "processes": max(r["processes"] for r in rs),
                    "store": STORE[n], "disk_bytes": sizes[n], "batch": rs[-1]["batch"], "rounds": rs}
     ratios = {}
@@ -299,12 +310,13 @@ def markdown(res: dict, args, command: str) -> str:
              f"{res['jpeg_bytes'] / 1e6:.0f} MB",
              "",
              "| contender | store | images/s | first batch ms | start-up s | imports s | peak PSS MiB "
-             "| of which anon MiB | processes | disk MB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| of which held MiB | anon MiB | shmem MiB | processes | disk MB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, r in res["rows"].items():
         lines.append(f"| {n} | {r['store']} | {r['img_s']:.0f} | {r['first_batch_s'] * 1e3:.0f} | "
                      f"{r['startup_s']:.2f} | {r['import_s']:.2f} | {r['peak_pss'] / MB:.0f} | "
-                     f"{r['peak_pss_anon'] / MB:.0f} | {r['processes']} | "
+                     f"{r['peak_pss_held'] / MB:.0f} | {r['peak_pss_anon'] / MB:.0f} | "
+                     f"{r['peak_pss_shmem'] / MB:.0f} | {r['processes']} | "
                      f"{r['disk_bytes'] / 1e6:.0f} |")
     if res["ratios"]:
         lines += ["", "| ratio (median of per-round ratios) | |", "|---|---:|"]

@@ -47,9 +47,11 @@ class ProcessMemory:
         pss: proportional set size (shared pages divided among sharers); equals ``uss``
             where the OS reports no PSS (see :attr:`MemorySnapshot.pss_exact`).
         uss: unique set size (private pages only).
-        pss_anon, pss_file: the PSS split into anonymous memory (heap, batches, copy-on-write
-            copies) and mapped files (libraries, a store's pages: page cache the kernel can drop);
-            0 where the OS has no ``/proc/PID/smaps_rollup`` (macOS, Windows).
+        pss_anon, pss_file, pss_shmem: the PSS split into anonymous memory (heap, batches,
+            copy-on-write copies), mapped files (libraries, a store's pages: page cache the kernel
+            can drop) and shared memory (``/dev/shm`` and memfd pages: process workers' batches
+            on their way to the main process, which the kernel cannot drop either); 0 where the
+            OS has no ``/proc/PID/smaps_rollup`` (macOS, Windows).
     """
 
     pid: int
@@ -59,6 +61,7 @@ class ProcessMemory:
     uss: int
     pss_anon: int = 0
     pss_file: int = 0
+    pss_shmem: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,11 @@ class MemorySnapshot:
     def total_pss_anon(self) -> int:
         """Sum of the anonymous part of PSS over the tree (0 without ``smaps_rollup``)."""
         return sum(p.pss_anon for p in self.processes)
+
+    @property
+    def total_pss_shmem(self) -> int:
+        """Sum of the shared-memory part of PSS over the tree (0 without ``smaps_rollup``)."""
+        return sum(p.pss_shmem for p in self.processes)
 
     @property
     def total_pss_file(self) -> int:
@@ -156,7 +164,7 @@ def _smaps_rollup(pid: int) -> dict[str, int] | None:
     sum of the ``Private_*`` lines, as ``psutil.Process.memory_full_info()`` computes it from the
     same file: reading it once here instead of through psutil and again for the split halves the
     sampler's reads."""
-    pss = uss = anon = file = 0
+    pss = uss = anon = file = shmem = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             for line in f:
@@ -166,11 +174,13 @@ def _smaps_rollup(pid: int) -> dict[str, int] | None:
                     anon = int(line.split()[1]) * 1024
                 elif line.startswith(b"Pss_File:"):
                     file = int(line.split()[1]) * 1024
+                elif line.startswith(b"Pss_Shmem:"):
+                    shmem = int(line.split()[1]) * 1024
                 elif line.startswith(b"Private_"):
                     uss += int(line.split()[1]) * 1024
     except OSError:
         return None
-    return {"pss": pss, "uss": uss, "anon": anon, "file": file}
+    return {"pss": pss, "uss": uss, "anon": anon, "file": file, "shmem": shmem}
 
 
 def _measure(proc: psutil.Process, role: str) -> tuple[ProcessMemory, bool]:
@@ -179,7 +189,7 @@ def _measure(proc: psutil.Process, role: str) -> tuple[ProcessMemory, bool]:
     rollup = _smaps_rollup(proc.pid)
     if rollup is not None:
         return ProcessMemory(proc.pid, role, int(proc.memory_info().rss), rollup["pss"], rollup["uss"],
-                             rollup["anon"], rollup["file"]), True
+                             rollup["anon"], rollup["file"], rollup["shmem"]), True
     info = proc.memory_full_info()
     pss = getattr(info, "pss", None)
     uss = int(info.uss)
@@ -290,10 +300,15 @@ class MemorySampler:
             (seconds since start).
         marks: ``(label, t, MemorySnapshot)`` for each :meth:`mark` call.
         peak_pss, peak_rss, peak_uss: maxima of the tree totals over all samples.
-        peak_pss_anon, peak_pss_file: maxima of the tree's PSS split (:func:`pss_split`): anonymous
-            memory (heap, batches, copy-on-write copies: what the kernel cannot drop) and mapped
-            files (libraries, a store's pages: page cache it can drop). Both 0 where the OS has no
+        peak_pss_anon, peak_pss_file, peak_pss_shmem: maxima of the tree's PSS split
+            (:func:`pss_split`): anonymous memory (heap, batches, copy-on-write copies), mapped
+            files (libraries, a store's pages: page cache the kernel can drop) and shared memory
+            (process workers' batches in flight). All 0 where the OS has no
             ``/proc/PID/smaps_rollup`` (macOS, Windows).
+        peak_pss_held: the maximum of anonymous plus shared memory: what the tree holds that the
+            kernel cannot drop. Compare loaders by this, not by ``peak_pss_anon``: batches that
+            process workers pass through shared memory are not anonymous memory, while the same
+            batches built by thread workers are.
         peak_uss_per_worker: the largest USS any single worker reached.
         max_workers: the most workers seen in one sample.
         error: an unexpected exception that stopped the thread, else None (the root
@@ -313,6 +328,8 @@ class MemorySampler:
         self.peak_uss_per_worker = 0
         self.peak_pss_anon = 0
         self.peak_pss_file = 0
+        self.peak_pss_shmem = 0
+        self.peak_pss_held = 0
         self.max_workers = 0
         self.error: BaseException | None = None
         self.root_exited = False
@@ -330,6 +347,8 @@ class MemorySampler:
         with self._lock:
             self.peak_pss_anon = max(self.peak_pss_anon, snap.total_pss_anon)
             self.peak_pss_file = max(self.peak_pss_file, snap.total_pss_file)
+            self.peak_pss_shmem = max(self.peak_pss_shmem, snap.total_pss_shmem)
+            self.peak_pss_held = max(self.peak_pss_held, snap.total_pss_anon + snap.total_pss_shmem)
             bisect.insort(self.samples, row)
             self.peak_pss = max(self.peak_pss, row[1])
             self.peak_uss = max(self.peak_uss, row[2])
@@ -407,6 +426,8 @@ class MemorySampler:
                 "peak_uss_per_worker": self.peak_uss_per_worker,
                 "peak_pss_anon": self.peak_pss_anon,
                 "peak_pss_file": self.peak_pss_file,
+                "peak_pss_shmem": self.peak_pss_shmem,
+                "peak_pss_held": self.peak_pss_held,
                 "max_workers": self.max_workers,
                 "marks": [
                     {
@@ -430,12 +451,14 @@ class MemorySampler:
 
 def pss_split(pids: list[int]) -> dict[str, int]:
     """PSS summed over ``pids``, split into ``anon`` (heap, copy-on-write copies: what the processes
-    really hold) and ``file`` (mapped files: libraries, a store's or a memmap's pages, which the
-    kernel can drop), in bytes, from ``/proc/PID/smaps_rollup`` (0 for a process that cannot be read)."""
-    out = {"anon": 0, "file": 0}
+    really hold), ``file`` (mapped files: libraries, a store's or a memmap's pages, which the
+    kernel can drop) and ``shmem`` (``/dev/shm`` and memfd pages, such as process workers' batches
+    in flight, which it cannot drop), in bytes, from ``/proc/PID/smaps_rollup`` (0 for a process
+    that cannot be read)."""
+    out = {"anon": 0, "file": 0, "shmem": 0}
     for pid in pids:
         rollup = _smaps_rollup(pid)
         if rollup is not None:
-            out["anon"] += rollup["anon"]
-            out["file"] += rollup["file"]
+            for part in out:
+                out[part] += rollup[part]
     return out

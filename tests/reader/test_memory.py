@@ -234,6 +234,30 @@ def test_sampler_splits_anonymous_memory_from_mapped_files(tmp_path):
     assert mem.summary()["peak_pss_anon"] == mem.peak_pss_anon
 
 
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create is Linux's")
+def test_shared_memory_is_held_memory_apart_from_the_heap():
+    """A child's 120 MB of written shared memory (a memfd, as process workers' batches travel)
+    is ``pss_shmem``, not ``pss_anon``, and counts in ``peak_pss_held`` (anonymous plus shared:
+    what the kernel cannot drop). A comparison of anonymous memory alone would miss it: the control
+    is the anonymous peak, which stays far below."""
+    with MemorySampler(interval=0.02) as mem:
+        base_anon, base_shmem, base_held = mem.peak_pss_anon, mem.peak_pss_shmem, mem.peak_pss_held
+        holder = subprocess.Popen(
+            [sys.executable, "-c",
+             "import mmap, os, time\n"
+             "fd = os.memfd_create('held'); os.ftruncate(fd, 120 << 20); m = mmap.mmap(fd, 120 << 20)\n"
+             "chunk = b'x' * (1 << 20)\n"
+             "for i in range(120): m[i << 20:(i + 1) << 20] = chunk\n"
+             "print('ready', flush=True); time.sleep(0.3)\n"],
+            stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "ready"
+        holder.wait(timeout=10)
+    assert mem.peak_pss_shmem - base_shmem >= 100 * MB
+    assert mem.peak_pss_held - base_held >= 100 * MB
+    assert mem.peak_pss_anon - base_anon < 60 * MB  # control: not anonymous memory
+    assert mem.summary()["peak_pss_held"] == mem.peak_pss_held
+
+
 def test_one_smaps_rollup_read_gives_what_psutil_reads_and_the_split(monkeypatch):
     """A snapshot reads each process's ``smaps_rollup`` once: its PSS and USS are psutil's figures for
     the same moment (read from the same file), and its split adds up to its PSS. Counting the reads
@@ -255,7 +279,7 @@ def test_one_smaps_rollup_read_gives_what_psutil_reads_and_the_split(monkeypatch
     assert min(before.pss, after.pss) - MB <= main.pss <= max(before.pss, after.pss) + MB
     assert min(before.uss, after.uss) - MB <= main.uss <= max(before.uss, after.uss) + MB
     assert main.pss_anon >= ballast.nbytes and main.pss_file > 0
-    assert abs(main.pss_anon + main.pss_file - main.pss) <= MB  # (shmem, the third part, is small here)
+    assert abs(main.pss_anon + main.pss_file + main.pss_shmem - main.pss) <= MB
 
     reads = []
     real_open = builtins.open
