@@ -5,7 +5,9 @@ their cache pins released. Each behaviour has a control where one is cheap."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
+import threading
 
 import pytest
 from helpers.backends import NAME_SUFFIXES
@@ -13,6 +15,7 @@ from helpers.images import make_tree
 
 import fastdata
 from fastdata.format.backends.base import StorageSpec
+from fastdata.reader import shards as shards_module
 from fastdata.reader.shards import ShardHandles
 from fastdata.remote.store import StoreLocation
 
@@ -28,6 +31,7 @@ class CountedPins(StoreLocation):
         self.default_cap = default_cap
         self.acquired: list[int] = []
         self.released: list[int] = []
+        self.asked: list[int] = []  # open_shards_per_process's arguments, one per question
 
     def open_shard(self, shard, release_idle=None):
         path, _ = super().open_shard(shard)
@@ -35,6 +39,7 @@ class CountedPins(StoreLocation):
         return path, _Pin(self, shard)
 
     def open_shards_per_process(self, processes=1):
+        self.asked.append(processes)
         return self.default_cap
 
 
@@ -165,3 +170,46 @@ def test_a_forked_child_opens_its_own_reader_and_leaves_the_parents_alone(store,
     # the parent's reader is still its own, open and reading
     assert h.get(0) is parent and _handle(parent) is not None and parent.get(0) == want
     h.close()
+
+
+def test_threads_whose_first_reads_meet_take_the_process_over_once(store, monkeypatch):
+    """A process's first read takes the handles over (a fresh lock, marks and readers, and the
+    cap); loader threads make their first reads together, and only one may do it. Two that both
+    did would each install their own lock, marks and readers, so a reader one thread opened and is
+    reading could be closed under its read by the other's cap (seen once as "operation forbidden
+    on released memoryview" on free-threaded Python). Each thread's first look at the process id
+    waits here until all have looked, so all find the handles not yet taken over; the take-over
+    asks the store its cap once, and the test counts those questions (control: the code without
+    the lock around the take-over asked once per thread)."""
+    threads = 4
+    for _ in range(5):
+        location = CountedPins(store, default_cap=8)
+        h = handles(store, location=location)
+        met = threading.Barrier(threads)
+        looked: set[int] = set()
+
+        def first_look_waits_for_all(met=met, looked=looked) -> int:
+            me = threading.get_ident()
+            if me not in looked:
+                looked.add(me)
+                met.wait(timeout=10)
+            return os.getpid()
+
+        monkeypatch.setattr(shards_module, "getpid", first_look_waits_for_all)
+        got: dict[int, object] = {}
+
+        def first_read(shard: int, h=h, got=got) -> None:
+            got[shard] = h.get(shard)
+
+        workers = [threading.Thread(target=first_read, args=(shard,)) for shard in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(30)
+        monkeypatch.undo()
+        assert len(got) == threads, "a thread's first read failed"
+        assert location.asked == [1], f"the process was taken over {len(location.asked)} times"
+        open_now = h.open_readers()
+        assert sorted(open_now) == list(range(threads))
+        assert all(open_now[shard] is reader and _handle(reader) is not None for shard, reader in got.items())
+        h.close()
