@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,3 +87,26 @@ def cli_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     out = capsys.readouterr()
     err = out.err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
     return subprocess.CompletedProcess(["fastdata", *args], code, out.out, err)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free right now (for a torchrun rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args: str, nproc: int = 2, check: bool = True, wait: bool = True):
+    """``python -m fastdata ARGS`` under ``torch.distributed.run`` with ``nproc`` ranks on this
+    machine. ``wait``: run to the end (``check``: asserting exit 0) and return the completed
+    process; else return the running ``Popen`` (its own session, so it can be killed whole)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "fastdata", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

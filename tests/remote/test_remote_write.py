@@ -279,7 +279,7 @@ def test_resume_with_other_options_is_refused(s3, small_tree, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_two_ranks_upload_their_shards_and_rank0_publishes(s3, jpeg_tree, tmp_path, monkeypatch):
-    from test_distributed import torchrun
+    from helpers.procs import torchrun
 
     _, bucket = s3
     src = jpeg_tree(tmp_path / "src", classes={"a": 14, "b": 12, "c": 10}, size=(96, 72))
@@ -300,7 +300,7 @@ def test_two_ranks_upload_their_shards_and_rank0_publishes(s3, jpeg_tree, tmp_pa
 
 
 def test_jsonl_list_and_coco_convert_to_s3_like_locally(s3, tmp_path, monkeypatch):
-    from test_convert_lists import jsonl_rows, write_list
+    from helpers.lists import jsonl_rows, write_list
 
     from fastdata.cli.main import main
     from fastdata.synth_coco import make_coco
@@ -333,7 +333,7 @@ def test_two_ranks_killed_then_resumed_keep_the_uploaded_shards(s3, jpeg_tree, t
     import signal
 
     import psutil
-    from test_distributed import torchrun
+    from helpers.procs import torchrun
 
     _, bucket = s3
     src = jpeg_tree(tmp_path / "src", classes={"a": 20, "b": 20, "c": 16}, size=(96, 72))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers.backends import NAME_SUFFIXES
 from helpers.images import make_jpeg, make_tree
+from helpers.lists import jsonl_rows, write_list
 from helpers.stores import general_records, store_records
 
 import fastdata
@@ -30,23 +31,6 @@ BACKENDS = dict(NAME_SUFFIXES)
 def stored_records(store) -> list[dict]:
     """Every record of a store, decoded from the shards directly (image bytes as stored)."""
     return general_records(store)
-
-
-def jsonl_rows(n: int) -> list[dict]:
-    """Rows with every JSON kind: ints, floats, strings, ragged boxes, objects, one class
-    label and a multi-label list (``labels``), some of it empty."""
-    return [{"path": f"img/{i}.jpg", "n": i * 7 - 3, "score": i / 3, "caption": f"photo {i} é",
-             "boxes": [[i + 0.25, 2.5, 30.125, 40.0]] * (i % 3), "meta": {"id": i, "tags": ["a"] * (i % 2)},
-             "label": ["cat", "dog", "bird"][i % 3], "labels": [["x"], ["y", "x"], []][i % 3]}
-            for i in range(n)]
-
-
-def write_list(tmp_path: Path, rows: list[dict], name: str = "rows.jsonl") -> Path:
-    for i, row in enumerate(rows):
-        make_jpeg(tmp_path / row["path"], size=(24 + i, 16), seed=i)
-    lst = tmp_path / name
-    lst.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return lst
 
 
 @pytest.mark.parametrize("suffix", BACKENDS.values())

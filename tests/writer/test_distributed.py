@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 from helpers.images import make_tree
+from helpers.procs import torchrun
 from helpers.stores import store_records
 
 from fastdata.common.units import parse_size
@@ -21,25 +19,6 @@ from fastdata.writer.plan import estimated_sizes, plan_shards
 from fastdata.writer.sources.folder import scan
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(*args, nproc: int = 2, check: bool = True, wait: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "fastdata", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    if not wait:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def single(src, dst, *args):
