@@ -208,7 +208,7 @@ def run_child(name: str, store: str, args, seed: int) -> dict:
     env = dict(os.environ)
     if name.startswith("ffcv-"):
         # FFCV at its best: each of its threads resizes with OpenCV, which would split every resize
-        # over all the cores again (two threads each running two: 15-20% fewer images/s measured
+        # over all the cores again (two threads each running two: 10-20% fewer images/s measured
         # here); one OpenCV thread each, as fastdata's threads run torch's operators on one
         env.setdefault("OPENCV_FOR_THREADS_NUM", "1")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
