@@ -158,7 +158,7 @@ def test_remote_urls_are_taken_as_stores_everywhere(src, tmp_path, capsys, monke
     # one attempt: botocore's max_attempts counts the retries (1 was another attempt after a ~0.5 s backoff)
     quick = {"config_kwargs": {"retries": {"max_attempts": 0}}} if url.startswith("s3:") else {}
     flags = ["--storage-option", f"config_kwargs={json.dumps(quick['config_kwargs'])}"] if quick else []
-    assert main(["convert", url, str(tmp_path / "o.lmdb")]) == 2
+    assert main(["convert", url, str(tmp_path / "o.lmdb"), *flags]) == 2  # (botocore's own retries: 11-18 s)
     assert url in one_line_error(capsys)
     for argv in (["info", url, *flags], ["verify", url, *flags],
                  ["bench", url, "--no-plots", "--out", str(tmp_path / "b"), *flags],
