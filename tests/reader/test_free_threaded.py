@@ -178,3 +178,37 @@ def test_a_python_transform_runs_in_both_loader_threads_at_once(stores):
     assert (off, on) == (False, True)
     assert parallel > 1.3, f"{parallel:.2f} CPU s per s with the GIL off"
     assert serial < 1.15, f"{serial:.2f} CPU s per s with the GIL on"
+
+
+def test_loader_threads_read_records_of_one_shard_at_once_for_long(stores):
+    """Four threads reading batches of the same LMDB shard through its file map, over and over.
+    Each record's bytes must be a view of its own: slices of one memoryview shared by the threads
+    update its export count without atomics on 3.13t (CPython gh-155606), the count ran out early
+    and the map was released under a reading thread ("operation forbidden on released memoryview
+    object": 4 of 12 two-epoch benchmark runs failed so before the fix, none of 32 after; this
+    test failed within its 3 seconds on the code before it)."""
+    assert not gil_enabled()
+    ds = fastdata.open_dataset(stores["lmdb"], output="numpy")
+    want = [ds[i][0].copy() for i in range(len(ds))]
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + 3.0
+    start = threading.Barrier(4)
+
+    def read_batches(offset: int) -> None:
+        start.wait()
+        rounds = 0
+        try:
+            while time.monotonic() < deadline:
+                order = [(offset + rounds + i) % len(ds) for i in range(len(ds))]
+                for i, (image, _) in zip(order, ds.__getitems__(order), strict=True):
+                    assert np.array_equal(image, want[i])
+                rounds += 1
+        except BaseException as err:  # noqa: BLE001 - reported by the test thread below
+            errors.append(err)
+
+    threads = [threading.Thread(target=read_batches, args=(k * 5,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, f"{type(errors[0]).__name__}: {errors[0]}"

@@ -303,7 +303,8 @@ class LMDBShardReader(ShardReader):
         #: this process's read-only map of the shard file, for reading records at their spans
         #: (:meth:`_mapped_record`); opened at the first batch, per process
         self._file_map: mmap.mmap | None = None
-        self._file_view: memoryview | None = None
+        #: the whole map as a uint8 array, sliced per record: see :meth:`_mapped_record`
+        self._file_bytes: np.ndarray | None = None
         self._map_pid = -1
         #: advice calls made (for tests and diagnosis)
         self.prefetches = 0
@@ -456,7 +457,7 @@ class LMDBShardReader(ShardReader):
             parts.append(data)
         return b"".join((head, *parts)) if parts else head
 
-    def _record_spans(self) -> tuple[memoryview, np.ndarray, np.ndarray | None] | None:
+    def _record_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
         """This process's map of the shard file and the index's record spans, or None: no spans
         (an older shard, prefetching off), or the file cannot be mapped here.
 
@@ -477,31 +478,38 @@ class LMDBShardReader(ShardReader):
         if self._map_pid != os.getpid():
             with self.lazy_lock:
                 if self._map_pid != os.getpid():
-                    self._file_map = self._file_view = None
+                    self._file_map = self._file_bytes = None
                     try:
                         with open(self.path, "rb") as handle:  # the map outlives the descriptor
                             # copy-on-write: its views are writable (torch.from_numpy takes a
                             # read-only array with a warning), and nothing written reaches the file
                             self._file_map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-                        self._file_view = memoryview(self._file_map)
+                        self._file_bytes = np.frombuffer(self._file_map, np.uint8)
                     except (OSError, ValueError):  # an empty file, or no mapping here: read through LMDB
-                        self._file_map = self._file_view = None
+                        self._file_map = self._file_bytes = None
                     self._map_pid = os.getpid()
-        view = self._file_view
-        return None if view is None else (view, spans, tails)
+        file_bytes = self._file_bytes
+        return None if file_bytes is None else (file_bytes, spans, tails)
 
-    def _mapped_record(self, mapped: tuple[memoryview, np.ndarray, np.ndarray | None],
+    def _mapped_record(self, mapped: tuple[np.ndarray, np.ndarray, np.ndarray | None],
                        local_index: int) -> bytes | memoryview | None:
         """Record ``local_index``'s bytes read at its spans: a view of the file map, or its head
         joined with its tail parts (a copy, as :meth:`_value` makes); None where a span lies
-        outside the file or the record's spans are not known."""
+        outside the file or the record's spans are not known.
+
+        Each record's view is a memoryview of its own, made from a slice of the map's array, never
+        a slice of one memoryview the threads share: a slice of a memoryview counts itself in the
+        shared view's export count, which free-threaded CPython 3.13 updates without atomics, so
+        loader threads slicing one view at once lost counts and the map was released under them
+        ("operation forbidden on released memoryview object", CPython gh-155606). An array slice
+        only holds a reference to the array (references are atomic there)."""
         view, spans, tails = mapped
         if not 0 <= local_index < len(spans):
             return None
         start, length = int(spans[local_index, 0]), int(spans[local_index, 1])
         if length <= 0 or start + length > len(view):
             return None
-        head = view[start:start + length]
+        head = view[start:start + length].data
         if self.tails_db is None or (length + spec.PAGE_HEADER) % self.psize:
             return head  # no tail parts: only a head that fills its pages has them (spec.fills_pages)
         if tails is None:
@@ -512,7 +520,7 @@ class LMDBShardReader(ShardReader):
                 break
             if part_start + part_length > len(view):
                 return None
-            parts.append(view[part_start:part_start + part_length])
+            parts.append(view[part_start:part_start + part_length].data)
         return b"".join(parts) if len(parts) > 1 else head
 
     def _checked(self, buf, local_index: int, ppm, nbytes, expected) -> bytes | memoryview:
@@ -764,15 +772,11 @@ class LMDBShardReader(ShardReader):
         with _ENVS.lock:
             fd, self._advice_fd = getattr(self, "_advice_fd", None), None
             file_map, self._file_map = getattr(self, "_file_map", None), None
-            view, self._file_view = getattr(self, "_file_view", None), None
+            file_bytes, self._file_bytes = getattr(self, "_file_bytes", None), None
             env, self.env = getattr(self, "env", None), None
         if fd is not None and self._advice_pid == os.getpid():
             os.close(fd)
-        if view is not None:
-            try:
-                view.release()
-            except BufferError:
-                pass
+        del file_bytes  # (the array's hold on the map goes with it, unless a record's view still holds it)
         if file_map is not None:
             try:
                 file_map.close()
