@@ -220,6 +220,26 @@ def test_jsonl_list_with_class_labels_and_json_columns(tmp_path):
     assert ds[0]["meta"] is None and ds[2]["dose"] == 3.0
 
 
+NESTED = "[" * 200_000 + "]" * 200_000  # json.loads recurses once per level: past Python's limit
+
+
+@pytest.mark.parametrize(("name", "text", "expect"), [
+    ("list.jsonl", '{"image": "a.nii"}\n{"image": "b.nii", "x": ' + NESTED + "}\n",
+     "list.jsonl:2: JSON nested too deeply"),
+    ("list.jsonl", '{"image": ' + NESTED + "}\n", "list.jsonl:1: JSON nested too deeply"),
+    ("dataset.json", '{"training": ' + NESTED + "}", "dataset.json"),
+], ids=["volume-list-row", "first-row", "decathlon"])
+def test_json_nested_too_deeply_is_one_line_naming_the_file(tmp_path, capsys, name, text, expect):
+    """A list line or a ``dataset.json`` nesting 200000 arrays: one line naming the file (and the
+    line), as any other unreadable one; before, the JSON parser's RecursionError escaped every
+    place that reads such a file ahead of the scan, as "internal error: RecursionError"."""
+    src = tmp_path / name
+    src.write_text(text)
+    assert main(["convert", str(src), str(tmp_path / "o.lmdb")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and expect in err and "internal error" not in err, err
+
+
 def test_decathlon_dataset_json_pairs_4d_images_with_3d_labels(tmp_path):
     root = tmp_path / "Task01_BrainTumour"
     training = []

@@ -152,7 +152,7 @@ def first_listed_path(list_file: str) -> str | None:
                     column = [c.lower() for c in cells].index("path")
                     continue
                 return cells[column] if column < len(cells) else None
-    except (OSError, ValueError, csv.Error):
+    except (OSError, ValueError, RecursionError, csv.Error):
         return None
     return None
 

@@ -160,6 +160,8 @@ def _parse_list_rows(list_file: str, fh: Iterable[str]) -> tuple[list[str], list
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
                 raise SourceError(f"{list_file}:{lineno}: not a JSON object ({err.msg})") from None
+            except RecursionError:  # (as the table lists' rows: json.loads recurses per nesting level)
+                raise SourceError(f"{list_file}:{lineno}: JSON nested too deeply to read") from None
             if not isinstance(obj, dict):
                 raise SourceError(f"{list_file}:{lineno}: expected a JSON object per line, got "
                                   f"{type(obj).__name__}")
@@ -387,7 +389,7 @@ def _decathlon_body(json_file: str, text: bytes | None = None) -> dict | None:
         else:
             with open(json_file, encoding="utf-8") as fh:
                 body = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return body if isinstance(body, dict) and isinstance(body.get("training"), list) else None
 
@@ -438,7 +440,7 @@ def _names_volumes(src: str, fh: Iterable[str]) -> bool:
             return key is not None and isinstance(obj[key], str) and is_nifti(obj[key])
         reader = csv.reader(fh, delimiter="\t" if src.lower().endswith(".tsv") else ",")
         rows = [r for r in (next(reader, None), next(reader, None)) if r]
-    except (ValueError, csv.Error):
+    except (ValueError, RecursionError, csv.Error):
         return False
     if not rows:
         return False
